@@ -1,0 +1,54 @@
+"""Turning a committed checkpoint back into a model: for `sample`, `export` and notebooks."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo, open_checkpoint
+from raytrain_sys.checkpoint.store import open_store
+from raytrain_sys.control.worker import TRAIN_STATE_FILE
+from raytrain_sys.errors import CheckpointError
+from raytrain_sys.spec import JobSpec, from_dict
+
+
+def find_checkpoint(path: str, s3_endpoint_url: str = "") -> tuple[Checkpointer, CheckpointInfo]:
+    """Accept a checkpoint dir, a checkpoint root (newest inside) or a run dir (its checkpoints/)."""
+    path = path.rstrip("/")
+    if not path.startswith("s3://"):
+        path = os.path.abspath(path)
+        if os.path.isdir(os.path.join(path, "checkpoints")):
+            path = os.path.join(path, "checkpoints")
+        if not os.path.exists(path):
+            raise CheckpointError(f"no checkpoint at {path}: give a checkpoint directory, a "
+                                  f"checkpoint root or a run directory")
+    store = open_store(path, s3_endpoint_url)
+    if store.exists("manifest.json"):
+        return open_checkpoint(path, s3_endpoint_url)
+    ckpt = Checkpointer(store, keep_last=1)
+    info = ckpt.latest()
+    if info is None:
+        raise CheckpointError(f"no complete checkpoint under {path} (a checkpoint directory "
+                              f"without manifest.json is incomplete and ignored)")
+    return ckpt, info
+
+
+def load_model(path: str, s3_endpoint_url: str = "") -> tuple[torch.nn.Module, JobSpec, CheckpointInfo]:
+    from raytrain_sys.models import build_model
+
+    ckpt, info = find_checkpoint(path, s3_endpoint_url)
+    spec = from_dict(info.manifest["spec"])
+    model = build_model(spec.model)
+    model.load_state_dict(ckpt.load_state(info, TRAIN_STATE_FILE)["model"])
+    model.eval()
+    return model, spec, info
+
+
+def export_state_dict(path: str, out: str, s3_endpoint_url: str = "") -> CheckpointInfo:
+    """One consolidated state_dict of plain tensors, loadable with torch.load(weights_only=True)."""
+    model, _, info = load_model(path, s3_endpoint_url)
+    tmp = out + ".tmp"
+    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, out)
+    return info

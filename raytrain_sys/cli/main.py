@@ -1,0 +1,157 @@
+"""`raytrain-sys`: run, resume, prepare-data, sample, export.
+
+Exit codes: 0 done; 2 bad input or environment (one line on stderr says what and what to do);
+3 training failed (workers lost, step timeout); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from raytrain_sys import __version__
+from raytrain_sys.errors import UserError
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("raytrain_sys").setLevel(logging.INFO)
+    # Ray Data and MLflow are chatty at INFO; their warnings still show.
+    for name in ("ray", "ray.data", "mlflow", "alembic"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from raytrain_sys.cli.progress import Progress
+    from raytrain_sys.control.supervisor import run_job
+    from raytrain_sys.spec import load_spec
+
+    spec = load_spec(args.spec, args.set)
+    result = run_job(spec, on_step=Progress(spec.train.log_every_steps))
+    _print_result(result)
+    return 0
+
+
+def _cmd_resume(args: argparse.Namespace) -> int:
+    from raytrain_sys.cli.progress import Progress
+    from raytrain_sys.control.supervisor import resume_job
+
+    result = resume_job(args.mlflow_run, tracking_uri=args.tracking_uri, overrides=args.set,
+                        output_dir=args.output_dir, on_step=Progress(10))
+    _print_result(result)
+    return 0
+
+
+def _print_result(result) -> None:
+    final = f"{result.losses[-1]:.4f}" if result.losses else "n/a"
+    print(f"{result.status}: {result.committed_steps} steps, final loss {final}")
+    print(f"  run dir:     {result.run_dir}")
+    print(f"  checkpoint:  {result.newest_checkpoint or 'none'}")
+    print(f"  mlflow run:  {result.mlflow_run_id or 'tracking disabled'}")
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from raytrain_sys.data.prepare import prepare_text_dataset
+
+    manifest = prepare_text_dataset(args.out, sources=args.source or None, row_len=args.row_len,
+                                    rows_per_shard=args.rows_per_shard, max_bytes=args.max_bytes,
+                                    overwrite=args.overwrite)
+    print(f"wrote {len(manifest.shards)} shards, {manifest.num_rows} rows of {manifest.row_len} "
+          f"tokens to {args.out} (content hash {manifest.content_hash})")
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from raytrain_sys.checkpoint.export import load_model
+    from raytrain_sys.models.gpt import generate
+
+    model, spec, info = load_model(args.checkpoint, args.s3_endpoint_url)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = args.prompt.encode().decode("unicode_escape").encode("utf-8", "surrogateescape") \
+        if args.escapes else args.prompt.encode()
+    idx = torch.tensor([list(prompt) or [10]], dtype=torch.long)
+    out = generate(model, idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   generator=gen)
+    text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    print(f"# checkpoint {info.uri} (step {info.step})", file=sys.stderr)
+    print(text)
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from raytrain_sys.checkpoint.export import export_state_dict
+
+    info = export_state_dict(args.checkpoint, args.out, args.s3_endpoint_url)
+    print(f"exported step {info.step} of {info.uri} to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="raytrain-sys", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO from every library")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a job spec (YAML)")
+    r.add_argument("spec")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a spec field, e.g. --set train.max_steps=50 (repeatable)")
+    r.set_defaults(func=_cmd_run)
+
+    rs = sub.add_parser("resume", help="continue an MLflow run from its newest committed checkpoint")
+    rs.add_argument("--mlflow-run", required=True, metavar="RUN_ID")
+    rs.add_argument("--tracking-uri", default="", help="default: sqlite:///<output-dir>/mlflow.db")
+    rs.add_argument("--output-dir", default="runs")
+    rs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    rs.set_defaults(func=_cmd_resume)
+
+    pd = sub.add_parser("prepare-data", help="text files -> sharded Parquet token rows + manifest")
+    pd.add_argument("--out", default="data/stdlib")
+    pd.add_argument("--source", action="append", default=[],
+                    help="file or directory (repeatable); default: this Python's standard library source")
+    pd.add_argument("--row-len", type=int, default=129, help="tokens per row = model block_size + 1")
+    pd.add_argument("--rows-per-shard", type=int, default=8192)
+    pd.add_argument("--max-bytes", type=int, default=24_000_000, help="corpus cap; 0 = no cap")
+    pd.add_argument("--overwrite", action="store_true")
+    pd.set_defaults(func=_cmd_prepare)
+
+    sp = sub.add_parser("sample", help="generate text from a checkpoint")
+    sp.add_argument("checkpoint", help="checkpoint dir, checkpoint root or run dir (newest is used)")
+    sp.add_argument("--prompt", default="def ")
+    sp.add_argument("--escapes", action="store_true", help="interpret \\n etc. in the prompt")
+    sp.add_argument("--max-new-tokens", type=int, default=300)
+    sp.add_argument("--temperature", type=float, default=0.8)
+    sp.add_argument("--top-k", type=int, default=40)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--s3-endpoint-url", default="")
+    sp.set_defaults(func=_cmd_sample)
+
+    ex = sub.add_parser("export", help="one consolidated state_dict (torch.load(weights_only=True))")
+    ex.add_argument("checkpoint")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--s3-endpoint-url", default="")
+    ex.set_defaults(func=_cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except UserError as exc:
+        print(f"raytrain-sys: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("raytrain-sys: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The run directory contract: ``summary.json`` and friends, read by other tools and later runs.
+
+summary.json keys (stable): status, reason, job, run_dir, committed_steps, samples_consumed,
+data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
+mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUMMARY_FILE = "summary.json"
+SAMPLE_LOG_FILE = "sample_ids.jsonl"
+
+
+def git_commit(cwd: str | None = None) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=5)
+        commit = out.stdout.strip()
+        if out.returncode != 0 or not commit:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@dataclass
+class RunSummary:
+    job: str
+    run_dir: str
+    status: str = "starting"
+    reason: str = ""
+    committed_steps: int = 0
+    samples_consumed: int = 0
+    data_cursor: int = 0
+    losses: list[float] = field(default_factory=list)
+    world_sizes: list[int] = field(default_factory=list)
+    newest_checkpoint: str = ""
+    checkpoints: list[dict] = field(default_factory=list)
+    mlflow_run_id: str = ""
+    tracking_uri: str = ""
+    spec_hash: str = ""
+    training_hash: str = ""
+    git_commit: str = ""
+    transitions: list[dict] = field(default_factory=list)
+    throughput: dict[str, float] = field(default_factory=dict)
+    resumed_from: list[str] = field(default_factory=list)
+    started_at: float = field(default_factory=time.time)
+    finished_at: float = 0.0
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.run_dir, SUMMARY_FILE)
+
+    def write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+        os.replace(tmp, self.path)
+
+    @classmethod
+    def read(cls, run_dir: str) -> "RunSummary | None":
+        path = os.path.join(run_dir, SUMMARY_FILE)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            data: dict[str, Any] = json.load(f)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+    def truncate_to(self, step: int) -> None:
+        """Forget per-step records after ``step`` (a resume from an older checkpoint)."""
+        self.losses = self.losses[:step]
+        self.world_sizes = self.world_sizes[:step]
+        self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]

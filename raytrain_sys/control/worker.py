@@ -1,0 +1,185 @@
+"""The training worker: one Ray actor per GPU or CPU slot.
+
+The actor keeps the model and optimizer in memory across steps and across process-group
+rebuilds. The driver hands it a rank, world size, master address/port and a generation number;
+the worker tears down and re-creates its process group and wraps the same module again.
+
+Control calls (node info, ping) run in their own concurrency group, so they are answered while a
+step is blocked inside a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from raytrain_sys.parallel.backend import choose_backend
+from raytrain_sys.parallel.ddp import parallelize_ddp
+from raytrain_sys.spec import JobSpec, from_dict
+from raytrain_sys.train.optim import build_optimizer, lr_at
+
+log = logging.getLogger(__name__)
+
+TRAIN_STATE_FILE = "train_state.pt"
+
+
+def _step_seed(seed: int, step: int, rank: int) -> int:
+    # Dropout masks as a pure function of (seed, step, rank): nothing to save for an exact resume.
+    return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
+
+
+@ray.remote(concurrency_groups={"control": 2})
+class TrainWorker:
+    def __init__(self, spec_dict: dict[str, Any]):
+        self.spec: JobSpec = from_dict(spec_dict)
+        threads = max(1, int(self.spec.resources.cpus_per_worker))
+        torch.set_num_threads(threads)
+        self.rank = -1
+        self.world_size = 0
+        self.generation = -1
+        self.device = "cpu"
+        self.model: torch.nn.Module | None = None
+        self.ddp: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.step_done = 0  # optimizer steps applied to this replica's state
+
+    # ------------------------------------------------------------------ control path
+    @ray.method(concurrency_group="control")
+    def node_info(self) -> dict[str, Any]:
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid()}
+
+    @ray.method(concurrency_group="control")
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return self.step_done
+
+    # ------------------------------------------------------------------ group lifecycle
+    def setup_group(self, rank: int, world_size: int, master_addr: str, master_port: int,
+                    generation: int) -> dict[str, Any]:
+        """(Re)join the process group of ``generation``; build model and optimizer on first use."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        choice = choose_backend(self.spec.parallel.backend, torch.cuda.is_available(),
+                                self.spec.resources.gpus_per_worker)
+        self.device = choice.device
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        dist.init_process_group(
+            choice.backend, init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank, world_size=world_size,
+            # The supervisor's step deadline acts long before this; it only bounds a lost peer.
+            timeout=timedelta(seconds=max(60.0, self.spec.train.step_timeout_s)),
+        )
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        if self.model is None:
+            self._build()
+        self.ddp = parallelize_ddp(self.model, self.device)
+        return {"rank": rank, "backend": choice.backend, "device": self.device}
+
+    def _build(self) -> None:
+        # Build order (torchtitan): model, parallelize, optimizer last.
+        from raytrain_sys.models import build_model
+
+        torch.manual_seed(self.spec.train.seed)
+        self.model = build_model(self.spec.model).to(self.device)
+        self.optimizer = build_optimizer(self.model, self.spec.optim)
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, step: int, tokens: np.ndarray, global_rows: int) -> dict[str, float]:
+        """One optimizer step on this rank's share of step ``step``'s global batch.
+
+        The loss is the token-summed cross entropy scaled by world_size / global_tokens: DDP
+        averages gradients over ranks, so the result is the gradient of the global mean loss
+        whatever the shares, equal to the single-process one.
+        """
+        assert self.ddp is not None and self.optimizer is not None, "setup_group first"
+        t0 = time.perf_counter()
+        spec = self.spec
+        lr = lr_at(step, spec.optim, spec.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(_step_seed(spec.train.seed, step, self.rank))
+
+        # astype copies: the array arrives read-only from Ray's object store.
+        rows = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
+        x, y = rows[:, :-1], rows[:, 1:]
+        global_tokens = global_rows * y.shape[1]
+        scale = self.world_size / global_tokens
+        micro = spec.train.micro_batch_size or len(rows)
+        chunks = list(zip(x.split(micro), y.split(micro)))
+        autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
+                    if spec.train.precision == "bf16" else contextlib.nullcontext())
+        loss_sum = 0.0
+        self.ddp.train()
+        for i, (xb, yb) in enumerate(chunks):
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            sync = contextlib.nullcontext() if i == len(chunks) - 1 else self.ddp.no_sync()
+            with sync:
+                with autocast:
+                    logits = self.ddp(xb)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), yb.reshape(-1),
+                                       reduction="sum")
+                (loss * scale).backward()
+            loss_sum += loss.item()
+        if spec.optim.grad_clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.optim.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_done = step + 1
+        return {"loss_sum": loss_sum, "rows": float(len(rows)), "tokens": float(y.numel()),
+                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------ state
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                "step": self.step_done}
+
+    def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int) -> list[dict]:
+        """Write this rank's part of the checkpoint; DDP replicas are equal, so rank 0 writes."""
+        from raytrain_sys.checkpoint.checkpointer import Checkpointer
+        from raytrain_sys.checkpoint.store import open_store
+
+        if self.rank != 0:
+            return []
+        assert self.step_done == step, f"asked to save step {step}, replica holds {self.step_done}"
+        ckpt = Checkpointer(open_store(store_uri, s3_endpoint_url), keep_last=1_000_000)
+        return [ckpt.write_state(step, TRAIN_STATE_FILE, self._state())]
+
+    def load_checkpoint(self, checkpoint_uri: str, s3_endpoint_url: str) -> int:
+        from raytrain_sys.checkpoint.checkpointer import open_checkpoint
+
+        ckpt, info = open_checkpoint(checkpoint_uri, s3_endpoint_url)
+        state = ckpt.load_state(info, TRAIN_STATE_FILE)
+        if self.model is None:
+            self._build()
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+        self.step_done = int(state["step"])
+        return self.step_done
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        """A copy of the parameters, for tests and export."""
+        return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}

@@ -1,0 +1,80 @@
+"""Errors a user can act on.
+
+Every error that reaches the CLI as a one-line message derives from ``UserError``: it says what
+was wrong, where, and what to do next. Anything else is a bug in raytrain-sys and is shown with
+its traceback.
+"""
+
+
+class UserError(Exception):
+    """An error caused by input or environment, reported as one line with exit code 2."""
+
+    exit_code = 2
+
+
+class SpecError(UserError):
+    """A job spec field is missing, unknown, of the wrong type or out of range."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"spec field '{field}': {message}")
+
+
+class ClusterCapacityError(UserError):
+    """The Ray cluster cannot hold the requested worker group."""
+
+
+class StorageError(UserError):
+    """A checkpoint or data store is unreachable, refuses credentials, or is full."""
+
+
+class DataError(UserError):
+    """A dataset, manifest or shard is missing or corrupt."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+class TrackingError(UserError):
+    """The MLflow tracking store is unreachable or refuses a write."""
+
+
+class TrainingFailed(UserError):
+    """Training stopped because workers failed and the run could not continue."""
+
+    exit_code = 3
+
+
+def find_user_error(exc: BaseException) -> UserError | None:
+    """The UserError behind ``exc``, if any, with a one-line message.
+
+    Ray wraps exceptions raised in tasks and actors (RayTaskError, Ray Data's UserCodeException)
+    and appends the remote traceback to the message; the user needs only our line.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UserError):
+            cls = next((c for c in type(e).__mro__ if c.__module__ == __name__), UserError)
+            line = str(e).strip().splitlines()
+            err = cls.__new__(cls)
+            Exception.__init__(err, _our_line(line))
+            return err
+        stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
+def _our_line(lines: list[str]) -> str:
+    # RayTaskError text ends with "<ErrorClass>: <message>"; keep the message only.
+    for line in reversed(lines):
+        for name in ("StorageError", "DataError", "CheckpointError", "TrackingError", "SpecError",
+                     "ClusterCapacityError", "TrainingFailed", "UserError"):
+            marker = f"{name}: "
+            if marker in line:
+                return line.split(marker, 1)[1]
+    return lines[-1] if lines else ""

@@ -1,0 +1,127 @@
+"""End to end on a real local Ray cluster: what a user would notice about a training run."""
+
+from __future__ import annotations
+
+import os
+
+import mlflow
+import numpy as np
+import pytest
+
+from raytrain_sys.checkpoint.checkpointer import Checkpointer
+from raytrain_sys.checkpoint.store import open_store
+from raytrain_sys.control.supervisor import FAULT_BEFORE_MANIFEST_ENV, resume_job, run_job
+from raytrain_sys.data import order
+from raytrain_sys.data.shards import read_manifest
+from raytrain_sys.tracking import mlflow_tracker as mt
+from tests.helpers import (assert_params_close, assert_params_equal, final_params, read_summary,
+                           tiny_spec)
+
+
+@pytest.fixture(scope="module")
+def straight_run(ray_cluster, tiny_dataset, tmp_path_factory):
+    """20 uninterrupted steps, checkpoint every 10: the reference for resume tests."""
+    tmp = tmp_path_factory.mktemp("straight")
+    spec = tiny_spec(tmp, tiny_dataset, train={"max_steps": 20, "log_every_steps": 5},
+                     checkpoint={"every_steps": 10}, data={"log_sample_ids": True})
+    result = run_job(spec)
+    return spec, result
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ddp_equals_one_process(ray_cluster, tiny_dataset, tmp_path, workers):
+    """N workers (3 does not divide the global batch of 8) end where one process ends."""
+    one = run_job(tiny_spec(tmp_path / "one", tiny_dataset, resources={"num_workers": 1}))
+    many = run_job(tiny_spec(tmp_path / "many", tiny_dataset, resources={"num_workers": workers}))
+    assert one.status == many.status == "finished"
+    p1, pn = final_params(one.newest_checkpoint), final_params(many.newest_checkpoint)
+    assert_params_close(pn, p1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(many.losses, one.losses, rtol=1e-5)
+    assert read_summary(many.run_dir)["world_sizes"] == [workers] * 8
+    # The test can fail: training moved the parameters away from their initial values.
+    init = tiny_spec(tmp_path / "x", tiny_dataset)
+    from raytrain_sys.models import build_model
+    import torch
+    torch.manual_seed(init.train.seed)
+    p0 = build_model(init.model).state_dict()
+    assert any(not torch.allclose(p0[k], p1[k]) for k in p0)
+
+
+def test_straight_run_records(straight_run, tiny_dataset):
+    spec, result = straight_run
+    s = read_summary(result.run_dir)
+    assert s["status"] == "finished" and s["committed_steps"] == 20
+    assert len(s["losses"]) == 20 and s["losses"][-1] < s["losses"][0]
+    assert s["samples_consumed"] == 20 * 8 and s["world_sizes"] == [2] * 20
+    assert s["newest_checkpoint"].endswith("step_00000020") and s["mlflow_run_id"]
+    # The audit log: every rank's rows, in the plan's order, each sample once.
+    import json
+    with open(os.path.join(result.run_dir, "sample_ids.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    seen = [i for line in lines for rank in line["ranks"] for i in rank]
+    m = read_manifest(tiny_dataset)
+    expected = order.sample_ids(tuple(sh.num_rows for sh in m.shards), spec.data.seed,
+                                spec.data.shuffle_window, 0, 160)
+    assert seen == expected.tolist() and len(set(seen)) == 160
+
+
+def test_resume_equals_uninterrupted(straight_run, tiny_dataset, tmp_path):
+    spec, straight = straight_run
+    paused_spec = tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 20, "stop_at_step": 10,
+                                                           "log_every_steps": 5},
+                            checkpoint={"every_steps": 10})
+    paused = run_job(paused_spec)
+    assert paused.status == "stopped" and paused.committed_steps == 10
+    resumed = resume_job(paused.mlflow_run_id, tracking_uri=mt.default_tracking_uri(paused_spec.output_dir))
+    assert resumed.status == "finished" and resumed.committed_steps == 20
+    assert resumed.mlflow_run_id == paused.mlflow_run_id and resumed.run_dir == paused.run_dir
+    # Same losses at steps 11..20 and bitwise the same parameters: the order, the optimizer state
+    # and the schedule are all restored exactly, and gloo's all-reduce is deterministic.
+    assert resumed.losses[10:] == straight.losses[10:]
+    assert read_summary(resumed.run_dir)["losses"] == straight.losses
+    assert_params_equal(final_params(resumed.newest_checkpoint), final_params(straight.newest_checkpoint))
+
+    # MLflow: one run, continued; params, metrics, git tag and checkpoint records are there.
+    mlflow.set_tracking_uri(mt.default_tracking_uri(paused_spec.output_dir))
+    runs = mlflow.search_runs(experiment_names=["tests"])
+    assert list(runs["run_id"]) == [paused.mlflow_run_id]
+    row = runs.iloc[0]
+    assert row["params.train.global_batch_size"] == "8"
+    assert row["tags.raytrain.git_commit"]
+    assert row["status"] == "FINISHED"
+    history = mlflow.MlflowClient().get_metric_history(paused.mlflow_run_id, "loss")
+    assert sorted({m.step for m in history}) == list(range(1, 21))
+    record = mt.Tracker.lookup(mt.default_tracking_uri(paused_spec.output_dir), paused.mlflow_run_id)
+    assert [c["step"] for c in record.checkpoint_records] == [10, 20]
+
+
+def test_half_written_checkpoint_stays_invisible(ray_cluster, tiny_dataset, tmp_path, monkeypatch):
+    spec = tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 20},
+                     checkpoint={"every_steps": 10, "save_on_exit": True})
+    monkeypatch.setenv(FAULT_BEFORE_MANIFEST_ENV, "20")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        run_job(spec)
+    root = os.path.join(read_summary_dir(tmp_path), "checkpoints")
+    assert os.path.exists(os.path.join(root, "step_00000020", "train_state.pt"))
+    assert not os.path.exists(os.path.join(root, "step_00000020", "manifest.json"))
+    latest = Checkpointer(open_store(root), keep_last=3).latest()
+    assert latest.step == 10
+    # Resuming from "latest" picks step 10 and finishes the run.
+    monkeypatch.delenv(FAULT_BEFORE_MANIFEST_ENV)
+    resumed = run_job(tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 20},
+                                checkpoint={"every_steps": 10, "uri": root, "resume_from": "latest"}))
+    assert resumed.committed_steps == 20 and read_summary(resumed.run_dir)["resumed_from"][0].endswith("step_00000010")
+
+
+def read_summary_dir(tmp_path) -> str:
+    runs = [d for d in os.listdir(tmp_path / "runs") if d not in ("latest", "mlflow.db", "mlartifacts")]
+    assert len(runs) == 1
+    return str(tmp_path / "runs" / runs[0])
+
+
+def test_retention_keeps_exactly_k(ray_cluster, tiny_dataset, tmp_path):
+    result = run_job(tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 12},
+                               checkpoint={"every_steps": 2, "keep_last": 2}))
+    ckpt = Checkpointer(open_store(os.path.join(result.run_dir, "checkpoints")), keep_last=2)
+    assert [c.step for c in ckpt.list_complete()] == [10, 12]
+    assert sorted(os.listdir(os.path.join(result.run_dir, "checkpoints"))) == ["step_00000010", "step_00000012"]
