@@ -35,7 +35,9 @@ def connect_ray(spec: JobSpec) -> bool:
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(spec.resources.cpus_per_worker))),
                                 "TOKENIZERS_PARALLELISM": "false"}}
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        # No runtime_env here: under `ray job submit` it would replace the job's own (its
+        # working_dir); workers set their thread count themselves.
+        ray.init(address=address, log_to_driver=True)
         return False
     num_cpus = spec.resources.local_num_cpus or os.cpu_count() or 1
     # address="local" never attaches to some other cluster that happens to run on this machine.
