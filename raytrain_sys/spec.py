@@ -38,7 +38,8 @@ class ModelSpec:
 class DataSpec:
     path: str = "data/stdlib"  # dataset dir (local or s3://) holding manifest.json + shards
     seed: int = 0  # the global order is a pure function of (manifest, seed, epoch)
-    shuffle_window: int = 4096  # rows permuted together; larger mixes better, costs memory
+    shuffle_window: int = 8192  # rows permuted together; larger mixes better, costs memory
+    shuffle_block_rows: int = 256  # rows read as one unit when blocks are permuted; ~ a row group
     prefetch_steps: int = 4  # global batches read ahead of the trainers
     log_sample_ids: bool = False  # write the ids each rank consumed per committed step
     s3_endpoint_url: str = ""  # for s3:// data; "" uses AWS_ENDPOINT_URL or AWS's default
@@ -150,7 +151,7 @@ class JobSpec:
         user asks for it, because the result would no longer equal an uninterrupted run.
         """
         keep = {k: v for k, v in self.to_dict().items() if k in TRAINING_SECTIONS}
-        keep["data"] = {k: v for k, v in keep["data"].items() if k in ("seed", "shuffle_window")}
+        keep["data"] = {k: v for k, v in keep["data"].items() if k in ("seed", "shuffle_window", "shuffle_block_rows")}
         keep["train"] = {
             k: v for k, v in keep["train"].items() if k in ("global_batch_size", "precision", "seed")
         }
@@ -176,7 +177,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
 # (field, lower bound, inclusive?) checked after types.
 _POSITIVE = [
     "model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd",
-    "data.shuffle_window", "data.prefetch_steps",
+    "data.shuffle_window", "data.shuffle_block_rows", "data.prefetch_steps",
     "train.max_steps", "train.global_batch_size", "train.log_every_steps", "train.step_timeout_s",
     "optim.lr", "optim.eps",
     "checkpoint.keep_last",

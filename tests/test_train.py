@@ -61,7 +61,7 @@ def test_straight_run_records(straight_run, tiny_dataset):
     seen = [i for line in lines for rank in line["ranks"] for i in rank]
     m = read_manifest(tiny_dataset)
     expected = order.sample_ids(tuple(sh.num_rows for sh in m.shards), spec.data.seed,
-                                spec.data.shuffle_window, 0, 160)
+                                spec.data.shuffle_window, spec.data.shuffle_block_rows, 0, 160)
     assert seen == expected.tolist() and len(set(seen)) == 160
 
 

@@ -181,7 +181,7 @@ class Supervisor:
         if old is not None:
             a, b = old.flat(), self.spec.flat()
             diffs = [k for k in a if k.split(".")[0] in ("model", "optim") and a[k] != b.get(k)]
-            diffs += [k for k in ("data.seed", "data.shuffle_window", "train.global_batch_size",
+            diffs += [k for k in ("data.seed", "data.shuffle_window", "data.shuffle_block_rows", "train.global_batch_size",
                                   "train.precision", "train.seed") if a.get(k) != b.get(k)]
         raise CheckpointError(
             f"checkpoint {info.uri} was written with different training settings "
@@ -216,6 +216,7 @@ class Supervisor:
                 self._restore(resume_info)
             self.data = DataPlane(
                 spec.data.path, self.manifest, spec.data.seed, spec.data.shuffle_window,
+                spec.data.shuffle_block_rows,
                 spec.train.global_batch_size, end_position=spec.train.max_steps * spec.train.global_batch_size,
                 prefetch_steps=spec.data.prefetch_steps, s3_endpoint_url=spec.data.s3_endpoint_url)
             self._transition(State.RUNNING, f"training from step {self.committed_step}")

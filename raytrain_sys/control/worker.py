@@ -165,7 +165,7 @@ class TrainWorker:
         if self.rank != 0:
             return []
         assert self.step_done == step, f"asked to save step {step}, replica holds {self.step_done}"
-        ckpt = Checkpointer(open_store(store_uri, s3_endpoint_url), keep_last=1_000_000)
+        ckpt = Checkpointer(open_store(store_uri, s3_endpoint_url), keep_last=None)  # writes only
         return [ckpt.write_state(step, TRAIN_STATE_FILE, self._state())]
 
     def load_checkpoint(self, checkpoint_uri: str, s3_endpoint_url: str) -> int:

@@ -1,8 +1,8 @@
 """Where a sample's order is decided: pure functions of (manifest row counts, seed, epoch).
 
 No Ray, no I/O. The global sample stream is the concatenation of epochs; each epoch is the
-manifest's shards in a seeded shard order, cut into windows of ``window`` rows, each window
-permuted by its own seeded permutation. The data cursor is one integer: the number of samples
+manifest's shards cut into blocks, the blocks in a seeded order, cut into windows of ``window``
+rows, each window permuted by its own seeded permutation. The data cursor is one integer: the number of samples
 consumed by committed steps. Step ``k`` of a job with constant global batch ``B`` reads positions
 ``[cursor, cursor + B)``; the world size only decides how those rows are dealt to ranks
 (``deal``), so the global batches are the same at any world size and across resizes.
@@ -34,20 +34,36 @@ class Segment:
 
 
 class EpochPlan:
-    """The order of one epoch. Cheap to build: O(num_shards); windows are computed on demand."""
+    """The order of one epoch. Cheap to build: O(number of blocks); windows computed on demand.
 
-    def __init__(self, shard_rows: tuple[int, ...], seed: int, epoch: int, window: int):
-        if window <= 0:
-            raise ValueError("window must be positive")
+    Every shard is cut into blocks of ``block_rows`` rows (row-group sized, so a block is one
+    cheap read); the blocks of all shards are permuted together, new each epoch, and the
+    permuted sequence is cut into windows of ``window`` rows, each shuffled on its own. A short
+    run thus samples blocks from across the whole corpus, not the first few shards.
+    """
+
+    def __init__(self, shard_rows: tuple[int, ...], seed: int, epoch: int, window: int,
+                 block_rows: int):
+        if window <= 0 or block_rows <= 0:
+            raise ValueError("window and block_rows must be positive")
         self.shard_rows = shard_rows
-        self.seed, self.epoch, self.window = seed, epoch, window
+        self.seed, self.epoch, self.window, self.block_rows = seed, epoch, window, block_rows
         self.num_rows = sum(shard_rows)
-        offsets = np.concatenate([[0], np.cumsum(shard_rows)[:-1]]).astype(np.int64)
-        # Shard order is new every epoch; tag 0 separates it from the window streams.
-        self.shard_order = _rng(seed, epoch, 0).permutation(len(shard_rows))
-        ordered_rows = np.asarray(shard_rows, dtype=np.int64)[self.shard_order]
-        self._ordered_starts = np.concatenate([[0], np.cumsum(ordered_rows)]).astype(np.int64)
-        self._ordered_ids = offsets[self.shard_order]
+        shard_of, start_of, rows_of, id_of = [], [], [], []
+        first_id = 0
+        for shard, n in enumerate(shard_rows):
+            for r in range(0, n, block_rows):
+                shard_of.append(shard)
+                start_of.append(r)
+                rows_of.append(min(block_rows, n - r))
+                id_of.append(first_id + r)
+            first_id += n
+        # Block order is new every epoch; tag 0 separates it from the window streams.
+        perm = _rng(seed, epoch, 0).permutation(len(shard_of))
+        self._shard = np.asarray(shard_of, dtype=np.int64)[perm]
+        self._row_start = np.asarray(start_of, dtype=np.int64)[perm]
+        self._first_id = np.asarray(id_of, dtype=np.int64)[perm]
+        self._starts = np.concatenate([[0], np.cumsum(np.asarray(rows_of, dtype=np.int64)[perm])])
 
     @property
     def num_windows(self) -> int:
@@ -58,19 +74,18 @@ class EpochPlan:
         return start, min(start + self.window, self.num_rows)
 
     def window_segments(self, w: int) -> list[Segment]:
-        """The shard row ranges a window covers, in shard-order concatenation."""
+        """The shard row ranges a window covers, in permuted-block order."""
         lo, hi = self.window_bounds(w)
         out = []
-        k = int(np.searchsorted(self._ordered_starts, lo, side="right")) - 1
+        k = int(np.searchsorted(self._starts, lo, side="right")) - 1
         pos = lo
         while pos < hi:
-            k_start, k_end = self._ordered_starts[k], self._ordered_starts[k + 1]
+            k_start, k_end = int(self._starts[k]), int(self._starts[k + 1])
             take_end = min(hi, k_end)
-            if take_end > pos:
-                shard = int(self.shard_order[k])
-                row_start = int(pos - k_start)
-                out.append(Segment(shard, row_start, int(take_end - k_start),
-                                   int(self._ordered_ids[k] + row_start)))
+            skip = pos - k_start
+            row_start = int(self._row_start[k]) + skip
+            out.append(Segment(int(self._shard[k]), row_start, row_start + (take_end - pos),
+                               int(self._first_id[k]) + skip))
             pos = take_end
             k += 1
         return out
@@ -87,8 +102,9 @@ class EpochPlan:
 
 
 @lru_cache(maxsize=8)
-def epoch_plan(shard_rows: tuple[int, ...], seed: int, epoch: int, window: int) -> EpochPlan:
-    return EpochPlan(shard_rows, seed, epoch, window)
+def epoch_plan(shard_rows: tuple[int, ...], seed: int, epoch: int, window: int,
+               block_rows: int) -> EpochPlan:
+    return EpochPlan(shard_rows, seed, epoch, window, block_rows)
 
 
 def locate(position: int, num_rows: int, window: int) -> tuple[int, int, int]:
@@ -98,14 +114,15 @@ def locate(position: int, num_rows: int, window: int) -> tuple[int, int, int]:
     return epoch, w, offset
 
 
-def sample_ids(shard_rows: tuple[int, ...], seed: int, window: int, start: int, stop: int) -> np.ndarray:
+def sample_ids(shard_rows: tuple[int, ...], seed: int, window: int, block_rows: int, start: int,
+               stop: int) -> np.ndarray:
     """Sample ids at global stream positions ``[start, stop)``: the reference definition."""
     num_rows = sum(shard_rows)
     out = []
     pos = start
     while pos < stop:
         epoch, w, offset = locate(pos, num_rows, window)
-        plan = epoch_plan(shard_rows, seed, epoch, window)
+        plan = epoch_plan(shard_rows, seed, epoch, window, block_rows)
         ids = plan.window_sample_ids(w)
         take = ids[offset: offset + (stop - pos)]
         out.append(take)

@@ -26,12 +26,12 @@ log = logging.getLogger(__name__)
 
 
 def read_windows(batch: dict[str, np.ndarray], dataset_uri: str, manifest: DatasetManifest,
-                 seed: int, window: int, s3_endpoint_url: str) -> dict[str, np.ndarray]:
+                 seed: int, window: int, block_rows: int, s3_endpoint_url: str) -> dict[str, np.ndarray]:
     """Ray Data map_batches function: (epoch, window) descriptors -> permuted rows + sample ids."""
     shard_rows = tuple(s.num_rows for s in manifest.shards)
     tokens, ids, epochs, windows = [], [], [], []
     for epoch, w in zip(batch["epoch"], batch["window"]):
-        plan = order.epoch_plan(shard_rows, int(seed), int(epoch), int(window))
+        plan = order.epoch_plan(shard_rows, int(seed), int(epoch), int(window), int(block_rows))
         rows = np.concatenate([read_segment(dataset_uri, manifest, seg, s3_endpoint_url)
                                for seg in plan.window_segments(int(w))])
         perm = plan.window_permutation(int(w))
@@ -47,12 +47,13 @@ class DataPlane:
     """Serves ``global_batch(cursor)`` from a Ray Data stream of plan windows."""
 
     def __init__(self, dataset_uri: str, manifest: DatasetManifest, seed: int, window: int,
-                 global_batch_size: int, end_position: int, prefetch_steps: int = 4,
+                 block_rows: int, global_batch_size: int, end_position: int, prefetch_steps: int = 4,
                  s3_endpoint_url: str = ""):
         self.dataset_uri = dataset_uri
         self.manifest = manifest
         self.seed = seed
         self.window = min(window, manifest.num_rows)
+        self.block_rows = block_rows
         self.global_batch_size = global_batch_size
         self.end_position = end_position
         self.s3_endpoint_url = s3_endpoint_url
@@ -99,7 +100,7 @@ class DataPlane:
             # placement group; reading a window is short and mostly I/O.
             num_cpus=0,
             fn_kwargs=dict(dataset_uri=self.dataset_uri, manifest=self.manifest, seed=self.seed,
-                           window=self.window, s3_endpoint_url=self.s3_endpoint_url),
+                           window=self.window, block_rows=self.block_rows, s3_endpoint_url=self.s3_endpoint_url),
         )
         self._stream = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
                                             prefetch_batches=self.prefetch_windows))

@@ -1,0 +1,106 @@
+"""Bad input gets one clear line, a non-zero exit, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CLI = [sys.executable, "-m", "raytrain_sys.cli.main"]
+
+
+def run_cli(*args: str, cwd=None, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("raytrain-sys: error:")]
+
+
+def write_spec(tmp_path, text: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("train: {max_steps: 10\n", "not valid YAML at line"),
+    ("train:\n  max_stepz: 10\n", "'train.max_stepz': unknown field (did you mean 'max_steps'?)"),
+    ("train:\n  max_steps: ten\n", "'train.max_steps': got 'ten' (str); expected an integer"),
+    ("train:\n  global_batch_size: -4\n", "'train.global_batch_size': got -4; must be greater than 0"),
+    ("parallel:\n  strategy: zero9\n", "'parallel.strategy': got 'zero9'; allowed: ddp"),
+    ("model:\n  n_head: 5\n", "'model.n_head': got 5; must divide model.n_embd=128"),
+])
+def test_malformed_spec_names_the_field(tmp_path, text, expected):
+    proc = run_cli("run", write_spec(tmp_path, text), cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = error_lines(proc)
+    assert len(lines) == 1 and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "runs").exists()  # failed before anything was created
+
+
+def test_bad_override_names_the_field(tmp_path):
+    proc = run_cli("run", write_spec(tmp_path, "name: x\n"), "--set", "optim.lr=-1", cwd=tmp_path)
+    assert proc.returncode == 2 and "'optim.lr': got -1" in error_lines(proc)[0]
+
+
+def test_missing_data_path_says_how_to_make_it(tmp_path):
+    proc = run_cli("run", write_spec(tmp_path, "data:\n  path: nowhere/ds\n"), cwd=tmp_path)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc)
+    assert "no dataset at nowhere/ds" in line and "raytrain-sys prepare-data --out nowhere/ds" in line
+
+
+def test_missing_spec_file(tmp_path):
+    proc = run_cli("run", str(tmp_path / "nope.yaml"))
+    assert proc.returncode == 2 and "does not exist" in error_lines(proc)[0]
+
+
+def _live_actors_and_groups() -> tuple[list, list]:
+    from ray._private.state import state
+
+    actors = [a for a in state.actor_table(None).values() if a["State"] != "DEAD"]
+    groups = [g for g in state.placement_group_table().values() if g["state"] != "REMOVED"]
+    return actors, groups
+
+
+def test_more_workers_than_the_cluster_holds(ray_cluster, tiny_dataset, tmp_path):
+    before = _live_actors_and_groups()
+    spec = write_spec(tmp_path, f"""
+        model: {{block_size: 32, n_layer: 1, n_embd: 32, n_head: 2}}
+        data: {{path: {tiny_dataset}}}
+        train: {{global_batch_size: 16, max_steps: 2}}
+        optim: {{warmup_steps: 0}}
+        resources: {{num_workers: 8, ray_address: "{ray_cluster}", start_timeout_s: 3}}
+        """)
+    proc = run_cli("run", spec, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    (line,) = error_lines(proc)
+    assert "could not hold 8 workers" in line and "resources.num_workers" in line
+    assert _live_actors_and_groups() == before  # no actors or placement groups left behind
+
+
+def test_more_workers_than_a_local_cluster_holds_fails_at_once(tiny_dataset, tmp_path):
+    spec = write_spec(tmp_path, f"""
+        model: {{block_size: 32, n_layer: 1, n_embd: 32, n_head: 2}}
+        data: {{path: {tiny_dataset}}}
+        train: {{global_batch_size: 16, max_steps: 2}}
+        optim: {{warmup_steps: 0}}
+        resources: {{num_workers: 8, local_num_cpus: 2}}
+        """)
+    proc = run_cli("run", spec, cwd=tmp_path)
+    assert proc.returncode == 2
+    (line,) = error_lines(proc)
+    assert "local Ray cluster has 2 CPU in total but the group needs 8" in line
+
+
+def test_block_size_must_match_the_dataset(tiny_dataset, tmp_path):
+    proc = run_cli("run", write_spec(tmp_path, f"data: {{path: {tiny_dataset}}}\n"), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "'model.block_size': got 128; dataset" in error_lines(proc)[0]
