@@ -19,10 +19,12 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(s3_server):
     """One in-process local Ray cluster for the session (4 logical CPUs on 2 cores).
 
     Its temp dir is short and under /tmp: Ray's unix socket paths must stay under 107 chars.
+    It starts after the S3 server so that its workers inherit the S3 credentials, as workers on
+    a real cluster get them from their nodes' environment.
     """
     import ray
 

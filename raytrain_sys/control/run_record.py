@@ -41,8 +41,8 @@ class RunSummary:
     committed_steps: int = 0
     samples_consumed: int = 0
     data_cursor: int = 0
-    losses: list[float] = field(default_factory=list)
-    world_sizes: list[int] = field(default_factory=list)
+    losses: list[float | None] = field(default_factory=list)  # None: step ran before this record
+    world_sizes: list[int | None] = field(default_factory=list)
     newest_checkpoint: str = ""
     checkpoints: list[dict] = field(default_factory=list)
     mlflow_run_id: str = ""

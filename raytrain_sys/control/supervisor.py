@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -74,34 +72,6 @@ class RunResult:
     newest_checkpoint: str
     summary_path: str
     reason: str = ""
-
-
-class _MetricsPump:
-    """Sends step metrics to MLflow from a background thread: the step loop never waits on it."""
-
-    def __init__(self, tracker):
-        self.tracker = tracker
-        self.q: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="mlflow-metrics", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            step, metrics = item
-            try:
-                self.tracker.log_metrics(step, metrics)
-            except Exception as exc:  # tracking must not stop training
-                log.warning("metrics for step %d not logged: %s", step, exc)
-
-    def put(self, step: int, metrics: dict[str, float]) -> None:
-        self.q.put((step, metrics))
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.thread.join(timeout=60)
 
 
 def _resolve_dir(path: str) -> str:
@@ -257,7 +227,6 @@ class Supervisor:
                 self.tracking_uri, spec.tracking.experiment, run_name, spec, tags,
                 artifact_root=os.path.join(self.output_dir, "mlartifacts"))
         self.summary.mlflow_run_id = self.tracker.run_id
-        self._metrics = _MetricsPump(self.tracker)
 
     def _restore(self, info: CheckpointInfo) -> None:
         self._transition(State.RESTORING, f"loading checkpoint {info.uri}")
@@ -266,6 +235,10 @@ class Supervisor:
         assert len(set(steps)) == 1 and steps[0] == info.step, f"replicas disagree: {steps}"
         self.committed_step = info.step
         self.data_cursor = int(info.manifest["data_cursor"])
+        # A resume into a new run dir has no record of earlier steps: keep "index i = step i+1".
+        missing = info.step - len(self.summary.losses)
+        self.summary.losses += [None] * missing
+        self.summary.world_sizes += [None] * missing
         self.summary.resumed_from.append(info.uri)
         self.summary.newest_checkpoint = info.uri
 
@@ -310,8 +283,8 @@ class Supervisor:
                 metrics = {"loss": loss, "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
                            "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                            "data_wait_s": data_wait, "world_size": float(self.group.world_size)}
-                if self.tracker is not None:
-                    self._metrics.put(self.committed_step, metrics)
+                if self.tracker is not None:  # queued: the step loop never waits on MLflow
+                    self.tracker.log_metrics(self.committed_step, metrics)
                 remaining = spec.train.max_steps - self.committed_step
                 if self.on_step is not None:
                     self.on_step(StepReport(self.committed_step, spec.train.max_steps, loss,
@@ -395,7 +368,6 @@ class Supervisor:
         if self.group is not None:
             self.group.shutdown()
         if self.tracker is not None:
-            self._metrics.close()
             status = {State.FINISHED: "FINISHED", State.STOPPED: "KILLED"}.get(self.state, "FAILED")
             try:
                 self.tracker.finish(status)
