@@ -50,7 +50,7 @@ class TrainSpec:
     max_steps: int = 300
     global_batch_size: int = 32  # rows per optimizer step, constant whatever the world size
     micro_batch_size: int = 0  # rows per forward pass on a rank; 0 = the rank's whole share
-    precision: str = "fp32"  # fp32 | bf16 (autocast)
+    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp64 (numerics checks: no rounding noise)
     seed: int = 1234  # model init and dropout
     log_every_steps: int = 10
     step_timeout_s: float = 600.0  # a step slower than this is treated as a hung worker
@@ -166,7 +166,7 @@ class JobSpec:
 TRAINING_SECTIONS = ("model", "data", "train", "optim")
 
 ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
-    "train.precision": ("fp32", "bf16"),
+    "train.precision": ("fp32", "bf16", "fp64"),
     "parallel.strategy": ("ddp",),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "optim.name": ("adamw",),

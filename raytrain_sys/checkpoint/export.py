@@ -40,6 +40,8 @@ def load_model(path: str, s3_endpoint_url: str = "") -> tuple[torch.nn.Module, J
     ckpt, info = find_checkpoint(path, s3_endpoint_url)
     spec = from_dict(info.manifest["spec"])
     model = build_model(spec.model)
+    if spec.train.precision == "fp64":
+        model = model.double()
     model.load_state_dict(ckpt.load_state(info, TRAIN_STATE_FILE)["model"])
     model.eval()
     return model, spec, info

@@ -32,6 +32,7 @@ from raytrain_sys.errors import (CheckpointError, SpecError, StorageError, Train
                                  UserError, find_user_error)
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.tracking import mlflow_tracker as mt
+from raytrain_sys.train.tasks import task_for
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class Supervisor:
         self.store = open_store(self.checkpoint_root, spec.checkpoint.s3_endpoint_url)
         self.store.check_access()
         self.checkpointer = Checkpointer(self.store, spec.checkpoint.keep_last)
+        self.task = task_for(spec.model.name)
         if spec.tracking.enabled:
             mt.check_reachable(self.tracking_uri)
         resume = spec.checkpoint.resume_from
@@ -245,7 +247,7 @@ class Supervisor:
     def _loop(self) -> None:
         spec = self.spec
         B = spec.train.global_batch_size
-        tokens_per_step = B * spec.model.block_size
+        tokens_per_step = B * spec.model.block_size  # throughput unit of the GPT task
         sample_log = (open(os.path.join(self.run_dir, SAMPLE_LOG_FILE), "a")
                       if spec.data.log_sample_ids else None)
         step_times: list[float] = []
@@ -258,10 +260,11 @@ class Supervisor:
                 step = self.committed_step
                 t0 = time.perf_counter()
                 wait0 = self.data.wait_s
-                tokens, ids = self.data.global_batch(self.data_cursor)
+                batch, ids = self.data.global_batch(self.data_cursor)
                 data_wait = self.data.wait_s - wait0
+                units = self.task.units(batch)
                 shares = deal(B, self.group.world_size)
-                refs = [actor.train_step.remote(step, tokens[sl], B)
+                refs = [actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units)
                         for actor, sl in zip(self.group.actors(), shares)]
                 results = self._gather(refs, step)
                 # Committed: every rank finished its optimizer step.
@@ -269,7 +272,7 @@ class Supervisor:
                 self.data_cursor += B
                 dt = time.perf_counter() - t0
                 step_times.append(dt)
-                loss = sum(r["loss_sum"] for r in results) / (B * spec.model.block_size)
+                loss = sum(r["loss_sum"] for r in results) / units
                 self.summary.losses.append(loss)
                 self.summary.world_sizes.append(self.group.world_size)
                 self.summary.committed_steps = self.committed_step

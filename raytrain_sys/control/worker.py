@@ -22,12 +22,12 @@ import numpy as np
 import ray
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from raytrain_sys.parallel.backend import choose_backend
 from raytrain_sys.parallel.ddp import parallelize_ddp
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.train.optim import build_optimizer, lr_at
+from raytrain_sys.train.tasks import task_for
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class TrainWorker:
         self.ddp: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_done = 0  # optimizer steps applied to this replica's state
+        self.task = task_for(self.spec.model.name)
 
     # ------------------------------------------------------------------ control path
     @ray.method(concurrency_group="control")
@@ -99,6 +100,8 @@ class TrainWorker:
 
         torch.manual_seed(self.spec.train.seed)
         self.model = build_model(self.spec.model).to(self.device)
+        if self.spec.train.precision == "fp64":
+            self.model = self.model.double()
         self.optimizer = build_optimizer(self.model, self.spec.optim)
 
     def shutdown(self) -> None:
@@ -106,12 +109,12 @@ class TrainWorker:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, step: int, tokens: np.ndarray, global_rows: int) -> dict[str, float]:
+    def train_step(self, step: int, batch: dict[str, np.ndarray], global_units: int) -> dict[str, float]:
         """One optimizer step on this rank's share of step ``step``'s global batch.
 
-        The loss is the token-summed cross entropy scaled by world_size / global_tokens: DDP
-        averages gradients over ranks, so the result is the gradient of the global mean loss
-        whatever the shares, equal to the single-process one.
+        Each micro-batch's summed loss is scaled by world_size / global_units: DDP averages
+        gradients over ranks, so the result is the gradient of the global mean loss whatever the
+        shares, equal to the single-process one.
         """
         assert self.ddp is not None and self.optimizer is not None, "setup_group first"
         t0 = time.perf_counter()
@@ -121,36 +124,32 @@ class TrainWorker:
             group["lr"] = lr
         torch.manual_seed(_step_seed(spec.train.seed, step, self.rank))
 
-        # astype copies: the array arrives read-only from Ray's object store.
-        rows = torch.from_numpy(tokens.astype(np.int64)).to(self.device)
-        x, y = rows[:, :-1], rows[:, 1:]
-        global_tokens = global_rows * y.shape[1]
-        scale = self.world_size / global_tokens
-        micro = spec.train.micro_batch_size or len(rows)
-        chunks = list(zip(x.split(micro), y.split(micro)))
+        # The arrays arrive read-only from Ray's object store; torch.tensor copies them.
+        tensors = {k: torch.tensor(v, device=self.device) for k, v in batch.items()}
+        rows = len(next(iter(tensors.values())))
+        scale = self.world_size / global_units
+        micro = spec.train.micro_batch_size or rows
+        starts = list(range(0, rows, micro))
         autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
                     if spec.train.precision == "bf16" else contextlib.nullcontext())
         loss_sum = 0.0
         self.ddp.train()
-        for i, (xb, yb) in enumerate(chunks):
+        for i, start in enumerate(starts):
+            chunk = {k: v[start:start + micro] for k, v in tensors.items()}
             # Gradients are all-reduced once per step, on the last micro-batch.
-            sync = contextlib.nullcontext() if i == len(chunks) - 1 else self.ddp.no_sync()
+            sync = contextlib.nullcontext() if i == len(starts) - 1 else self.ddp.no_sync()
             with sync:
                 with autocast:
-                    logits = self.ddp(xb)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), yb.reshape(-1),
-                                       reduction="sum")
+                    loss = self.task.loss_sum(self.ddp, chunk)
                 (loss * scale).backward()
             loss_sum += loss.item()
-        if spec.optim.grad_clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), spec.optim.grad_clip)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), float("inf"))
+        max_norm = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done = step + 1
-        return {"loss_sum": loss_sum, "rows": float(len(rows)), "tokens": float(y.numel()),
-                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
+        return {"loss_sum": loss_sum, "rows": float(rows), "grad_norm": float(grad_norm), "lr": lr,
+                "compute_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Any]:

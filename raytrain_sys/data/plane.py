@@ -60,7 +60,7 @@ class DataPlane:
         self.shard_rows = tuple(s.num_rows for s in manifest.shards)
         self.num_rows = manifest.num_rows
         self.prefetch_windows = max(1, math.ceil(prefetch_steps * global_batch_size / self.window))
-        self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._cache: dict[tuple[int, int], tuple[dict[str, np.ndarray], np.ndarray]] = {}
         self._stream: Iterator | None = None
         self._stream_next: tuple[int, int] | None = None  # the window the stream yields next
         self.wait_s = 0.0  # time the trainers waited on data (driver-side), for metrics
@@ -118,12 +118,13 @@ class DataPlane:
             if found is not None:
                 raise found from None
             raise
-        key = (int(batch["epoch"][0]), int(batch["window"][0]))
+        key = (int(batch.pop("epoch")[0]), int(batch.pop("window")[0]))
         assert key == self._stream_next, f"stream out of order: {key} != {self._stream_next}"
-        self._cache[key] = (batch["tokens"], batch["sample_id"])
+        ids = batch.pop("sample_id")
+        self._cache[key] = (batch, ids)
         self._stream_next = self._next_key(key)
 
-    def _window(self, key: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def _window(self, key: tuple[int, int]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         if key in self._cache:
             return self._cache[key]
         if self._stream is None or self._stream_next is None or key < self._stream_next:
@@ -134,16 +135,17 @@ class DataPlane:
             self._pull()
         return self._cache[key]
 
-    def rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token rows and sample ids at global positions ``[start, stop)``."""
+    def rows(self, start: int, stop: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The columns and sample ids of global positions ``[start, stop)``."""
         t0 = time.perf_counter()
-        tokens, ids = [], []
+        parts: list[dict[str, np.ndarray]] = []
+        ids = []
         pos = start
         while pos < stop:
             epoch, w, offset = order.locate(pos, self.num_rows, self.window)
-            wt, wi = self._window((epoch, w))
+            columns, wi = self._window((epoch, w))
             take = min(stop - pos, len(wi) - offset)
-            tokens.append(wt[offset: offset + take])
+            parts.append({k: v[offset: offset + take] for k, v in columns.items()})
             ids.append(wi[offset: offset + take])
             pos += take
         # Drop windows wholly before this batch: nothing behind the cursor is needed again.
@@ -151,9 +153,10 @@ class DataPlane:
         for key in [k for k in self._cache if k < first]:
             del self._cache[key]
         self.wait_s += time.perf_counter() - t0
-        return np.concatenate(tokens), np.concatenate(ids)
+        batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return batch, np.concatenate(ids)
 
-    def global_batch(self, data_cursor: int) -> tuple[np.ndarray, np.ndarray]:
+    def global_batch(self, data_cursor: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         return self.rows(data_cursor, data_cursor + self.global_batch_size)
 
     def close(self) -> None:
