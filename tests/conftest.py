@@ -11,6 +11,7 @@ pytest_plugins = [
     "tests.fixtures.s3_server",
     "tests.fixtures.mlflow_server",
     "tests.fixtures.ray_head",
+    "tests.fixtures.imds_server",
 ]
 
 # Ray Data progress bars and MLflow's emoji banners only clutter test logs.
@@ -19,20 +20,41 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(s3_server):
-    """One in-process local Ray cluster for the session (4 logical CPUs on 2 cores).
+def ray_nodes(s3_server):
+    """One multi-node Ray cluster on this machine for the whole session.
 
-    Its temp dir is short and under /tmp: Ray's unix socket paths must stay under 107 chars.
-    It starts after the S3 server so that its workers inherit the S3 credentials, as workers on
-    a real cluster get them from their nodes' environment.
+    A head with no CPUs (drivers and Ray Data readers only) and four 1-CPU worker nodes, so that
+    tests can lose, drain and add real nodes (ray.cluster_utils.Cluster). The temp dir is short:
+    Ray's unix socket paths must stay under 107 characters. It starts after the S3 server so
+    that its workers inherit the S3 credentials, as workers on a real cluster get them from
+    their nodes' environment.
     """
     import ray
+    from ray.cluster_utils import Cluster
 
-    temp_dir = tempfile.mkdtemp(prefix="rts-ray-", dir="/tmp")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _temp_dir=temp_dir,
-             log_to_driver=False)
-    yield ray.get_runtime_context().gcs_address
+    from ray._common.utils import get_default_ray_temp_dir
+
+    temp_dir = tempfile.mkdtemp(prefix="rts-", dir="/tmp")
+    # Cluster() records the head's address in Ray's default temp dir (/tmp/ray) whatever
+    # temp_dir says; on a machine where Ray never ran that directory does not exist yet.
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+    node_args = {"object_store_memory": 200 * 1024**2}
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 0, "temp_dir": temp_dir, **node_args})
+    for _ in range(4):
+        cluster.add_node(num_cpus=1, **node_args)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.node_args = node_args
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(ray_nodes) -> str:
+    """The session cluster's address."""
+    return ray_nodes.address
 
 
 @pytest.fixture(scope="session")

@@ -56,7 +56,7 @@ def test_ddp_equals_one_process(ray_cluster, tiny_dataset, tmp_path, workers, pr
     import torch
     torch.manual_seed(init.train.seed)
     p0 = build_model(init.model).state_dict()
-    assert any(not torch.allclose(p0[k], p1[k]) for k in p0)
+    assert any(not torch.allclose(p0[k].double(), p1[k].double()) for k in p0)
 
 
 def test_straight_run_records(straight_run, tiny_dataset):
