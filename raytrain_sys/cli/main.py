@@ -55,8 +55,18 @@ def _print_result(result) -> None:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from raytrain_sys.data.prepare import prepare_text_dataset
+    from raytrain_sys.data.prepare import prepare_digits_dataset, prepare_text_dataset
 
+    if args.format == "webdataset":
+        if args.source not in ([], ["digits"]):
+            raise UserError(f"--format webdataset prepares --source digits (scikit-learn's bundled "
+                            f"8x8 digits); got {args.source}")
+        out = args.out if args.out != "data/stdlib" else "data/digits"
+        manifest = prepare_digits_dataset(out, overwrite=args.overwrite)
+        print(f"wrote {len(manifest.shards)} WebDataset shards, {manifest.num_rows} samples to {out} "
+              f"(+ {manifest.extra.get('val_num_rows', 0)} in {out}/val; content hash "
+              f"{manifest.content_hash})")
+        return 0
     manifest = prepare_text_dataset(args.out, sources=args.source or None, row_len=args.row_len,
                                     rows_per_shard=args.rows_per_shard, max_bytes=args.max_bytes,
                                     overwrite=args.overwrite)
@@ -119,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--rows-per-shard", type=int, default=8192)
     pd.add_argument("--max-bytes", type=int, default=24_000_000, help="corpus cap; 0 = no cap")
     pd.add_argument("--overwrite", action="store_true")
+    pd.add_argument("--format", choices=("parquet", "webdataset"), default="parquet",
+                    help="parquet: token rows from text; webdataset: image+label tar shards "
+                         "(--source digits, written to data/digits unless --out is given)")
     pd.set_defaults(func=_cmd_prepare)
 
     sp = sub.add_parser("sample", help="generate text from a checkpoint")

@@ -16,6 +16,8 @@ from raytrain_sys.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 TOKENS_FORMAT = "raytrain-sys/tokens-v1"  # parquet, one fixed-size binary column "tokens"
+# tar shards + a seek index per shard (<shard>.idx); extra["fields"] maps column -> member extension
+WEBDATASET_FORMAT = "raytrain-sys/webdataset-v1"
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class ShardInfo:
 @dataclass(frozen=True)
 class DatasetManifest:
     format: str
-    row_len: int  # tokens per row (model block_size + 1 for next-token targets)
+    row_len: int  # tokens per row (model block_size + 1 for next-token targets); 0 for samples
     shards: tuple[ShardInfo, ...]
     source: str = ""
     extra: dict = field(default_factory=dict)

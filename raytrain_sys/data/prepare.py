@@ -285,3 +285,88 @@ def verify_shards(root: str | Path, manifest: DatasetManifest) -> None:
         if len(blob) != s.num_bytes or hashlib.sha256(blob).hexdigest() != s.sha256:
             raise DataError(f"shard {path} does not match its manifest entry (size or sha256); "
                             f"re-create the dataset with `raytrain-sys prepare-data`")
+
+
+# ----------------------------------------------------------------------------- webdataset
+
+TAR_PATTERN = re.compile(r"shard-\d{5}\.tar(\.idx)?")
+
+
+def _remove_stale_tars(directory: Path, keep: set[str]) -> None:
+    if directory.is_dir():
+        for p in directory.iterdir():
+            if TAR_PATTERN.fullmatch(p.name) and p.name.removesuffix(".idx") not in keep:
+                p.unlink()
+
+
+def prepare_digits_dataset(
+    out_dir: str,
+    samples_per_shard: int = 256,  # ~7 shards for the 1797 digits: several shards to permute
+    val_fraction: float = 0.1,
+    limit: int = 0,
+    overwrite: bool = False,
+) -> DatasetManifest:
+    """scikit-learn's bundled 8x8 digits (offline) as WebDataset tar shards plus a manifest.
+
+    Each sample is ``<key>.npy`` (float32 image of shape (1, 8, 8), pixel values scaled from
+    0..16 to 0..1) and ``<key>.cls`` (the digit). Samples are in a fixed seeded shuffle of the
+    bundled order (that order is sorted by writer, not by class, but a shuffle makes the val split
+    representative); the last ``val_fraction`` go to ``<out_dir>/val``. ``limit`` keeps only the
+    first samples of that shuffle (tests). Shards first, manifest last, as for token datasets.
+    """
+    from raytrain_sys.data.manifest import WEBDATASET_FORMAT
+    from raytrain_sys.data.webdataset import encode_field, write_tar_shard
+
+    if samples_per_shard < 1:
+        raise DataError(f"samples_per_shard must be positive, got {samples_per_shard}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise DataError("the digits dataset comes from scikit-learn: pip install scikit-learn") from None
+    import numpy as np
+
+    out = Path(out_dir).expanduser()
+    val_out = out / VAL_DIR
+    if (out / MANIFEST_NAME).exists() and not overwrite:
+        raise DataError(f"{out} already holds a dataset ({MANIFEST_NAME}); choose another "
+                        f"directory or pass overwrite=True (--overwrite)")
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    (val_out / MANIFEST_NAME).unlink(missing_ok=True)
+
+    digits = load_digits()
+    order = np.random.default_rng(0).permutation(len(digits.target))
+    if limit:
+        order = order[:limit]
+    images = (digits.images[order] / 16.0).astype(np.float32)[:, None]  # (N, 1, 8, 8)
+    labels = digits.target[order].astype(np.int64)
+    n_val = int(round(len(order) * val_fraction))
+    n_train = len(order) - n_val
+    if n_train < 1:
+        raise DataError(f"limit={limit} leaves no training samples")
+    fields = {"image": "npy", "label": "cls"}
+    extra = {"fields": fields, "num_classes": 10, "image_shape": [1, 8, 8],
+             "index_suffix": ".idx", "samples_per_shard": samples_per_shard}
+
+    def write(directory: Path, lo: int, hi: int, split: str) -> DatasetManifest:
+        directory.mkdir(parents=True, exist_ok=True)
+        shards = []
+        for s, start in enumerate(range(lo, hi, samples_per_shard)):
+            stop = min(start + samples_per_shard, hi)
+            # The key is the sample's index in the bundled set: ids stay traceable to the source.
+            samples = ((f"{int(order[i]):06d}", {"npy": encode_field("npy", images[i]),
+                                                 "cls": encode_field("cls", labels[i])})
+                       for i in range(start, stop))
+            shards.append(write_tar_shard(directory / f"shard-{s:05d}.tar", samples, _write_atomic))
+        manifest = DatasetManifest(format=WEBDATASET_FORMAT, row_len=0, shards=tuple(shards),
+                                   source=f"sklearn.datasets.load_digits [{split} split]",
+                                   extra={**extra, "split": split})
+        _write_atomic(directory / MANIFEST_NAME, manifest.to_json().encode())
+        _remove_stale_tars(directory, {sh.path for sh in shards})
+        return manifest
+
+    if n_val:
+        write(val_out, n_train, len(order), "val")
+        extra["val_path"], extra["val_num_rows"] = VAL_DIR, n_val
+    return write(out, 0, n_train, "train")

@@ -10,7 +10,7 @@ from typing import Callable
 import torch.nn as nn
 
 from raytrain_sys.errors import SpecError
-from raytrain_sys.models import gpt
+from raytrain_sys.models import cnn, gpt
 from raytrain_sys.spec import ModelSpec
 
 
@@ -33,11 +33,23 @@ def build_gpt(model_spec: ModelSpec) -> gpt.GPT:
     return gpt.GPT(_gpt_config(model_spec))
 
 
-MODEL_BUILDERS: dict[str, Callable[[ModelSpec], nn.Module]] = {"gpt": build_gpt}
+def _cnn_config(model_spec: ModelSpec) -> cnn.CNNConfig:
+    # A classifier's output vocabulary is its classes; n_embd is the conv width. block_size and
+    # n_head do not apply.
+    return cnn.CNNConfig(num_classes=model_spec.vocab_size, width=model_spec.n_embd,
+                         n_layer=model_spec.n_layer, dropout=model_spec.dropout)
+
+
+def build_cnn(model_spec: ModelSpec) -> cnn.CNN:
+    return cnn.CNN(_cnn_config(model_spec))
+
+
+MODEL_BUILDERS: dict[str, Callable[[ModelSpec], nn.Module]] = {"gpt": build_gpt, "cnn": build_cnn}
 
 # Training FLOPs per token, for throughput and MFU reports without naming the model.
 MODEL_FLOPS_PER_TOKEN: dict[str, Callable[[ModelSpec], int]] = {
     "gpt": lambda spec: gpt.flops_per_token(_gpt_config(spec)),
+    "cnn": lambda spec: cnn.flops_per_sample(_cnn_config(spec)),  # a "token" is one image
 }
 
 
@@ -58,4 +70,4 @@ def model_flops_per_token(model_spec: ModelSpec) -> int:
     return _lookup(MODEL_FLOPS_PER_TOKEN, model_spec)(model_spec)
 
 
-__all__ = ["MODEL_BUILDERS", "build_model", "build_gpt", "model_flops_per_token"]
+__all__ = ["MODEL_BUILDERS", "build_model", "build_gpt", "build_cnn", "model_flops_per_token"]

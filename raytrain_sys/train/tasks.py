@@ -56,7 +56,7 @@ class Classify:
 
 
 # Model name -> task. The model registry stays architecture only.
-TASKS: dict[str, Task] = {"gpt": NextToken()}
+TASKS: dict[str, Task] = {"gpt": NextToken(), "cnn": Classify("image", "label")}
 
 
 def task_for(model_name: str) -> Task:
