@@ -43,6 +43,9 @@ class DataSpec:
     prefetch_steps: int = 4  # global batches read ahead of the trainers
     log_sample_ids: bool = False  # write the ids each rank consumed per committed step
     s3_endpoint_url: str = ""  # for s3:// data; "" uses AWS_ENDPOINT_URL or AWS's default
+    # fail: a missing/truncated/corrupt shard stops the run, naming shard and cursor. skip: its
+    # samples leave the stream from that point, recorded in <run_dir>/skipped_samples.jsonl.
+    on_bad_shard: str = "fail"
 
 
 @dataclass
@@ -59,8 +62,75 @@ class TrainSpec:
 
 @dataclass
 class ParallelSpec:
-    strategy: str = "ddp"  # ddp (fsdp/tp/pp arrive with the parallelism issue)
+    """How the world is cut: one DeviceMesh with axes ("pp", "dp", "fsdp", "tp").
+
+    ``strategy`` says how the data-parallel ranks treat parameters: ddp replicates them, fsdp
+    shards them (FSDP2), hsdp shards within groups of ``fsdp`` ranks and replicates across
+    groups. ``tp`` and ``pp`` stack on top of any of the three. A data-parallel degree left
+    unset takes the rest of the world, so a job keeps working when the world is resized.
+    """
+
+    strategy: str = "ddp"  # ddp | fsdp | hsdp: replicate, shard, or shard within groups
     backend: str = "auto"  # auto = nccl when CUDA is present, gloo otherwise
+    dp: int | None = None  # replicas (DDP ranks, HSDP groups); None = the rest of the world
+    fsdp: int | None = None  # ranks a parameter is sharded over; None = rest (fsdp), 1 (ddp)
+    tp: int = 1  # tensor-parallel degree; must divide model.n_head
+    pp: int = 1  # pipeline stages' ranks; must not exceed model.n_layer
+    pp_schedule: str = "1f1b"  # 1f1b: GPipe's bubble with activations of only pp micro-batches
+    pp_stages_per_rank: int = 2  # interleaved_1f1b only: virtual stages per rank (bubble / v)
+    microbatches: int = 0  # pipeline micro-batches per step; 0 = pp x stages per rank (fills it)
+    reshard_after_forward: bool = True  # true = FSDP full shard; false = ZeRO-2-like (more memory)
+    activation_checkpointing: bool = False  # recompute blocks in backward: memory for ~1/3 compute
+    mixed_precision: str = "none"  # none | bf16: FSDP params in bf16, gradients reduced in fp32
+    comm_hook: str = "none"  # none | fp16 | powersgd: DDP gradient compression
+    powersgd_rank: int = 1  # PowerSGD matrix approximation rank (1 = most compression)
+    powersgd_start_iter: int = 10  # plain all-reduce for this many steps first (PowerSGD paper)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp)
+
+    def world_granularity(self) -> int:
+        """Worlds must be multiples of this: the degrees that do not follow the world size."""
+        return self.tp * self.pp * (self.dp or 1) * (self.fsdp or 1)
+
+    def usable_world_size(self, available: int) -> int:
+        """The largest world <= ``available`` the degrees can run on (0 if none)."""
+        for world in range(available, 0, -1):
+            try:
+                self.degrees(world)
+                return world
+            except SpecError:
+                continue
+        return 0
+
+    def degrees(self, world_size: int, source: str = "") -> dict[str, int]:
+        """Mesh shape for ``world_size``, in mesh order pp, dp, fsdp, tp (all four always).
+        ``source`` names the field the world size came from, for error messages."""
+        where = "parallel"
+        workers = f"{world_size} workers" + (f" ({source}={world_size})" if source else "")
+        fixed = self.tp * self.pp
+        if world_size % fixed:
+            raise SpecError(where, f"tp x pp = {self.tp} x {self.pp} = {fixed} does not divide "
+                                   f"the world of {workers}")
+        data = world_size // fixed
+        if self.strategy == "ddp":
+            dp, fsdp = (self.dp or data), (self.fsdp or 1)
+        elif self.strategy == "fsdp":
+            dp, fsdp = (self.dp or 1), (self.fsdp or data)
+        else:  # hsdp: the shard group is a fixed size (often the ranks of one node)
+            fsdp = self.fsdp or 0
+            if fsdp < 1:
+                raise SpecError("parallel.fsdp", "strategy hsdp needs the shard group size "
+                                                 "(e.g. the workers of one node)")
+            if data % fsdp:
+                raise SpecError("parallel.fsdp", f"got {fsdp}; must divide the data-parallel "
+                                                 f"size {data} (= {workers} / tp / pp)")
+            dp = self.dp or data // fsdp
+        if dp * fsdp != data:
+            raise SpecError(where, f"pp x dp x fsdp x tp = {self.pp} x {dp} x {fsdp} x {self.tp}"
+                                   f" = {self.pp * dp * fsdp * self.tp} but the world has "
+                                   f"{workers}; leave dp unset to follow the world")
+        return {"pp": self.pp, "dp": dp, "fsdp": fsdp, "tp": self.tp}
 
 
 @dataclass
@@ -88,9 +158,15 @@ class CheckpointSpec:
 
 @dataclass
 class ElasticSpec:
-    min_workers: int = 0  # 0 = resources.num_workers (no elasticity)
-    max_workers: int = 0  # 0 = resources.num_workers
-    max_failures: int = 3
+    # Survivors keep training while replacements start: a dead worker costs no committed step.
+    min_workers: int = 1  # below this the run waits for workers, then stops with a checkpoint
+    max_workers: int = 0  # grow up to this when the cluster gains room; 0 = resources.num_workers
+    max_failures: int = 20  # membership failures tolerated per failure_window_s
+    failure_window_s: float = 3600.0
+    below_min_timeout_s: float = 300.0  # wait this long for workers when below min_workers
+    hang_floor_s: float = 30.0  # a step is "hung" after max(this, hang_factor x median step time)
+    hang_factor: float = 10.0
+    drain_poll_s: float = 1.0  # how often draining (preempted) nodes are looked up
 
 
 @dataclass
@@ -167,11 +243,15 @@ TRAINING_SECTIONS = ("model", "data", "train", "optim")
 
 ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("fp32", "bf16", "fp64"),
-    "parallel.strategy": ("ddp",),
+    "parallel.strategy": ("ddp", "fsdp", "hsdp"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.mixed_precision": ("none", "bf16"),
+    "parallel.comm_hook": ("none", "fp16", "powersgd"),
     "parallel.backend": ("auto", "gloo", "nccl"),
     "optim.name": ("adamw",),
     "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-    "model.name": ("gpt",),
+    "model.name": ("gpt", "cnn"),
+    "data.on_bad_shard": ("fail", "skip"),
 }
 
 # (field, lower bound, inclusive?) checked after types.
@@ -182,12 +262,13 @@ _POSITIVE = [
     "optim.lr", "optim.eps",
     "checkpoint.keep_last",
     "resources.num_workers", "resources.cpus_per_worker", "resources.start_timeout_s",
-    "elastic.max_failures",
+    "elastic.max_failures", "elastic.failure_window_s", "elastic.below_min_timeout_s",
+    "elastic.hang_floor_s", "elastic.hang_factor",
 ]
 _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "optim.min_lr_ratio", "optim.warmup_steps",
     "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps", "resources.gpus_per_worker",
-    "resources.local_num_cpus", "elastic.min_workers", "elastic.max_workers",
+    "resources.local_num_cpus", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
 ]
 
 
@@ -281,9 +362,98 @@ def validate(spec: JobSpec) -> JobSpec:
             f"got {spec.resources.num_workers}; every worker needs at least one row of "
             f"train.global_batch_size={spec.train.global_batch_size}",
         )
+    e, n = spec.elastic, spec.resources.num_workers
+    if e.max_workers and e.max_workers < n:
+        raise SpecError("elastic.max_workers",
+                        f"got {e.max_workers}; must be 0 or at least resources.num_workers={n}")
+    if e.min_workers > n:
+        raise SpecError("elastic.min_workers",
+                        f"got {e.min_workers}; must not exceed resources.num_workers={n}")
+    if max(e.max_workers, n) > spec.train.global_batch_size:
+        raise SpecError("elastic.max_workers",
+                        f"got {e.max_workers}; every worker needs at least one row of "
+                        f"train.global_batch_size={spec.train.global_batch_size}")
     if not spec.data.path:
         raise SpecError("data.path", "is empty; give a dataset directory (see `raytrain-sys prepare-data`)")
+    validate_parallel(spec)
     return spec
+
+
+def validate_parallel(spec: JobSpec) -> None:
+    """Checks of ``parallel`` against the model and the worker counts, before any resource."""
+    par, model = spec.parallel, spec.model
+    for name in ("dp", "fsdp"):
+        value = getattr(par, name)
+        if value is not None and value < 1:
+            raise SpecError(f"parallel.{name}", f"got {value}; must be 1 or more, or left unset "
+                                                f"to take the rest of the world")
+    for name in ("tp", "pp", "pp_stages_per_rank", "powersgd_rank"):
+        if getattr(par, name) < 1:
+            raise SpecError(f"parallel.{name}", f"got {getattr(par, name)}; must be 1 or more")
+    for name in ("microbatches", "powersgd_start_iter"):
+        if getattr(par, name) < 0:
+            raise SpecError(f"parallel.{name}", f"got {getattr(par, name)}; must be 0 or more")
+    if par.strategy == "ddp" and (par.fsdp or 1) > 1:
+        raise SpecError("parallel.fsdp", f"got {par.fsdp} with strategy ddp, which replicates "
+                                         f"parameters; use strategy fsdp or hsdp to shard them")
+    if par.strategy == "fsdp" and (par.dp or 1) > 1:
+        raise SpecError("parallel.dp", f"got {par.dp} with strategy fsdp; replicas of sharded "
+                                       f"groups are strategy hsdp")
+    if par.strategy == "hsdp" and not par.fsdp:
+        raise SpecError("parallel.fsdp", "strategy hsdp needs the shard group size "
+                                         "(e.g. the workers of one node)")
+    for name in ("tp", "pp"):
+        if getattr(par, name) > 1 and model.name != "gpt":
+            raise SpecError(f"parallel.{name}", f"tensor and pipeline plans exist for model.name "
+                                                f"gpt only, got {model.name!r}; use ddp/fsdp/hsdp")
+    if model.n_head % par.tp:
+        raise SpecError("parallel.tp", f"got {par.tp}; must divide model.n_head={model.n_head} "
+                                       f"(each tensor-parallel rank holds whole heads)")
+    if par.pp > model.n_layer:
+        raise SpecError("parallel.pp", f"got {par.pp}; must not exceed model.n_layer="
+                                       f"{model.n_layer} (every stage holds at least one layer)")
+    stages_per_rank = par.pp_stages_per_rank if par.pp_schedule == "interleaved_1f1b" else 1
+    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and model.n_layer % (par.pp * stages_per_rank):
+        raise SpecError("parallel.pp_stages_per_rank",
+                        f"interleaved_1f1b splits model.n_layer={model.n_layer} into pp x "
+                        f"pp_stages_per_rank = {par.pp} x {stages_per_rank} equal stages; "
+                        f"pick degrees whose product divides n_layer")
+    microbatches = par.microbatches or par.pp * stages_per_rank
+    if par.pp > 1 and par.pp_schedule != "gpipe" and microbatches < par.pp:
+        raise SpecError("parallel.microbatches", f"got {par.microbatches}; {par.pp_schedule} "
+                                                 f"needs at least pp={par.pp} micro-batches")
+    if par.mixed_precision != "none":
+        if par.strategy == "ddp":
+            raise SpecError("parallel.mixed_precision", "is FSDP's parameter/reduce policy and "
+                            "needs strategy fsdp or hsdp; for ddp use train.precision: bf16")
+        if spec.train.precision != "fp32":
+            raise SpecError("parallel.mixed_precision", f"bf16 needs train.precision: fp32 (the "
+                            f"master weights), got {spec.train.precision}")
+    if par.comm_hook != "none" and par.strategy != "ddp":
+        raise SpecError("parallel.comm_hook", f"{par.comm_hook} compresses DDP's all-reduce; "
+                                              f"strategy {par.strategy} reduce-scatters instead")
+    if par.comm_hook != "none" and (par.tp > 1 or par.pp > 1):
+        raise SpecError("parallel.comm_hook", f"{par.comm_hook} is a DDP module hook; with tp or "
+                                              f"pp > 1 the replicas all-reduce without that module")
+    if par.tp > 1 and model.block_size % par.tp:
+        raise SpecError("parallel.tp", f"got {par.tp}; must divide model.block_size="
+                                       f"{model.block_size} (sequence parallel splits the sequence)")
+    worlds = {"resources.num_workers": spec.resources.num_workers}
+    if spec.elastic.max_workers:
+        worlds["elastic.max_workers"] = spec.elastic.max_workers
+    for field_name, world in worlds.items():
+        shape = par.degrees(world, source=field_name)
+        data_size = shape["dp"] * shape["fsdp"]
+        rows = spec.train.global_batch_size // data_size
+        if rows < 1:
+            raise SpecError("train.global_batch_size",
+                            f"got {spec.train.global_batch_size}; each of the {data_size} "
+                            f"data-parallel ranks ({field_name}={world}) needs at least one row")
+        if par.pp > 1 and rows < microbatches:
+            raise SpecError("parallel.microbatches",
+                            f"{microbatches} pipeline micro-batches need at least as many rows "
+                            f"per data-parallel rank; train.global_batch_size="
+                            f"{spec.train.global_batch_size} gives {rows} with {field_name}={world}")
 
 
 def from_dict(raw: Any) -> JobSpec:

@@ -53,6 +53,8 @@ class RunSummary:
     transitions: list[dict] = field(default_factory=list)
     throughput: dict[str, float] = field(default_factory=dict)
     resumed_from: list[str] = field(default_factory=list)
+    failures: int = 0  # membership failures survived
+    steps_redone: int = 0  # committed steps lost to a restore from a durable checkpoint
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
@@ -24,8 +25,9 @@ from raytrain_sys import __version__
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary, git_commit
-from raytrain_sys.control.worker_group import WorkerGroup, connect_ray
+from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
 from raytrain_sys.data.order import deal
+from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
 from raytrain_sys.errors import (CheckpointError, SpecError, StorageError, TrainingFailed,
@@ -43,9 +45,13 @@ FAULT_BEFORE_MANIFEST_ENV = "RAYTRAIN_SYS_FAULT_BEFORE_MANIFEST_STEP"
 
 class State(str, Enum):
     STARTING = "starting"
-    RESTORING = "restoring"
+    RESTORING = "restoring"  # loading a durable checkpoint
     RUNNING = "running"
     CHECKPOINTING = "checkpointing"
+    REBUILDING = "rebuilding"  # a member was lost: survivors re-form the group in place
+    RESIZING = "resizing"  # newcomers join at a step boundary
+    DRAINING = "draining"  # members on a node marked for preemption leave at a step boundary
+    WAITING = "waiting"  # below elastic.min_workers, waiting for workers
     STOPPED = "stopped"  # paused by train.stop_at_step, resumable
     FINISHED = "finished"
     FAILED = "failed"
@@ -75,6 +81,33 @@ class RunResult:
     reason: str = ""
 
 
+@dataclass
+class StepOutcome:
+    """How one step went on each member, keyed by worker slot."""
+
+    results: dict[int, dict] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)  # dead, hung or unreachable: removed
+    errored: dict[int, str] = field(default_factory=dict)  # alive; its collective failed
+    blocked: dict[int, str] = field(default_factory=dict)
+    failed: bool = False
+
+
+class WorkerLost(Exception):
+    """A member died or stopped answering during a call outside the step."""
+
+    def __init__(self, worker: "Worker", reason: str):
+        super().__init__(reason)
+        self.worker, self.reason = worker, reason
+
+
+def _alive(w: Worker) -> bool:
+    try:
+        ray.get(w.actor.ping.remote(), timeout=5)
+        return True
+    except Exception:
+        return False
+
+
 def _resolve_dir(path: str) -> str:
     return path if path.startswith("s3://") else os.path.abspath(path)
 
@@ -98,6 +131,8 @@ class Supervisor:
         self.committed_step = 0
         self.data_cursor = 0
         self._local_cluster = False
+        self._last_drain_poll = 0.0
+        self._step_times: deque[float] = deque(maxlen=50)
 
     # ------------------------------------------------------------------ bookkeeping
     def _transition(self, state: State, reason: str) -> None:
@@ -120,11 +155,7 @@ class Supervisor:
         os.makedirs(self.run_dir, exist_ok=True)
         _point_latest(self.output_dir, self.run_dir)
         self.manifest = read_manifest(spec.data.path, spec.data.s3_endpoint_url)
-        if self.manifest.row_len != spec.model.block_size + 1:
-            raise SpecError("model.block_size",
-                            f"got {spec.model.block_size}; dataset {spec.data.path} holds rows of "
-                            f"{self.manifest.row_len} tokens, so block_size must be "
-                            f"{self.manifest.row_len - 1} (or re-run prepare-data with --row-len)")
+        check_spec_against_manifest(spec, self.manifest)
         self.store = open_store(self.checkpoint_root, spec.checkpoint.s3_endpoint_url)
         self.store.check_access()
         self.checkpointer = Checkpointer(self.store, spec.checkpoint.keep_last)
@@ -179,18 +210,16 @@ class Supervisor:
             self.summary.write()
 
             self._local_cluster = connect_ray(spec)
-            self.group = WorkerGroup(spec, spec.resources.num_workers, self._local_cluster)
-            self.group.start()
+            self.group = WorkerGroup(spec, self._local_cluster)
+            self.group.start(spec.resources.num_workers)
             self._start_tracking()
             self._transition(State.STARTING, f"{self.group.world_size} workers placed")
             self.group.form_process_group()
             if resume_info is not None:
                 self._restore(resume_info)
-            self.data = DataPlane(
-                spec.data.path, self.manifest, spec.data.seed, spec.data.shuffle_window,
-                spec.data.shuffle_block_rows,
-                spec.train.global_batch_size, end_position=spec.train.max_steps * spec.train.global_batch_size,
-                prefetch_steps=spec.data.prefetch_steps, s3_endpoint_url=spec.data.s3_endpoint_url)
+            self.data = DataPlane.for_job(
+                spec, self.manifest, end_position=spec.train.max_steps * spec.train.global_batch_size,
+                run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason))
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._loop()
             saved = [c["step"] for c in self.summary.checkpoints]
@@ -231,104 +260,368 @@ class Supervisor:
         self.summary.mlflow_run_id = self.tracker.run_id
 
     def _restore(self, info: CheckpointInfo) -> None:
+        """Load a durable checkpoint into every member: the fallback when no replica holds state."""
         self._transition(State.RESTORING, f"loading checkpoint {info.uri}")
         steps = ray.get([a.load_checkpoint.remote(info.uri, self.spec.checkpoint.s3_endpoint_url)
                          for a in self.group.actors()])
         assert len(set(steps)) == 1 and steps[0] == info.step, f"replicas disagree: {steps}"
+        redone = self.committed_step - info.step
+        if redone > 0:
+            log.warning("restored step %d: %d committed steps will be redone", info.step, redone)
+            self.summary.steps_redone += redone
         self.committed_step = info.step
         self.data_cursor = int(info.manifest["data_cursor"])
         # A resume into a new run dir has no record of earlier steps: keep "index i = step i+1".
+        self.summary.truncate_to(info.step)
         missing = info.step - len(self.summary.losses)
         self.summary.losses += [None] * missing
         self.summary.world_sizes += [None] * missing
         self.summary.resumed_from.append(info.uri)
         self.summary.newest_checkpoint = info.uri
 
+    # ------------------------------------------------------------------ the step loop
     def _loop(self) -> None:
         spec = self.spec
-        B = spec.train.global_batch_size
-        tokens_per_step = B * spec.model.block_size  # throughput unit of the GPT task
-        sample_log = (open(os.path.join(self.run_dir, SAMPLE_LOG_FILE), "a")
-                      if spec.data.log_sample_ids else None)
-        step_times: list[float] = []
-        run_t0 = time.perf_counter()
+        last = spec.train.max_steps
+        if spec.train.stop_at_step:
+            last = min(last, spec.train.stop_at_step)
+        self._sample_log = (open(os.path.join(self.run_dir, SAMPLE_LOG_FILE), "a")
+                            if spec.data.log_sample_ids else None)
+        self._step_times: deque[float] = deque(maxlen=50)
+        self._run_t0 = time.perf_counter()
         try:
-            last = spec.train.max_steps
-            if spec.train.stop_at_step:
-                last = min(last, spec.train.stop_at_step)
             while self.committed_step < last:
+                self._at_step_boundary()
                 step = self.committed_step
                 t0 = time.perf_counter()
                 wait0 = self.data.wait_s
                 batch, ids = self.data.global_batch(self.data_cursor)
                 data_wait = self.data.wait_s - wait0
                 units = self.task.units(batch)
-                shares = deal(B, self.group.world_size)
-                refs = [actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units)
-                        for actor, sl in zip(self.group.actors(), shares)]
-                results = self._gather(refs, step)
+                members = list(self.group.workers)
+                shares = deal(spec.train.global_batch_size, len(members))
+                refs = [w.actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units)
+                        for w, sl in zip(members, shares)]
+                outcome = self._collect(members, refs, step)
+                if outcome.failed:
+                    self._recover(step, outcome, batch, ids, shares)
+                    continue
                 # Committed: every rank finished its optimizer step.
-                self.committed_step = step + 1
-                self.data_cursor += B
-                dt = time.perf_counter() - t0
-                step_times.append(dt)
-                loss = sum(r["loss_sum"] for r in results) / units
-                self.summary.losses.append(loss)
-                self.summary.world_sizes.append(self.group.world_size)
-                self.summary.committed_steps = self.committed_step
-                self.summary.samples_consumed = self.data_cursor
-                self.summary.data_cursor = self.data_cursor
-                if sample_log is not None:
-                    sample_log.write(_sample_line(self.committed_step, ids, shares))
-                # Steady state excludes the first steps (process warm-up, allocator growth).
-                steady = step_times[min(3, len(step_times) - 1):]
-                tps = tokens_per_step * len(steady) / max(sum(steady), 1e-9)
-                metrics = {"loss": loss, "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
-                           "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                           "data_wait_s": data_wait, "world_size": float(self.group.world_size)}
-                if self.tracker is not None:  # queued: the step loop never waits on MLflow
-                    self.tracker.log_metrics(self.committed_step, metrics)
-                remaining = spec.train.max_steps - self.committed_step
-                if self.on_step is not None:
-                    self.on_step(StepReport(self.committed_step, spec.train.max_steps, loss,
-                                            results[0]["lr"], tps, dt, self.group.world_size,
-                                            remaining * (sum(steady) / len(steady))))
-                if self.committed_step % spec.train.log_every_steps == 0:
-                    self.summary.throughput = {
-                        "tokens_per_s": tps, "step_time_s": sum(steady) / len(steady),
-                        "data_wait_fraction": self.data.wait_s / max(time.perf_counter() - run_t0, 1e-9)}
-                    self.summary.write()
+                results = [outcome.results[w.slot] for w in members]
+                self._commit(step, results, units, ids, shares, time.perf_counter() - t0, data_wait)
                 every = spec.checkpoint.every_steps
                 if every and self.committed_step % every == 0 and self.committed_step < last:
                     self._checkpoint(final=False)
         finally:
-            if sample_log is not None:
-                sample_log.close()
+            if self._sample_log is not None:
+                self._sample_log.close()
 
-    def _gather(self, refs: list, step: int) -> list[dict]:
+    def _commit(self, step: int, results: list[dict], units: int, ids, shares: list[slice],
+                dt: float, data_wait: float, world_size: int | None = None) -> None:
+        spec = self.spec
+        world = world_size or len(shares)
+        self.committed_step = step + 1
+        self.data_cursor += spec.train.global_batch_size
+        self._step_times.append(dt)
+        loss = sum(r["loss_sum"] for r in results) / units
+        self.summary.losses.append(loss)
+        self.summary.world_sizes.append(world)
+        self.summary.committed_steps = self.committed_step
+        self.summary.samples_consumed = self.data_cursor
+        self.summary.data_cursor = self.data_cursor
+        if self._sample_log is not None:
+            self._sample_log.write(_sample_line(self.committed_step, ids, shares))
+            self._sample_log.flush()
+        tokens_per_step = spec.train.global_batch_size * spec.model.block_size
+        steady = list(self._step_times)[min(3, len(self._step_times) - 1):]
+        mean_dt = sum(steady) / len(steady)
+        metrics = {"loss": loss, "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
+                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                   "data_wait_s": data_wait, "world_size": float(world)}
+        if self.tracker is not None:  # queued: the step loop never waits on MLflow
+            self.tracker.log_metrics(self.committed_step, metrics)
+        if self.on_step is not None:
+            remaining = spec.train.max_steps - self.committed_step
+            self.on_step(StepReport(self.committed_step, spec.train.max_steps, loss, results[0]["lr"],
+                                    tokens_per_step / mean_dt, dt, world, remaining * mean_dt))
+        if self.committed_step % spec.train.log_every_steps == 0:
+            self.summary.throughput = {
+                "tokens_per_s": tokens_per_step / mean_dt, "step_time_s": mean_dt,
+                "data_wait_fraction": self.data.wait_s / max(time.perf_counter() - self._run_t0, 1e-9)}
+            self.summary.write()
+
+    # ------------------------------------------------------------------ failure detection
+    def _step_deadline_s(self) -> float:
+        """A step slower than this is hung: a multiple of recent step times, with a floor."""
+        e = self.spec.elastic
+        if len(self._step_times) < 3:  # first steps include warm-up: use the generous limit
+            return self.spec.train.step_timeout_s
+        times = sorted(self._step_times)
+        return min(self.spec.train.step_timeout_s, max(e.hang_floor_s, e.hang_factor * times[len(times) // 2]))
+
+    def _collect(self, members: list[Worker], refs: list, step: int) -> "StepOutcome":
+        """Wait for a step on every member; classify each as done, errored or lost.
+
+        Lost = dead (Ray reports the actor died), or not answering a ping on its control path
+        (a stopped process or a vanished node). Survivors whose collective failed because a peer
+        vanished report an error quickly; a peer blocked in a collective still answers pings.
+        """
+        outcome = StepOutcome()
+        by_ref = dict(zip(refs, members))
+        pending = list(refs)
+        deadline = time.monotonic() + self._step_deadline_s()
+        while pending:
+            # Once something failed, the rest finish (or fail) fast: their collective broke.
+            limit = deadline if not outcome.failed else min(deadline, time.monotonic() + 2.0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for ref in ready:
+                w = by_ref[ref]
+                try:
+                    outcome.results[w.slot] = ray.get(ref)
+                except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
+                        ray.exceptions.RayActorError) as exc:
+                    outcome.lost[w.slot] = f"died ({type(exc).__name__})"
+                except ray.exceptions.RayTaskError as exc:
+                    outcome.errored[w.slot] = str(exc).strip().splitlines()[-1][:300]
+        if pending:
+            stuck = [by_ref[r] for r in pending]
+            answers = {w.slot: w.actor.ping.remote() for w in stuck}
+            done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=3.0)
+            for w in stuck:
+                if answers[w.slot] in done:
+                    try:
+                        ray.get(answers[w.slot])
+                        outcome.blocked[w.slot] = "alive but blocked in the step"
+                        continue
+                    except ray.exceptions.RayError:
+                        pass
+                outcome.lost[w.slot] = ("hung: no answer within the step deadline"
+                                        if not outcome.lost and not outcome.errored
+                                        else "unreachable (node lost?)")
+            # Kill what is lost so that blocked peers' collectives fail, then wait for them.
+            self.group.remove([w for w in stuck if w.slot in outcome.lost])
+            still = [r for r in pending if by_ref[r].slot in outcome.blocked]
+            if still:
+                done, late = ray.wait(still, num_returns=len(still), timeout=30.0)
+                for ref in done:
+                    w = by_ref[ref]
+                    outcome.blocked.pop(w.slot)
+                    try:
+                        outcome.results[w.slot] = ray.get(ref)
+                    except ray.exceptions.RayActorError:
+                        outcome.lost[w.slot] = "died"
+                    except ray.exceptions.RayTaskError as exc:
+                        outcome.errored[w.slot] = str(exc).strip().splitlines()[-1][:300]
+                for ref in late:
+                    outcome.lost[by_ref[ref].slot] = "blocked in a collective after its peers were lost"
+                outcome.blocked.clear()
+        outcome.failed = bool(outcome.lost or outcome.errored)
+        return outcome
+
+    # ------------------------------------------------------------------ recovery
+    def _count_failure(self, reason: str) -> None:
+        e = self.spec.elastic
+        now = time.time()
+        self._failures = [t for t in getattr(self, "_failures", []) if now - t < e.failure_window_s]
+        self._failures.append(now)
+        self.summary.failures += 1
+        if len(self._failures) > e.max_failures:
+            self._fail_with_checkpoint(
+                f"{len(self._failures)} membership failures within elastic.failure_window_s="
+                f"{e.failure_window_s:g} s (elastic.max_failures={e.max_failures}); last: {reason}")
+
+    def _recover(self, step: int, outcome: "StepOutcome", batch, ids, shares: list[slice]) -> None:
+        """Rebuild in place after a failed step: survivors keep their state; nothing committed is lost."""
+        members = list(self.group.workers)
+        lost = [w for w in members if w.slot in outcome.lost]
+        reason = "; ".join([f"worker {w.slot} on node {w.node_id[:8]} {outcome.lost[w.slot]}" for w in lost]
+                           + [f"worker {s} error: {m}" for s, m in outcome.errored.items()])
+
+        def commit_if_finished(held: dict[int, int]) -> None:
+            # Did the step finish on some replica? Then its update is complete and correct (every
+            # rank's gradient went into the all-reduce): commit it instead of redoing it.
+            if max(held.values()) == step + 1:
+                done = [i for i, w in enumerate(members) if w.slot in outcome.results]
+                units = sum(self.task.units({k: v[shares[i]] for k, v in batch.items()}) for i in done)
+                results = [outcome.results[members[i].slot] for i in done]
+                self._commit(step, results, units, ids, shares, 0.0, 0.0, world_size=len(members))
+                log.info("step %d had finished on a survivor: committed, not redone", step + 1)
+
+        self._rebuild_without(lost, f"step {step + 1} failed: {reason}", commit_if_finished)
+
+    def _rebuild_without(self, lost: list[Worker], reason: str,
+                         before_reform: Callable[[dict[int, int]], None] | None = None) -> None:
+        """Drop ``lost`` members and re-form the group from the survivor holding the newest step;
+        with no survivor, fall back to the newest durable checkpoint."""
+        self._transition(State.REBUILDING, reason)
+        self._count_failure(reason)
+        self.group.remove(lost)
+        survivors = list(self.group.workers)
+        if not survivors:
+            self._restore_all_lost()
+            return
+        held = self._held_steps(survivors)
+        if before_reform is not None:
+            before_reform(held)
+        self._reform(source_slot=max(held, key=held.get))
+
+    def _watch(self, worker: Worker, ref, what: str, ping_every_s: float = 2.0):
+        """The result of ``ref`` (a call on ``worker``), waiting as long as the worker stays
+        responsive: a call that may rightly take long (a checkpoint of a big model) gets no
+        deadline, but a worker that stops answering its control path is lost (SIGSTOP, a vanished
+        node)."""
+        while True:
+            ready, _ = ray.wait([ref], timeout=ping_every_s)
+            if ready:
+                try:
+                    return ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise WorkerLost(worker, f"died during {what} ({type(exc).__name__})") from None
+            if not _alive(worker):
+                raise WorkerLost(worker, f"hung during {what}: no answer on its control path")
+
+    def _held_steps(self, workers: list[Worker]) -> dict[int, int]:
+        steps = ray.get([w.actor.ping.remote() for w in workers], timeout=60)
+        return {w.slot: s for w, s in zip(workers, steps)}
+
+    def _target_size(self) -> int:
+        return self.spec.elastic.max_workers or self.spec.resources.num_workers
+
+    def _reform(self, source_slot: int | None = None, reason: str = "") -> None:
+        """New process group over the members (+ ready newcomers); equalize state from the source."""
+        for attempt in range(5):
+            self._request_replacements()
+            newcomers = self.group.ready_pending(timeout_s=0.0)
+            self._wait_for_min_workers(extra=len(newcomers))
+            newcomers += self.group.ready_pending(timeout_s=0.0)
+            self.group.add(newcomers)
+            members = self.group.workers
+            try:
+                self.group.form_process_group(timeout_s=60.0)
+                src = next((i for i, w in enumerate(members) if w.slot == source_slot), 0)
+                held = self._held_steps(members)
+                if newcomers or len(set(held.values())) > 1:
+                    ray.get([w.actor.sync_state.remote(src) for w in members], timeout=120)
+                held = set(self._held_steps(members).values())
+                assert held == {self.committed_step}, f"replicas hold {held}, committed {self.committed_step}"
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                dead = [w for w in members if not _alive(w)]
+                log.warning("rebuild attempt %d failed (%s); dropping %d dead workers", attempt + 1,
+                            type(exc).__name__, len(dead))
+                self.group.remove(dead or members[-1:])
+                if not self.group.workers:
+                    self._restore_all_lost()
+                    return
+                continue
+            self._transition(State.RUNNING, reason or f"rebuilt: world {len(members)}, generation "
+                             f"{self.group.generation}, {len(newcomers)} newcomers")
+            return
+        self._fail_with_checkpoint("could not re-form the process group after 5 attempts")
+
+    def _request_replacements(self) -> None:
+        """Replacements are requested at once; they start in the background."""
+        missing = self._target_size() - len(self.group.workers) - len(self.group.pending)
+        for _ in range(max(0, missing)):
+            self.group.request()
+
+    def _wait_for_min_workers(self, extra: int = 0) -> None:
+        e = self.spec.elastic
+        if len(self.group.workers) + extra >= max(1, e.min_workers):
+            return
+        self._transition(State.WAITING, f"{len(self.group.workers) + extra} workers, below "
+                         f"elastic.min_workers={e.min_workers}: waiting up to {e.below_min_timeout_s:g} s")
+        deadline = time.monotonic() + e.below_min_timeout_s
+        while len(self.group.workers) + len(self.group.pending) and time.monotonic() < deadline:
+            ready = self.group.ready_pending(timeout_s=1.0)
+            self.group.add(ready)
+            if len(self.group.workers) >= max(1, e.min_workers):
+                return
+            self._request_replacements()
+        self._fail_with_checkpoint(f"the group stayed below elastic.min_workers={e.min_workers} for "
+                                   f"elastic.below_min_timeout_s={e.below_min_timeout_s:g} s")
+
+    def _restore_all_lost(self) -> None:
+        """No replica holds the state: new workers, newest durable checkpoint."""
+        info = self.checkpointer.latest()
+        if info is None:
+            raise TrainingFailed(f"every worker was lost at step {self.committed_step} and no "
+                                 f"checkpoint exists in {self.checkpoint_root}; set "
+                                 f"checkpoint.every_steps to survive this")
+        self._request_replacements()
+        self._wait_for_min_workers()
+        self.group.add(self.group.ready_pending(timeout_s=0.0))
+        self.group.form_process_group(timeout_s=120.0)
+        self._restore(info)
+        self._transition(State.RUNNING, f"restored from {info.uri} after losing every worker")
+
+    def _fail_with_checkpoint(self, reason: str) -> None:
+        """Stop with a clear error, saving the in-memory state first when a replica holds it."""
+        saved = ""
+        if self.group.workers and self.committed_step not in [c["step"] for c in self.summary.checkpoints]:
+            try:
+                self._checkpoint(final=True)
+                saved = f"; state saved at step {self.committed_step}: {self.summary.newest_checkpoint}"
+            except Exception as exc:  # the failure is the news; the save is a courtesy
+                saved = f"; could not save a checkpoint: {exc}"
+        raise TrainingFailed(reason + (saved or f"; newest checkpoint: {self.summary.newest_checkpoint or 'none'}"))
+
+    # ------------------------------------------------------------------ membership at step boundaries
+    def _at_step_boundary(self) -> None:
+        """Between steps: leave draining (preempted) nodes, take in ready newcomers."""
+        now = time.monotonic()
+        if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
+            self._last_drain_poll = now
+            self._leave_draining_nodes()
+        if len(self.group.workers) < self._target_size():
+            self._request_replacements()
+            ready = self.group.ready_pending(timeout_s=0.0)
+            if ready:
+                self._transition(State.RESIZING, f"{len(ready)} worker(s) ready: growing to "
+                                 f"{len(self.group.workers) + len(ready)}")
+                self.group.add(ready)
+                self._reform(source_slot=self.group.workers[0].slot,
+                             reason=f"grown to world {len(self.group.workers)}")
+
+    def _leave_draining_nodes(self) -> None:
         try:
-            return ray.get(refs, timeout=self.spec.train.step_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise TrainingFailed(
-                f"step {step + 1} did not finish within train.step_timeout_s="
-                f"{self.spec.train.step_timeout_s:g} s (a hung worker?); newest checkpoint: "
-                f"{self.summary.newest_checkpoint or 'none'}") from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
-            raise TrainingFailed(
-                f"a worker died during step {step + 1} ({type(exc).__name__}); committed steps: "
-                f"{self.committed_step}; resume from the newest checkpoint "
-                f"({self.summary.newest_checkpoint or 'none'})"
-                + (f" with `raytrain-sys resume --mlflow-run {self.tracker.run_id}`" if self.tracker else "")
-            ) from None
+            from raytrain_sys.control.drain import draining_nodes
+
+            draining = draining_nodes()
+        except Exception as exc:  # a GCS hiccup must not stop training
+            log.debug("could not read draining nodes: %s", exc)
+            return
+        if not draining:
+            return
+        self.group.remove([w for w in self.group.pending if w.node_id in draining])
+        leaving = [w for w in self.group.workers if w.node_id in draining]
+        if not leaving:
+            return
+        deadlines = {draining[w.node_id].deadline_unix_s for w in leaving}
+        self._transition(State.DRAINING, f"{len(leaving)} worker(s) on draining node(s) "
+                         f"(deadline {min(deadlines):.0f}): leaving at step {self.committed_step}")
+        staying = len(self.group.workers) - len(leaving)
+        if staying < max(1, self.spec.elastic.min_workers):
+            # Too few would remain: make the state durable before the node goes.
+            if self.committed_step not in [c["step"] for c in self.summary.checkpoints]:
+                self._checkpoint(final=False)
+        if staying == 0:
+            self.group.remove(leaving)
+            self._restore_all_lost()
+            return
+        self.group.remove(leaving)
+        self._reform(source_slot=self.group.workers[0].slot,
+                     reason=f"left draining node(s): world {len(self.group.workers)}")
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self, final: bool) -> None:
         step = self.committed_step
         self._transition(State.CHECKPOINTING, f"{'final' if final else 'periodic'} checkpoint at step {step}")
         try:
-            files = [f for part in ray.get([a.save_checkpoint.remote(
-                self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url, step)
-                for a in self.group.actors()]) for f in part]
+            files = self._save_checkpoint_files(step)
+            if files is None:  # the group fell back to an older checkpoint meanwhile
+                return
             if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
                 raise RuntimeError(f"injected fault before the manifest of step {step}")
             info = self.checkpointer.commit(step, files, self._checkpoint_meta())
@@ -350,6 +643,23 @@ class Supervisor:
             except Exception as exc:
                 log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)
         self._transition(State.RUNNING, f"checkpoint committed: {info.uri}")
+
+    def _save_checkpoint_files(self, step: int) -> list[dict] | None:
+        """Have a member write the state of ``step``; a writer lost mid-save is replaced by a
+        survivor (DDP replicas are equal). None when no replica holds ``step`` any more."""
+        for _ in range(3):
+            writer = self.group.workers[0]
+            ref = writer.actor.save_checkpoint.remote(self.checkpoint_root,
+                                                      self.spec.checkpoint.s3_endpoint_url, step)
+            try:
+                return self._watch(writer, ref, f"the checkpoint of step {step}")
+            except WorkerLost as lost:
+                self._rebuild_without([lost.worker], f"worker {lost.worker.slot} on node "
+                                      f"{lost.worker.node_id[:8]} {lost.reason}")
+            if self.committed_step != step:
+                return None
+            self._transition(State.CHECKPOINTING, f"checkpoint at step {step}, retried on a survivor")
+        raise TrainingFailed(f"checkpoint at step {step}: three writers were lost in a row")
 
     def _checkpoint_meta(self) -> dict:
         return {"data_cursor": self.data_cursor, "world_size": self.group.world_size,

@@ -132,8 +132,23 @@ class TrainWorker:
         starts = list(range(0, rows, micro))
         autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
                     if spec.train.precision == "bf16" else contextlib.nullcontext())
-        loss_sum = 0.0
         self.ddp.train()
+        try:
+            loss_sum = self._forward_backward(tensors, starts, micro, scale, autocast)
+        except BaseException:
+            # A peer died mid-step: this half-done step is discarded; the rebuild starts clean.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        max_norm = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_done = step + 1
+        return {"loss_sum": loss_sum, "rows": float(rows), "grad_norm": float(grad_norm), "lr": lr,
+                "compute_s": time.perf_counter() - t0}
+
+    def _forward_backward(self, tensors, starts, micro, scale, autocast) -> float:
+        loss_sum = 0.0
         for i, start in enumerate(starts):
             chunk = {k: v[start:start + micro] for k, v in tensors.items()}
             # Gradients are all-reduced once per step, on the last micro-batch.
@@ -143,13 +158,7 @@ class TrainWorker:
                     loss = self.task.loss_sum(self.ddp, chunk)
                 (loss * scale).backward()
             loss_sum += loss.item()
-        max_norm = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_done = step + 1
-        return {"loss_sum": loss_sum, "rows": float(rows), "grad_norm": float(grad_norm), "lr": lr,
-                "compute_s": time.perf_counter() - t0}
+        return loss_sum
 
     # ------------------------------------------------------------------ state
     def _state(self) -> dict[str, Any]:
@@ -157,12 +166,10 @@ class TrainWorker:
                 "step": self.step_done}
 
     def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int) -> list[dict]:
-        """Write this rank's part of the checkpoint; DDP replicas are equal, so rank 0 writes."""
+        """Write this replica's state into the checkpoint of ``step`` (data only; no manifest)."""
         from raytrain_sys.checkpoint.checkpointer import Checkpointer
         from raytrain_sys.checkpoint.store import open_store
 
-        if self.rank != 0:
-            return []
         assert self.step_done == step, f"asked to save step {step}, replica holds {self.step_done}"
         ckpt = Checkpointer(open_store(store_uri, s3_endpoint_url), keep_last=None)  # writes only
         return [ckpt.write_state(step, TRAIN_STATE_FILE, self._state())]
@@ -177,6 +184,26 @@ class TrainWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
         self.step_done = int(state["step"])
+        return self.step_done
+
+    def sync_state(self, src_rank: int) -> int:
+        """Make this replica equal to ``src_rank``'s: the survivor that holds the newest step.
+
+        Parameters go tensor by tensor (in place, so DDP and the optimizer keep their
+        references); the optimizer state, whose layout a newcomer lacks, goes as one object.
+        The schedule and dropout RNG are functions of the step, and the data cursor lives in the
+        Supervisor, so nothing else needs to travel.
+        """
+        with torch.no_grad():
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=src_rank)
+        box = [{"optim": self.optimizer.state_dict(), "step": self.step_done}
+               if self.rank == src_rank else None]
+        dist.broadcast_object_list(box, src=src_rank)
+        if self.rank != src_rank:
+            self.optimizer.load_state_dict(box[0]["optim"])
+            self.step_done = int(box[0]["step"])
+        self.optimizer.zero_grad(set_to_none=True)
         return self.step_done
 
     def parameters(self) -> dict[str, np.ndarray]:

@@ -1,15 +1,20 @@
-"""The worker group: Ray actors gang-scheduled in one placement group, all or nothing.
+"""The worker group: Ray actors, one per slot, each in a one-bundle placement group.
 
-It owns actors and their placement group; it does not decide membership or commit steps (the
-Supervisor does). ``shutdown`` leaves no actor and no placement group behind, whatever happened.
+It owns actors and their placement groups; it does not decide membership or commit steps (the
+Supervisor does). The first gang is all or nothing: every slot's placement group must be ready
+within the start timeout, or all are removed and the start fails with a clear error.
+Afterwards a slot can be added (a replacement or a newcomer, prepared in the background while
+the others train) or removed (dead, hung, or on a draining node) one at a time, which is why
+each worker has its own one-bundle placement group rather than a share of one gang-wide group.
+``shutdown`` leaves no actor and no placement group behind, whatever happened.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -31,15 +36,13 @@ def connect_ray(spec: JobSpec) -> bool:
     if ray.is_initialized():
         return False
     address = spec.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
-    # Workers import raytrain_sys from the installed package; keep their logs quiet.
-    runtime_env = {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(spec.resources.cpus_per_worker))),
-                                "TOKENIZERS_PARALLELISM": "false"}}
     if address:
         # No runtime_env here: under `ray job submit` it would replace the job's own (its
         # working_dir); workers set their thread count themselves.
         ray.init(address=address, log_to_driver=True)
         return False
     num_cpus = spec.resources.local_num_cpus or os.cpu_count() or 1
+    runtime_env = {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(spec.resources.cpus_per_worker)))}}
     # address="local" never attaches to some other cluster that happens to run on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              runtime_env=runtime_env, log_to_driver=True)
@@ -47,22 +50,30 @@ def connect_ray(spec: JobSpec) -> bool:
 
 
 @dataclass
-class WorkerHandle:
+class Worker:
+    """One slot: its actor, its placement group and where it runs."""
+
+    slot: int  # stable id for logs and tests; never reused within a run
     actor: Any
-    bundle_index: int
-    info: dict
+    pg: Any
+    info: dict = field(default_factory=dict)  # ip, node_id, pid once started
+    ready_ref: Any = None  # node_info() call that completes when the actor is up
+
+    @property
+    def node_id(self) -> str:
+        return self.info.get("node_id", "")
 
 
 class WorkerGroup:
-    def __init__(self, spec: JobSpec, num_workers: int, local_cluster: bool):
+    def __init__(self, spec: JobSpec, local_cluster: bool):
         self.spec = spec
-        self.num_workers = num_workers
         self.local_cluster = local_cluster
-        self.pg = None
-        self.workers: list[WorkerHandle] = []
+        self.workers: list[Worker] = []  # members of the current process group, rank order
+        self.pending: list[Worker] = []  # requested, not yet members
         self.generation = 0
+        self._slots = itertools.count()
 
-    # ------------------------------------------------------------------ start
+    # ------------------------------------------------------------------ resources
     def _bundle(self) -> dict[str, float]:
         r = self.spec.resources
         bundle = {"CPU": r.cpus_per_worker}
@@ -70,60 +81,110 @@ class WorkerGroup:
             bundle["GPU"] = r.gpus_per_worker
         return bundle
 
-    def _check_capacity(self) -> None:
+    def _check_capacity(self, num_workers: int) -> None:
         """Fail at once when no amount of waiting helps: a cluster we started cannot grow."""
-        bundle = self._bundle()
+        if not self.local_cluster:
+            return
         total = ray.cluster_resources()
-        for res, per_worker in bundle.items():
-            need = per_worker * self.num_workers
-            have = total.get(res, 0.0)
-            if need > have and self.local_cluster:
+        for res, per_worker in self._bundle().items():
+            need, have = per_worker * num_workers, total.get(res, 0.0)
+            if need > have:
                 raise ClusterCapacityError(
                     f"the local Ray cluster has {have:g} {res} in total but the group needs {need:g} "
-                    f"(resources.num_workers={self.num_workers} x {per_worker:g} {res} per worker): "
+                    f"(resources.num_workers={num_workers} x {per_worker:g} {res} per worker): "
                     f"lower resources.num_workers, or raise resources.local_num_cpus / connect to a "
                     f"bigger cluster with resources.ray_address")
 
-    def start(self) -> None:
-        self._check_capacity()
-        bundles = [self._bundle() for _ in range(self.num_workers)]
-        self.pg = placement_group(bundles, strategy=self.spec.resources.placement_strategy,
-                                  name=f"raytrain-sys:{self.spec.name}")
+    def request(self) -> Worker:
+        """Ask for one more worker; it starts in the background (see ``ready_pending``)."""
+        slot = next(self._slots)
+        pg = placement_group([self._bundle()], strategy="STRICT_PACK",
+                             name=f"raytrain-sys:{self.spec.name}:{slot}")
+        r = self.spec.resources
+        actor = TrainWorker.options(
+            num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                 placement_group_bundle_index=0),
+        ).remote(self.spec.to_dict())
+        worker = Worker(slot, actor, pg, ready_ref=actor.node_info.remote())
+        self.pending.append(worker)
+        return worker
+
+    def ready_pending(self, timeout_s: float = 0.0) -> list[Worker]:
+        """Pending workers whose actor is up, moved out of ``pending`` (not yet members)."""
+        if not self.pending:
+            return []
+        refs = [w.ready_ref for w in self.pending]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready = []
+        for w in list(self.pending):
+            if w.ready_ref in done:
+                try:
+                    w.info = ray.get(w.ready_ref)
+                except ray.exceptions.RayError as exc:  # died while starting: drop, ask again later
+                    log.warning("worker slot %d failed to start: %s", w.slot, exc)
+                    self.pending.remove(w)
+                    self._release(w)
+                    continue
+                self.pending.remove(w)
+                ready.append(w)
+        return ready
+
+    def start(self, num_workers: int) -> None:
+        """The first gang: all ``num_workers`` up within the start timeout, or none."""
+        self._check_capacity(num_workers)
+        for _ in range(num_workers):
+            self.request()
         timeout = self.spec.resources.start_timeout_s
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
-        if not ready:
-            total = ray.cluster_resources()
-            avail = ray.available_resources()
+        pgs = [w.pg.ready() for w in self.pending]
+        ready, _ = ray.wait(pgs, num_returns=len(pgs), timeout=timeout)
+        if len(ready) < len(pgs):
+            total, avail = ray.cluster_resources(), ray.available_resources()
             self.shutdown()
             raise ClusterCapacityError(
-                f"the cluster could not hold {self.num_workers} workers x {self._bundle()} within "
+                f"the cluster could not hold {num_workers} workers x {self._bundle()} within "
                 f"{timeout:g} s (resources.start_timeout_s); cluster total CPU={total.get('CPU', 0):g} "
                 f"GPU={total.get('GPU', 0):g}, available CPU={avail.get('CPU', 0):g}: lower "
                 f"resources.num_workers or add nodes")
-        r = self.spec.resources
-        spec_dict = self.spec.to_dict()
-        for i in range(self.num_workers):
-            actor = TrainWorker.options(
-                num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i),
-                name=None,
-            ).remote(spec_dict)
-            self.workers.append(WorkerHandle(actor, i, {}))
-        infos = ray.get([w.actor.node_info.remote() for w in self.workers], timeout=timeout + 60)
-        for w, info in zip(self.workers, infos):
-            w.info = info
+        started = self.ready_pending(timeout_s=timeout + 60)
+        if len(started) < num_workers:
+            self.shutdown()
+            raise ClusterCapacityError(f"only {len(started)} of {num_workers} workers started")
+        self.workers = started
+
+    # ------------------------------------------------------------------ membership
+    def remove(self, workers: list[Worker]) -> None:
+        """Kill and release workers (dead, hung or draining); the others keep running."""
+        for w in workers:
+            if w in self.workers:
+                self.workers.remove(w)
+            if w in self.pending:
+                self.pending.remove(w)
+            self._release(w)
+
+    def add(self, workers: list[Worker]) -> None:
+        self.workers.extend(workers)
+
+    def _release(self, w: Worker) -> None:
+        try:
+            ray.kill(w.actor, no_restart=True)
+        except Exception:  # already dead
+            pass
+        try:
+            remove_placement_group(w.pg)
+        except Exception:
+            pass
 
     # ------------------------------------------------------------------ process group
-    def form_process_group(self) -> None:
-        """New generation: a fresh master port on rank 0's node, every rank (re)joins."""
+    def form_process_group(self, timeout_s: float = 120.0) -> None:
+        """New generation: a fresh master port on rank 0's node; every member (re)joins."""
         self.generation += 1
         master = self.workers[0]
-        port = ray.get(master.actor.free_port.remote())
+        port = ray.get(master.actor.free_port.remote(), timeout=timeout_s)
         refs = [w.actor.setup_group.remote(rank, len(self.workers), master.info["ip"], port,
                                            self.generation)
                 for rank, w in enumerate(self.workers)]
-        results = ray.get(refs, timeout=max(120.0, self.spec.resources.start_timeout_s))
+        results = ray.get(refs, timeout=timeout_s)
         log.info("process group generation %d formed: world=%d backend=%s master=%s:%d",
                  self.generation, len(self.workers), results[0]["backend"], master.info["ip"], port)
 
@@ -136,15 +197,6 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ end
     def shutdown(self) -> None:
-        for w in self.workers:
-            try:
-                ray.kill(w.actor, no_restart=True)
-            except Exception:  # already dead
-                pass
-        self.workers = []
-        if self.pg is not None:
-            try:
-                remove_placement_group(self.pg)
-            except Exception:
-                pass
-            self.pg = None
+        for w in self.workers + self.pending:
+            self._release(w)
+        self.workers, self.pending = [], []
