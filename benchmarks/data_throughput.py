@@ -1,0 +1,194 @@
+"""Data-plane throughput: rows/s and CPU-seconds per GB over the same files, three ways.
+
+  pyarrow       raw pyarrow: read each Parquet shard, tokens column to numpy, torch.from_numpy per
+                batch of B rows. No shuffle, no Ray: the floor.
+  raytrain-sys  our DataPlane: Ray Data map_batches over plan windows (seek by row group, seeded
+                block + window shuffle), global batches sliced by cursor, torch.from_numpy.
+  ray-data      Ray Data's plain path: read_parquet + streaming_split(1) + iter_torch_batches
+                (tokens decoded in collate_fn), no shuffle.
+
+One epoch each, in one run, on a local Ray cluster this script starts (so every Ray process is
+its descendant). CPU seconds are summed over this process and all its descendants (raylet, Ray
+workers), from psutil, so other users of a loaded machine do not count. GB = delivered token
+bytes (rows x row_len), not compressed file bytes. Also: time to the first batch of a fresh
+DataPlane at 0% and at 90% of an epoch (resume seeks; best of 3).
+
+    .venv/bin/python benchmarks/data_throughput.py                 # ~12 MB of stdlib source
+    .venv/bin/python benchmarks/data_throughput.py --max-bytes 4000000 --quick
+
+Results go to benchmarks/results/data_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow.parquet as pq
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from raytrain_sys.data.plane import DataPlane  # noqa: E402
+from raytrain_sys.data.prepare import prepare_text_dataset  # noqa: E402
+from raytrain_sys.data.shards import read_manifest  # noqa: E402
+
+
+class CpuMeter:
+    """CPU seconds of this process and all its descendants since start()."""
+
+    def _snapshot(self) -> dict[int, float]:
+        me = psutil.Process()
+        out = {}
+        for p in [me] + me.children(recursive=True):
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        return out
+
+    def start(self) -> None:
+        self.t0, self.before = time.perf_counter(), self._snapshot()
+
+    def stop(self) -> tuple[float, float]:
+        after = self._snapshot()
+        cpu = sum(v - self.before.get(pid, 0.0) for pid, v in after.items())
+        return time.perf_counter() - self.t0, cpu
+
+
+def run_pyarrow(path: str, manifest, batch: int) -> int:
+    rows = 0
+    for shard in manifest.shards:
+        col = pq.read_table(os.path.join(path, shard.path), columns=["tokens"]).column("tokens")
+        arr = col.combine_chunks()
+        tokens = np.frombuffer(arr.buffers()[1], dtype=np.uint8)[
+            arr.offset * manifest.row_len:(arr.offset + len(arr)) * manifest.row_len
+        ].reshape(len(arr), manifest.row_len)
+        for i in range(0, len(tokens), batch):
+            t = torch.from_numpy(tokens[i:i + batch])
+            rows += t.shape[0]
+    return rows
+
+
+def run_plane(path: str, manifest, batch: int, window: int) -> int:
+    steps = manifest.num_rows // batch
+    plane = DataPlane(path, manifest, 0, window, 256, batch, end_position=steps * batch)
+    rows = 0
+    try:
+        for step in range(steps):
+            cols, _ = plane.global_batch(step * batch)
+            rows += torch.from_numpy(cols["tokens"]).shape[0]
+    finally:
+        plane.close()
+    return rows
+
+
+def run_ray_data(path: str, manifest, batch: int) -> int:
+    import ray.data
+
+    row_len = manifest.row_len
+
+    def collate(b):
+        return torch.from_numpy(np.frombuffer(b"".join(b["tokens"]), dtype=np.uint8).reshape(-1, row_len))
+
+    files = [os.path.join(path, s.path) for s in manifest.shards]
+    it = ray.data.read_parquet(files).streaming_split(1)[0]
+    rows = 0
+    for t in it.iter_torch_batches(batch_size=batch, collate_fn=collate):
+        rows += t.shape[0]
+    return rows
+
+
+def first_batch_s(path: str, manifest, cursor: int, batch: int, window: int) -> float:
+    plane = DataPlane(path, manifest, 0, window, 256, batch, end_position=2 * manifest.num_rows)
+    try:
+        t0 = time.perf_counter()
+        plane.global_batch(cursor)
+        return time.perf_counter() - t0
+    finally:
+        plane.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-bytes", type=int, default=12_000_000)
+    ap.add_argument("--batch", type=int, default=32, help="global batch (jobs/tinygpt.yaml's)")
+    ap.add_argument("--window", type=int, default=4096, help="shuffle window (tinygpt's)")
+    ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")
+    ap.add_argument("--quick", action="store_true", help="one repeat per variant")
+    ap.add_argument("--out", default=str(HERE / "results" / "data_throughput.json"))
+    args = ap.parse_args()
+    os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="rts-bench-data-")
+    path = os.path.join(tmp, "stdlib")
+    prepare_text_dataset(path, row_len=129, max_bytes=args.max_bytes)
+    manifest = read_manifest(path)
+    gb = manifest.num_rows * manifest.row_len / 1e9
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="rts-ray-", dir="/tmp"))
+    ray.data.DataContext.get_current().enable_progress_bars = False
+
+    variants = {
+        "pyarrow": lambda: run_pyarrow(path, manifest, args.batch),
+        "raytrain-sys": lambda: run_plane(path, manifest, args.batch, args.window),
+        "ray-data": lambda: run_ray_data(path, manifest, args.batch),
+    }
+    repeats = 1 if args.quick else 2
+    results = {}
+    meter = CpuMeter()
+    for name, fn in variants.items():
+        fn() if not args.quick else None  # warm-up: worker processes, page cache
+        best = None
+        for _ in range(repeats):
+            meter.start()
+            rows = fn()
+            wall, cpu = meter.stop()
+            if best is None or wall < best["wall_s"]:
+                best = {"rows": rows, "wall_s": wall, "cpu_s": cpu, "rows_per_s": rows / wall,
+                        "cpu_s_per_gb": cpu / (rows * manifest.row_len / 1e9)}
+        results[name] = best
+    ttfb = {pct: min(first_batch_s(path, manifest, int(pct / 100 * manifest.num_rows), args.batch,
+                                   args.window) for _ in range(3)) for pct in (0, 90)}
+    ray.shutdown()
+
+    base = results["pyarrow"]
+    print(f"{manifest.num_rows} rows x {manifest.row_len} tokens ({gb * 1000:.0f} MB delivered), "
+          f"{len(manifest.shards)} shards, batch {args.batch}, window {args.window}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'variant':14s} {'rows/s':>10s} {'x pyarrow':>10s} {'CPU s/GB':>10s} {'x pyarrow':>10s}")
+    for name, r in results.items():
+        print(f"{name:14s} {r['rows_per_s']:10,.0f} {r['rows_per_s'] / base['rows_per_s']:10.2f} "
+              f"{r['cpu_s_per_gb']:10.1f} {r['cpu_s_per_gb'] / base['cpu_s_per_gb']:10.2f}")
+    print(f"time to first batch: {ttfb[0]:.2f} s at 0%, {ttfb[90]:.2f} s at 90% of the epoch")
+    tinygpt = None
+    ddp = HERE / "results" / "ddp_overhead.json"
+    if ddp.exists():
+        try:
+            tps = json.loads(ddp.read_text())["results"]["raytrain-sys"]["tokens_per_s"]
+            tinygpt = tps / 128  # rows/s the default job consumes (block_size 128)
+            print(f"default tinygpt job consumes ~{tinygpt:,.0f} rows/s (from {ddp.name}); "
+                  f"our plane serves {results['raytrain-sys']['rows_per_s'] / tinygpt:,.0f}x that")
+        except (KeyError, ValueError, TypeError):
+            pass
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "rows": manifest.num_rows, "row_len": manifest.row_len, "batch": args.batch,
+        "window": args.window, "variants": results, "first_batch_s": ttfb,
+        "tinygpt_rows_per_s": tinygpt, "loadavg_1m": os.getloadavg()[0], "quick": args.quick,
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
