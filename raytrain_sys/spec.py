@@ -27,11 +27,11 @@ class ModelSpec:
     name: str = "gpt"  # key in raytrain_sys.models.MODEL_BUILDERS
     vocab_size: int = 256  # byte-level tokens
     block_size: int = 128  # context length in tokens
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
+    n_layer: int = 4  # transformer blocks (GPT) or conv layers (CNN)
+    n_head: int = 4  # attention heads; must divide n_embd (and be divisible by parallel.tp)
+    n_embd: int = 128  # model width (GPT) or conv channels (CNN)
     dropout: float = 0.0  # 0 keeps runs bitwise reproducible without saving dropout masks
-    bias: bool = False
+    bias: bool = False  # biases in Linear/LayerNorm; off is a little faster and as good (nanoGPT)
 
 
 @dataclass
@@ -50,12 +50,12 @@ class DataSpec:
 
 @dataclass
 class TrainSpec:
-    max_steps: int = 300
+    max_steps: int = 300  # optimizer steps of the whole run (the LR schedule spans them)
     global_batch_size: int = 32  # rows per optimizer step, constant whatever the world size
     micro_batch_size: int = 0  # rows per forward pass on a rank; 0 = the rank's whole share
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp64 (numerics checks: no rounding noise)
     seed: int = 1234  # model init and dropout
-    log_every_steps: int = 10
+    log_every_steps: int = 10  # progress lines and summary.json throughput refresh
     step_timeout_s: float = 600.0  # a step slower than this is treated as a hung worker
     stop_at_step: int = 0  # pause: stop after this many committed steps, with a checkpoint; 0 = run on
 
@@ -135,14 +135,14 @@ class ParallelSpec:
 
 @dataclass
 class OptimSpec:
-    name: str = "adamw"
-    lr: float = 3e-3
+    name: str = "adamw"  # decoupled weight decay; the usual choice for transformers
+    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    warmup_steps: int = 20  # linear warmup from 0, then cosine decay to lr * min_lr_ratio
+    weight_decay: float = 0.1  # on parameters of 2+ dims only (matrices, embeddings); never biases or norms
+    beta1: float = 0.9  # Adam first-moment decay
+    beta2: float = 0.95  # second-moment decay; 0.95 is steadier than 0.999 for LMs (GPT-3)
+    eps: float = 1e-8  # Adam denominator floor
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
 
@@ -153,7 +153,7 @@ class CheckpointSpec:
     keep_last: int = 3  # older complete checkpoints are deleted; the newest never is
     s3_endpoint_url: str = ""  # "" uses AWS_ENDPOINT_URL or AWS's default
     resume_from: str = ""  # "" = fresh start, "latest" = newest complete in uri, or a URI
-    save_on_exit: bool = True
+    save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
 
 
 @dataclass
@@ -162,26 +162,26 @@ class ElasticSpec:
     min_workers: int = 1  # below this the run waits for workers, then stops with a checkpoint
     max_workers: int = 0  # grow up to this when the cluster gains room; 0 = resources.num_workers
     max_failures: int = 20  # membership failures tolerated per failure_window_s
-    failure_window_s: float = 3600.0
+    failure_window_s: float = 3600.0  # the sliding window elastic.max_failures counts in
     below_min_timeout_s: float = 300.0  # wait this long for workers when below min_workers
     hang_floor_s: float = 30.0  # a step is "hung" after max(this, hang_factor x median step time)
-    hang_factor: float = 10.0
+    hang_factor: float = 10.0  # see hang_floor_s
     drain_poll_s: float = 1.0  # how often draining (preempted) nodes are looked up
 
 
 @dataclass
 class TrackingSpec:
-    enabled: bool = True
+    enabled: bool = True  # false: no MLflow at all (summary.json is still written)
     uri: str = ""  # "" = sqlite:///<output_dir>/mlflow.db; or http://host:port of mlflow server
-    experiment: str = "raytrain-sys"
+    experiment: str = "raytrain-sys"  # MLflow experiment, created if missing
     run_name: str = ""  # "" = the job name plus a timestamp
 
 
 @dataclass
 class ResourcesSpec:
-    num_workers: int = 2
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
+    num_workers: int = 2  # workers at the start: one Ray actor per GPU or CPU slot
+    cpus_per_worker: float = 1.0  # also the worker's torch thread count
+    gpus_per_worker: float = 0.0  # > 0 on a CUDA machine selects NCCL (parallel.backend auto)
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     start_timeout_s: float = 60.0  # wait this long for the cluster to hold the whole group
     ray_address: str = ""  # "" = RAY_ADDRESS or a running job's cluster, else start a local one

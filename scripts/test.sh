@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Runs the test suite. FAST=1 deselects the slow multi-node / end-to-end tests.
+# Installs (into ./.venv, if needed) and runs the test suite.
+#   FAST=1          deselect the slow multi-node chaos / long end-to-end tests
+#   SKIP_INSTALL=1  use the active Python environment as it is
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_order.py -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${SKIP_INSTALL:-0}" != "1" ]; then
+    bash scripts/install.sh dev
+    # shellcheck disable=SC1091
+    . .venv/bin/activate
+fi
 args=(-q -p no:cacheprovider --durations=15)
 if [ "${FAST:-0}" = "1" ]; then args+=(-m "not slow"); fi
+if [ "$#" -eq 0 ]; then args+=(tests notebooks --nbmake); fi
 exec python -m pytest "${args[@]}" "$@"

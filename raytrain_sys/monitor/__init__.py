@@ -1,0 +1,5 @@
+"""Watching a run: a live view for notebooks (the CLI's terminal bar lives in raytrain_sys.cli)."""
+
+from raytrain_sys.monitor.live import LiveView
+
+__all__ = ["LiveView"]

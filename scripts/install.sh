@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs raytrain-sys into ./.venv (created if missing). `install.sh dev` adds the test tools.
+# Safe to re-run: pip only checks what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extra=""
+if [ "${1:-}" = "dev" ]; then extra="[dev]"; fi
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+quiet=(-q --disable-pip-version-check)
+# torch first and pinned: 2.13.0 resolves to the CPU wheel on these machines, while an open range
+# (or a bare `torch` pulled in by another package) would download a multi-GB CUDA build.
+pip install "${quiet[@]}" torch==2.13.0 2>&1 | grep -v "WARNING: Location" || true
+pip install "${quiet[@]}" -e ".${extra}" 2>&1 | grep -v "WARNING: Location" || true
+python -c "import torch, ray, mlflow, pyarrow; print('installed: torch', torch.__version__, '| ray', ray.__version__, '| mlflow', mlflow.__version__, '| pyarrow', pyarrow.__version__)"
