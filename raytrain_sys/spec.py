@@ -12,6 +12,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -280,6 +281,9 @@ def _type_name(tp: Any) -> str:
     )
 
 
+_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def _coerce(path: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; allow int where float is expected."""
     if dataclasses.is_dataclass(tp):
@@ -292,6 +296,10 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         arms = [a for a in typing.get_args(tp) if a is not type(None)]
         return _coerce(path, value, arms[0])
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
+        # PyYAML follows YAML 1.1, where `3e-3` (no dot) is a string; YAML 1.2 and every user
+        # read it as a number.
         return float(value)
     if tp is int and isinstance(value, bool):
         raise SpecError(path, f"got {value!r}; expected {_type_name(tp)}")
