@@ -67,6 +67,16 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
               f"(+ {manifest.extra.get('val_num_rows', 0)} in {out}/val; content hash "
               f"{manifest.content_hash})")
         return 0
+    if args.format == "documents":
+        from raytrain_sys.data.prepare import prepare_documents_dataset
+
+        out = args.out if args.out != "data/stdlib" else "data/stdlib-docs"
+        manifest = prepare_documents_dataset(out, sources=args.source or None,
+                                             max_bytes=args.max_bytes, overwrite=args.overwrite)
+        print(f"wrote {len(manifest.shards)} shards, {manifest.num_rows} documents "
+              f"({manifest.extra['num_tokens']} tokens) to {out} (content hash "
+              f"{manifest.content_hash}); train with data.sequences: pack, pack_masked or bucket")
+        return 0
     manifest = prepare_text_dataset(args.out, sources=args.source or None, row_len=args.row_len,
                                     rows_per_shard=args.rows_per_shard, max_bytes=args.max_bytes,
                                     overwrite=args.overwrite)
@@ -129,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--rows-per-shard", type=int, default=8192)
     pd.add_argument("--max-bytes", type=int, default=24_000_000, help="corpus cap; 0 = no cap")
     pd.add_argument("--overwrite", action="store_true")
-    pd.add_argument("--format", choices=("parquet", "webdataset"), default="parquet",
-                    help="parquet: token rows from text; webdataset: image+label tar shards "
-                         "(--source digits, written to data/digits unless --out is given)")
+    pd.add_argument("--format", choices=("parquet", "documents", "webdataset"), default="parquet",
+                    help="parquet: token rows from text; documents: one variable-length token row "
+                         "per file, for data.sequences pack/pack_masked/bucket (written to "
+                         "data/stdlib-docs unless --out is given); webdataset: image+label tar "
+                         "shards (--source digits, written to data/digits unless --out is given)")
     pd.set_defaults(func=_cmd_prepare)
 
     sp = sub.add_parser("sample", help="generate text from a checkpoint")

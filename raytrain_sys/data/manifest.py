@@ -18,6 +18,10 @@ MANIFEST_NAME = "manifest.json"
 TOKENS_FORMAT = "raytrain-sys/tokens-v1"  # parquet, one fixed-size binary column "tokens"
 # tar shards + a seek index per shard (<shard>.idx); extra["fields"] maps column -> member extension
 WEBDATASET_FORMAT = "raytrain-sys/webdataset-v1"
+# parquet, one variable-length binary column "tokens", a document per row (row groups = shuffle
+# blocks); extra["document_lengths"] = {path, num_bytes, sha256} of a side file holding every
+# document's token count (little-endian uint32, sample id order), so plans never read the shards
+DOCUMENTS_FORMAT = "raytrain-sys/documents-v1"
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class ShardInfo:
 @dataclass(frozen=True)
 class DatasetManifest:
     format: str
-    row_len: int  # tokens per row (model block_size + 1 for next-token targets); 0 for samples
+    row_len: int  # tokens per row (model block_size + 1 for next-token targets); 0 for samples, documents
     shards: tuple[ShardInfo, ...]
     source: str = ""
     extra: dict = field(default_factory=dict)

@@ -271,6 +271,150 @@ def prepare_text_dataset(
     return manifest
 
 
+# ----------------------------------------------------------------------------- documents
+
+DOC_GROUP_ROWS = 16  # documents per row group = data.shuffle_block_rows for a documents dataset
+DOCUMENT_LENGTHS_NAME = "document_lengths.u32"
+
+
+class _DocumentShardWriter:
+    """Fills shard-NNNNN.parquet files with one document per row, docs_per_shard at a time."""
+
+    def __init__(self, out_dir: Path, docs_per_shard: int):
+        self.out_dir, self.docs_per_shard = out_dir, docs_per_shard
+        self.pending: list[bytes] = []
+        self.shards: list[ShardInfo] = []
+        self.lengths: list[int] = []
+
+    def add(self, document: bytes) -> None:
+        self.pending.append(document)
+        self.lengths.append(len(document))
+        if len(self.pending) == self.docs_per_shard:
+            self._write()
+
+    def close(self) -> list[ShardInfo]:
+        if self.pending:
+            self._write()
+        return self.shards
+
+    def _write(self) -> None:
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.table({"tokens": pa.array(self.pending, type=pa.binary())}), sink,
+                       row_group_size=DOC_GROUP_ROWS,  # a permuted block of documents = one read
+                       compression="zstd", use_dictionary=False, write_statistics=False)
+        blob = sink.getvalue().to_pybytes()
+        name = f"shard-{len(self.shards):05d}.parquet"
+        _write_atomic(self.out_dir / name, blob)
+        self.shards.append(ShardInfo(path=name, num_rows=len(self.pending), num_bytes=len(blob),
+                                     sha256=hashlib.sha256(blob).hexdigest()))
+        self.pending = []
+
+    def write_lengths(self) -> dict:
+        """The length index, little-endian uint32 per document in sample id order."""
+        import numpy as np
+
+        if self.lengths and max(self.lengths) >= 2**32:
+            raise DataError("a document of 4 GiB or more does not fit the uint32 length index")
+        blob = np.asarray(self.lengths, dtype="<u4").tobytes()
+        _write_atomic(self.out_dir / DOCUMENT_LENGTHS_NAME, blob)
+        return {"path": DOCUMENT_LENGTHS_NAME, "num_bytes": len(blob),
+                "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+def prepare_documents_dataset(
+    out_dir: str,
+    sources: list[str] | None = None,
+    docs_per_shard: int = 256,  # stdlib files average ~14 KB: ~3.5 MB of tokens per shard
+    max_bytes: int = 0,
+    val_fraction: float = 0.0,
+    overwrite: bool = False,
+) -> DatasetManifest:
+    """Write a documents dataset to out_dir and return its manifest.
+
+    One document per source file: its raw bytes then FILE_SEPARATOR (the end-of-document token),
+    files in the same sorted order and under the same max_bytes cap (the last document cut there)
+    as ``prepare_text_dataset``. Documents keep their own lengths: packing or length bucketing
+    makes rows of them at training time (``data.sequences``), for any block_size. Shards first,
+    then the length index, the manifest last. val_fraction: the last documents go to
+    ``<out_dir>/val``, a documents dataset of their own.
+    """
+    from raytrain_sys.data.manifest import DOCUMENTS_FORMAT
+
+    if docs_per_shard < 1:
+        raise DataError(f"docs_per_shard must be positive, got {docs_per_shard}")
+    if max_bytes < 0:
+        raise DataError(f"max_bytes must be 0 (no cap) or positive, got {max_bytes}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    out = Path(out_dir).expanduser()
+    val_out = out / VAL_DIR
+    if (out / MANIFEST_NAME).exists() and not overwrite:
+        raise DataError(f"{out} already holds a dataset ({MANIFEST_NAME}); choose another "
+                        f"directory or pass overwrite=True (--overwrite)")
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    (val_out / MANIFEST_NAME).unlink(missing_ok=True)
+
+    if sources is None:
+        files = stdlib_source_files()
+        source = f"python {sys.version.split()[0]} stdlib ({sysconfig.get_paths()['stdlib']})"
+    else:
+        files = [f for s in sources for f in _files_of(s)]
+        source = ", ".join(str(s) for s in sources)
+    if not files:
+        raise DataError(f"no source files found in {source or 'the given sources'}")
+    # How many documents the cap keeps decides the train/val boundary before any byte is read.
+    num_docs, total = 0, 0
+    for f in files:
+        num_docs += 1
+        total += f.stat().st_size + 1
+        if max_bytes and total >= max_bytes:
+            break
+    val_docs = max(1, int(num_docs * val_fraction)) if val_fraction else 0
+    train_docs = num_docs - val_docs
+    if train_docs < 1:
+        raise DataError(f"{source}: {num_docs} documents leave none for training; add sources")
+
+    out.mkdir(parents=True, exist_ok=True)
+    train = _DocumentShardWriter(out, docs_per_shard)
+    val = None
+    if val_docs:
+        val_out.mkdir(exist_ok=True)
+        val = _DocumentShardWriter(val_out, docs_per_shard)
+    seen = 0
+    for document in _byte_stream(files, max_bytes):
+        (train if seen < train_docs else val).add(document)
+        seen += 1
+    if seen != num_docs:
+        raise DataError(f"{source}: files changed while being read ({seen} documents read, "
+                        f"{num_docs} expected); run prepare-data again")
+
+    extra = {"separator_byte": FILE_SEPARATOR, "num_files": num_docs, "max_bytes": max_bytes,
+             "docs_per_shard": docs_per_shard}
+    if val is not None:
+        val_shards = val.close()
+        val_manifest = DatasetManifest(
+            format=DOCUMENTS_FORMAT, row_len=0, shards=tuple(val_shards),
+            source=f"{source} [val split]",
+            extra={**extra, "split": "val", "num_tokens": sum(val.lengths),
+                   "document_lengths": val.write_lengths()})
+        _write_atomic(val_out / MANIFEST_NAME, val_manifest.to_json().encode())
+        _remove_stale_shards(val_out, {s.path for s in val_shards})
+        extra["val_path"], extra["val_num_rows"] = VAL_DIR, val_docs
+    else:
+        _remove_stale_shards(val_out, set())
+        (val_out / DOCUMENT_LENGTHS_NAME).unlink(missing_ok=True)
+        if val_out.is_dir() and not any(val_out.iterdir()):
+            val_out.rmdir()
+    train_shards = train.close()
+    manifest = DatasetManifest(format=DOCUMENTS_FORMAT, row_len=0, shards=tuple(train_shards),
+                               source=source,
+                               extra={**extra, "split": "train", "num_tokens": sum(train.lengths),
+                                      "document_lengths": train.write_lengths()})
+    _write_atomic(out / MANIFEST_NAME, manifest.to_json().encode())
+    _remove_stale_shards(out, {s.path for s in train_shards})
+    return manifest
+
+
 # ----------------------------------------------------------------------------- read
 
 def verify_shards(root: str | Path, manifest: DatasetManifest) -> None:
