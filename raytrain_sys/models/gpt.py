@@ -45,7 +45,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """attn_mask: None for plain causal attention, else a boolean (B, 1, T, T), True = attend."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
@@ -53,7 +54,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout if self.training else 0.0,
+            is_causal=attn_mask is None,  # an explicit mask already holds the causal triangle
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
@@ -79,8 +81,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attn_mask=attn_mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -144,15 +146,28 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx: (B, T) token ids, T <= block_size. Returns logits (B, T, vocab_size)."""
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx: (B, T) token ids, T <= block_size. Returns logits (B, T, vocab_size).
+
+        For rows that hold several documents (packing), both optional (B, T) tensors:
+        position_ids, each token's position in its document (default 0..T-1), so a document sees
+        the positions it would see alone; document_ids, so a token attends only to earlier tokens
+        of its own document (a block-diagonal causal mask) and never to another document's.
+        """
         B, T = idx.size()
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
-        pos = torch.arange(0, T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        if position_ids is None:
+            position_ids = torch.arange(0, T, dtype=torch.long, device=idx.device)
+        attn_mask = None
+        if document_ids is not None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            same_doc = document_ids[:, :, None] == document_ids[:, None, :]
+            attn_mask = (same_doc & causal)[:, None]  # (B, 1, T, T): the same for every head
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(position_ids))
         for block in self.transformer.h.values():
-            x = block(x)
+            x = block(x, attn_mask=attn_mask)
         x = self.transformer.ln_f(x)
         return self.lm_head(x)
 

@@ -27,17 +27,53 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
 
 
 class NextToken:
-    """Language modelling: rows of T+1 tokens, predict token t+1 from tokens <= t."""
+    """Language modelling: rows of T+1 tokens, predict token t+1 from tokens <= t.
+
+    Rows made of documents (``data.sequences``) carry more columns, which this task reads and the
+    rest of the system just slices with the rows: ``num_tokens``, the real tokens of each row (the
+    padding after them is never a target), and for pack_masked ``doc_ids``, the document of every
+    token: positions restart at each document, attention stays inside it, and no document's
+    first token is predicted from the one before it, so a packed row trains exactly as its
+    documents would alone.
+    """
 
     def units(self, batch: dict[str, np.ndarray]) -> int:
         tokens = batch["tokens"]
-        return int(tokens.shape[0] * (tokens.shape[1] - 1))
+        if "num_tokens" not in batch:
+            return int(tokens.shape[0] * (tokens.shape[1] - 1))
+        valid = np.arange(1, tokens.shape[1])[None, :] < batch["num_tokens"][:, None]
+        if "doc_ids" in batch:
+            valid &= batch["doc_ids"][:, 1:] == batch["doc_ids"][:, :-1]
+        return int(valid.sum())
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         rows = batch["tokens"].long()
-        logits = _at_least_fp32(model(rows[:, :-1]))
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), rows[:, 1:].reshape(-1),
-                               reduction="sum")
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        kwargs = {}
+        if "num_tokens" in batch:
+            # The same targets units() counts: a real next token, in the same document.
+            steps = torch.arange(1, rows.size(1), device=rows.device)
+            valid = steps[None, :] < batch["num_tokens"][:, None]
+            if "doc_ids" in batch:
+                docs = batch["doc_ids"]
+                valid &= docs[:, 1:] == docs[:, :-1]
+                kwargs = {"position_ids": document_positions(docs[:, :-1]),
+                          "document_ids": docs[:, :-1]}
+            targets = targets.masked_fill(~valid, -100)
+        logits = _at_least_fp32(model(inputs, **kwargs))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> each token's position counted from its document's first token in
+    the row (a document continued from the previous row starts again at 0: it cannot see it)."""
+    B, T = doc_ids.shape
+    steps = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.cummax(torch.where(starts, steps, torch.zeros_like(steps)), dim=1).values
+    return steps - first
 
 
 class Classify:
