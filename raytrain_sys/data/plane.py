@@ -1,7 +1,7 @@
 """The data plane: Ray Data reads and permutes windows; the driver deals global batches.
 
 Ray Data runs the reading (and preprocessing) as tasks that may land on CPU-only nodes. The order
-never comes from Ray Data's scheduling: each task computes a whole window of the plan in
+never comes from Ray Data's scheduling: each task computes whole windows of the plan in
 ``raytrain_sys.data.order``, and the stream is consumed with ``preserve_order``. The driver keeps a
 small cache of windows keyed by their global index ``g = epoch * windows_per_epoch + window`` and
 slices a step's global batch out of it by cursor. Prefetched windows are never "consumed": only
@@ -9,8 +9,19 @@ the Supervisor's committed cursor moves, so a failed step re-reads the same rows
 seeks straight to the cursor's window (shard + row group / byte offset, never read-and-drop).
 
 Both formats (Parquet token rows, WebDataset tar samples) go through the same
-``map_batches(read_windows)`` over window descriptors; ``shards.read_columns`` reads a segment of
-either by seeking.
+``map_batches(read_windows)`` over chunks of consecutive windows; ``shards.read_segments`` reads
+segments of either by seeking (token shards once per shard for a whole chunk).
+
+Sequences (``data.sequences``): a documents dataset has no rows of its own. Its windows are
+windows of documents, and the task that reads one makes its rows (``order.DocumentEpoch``):
+``pack`` and ``pack_masked`` concatenate the window's documents and cut rows of ``row_len``
+tokens, ``bucket`` cuts each document into rows and groups rows of similar length. The rows of a
+window are a pure function of the document lengths, read once from the dataset's length index, so
+the stream positions, the cursor and the seek work as for stored rows. Columns delivered beside
+``tokens``: ``num_tokens`` (real tokens per row, the rest is padding, loss-masked) and, for
+``pack_masked``, ``doc_ids`` (the document of every token, -1 for padding), from which the task
+restarts positions and masks attention at document boundaries. A ``bucket`` global batch is
+trimmed to its longest row.
 
 Bad shards (``data.on_bad_shard``):
 - ``fail``: the first read error stops the run with the shard, the data cursor and the step.
@@ -31,7 +42,6 @@ from __future__ import annotations
 import bisect
 import json
 import logging
-import math
 import os
 import time
 from typing import Callable, Iterator
@@ -39,14 +49,22 @@ from typing import Callable, Iterator
 import numpy as np
 
 from raytrain_sys.data import order
-from raytrain_sys.data.manifest import DatasetManifest
-from raytrain_sys.data.shards import BadShardError, read_columns
+from raytrain_sys.data.manifest import TOKENS_FORMAT, DatasetManifest
+from raytrain_sys.data.shards import (BadShardError, read_document_index, read_documents,
+                                      read_segments)
 from raytrain_sys.errors import DataError, find_user_error
 
 log = logging.getLogger(__name__)
 
 SKIP_LOG_FILE = "skipped_samples.jsonl"
 BAD_SHARD_POLICIES = ("fail", "skip")
+# rows: the dataset's stored rows. The others make rows of a documents dataset's documents.
+SEQUENCES = ("rows", "pack", "pack_masked", "bucket")
+# Bytes of rows per Ray Data block (a chunk of windows). Each block costs tens of milliseconds of
+# latency and of driver CPU in Ray Data's executor (measured on 2 cores: ~40 ms and ~17 ms), more
+# than reading a 0.5 MB window; 16 MiB makes that a few percent, stays far below Ray Data's
+# 128 MiB block split, and bounds the driver's cache.
+CHUNK_BYTES = 16 * 2**20
 
 
 def window_layout(plan: order.EpochPlan, w: int) -> tuple[list[order.Segment], np.ndarray, np.ndarray]:
@@ -67,14 +85,14 @@ def kept_rows(shard_of_row: np.ndarray, raw_start: int, skips: dict[int, int]) -
     return keep
 
 
-def read_window(dataset_uri: str, manifest: DatasetManifest, plan: order.EpochPlan, w: int,
-                raw_start: int, skips: dict[int, int], start: int = 0,
-                s3_endpoint_url: str = "") -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The kept rows of window ``w`` from training-order index ``start`` on: (columns, sample ids).
+def window_reads(plan: order.EpochPlan, w: int, raw_start: int, skips: dict[int, int],
+                 start: int = 0) -> tuple[list[order.Segment], np.ndarray, np.ndarray]:
+    """How to read the kept rows of window ``w`` from training-order index ``start`` on.
 
-    Only segments holding such rows are read, so a shard whose rows here are all skipped (or all
-    before ``start``: consumed before a restart) is not touched. With no skips and start 0 the ids
-    are exactly ``plan.window_sample_ids(w)``.
+    Returns (segments to read, ``take``, sample ids): the window's rows are
+    ``concatenation of the segments' rows [take]``. Only segments holding such rows are listed,
+    so a shard whose rows here are all skipped (or all before ``start``: consumed before a
+    restart) is not touched. With no skips and start 0 the ids are ``plan.window_sample_ids(w)``.
     """
     segs, ids, shard_of_row = window_layout(plan, w)
     keep = kept_rows(shard_of_row, raw_start, skips)
@@ -84,55 +102,167 @@ def read_window(dataset_uri: str, manifest: DatasetManifest, plan: order.EpochPl
     keep_seg[perm] = keep  # training position i holds segment-order row perm[i]
     bounds = np.cumsum([0] + [s.row_end - s.row_start for s in segs])
     read = np.zeros(len(keep), dtype=bool)
-    parts = []
+    to_read = []
     for k, seg in enumerate(segs):
         if keep_seg[bounds[k]:bounds[k + 1]].any():
-            parts.append(read_columns(dataset_uri, manifest, seg, s3_endpoint_url))
+            to_read.append(seg)
             read[bounds[k]:bounds[k + 1]] = True
-    if not parts:
-        return {}, ids[keep]
-    columns = {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
     take = (np.cumsum(read) - 1)[perm[keep]]  # segment-order row -> its place among the read rows
-    return {c: v[take] for c, v in columns.items()}, ids[keep]
+    return to_read, take, ids[keep]
+
+
+def read_window(dataset_uri: str, manifest: DatasetManifest, plan: order.EpochPlan, w: int,
+                raw_start: int, skips: dict[int, int], start: int = 0,
+                s3_endpoint_url: str = "") -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The kept rows of window ``w`` from training-order index ``start`` on: (columns, sample ids)."""
+    segs, take, ids = window_reads(plan, w, raw_start, skips, start)
+    if not segs:
+        return {}, ids
+    columns = read_segments(dataset_uri, manifest, segs, s3_endpoint_url)
+    return {c: v[take] for c, v in columns.items()}, ids
+
+
+def read_document_window(dataset_uri: str, manifest: DatasetManifest,
+                         stream: order.DocumentStream, g: int, start: int = 0, masked: bool = False,
+                         s3_endpoint_url: str = "") -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Rows ``start..`` of document window ``g``: (columns, sample ids).
+
+    Only the segments holding documents those rows take tokens from are read (a resume mid-window
+    reads no document that lies wholly before the cursor). Each document is copied once, straight
+    to its place in the window's concatenation; packed rows are then a reshape of it (no copy).
+    """
+    epoch, w = divmod(g, stream.windows_per_epoch)
+    rows = stream.window_layout(g)
+    docs = stream.epoch(epoch).docs
+    segs, perm = docs.window_segments(w), docs.window_permutation(w)
+    needed = rows.docs_of_rows(start) if start else rows.doc_lengths > 0
+    train_pos = np.empty(len(perm), dtype=np.int64)
+    train_pos[perm] = np.arange(len(perm))  # segment-order document -> its training position
+    L, num_rows, total = stream.row_len, len(rows.row_starts), rows.num_tokens
+    packed = stream.layout == order.PACK
+    # Packed rows are the concatenation cut every L tokens; a bucket row may start anywhere in
+    # it, so L zeros after it let every row be a full-width slice.
+    buf = np.zeros(num_rows * L if packed else total + L, dtype=np.uint8)
+    lo = 0
+    for seg in segs:
+        n = seg.row_end - seg.row_start
+        positions = train_pos[lo:lo + n]
+        lo += n
+        if not needed[positions].any():
+            continue
+        data, offsets = read_documents(dataset_uri, manifest, seg, s3_endpoint_url,
+                                       stream.index.lengths[seg.first_id: seg.first_id + n])
+        for j, i in enumerate(positions.tolist()):
+            if needed[i]:
+                buf[rows.doc_starts[i]: rows.doc_starts[i + 1]] = data[offsets[j]: offsets[j + 1]]
+    if packed:
+        tokens = buf.reshape(num_rows, L)[start:]
+    else:
+        tokens = np.lib.stride_tricks.sliding_window_view(buf, L)[rows.row_starts[start:]]
+        tokens[np.arange(L) >= rows.row_tokens[start:, None]] = 0  # another document's tokens
+    columns = {"tokens": tokens, "num_tokens": rows.row_tokens[start:].astype(np.int32)}
+    if masked:
+        doc_ids = np.full(num_rows * L, -1, dtype=np.int32)
+        doc_ids[:total] = np.repeat(rows.doc_ids.astype(np.int32), rows.doc_lengths)
+        columns["doc_ids"] = doc_ids.reshape(num_rows, L)[start:]
+    return columns, rows.row_ids[start:]
+
+
+def _read_row_chunk(dataset_uri: str, manifest: DatasetManifest, stream: order.RowStream,
+                    windows: list[int], start: int, skips: dict[int, int],
+                    s3_endpoint_url: str) -> list[tuple[int, dict[str, np.ndarray], np.ndarray]]:
+    """Windows of stored rows, all their segments read in one pass (one call per shard)."""
+    plans = []
+    for i, g in enumerate(windows):
+        epoch, w = divmod(g, stream.windows_per_epoch)
+        plans.append((g, *window_reads(stream.plan(epoch), w, stream.window_start(g), skips,
+                                       start if i == 0 else 0)))
+    segs = [seg for _, window_segs, _, _ in plans for seg in window_segs]
+    columns = read_segments(dataset_uri, manifest, segs, s3_endpoint_url) if segs else {}
+    out, lo = [], 0
+    for g, window_segs, take, ids in plans:
+        n = sum(seg.row_end - seg.row_start for seg in window_segs)
+        out.append((g, {c: v[lo + take] for c, v in columns.items()}, ids))
+        lo += n
+    return out
+
+
+def _read_one(dataset_uri: str, manifest: DatasetManifest, stream, g: int, start: int,
+              skips: dict[int, int], masked: bool,
+              s3_endpoint_url: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    if isinstance(stream, order.DocumentStream):
+        return read_document_window(dataset_uri, manifest, stream, g, start, masked, s3_endpoint_url)
+    epoch, w = divmod(g, stream.windows_per_epoch)
+    return read_window(dataset_uri, manifest, stream.plan(epoch), w, stream.window_start(g), skips,
+                       start, s3_endpoint_url)
 
 
 def read_windows(batch: dict[str, np.ndarray], dataset_uri: str, manifest: DatasetManifest,
-                 seed: int, window: int, block_rows: int, s3_endpoint_url: str,
+                 stream, s3_endpoint_url: str, masked: bool = False,
                  skips: tuple[tuple[int, int], ...] = ()) -> dict[str, np.ndarray]:
-    """Ray Data map_batches function: (window g, start index) -> permuted rows + sample ids."""
-    shard_rows = tuple(s.num_rows for s in manifest.shards)
-    num_rows = sum(shard_rows)
-    per_epoch = -(-num_rows // window)
-    parts, ids, gs = [], [], []
-    for g, start in zip(batch["g"], batch["start"]):
-        epoch, w = divmod(int(g), per_epoch)
-        plan = order.epoch_plan(shard_rows, int(seed), epoch, int(window), int(block_rows))
+    """Ray Data map_batches function: a chunk of consecutive windows -> their rows + sample ids.
+
+    A chunk is windows ``g..last`` (those with delivered rows), the first read from training-order
+    index ``start``; the output has a ``g`` column naming each row's window. One block per chunk
+    rather than per window: each Ray Data block costs tens of milliseconds of latency and driver
+    CPU, more than reading a window of rows.
+
+    A bad shard never raises here: an exception would reach the driver as text, at a time that
+    depends on prefetch. If the chunk's first window is bad, the block is a marker naming the
+    shard in place of the window; if a later one is, the block holds the windows before it and a
+    ``bad_window`` column, and the driver reads on from that window with a new stream, whose first
+    chunk is that window alone and so comes back as a marker, in stream order, exactly when the
+    consumer needs it.
+    """
+    skip_map = dict(skips)
+    parts: list[tuple[int, dict[str, np.ndarray], np.ndarray]] = []
+    bad_window = -1
+    for first, last, start in zip(batch["g"], batch["last"], batch["start"]):
+        windows = [g for g in range(int(first), int(last) + 1)]
         try:
-            columns, wids = read_window(dataset_uri, manifest, plan, w, epoch * num_rows + w * window,
-                                        dict(skips), int(start), s3_endpoint_url)
-        except BadShardError as exc:
-            # A marker in place of the window, not an exception: it reaches the driver in stream
-            # order, exactly when the consumer needs this window (prefetch cannot make it surface
-            # early), with the shard index intact (Ray Data would wrap an exception into text).
-            return {"g": np.asarray([g], dtype=np.int64), "bad_shard": np.asarray([exc.shard]),
-                    "error": np.asarray([str(exc)])}
-        parts.append(columns)
-        ids.append(wids)
-        gs.append(np.full(len(wids), g, dtype=np.int64))
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    out.update(sample_id=np.concatenate(ids), g=np.concatenate(gs))
+            if isinstance(stream, order.RowStream) and manifest.format == TOKENS_FORMAT:
+                parts += _read_row_chunk(dataset_uri, manifest, stream, windows, int(start), skip_map,
+                                         s3_endpoint_url)
+                continue
+        except BadShardError:
+            pass  # window by window below, to find the first bad one
+        for i, g in enumerate(windows):
+            try:
+                columns, ids = _read_one(dataset_uri, manifest, stream, g, int(start) if i == 0 else 0,
+                                         skip_map, masked, s3_endpoint_url)
+            except BadShardError as exc:
+                if not any(len(ids) for _, _, ids in parts):
+                    return {"g": np.asarray([g], dtype=np.int64), "bad_shard": np.asarray([exc.shard]),
+                            "error": np.asarray([str(exc)])}
+                bad_window = g
+                break
+            parts.append((g, columns, ids))
+        if bad_window >= 0:
+            break
+    parts = [p for p in parts if len(p[2])]  # windows all of whose rows are skipped
+    out = {k: np.concatenate([p[1][k] for p in parts]) for k in parts[0][1]}
+    out["sample_id"] = np.concatenate([p[2] for p in parts])
+    out["g"] = np.concatenate([np.full(len(p[2]), p[0], dtype=np.int64) for p in parts])
+    if bad_window >= 0:
+        out["bad_window"] = np.full(len(out["g"]), bad_window, dtype=np.int64)
     return out
 
 
 class DataPlane:
-    """Serves ``global_batch(data_cursor)`` from a Ray Data stream of plan windows."""
+    """Serves ``global_batch(data_cursor)`` from a Ray Data stream of plan windows.
+
+    ``sequences`` and ``row_len`` (model block_size + 1) matter for documents datasets only.
+    """
 
     def __init__(self, dataset_uri: str, manifest: DatasetManifest, seed: int, window: int,
                  block_rows: int, global_batch_size: int, end_position: int, prefetch_steps: int = 4,
                  s3_endpoint_url: str = "", on_bad_shard: str = "fail", run_dir: str = "",
-                 on_skip: Callable[[str], None] | None = None):
+                 on_skip: Callable[[str], None] | None = None, sequences: str = "rows",
+                 row_len: int = 0):
         if on_bad_shard not in BAD_SHARD_POLICIES:
             raise ValueError(f"on_bad_shard must be one of {BAD_SHARD_POLICIES}")
+        if sequences not in SEQUENCES:
+            raise ValueError(f"sequences must be one of {SEQUENCES}")
         self.dataset_uri = dataset_uri
         self.manifest = manifest
         self.seed = seed
@@ -146,8 +276,23 @@ class DataPlane:
         self.on_skip = on_skip
         self.shard_rows = tuple(s.num_rows for s in manifest.shards)
         self.num_rows = manifest.num_rows
-        self.windows_per_epoch = -(-self.num_rows // self.window)
-        self.prefetch_windows = max(1, math.ceil(prefetch_steps * global_batch_size / self.window))
+        self.sequences = sequences
+        if sequences == "rows":
+            self.stream = order.RowStream(self.shard_rows, seed, self.window, block_rows)
+            # what a row costs in a block: its columns plus sample id and window (8 bytes each)
+            row_bytes = (manifest.row_len or sum(sh.num_bytes for sh in manifest.shards) // self.num_rows) + 16
+        else:
+            if on_bad_shard == "skip":
+                # A skipped shard would re-pack the windows it is in, moving rows already consumed.
+                raise ValueError("data.on_bad_shard=skip applies to stored rows; with data.sequences="
+                                 f"{sequences} a bad shard stops the run (restore it and resume)")
+            index = read_document_index(dataset_uri, manifest, s3_endpoint_url)
+            self.stream = order.DocumentStream(
+                index, seed, self.window, block_rows, row_len,
+                order.BUCKET if sequences == "bucket" else order.PACK, global_batch_size)
+            row_bytes = row_len * (5 if sequences == "pack_masked" else 1) + 20  # int32 doc ids
+        self.windows_per_epoch = self.stream.windows_per_epoch
+        self.chunk_rows = max(prefetch_steps * global_batch_size, CHUNK_BYTES // row_bytes)
         # window g -> (columns, sample ids, delivered offset of the first cached row)
         self._cache: dict[int, tuple[dict[str, np.ndarray], np.ndarray, int]] = {}
         self._stream: Iterator | None = None
@@ -157,6 +302,9 @@ class DataPlane:
         self.skips: dict[int, int] = {}  # shard -> raw stream position its rows leave the stream
         self._fstarts: list[int] = []  # delivered-stream start of windows g0, g0+1, ...
         self._keep: dict[int, np.ndarray] = {}  # window -> kept-row mask, while skips exist
+        self._partial: list = []  # pieces of a window Ray Data delivered split over blocks
+        # (first position, end position, columns, ids) of the window the last batch ended in
+        self._last: tuple | None = None
         self._load_skips()
 
     @classmethod
@@ -167,16 +315,14 @@ class DataPlane:
         return cls(d.path, manifest, d.seed, d.shuffle_window, d.shuffle_block_rows,
                    spec.train.global_batch_size, end_position, prefetch_steps=d.prefetch_steps,
                    s3_endpoint_url=d.s3_endpoint_url, on_bad_shard=d.on_bad_shard, run_dir=run_dir,
-                   on_skip=on_skip)
+                   on_skip=on_skip, sequences=d.sequences, row_len=spec.model.block_size + 1)
 
     # ----- window geometry: raw (the plan's) and delivered (after skipped shards) positions
     def _raw_start(self, g: int) -> int:
-        epoch, w = divmod(g, self.windows_per_epoch)
-        return epoch * self.num_rows + w * self.window
+        return self.stream.window_start(g)
 
     def _raw_len(self, g: int) -> int:
-        w = g % self.windows_per_epoch
-        return min(self.window, self.num_rows - w * self.window)
+        return self.stream.window_rows(g)
 
     def _kept(self, g: int) -> np.ndarray | None:
         """Mask of window g's kept rows, or None when no skip reaches into it (all kept)."""
@@ -185,8 +331,7 @@ class DataPlane:
             return None
         if g not in self._keep:
             epoch, w = divmod(g, self.windows_per_epoch)
-            plan = order.epoch_plan(self.shard_rows, self.seed, epoch, self.window, self.block_rows)
-            self._keep[g] = kept_rows(window_layout(plan, w)[2], start, self.skips)
+            self._keep[g] = kept_rows(window_layout(self.stream.plan(epoch), w)[2], start, self.skips)
         return self._keep[g]
 
     def _delivered_len(self, g: int) -> int:
@@ -199,8 +344,7 @@ class DataPlane:
         return offset if keep is None else int(np.flatnonzero(keep)[offset])
 
     def _first_skip_window(self) -> int:
-        epoch, p = divmod(min(self.skips.values()), self.num_rows)
-        return epoch * self.windows_per_epoch + p // self.window
+        return self.stream.locate(min(self.skips.values()))[0]
 
     def _fstart(self, g: int) -> int:
         """Delivered-stream position of window ``g``'s first row."""
@@ -227,16 +371,38 @@ class DataPlane:
                 # An empty window starts where the next one does: bisect finds the non-empty one.
                 i = bisect.bisect_right(self._fstarts, position) - 1
                 return g0 + i, position - self._fstarts[i]
-        epoch, w, offset = order.locate(position, self.num_rows, self.window)
-        return epoch * self.windows_per_epoch + w, offset
+        return self.stream.locate(position)
 
     def _next_window(self, g: int) -> int:
         g += 1
-        while self.skips and self._delivered_len(g) == 0:
+        while self._delivered_len(g) == 0:  # all skipped, or documents that make no row
             g += 1
         return g
 
     # ----- the stream
+    def _chunks(self, g: int, start: int) -> list[dict[str, int]]:
+        """The stream's items from window ``g`` (read from raw index ``start``) to the run's end.
+
+        The first item is that window alone, so the first batch after a seek waits for one
+        window; later items group consecutive windows into chunks that double in rows up to
+        ``chunk_rows``, so that Ray Data's per-block cost is paid rarely.
+        """
+        last, _ = self._locate(max(self.end_position - 1, 0))
+        items = [{"g": g, "last": g, "start": start}]
+        budget, k = self._delivered_len(g) - start, g
+        while k < last:
+            budget = min(2 * budget, self.chunk_rows)
+            first = k = self._next_window(k)
+            rows = self._delivered_len(k)
+            while rows < budget and k < last:
+                nxt = self._next_window(k)
+                if rows + self._delivered_len(nxt) > self.chunk_rows:
+                    break
+                k = nxt
+                rows += self._delivered_len(k)
+            items.append({"g": first, "last": k, "start": 0})
+        return items
+
     def _open_stream(self, g: int, offset: int) -> None:
         """Seek: a new Ray Data pipeline from delivered offset ``offset`` of window ``g``.
 
@@ -252,33 +418,31 @@ class DataPlane:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         self._drop_stream()
         self._cache.pop(g, None)
-        last, _ = self._locate(max(self.end_position - 1, 0))
-        items, k = [{"g": g, "start": self._raw_index(g, offset)}], g
-        while k < last:
-            k = self._next_window(k)
-            items.append({"g": k, "start": 0})
+        self._last = None
+        self._partial = []
+        items = self._chunks(g, self._raw_index(g, offset))
         ds = ray.data.from_items(items, override_num_blocks=len(items))
         ds = ds.map_batches(
             read_windows, batch_size=1, batch_format="numpy",
             # Zero CPUs: readers must not wait behind trainers that hold every CPU of the
             # placement group; reading a window is short and mostly I/O.
             num_cpus=0,
-            # ...but bounded: zero-CPU tasks are otherwise launched for every window at once,
-            # each in a new worker process. A few in flight keep the prefetch depth filled.
-            compute=ray.data.TaskPoolStrategy(size=min(len(items), max(2, min(self.prefetch_windows, 4)))),
-            fn_kwargs=dict(dataset_uri=self.dataset_uri, manifest=self.manifest, seed=self.seed,
-                           window=self.window, block_rows=self.block_rows,
+            # ...but bounded: zero-CPU tasks are otherwise launched for every item at once, each
+            # in a new worker process. Two: one chunk read while the driver serves the last.
+            compute=ray.data.TaskPoolStrategy(size=min(len(items), 2)),
+            fn_kwargs=dict(dataset_uri=self.dataset_uri, manifest=self.manifest, stream=self.stream,
                            s3_endpoint_url=self.s3_endpoint_url,
+                           masked=self.sequences == "pack_masked",
                            skips=tuple(sorted(self.skips.items()))),
         )
-        self._stream = iter(ds.iter_batches(batch_size=None, batch_format="numpy",
-                                            prefetch_batches=self.prefetch_windows))
+        self._stream = iter(ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1))
         self._stream_next, self._stream_first = g, (g, offset)
         log.info("data plane: stream opened at window %d offset %d (epoch %d)", g, offset,
                  g // self.windows_per_epoch)
 
     def _pull(self, want: tuple[int, int], data_cursor: int) -> None:
-        """Take the stream's next window into the cache; ``want`` is the (window, offset) waited for."""
+        """Take the stream's next block (a chunk of windows) into the cache; ``want`` is the
+        (window, offset) waited for."""
         try:
             batch = next(self._stream)
         except StopIteration:
@@ -289,9 +453,9 @@ class DataPlane:
             if found is not None:
                 raise found from None
             raise
-        g = int(batch.pop("g")[0])
-        assert g == self._stream_next == want[0], f"stream out of order: {g}, {self._stream_next}, {want}"
         if "bad_shard" in batch:
+            g = int(batch["g"][0])
+            assert g == self._stream_next == want[0], f"stream out of order: {g}, {self._stream_next}, {want}"
             # Windows after this one were read without knowing: a new stream either way.
             self._drop_stream()
             shard, error = int(batch["bad_shard"][0]), str(batch["error"][0])
@@ -300,10 +464,26 @@ class DataPlane:
             # From the row waited for: rows before it were consumed and keep their positions.
             self._skip(shard, error, self._raw_start(g) + self._raw_index(*want), data_cursor)
             return
-        ids = batch.pop("sample_id")
-        base = self._stream_first[1] if g == self._stream_first[0] else 0
-        self._cache[g] = (batch, ids, base)
-        self._stream_next = self._next_window(g)
+        gs, ids = batch.pop("g"), batch.pop("sample_id")
+        truncated = batch.pop("bad_window", None) is not None
+        cuts = [0, *(np.flatnonzero(gs[1:] != gs[:-1]) + 1).tolist(), len(gs)]
+        for lo, hi in zip(cuts, cuts[1:]):
+            g = int(gs[lo])
+            assert g == self._stream_next, f"stream out of order: {g}, {self._stream_next}, {want}"
+            self._partial.append(({k: v[lo:hi] for k, v in batch.items()}, ids[lo:hi]))
+            base = self._stream_first[1] if g == self._stream_first[0] else 0
+            have, need = sum(len(p[1]) for p in self._partial), self._delivered_len(g) - base
+            assert have <= need, f"window {g}: {have} rows delivered, {need} planned"
+            if have == need:  # Ray Data may split a big block: a window can come in pieces
+                # One copy per window: writable arrays, and the object store's block is let go.
+                parts, self._partial = self._partial, []
+                columns = {k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]}
+                self._cache[g] = (columns, np.concatenate([p[1] for p in parts]), base)
+                self._stream_next = self._next_window(g)
+        if truncated:  # the chunk stopped before a bad shard: read on from there with a new stream
+            log.info("data plane: a chunk stopped before a bad shard in window %d; a new stream "
+                     "will read on from there", self._stream_next)
+            self._drop_stream()
 
     def _window(self, g: int, offset: int, data_cursor: int) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
         """Window g cached from ``offset`` or earlier; seeks when the stream is elsewhere."""
@@ -321,6 +501,13 @@ class DataPlane:
     def rows(self, start: int, stop: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The columns and sample ids of delivered-stream positions ``[start, stop)``."""
         t0 = time.perf_counter()
+        last = self._last
+        if last is not None and last[0] <= start and stop <= last[1]:
+            # The common case, a batch inside the window the last one ended in: views, no lookups.
+            i, n = start - last[0], stop - start
+            batch, ids = {k: v[i:i + n] for k, v in last[2].items()}, last[3][i:i + n]
+            self.wait_s += time.perf_counter() - t0
+            return self._finish(batch), ids
         parts: list[dict[str, np.ndarray]] = []
         ids = []
         pos = start
@@ -343,10 +530,22 @@ class DataPlane:
             self.wait_s += time.perf_counter() - t0
         # Drop windows wholly before this batch: nothing behind the cursor is needed again.
         first, _ = self._locate(start)
-        for g in [k for k in self._cache if k < first]:
-            del self._cache[g]
+        for k in [k for k in self._cache if k < first]:
+            del self._cache[k]
+        # The window the batch ended in serves the next batches by the fast path above.
+        first_row = pos - take - i  # the delivered position of the window's first cached row
+        self._last = (first_row, first_row + len(wi), columns, wi)
+        if len(parts) == 1:
+            return self._finish(parts[0]), ids[0]
         batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        return batch, np.concatenate(ids)
+        return self._finish(batch), np.concatenate(ids)
+
+    def _finish(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.sequences == "bucket":
+            # Padding per batch: to its longest row (2 tokens at least: an input and a target).
+            width = max(2, int(batch["num_tokens"].max()))
+            batch["tokens"] = np.ascontiguousarray(batch["tokens"][:, :width])
+        return batch
 
     def global_batch(self, data_cursor: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         return self.rows(data_cursor, data_cursor + self.global_batch_size)
@@ -361,6 +560,7 @@ class DataPlane:
                 log.debug("closing a data stream: %s", exc)
 
     def close(self) -> None:
+        self._last = None
         self._drop_stream()
         self._cache.clear()
 
@@ -370,11 +570,11 @@ class DataPlane:
             raise DataError(f"{error} (already skipped from stream position {self.skips[bad]}, "
                             f"yet read again: a bug in the data plane)")
         self.skips[bad] = frm
-        self._fstarts, self._keep = [], {}
+        self._fstarts, self._keep, self._last = [], {}, None
         shard = self.manifest.shards[bad]
         lo = self.manifest.row_offsets[bad]
         epoch, p = divmod(frm, self.num_rows)
-        plan = order.epoch_plan(self.shard_rows, self.seed, epoch, self.window, self.block_rows)
+        plan = self.stream.plan(epoch)
         ids = []
         for w in range(p // self.window, plan.num_windows):
             _, wids, shard_of_row = window_layout(plan, w)

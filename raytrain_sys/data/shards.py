@@ -1,7 +1,8 @@
 """Reading rows out of shards by (shard, row range): seek, never read-and-discard.
 
 Parquet token shards are read here; WebDataset tar shards in ``webdataset.py``; ``read_columns``
-is the one entry point for both.
+is the one entry point for both. Documents shards (variable-length token documents) are read by
+``read_documents``, their length index by ``read_document_index``.
 
 Runs inside Ray Data tasks (possibly on CPU-only nodes) and in tests; no Ray import.
 """
@@ -16,9 +17,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raytrain_sys.data.manifest import (MANIFEST_NAME, TOKENS_FORMAT, WEBDATASET_FORMAT,
-                                        DatasetManifest)
-from raytrain_sys.data.order import Segment
+from raytrain_sys.data.manifest import (DOCUMENTS_FORMAT, MANIFEST_NAME, TOKENS_FORMAT,
+                                        WEBDATASET_FORMAT, DatasetManifest)
+from raytrain_sys.data.order import DocumentIndex, Segment
 from raytrain_sys.errors import DataError
 
 
@@ -98,10 +99,66 @@ def _read_token_rows(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
         raise ValueError(f"holds {int(starts[-1])} rows, the manifest says {shard.num_rows}")
     first = int(np.searchsorted(starts, seg.row_start, side="right")) - 1
     last = int(np.searchsorted(starts, seg.row_end, side="left"))
-    table = pf.read_row_groups(list(range(first, last)), columns=["tokens"])
+    table = pf.read_row_groups(list(range(first, last)), columns=["tokens"], use_threads=False)
     rows = _tokens_array(table.column("tokens"), manifest.row_len)
     lo = seg.row_start - int(starts[first])
     return rows[lo: lo + (seg.row_end - seg.row_start)]
+
+
+def _read_token_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segment],
+                         s3_endpoint_url: str) -> np.ndarray:
+    """Rows of many token-shard segments, concatenated in the order given.
+
+    One ``read_row_groups`` call per shard for all the row groups its segments span: a shuffle
+    window touches a row group in each of many shards, and per-call overhead (~90 us single
+    threaded, twice that with pyarrow's thread pool) would otherwise cost more than decompressing
+    the ~33 KB group. Single-threaded because Ray Data already runs several of these tasks at once.
+    """
+    by_shard: dict[int, list[Segment]] = {}
+    for seg in segs:
+        by_shard.setdefault(seg.shard, []).append(seg)
+    pools, where = [], {}  # where[(shard, row_start)] = first row of that segment in the pool
+    base = 0
+    for index, shard_segs in by_shard.items():
+        shard = manifest.shards[index]
+        try:
+            pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes)
+            if int(starts[-1]) != shard.num_rows:
+                raise ValueError(f"holds {int(starts[-1])} rows, the manifest says {shard.num_rows}")
+            groups = sorted({g for seg in shard_segs
+                             for g in range(int(np.searchsorted(starts, seg.row_start, "right")) - 1,
+                                            int(np.searchsorted(starts, seg.row_end, "left")))})
+            table = pf.read_row_groups(groups, columns=["tokens"], use_threads=False)
+            pools.append(_tokens_array(table.column("tokens"), manifest.row_len))
+        except FileNotFoundError:
+            raise _bad_shard(dataset_uri, manifest, shard_segs[0], "is missing") from None
+        except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
+            raise _bad_shard(dataset_uri, manifest, shard_segs[0],
+                             f"is corrupt or truncated: {exc}") from None
+        group_base = {g: i for g, i in zip(groups, np.cumsum([0] + [int(starts[g + 1] - starts[g])
+                                                                   for g in groups]))}
+        for seg in shard_segs:
+            g = int(np.searchsorted(starts, seg.row_start, "right")) - 1
+            where[(index, seg.row_start)] = base + int(group_base[g]) + seg.row_start - int(starts[g])
+        base += len(pools[-1])
+    pool = pools[0] if len(pools) == 1 else np.concatenate(pools)
+    index = np.concatenate([np.arange(where[(s.shard, s.row_start)],
+                                      where[(s.shard, s.row_start)] + s.row_end - s.row_start)
+                            for s in segs])
+    return pool[index]
+
+
+def read_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segment],
+                  s3_endpoint_url: str = "") -> dict[str, np.ndarray]:
+    """The rows of many segments as named columns, concatenated in the order given.
+
+    Token shards are read once per shard whatever the number of segments; other formats segment
+    by segment (``read_columns``). Raises BadShardError naming a bad shard, as read_columns does.
+    """
+    if manifest.format == TOKENS_FORMAT:
+        return {"tokens": _read_token_segments(dataset_uri, manifest, segs, s3_endpoint_url)}
+    parts = [read_columns(dataset_uri, manifest, seg, s3_endpoint_url) for seg in segs]
+    return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
 
 def _bad_shard(dataset_uri: str, manifest: DatasetManifest, seg: Segment, what: str) -> BadShardError:
@@ -134,7 +191,85 @@ def read_columns(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
     except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
         raise _bad_shard(dataset_uri, manifest, seg, f"is corrupt or truncated: {exc}") from None
     raise DataError(f"dataset {dataset_uri} has format {manifest.format!r}; this version reads "
-                    f"{TOKENS_FORMAT} and {WEBDATASET_FORMAT}")
+                    f"{TOKENS_FORMAT} and {WEBDATASET_FORMAT} rows (and {DOCUMENTS_FORMAT} "
+                    f"through data.sequences)")
+
+
+def _read_document_rows(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
+                        s3_endpoint_url: str) -> tuple[np.ndarray, np.ndarray]:
+    shard = manifest.shards[seg.shard]
+    pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes)
+    if int(starts[-1]) != shard.num_rows:
+        raise ValueError(f"holds {int(starts[-1])} documents, the manifest says {shard.num_rows}")
+    first = int(np.searchsorted(starts, seg.row_start, side="right")) - 1
+    last = int(np.searchsorted(starts, seg.row_end, side="left"))
+    column = pf.read_row_groups(list(range(first, last)), columns=["tokens"],
+                                use_threads=False).column("tokens")
+    lo, n = seg.row_start - int(starts[first]), seg.row_end - seg.row_start
+    arr = column.combine_chunks().slice(lo, n)
+    if arr.null_count:
+        raise ValueError("null documents")
+    offset_type = np.int64 if pa.types.is_large_binary(arr.type) else np.int32
+    # Zero-copy views of the Arrow buffers: offsets index straight into the data buffer.
+    offsets = np.frombuffer(arr.buffers()[1], dtype=offset_type)[arr.offset: arr.offset + n + 1]
+    data_buf = arr.buffers()[2]
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, np.uint8)
+    return data, offsets.astype(np.int64)
+
+
+def read_documents(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
+                   s3_endpoint_url: str = "",
+                   expected_lengths: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The documents of one segment of a documents shard: (token bytes, offsets).
+
+    Document ``i`` of the segment is ``data[offsets[i]:offsets[i + 1]]``. Seeks by row group, as
+    token rows do. Raises BadShardError naming the shard on a missing, truncated or corrupt shard,
+    or one whose documents disagree with ``expected_lengths`` (the length index the plan used).
+    """
+    if manifest.format != DOCUMENTS_FORMAT:
+        raise DataError(f"dataset {dataset_uri} has format {manifest.format!r}, not documents "
+                        f"({DOCUMENTS_FORMAT}): set data.sequences to rows")
+    try:
+        data, offsets = _read_document_rows(dataset_uri, manifest, seg, s3_endpoint_url)
+        if expected_lengths is not None and not np.array_equal(np.diff(offsets), expected_lengths):
+            k = int(np.flatnonzero(np.diff(offsets) != expected_lengths)[0])
+            raise ValueError(f"document {seg.first_id + k} has {int(offsets[k + 1] - offsets[k])} "
+                             f"tokens, the length index says {int(expected_lengths[k])}")
+        return data, offsets
+    except FileNotFoundError:
+        raise _bad_shard(dataset_uri, manifest, seg, "is missing") from None
+    except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
+        raise _bad_shard(dataset_uri, manifest, seg, f"is corrupt or truncated: {exc}") from None
+
+
+@lru_cache(maxsize=8)
+def _document_index(dataset_uri: str, s3_endpoint_url: str, rel_path: str, num_bytes: int,
+                    sha256: str, shard_docs: tuple[int, ...]) -> DocumentIndex:
+    import hashlib
+
+    fs, root = filesystem(dataset_uri, s3_endpoint_url)
+    with fs.open_input_stream(f"{root}/{rel_path}") as f:
+        blob = f.read()
+    if len(blob) != num_bytes or hashlib.sha256(blob).hexdigest() != sha256:
+        raise ValueError(f"is {len(blob)} bytes with another sha256 than the manifest's")
+    return DocumentIndex(np.frombuffer(blob, dtype="<u4"), shard_docs)
+
+
+def read_document_index(dataset_uri: str, manifest: DatasetManifest,
+                        s3_endpoint_url: str = "") -> DocumentIndex:
+    """The token count of every document of a documents dataset, read once per process."""
+    info = manifest.extra.get("document_lengths") or {}
+    if manifest.format != DOCUMENTS_FORMAT or not info:
+        raise DataError(f"dataset {dataset_uri} (format {manifest.format!r}) has no document "
+                        f"length index; prepare it with `raytrain-sys prepare-data --format documents`")
+    where = f"document length index {info.get('path')} of dataset {dataset_uri}"
+    try:
+        return _document_index(dataset_uri, s3_endpoint_url, info["path"], int(info["num_bytes"]),
+                               info["sha256"], tuple(s.num_rows for s in manifest.shards))
+    except FileNotFoundError:
+        raise DataError(f"{where} is missing: re-run prepare-data --format documents") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise DataError(f"{where} is corrupt ({exc}): re-run prepare-data --format documents") from None
 
 
 def read_segment(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
