@@ -47,6 +47,13 @@ class DataSpec:
     # fail: a missing/truncated/corrupt shard stops the run, naming shard and cursor. skip: its
     # samples leave the stream from that point, recorded in <run_dir>/skipped_samples.jsonl.
     on_bad_shard: str = "fail"
+    # How rows are made. rows: the dataset's own fixed-length rows. For a documents dataset
+    # (prepare-data --format documents): pack = documents concatenated and cut into rows of
+    # model.block_size + 1 tokens; pack_masked = pack, positions restarting and attention stopping
+    # at document boundaries; bucket = a row per document (cut when longer), rows of similar length
+    # batched together, each batch padded to its longest row. shuffle_window and shuffle_block_rows
+    # then count documents.
+    sequences: str = "rows"
 
 
 @dataclass
@@ -228,7 +235,10 @@ class JobSpec:
         user asks for it, because the result would no longer equal an uninterrupted run.
         """
         keep = {k: v for k, v in self.to_dict().items() if k in TRAINING_SECTIONS}
-        keep["data"] = {k: v for k, v in keep["data"].items() if k in ("seed", "shuffle_window", "shuffle_block_rows")}
+        # sequences only when not the default: checkpoints written before it existed still match.
+        keep["data"] = {k: v for k, v in keep["data"].items()
+                        if k in ("seed", "shuffle_window", "shuffle_block_rows")
+                        or (k == "sequences" and v != "rows")}
         keep["train"] = {
             k: v for k, v in keep["train"].items() if k in ("global_batch_size", "precision", "seed")
         }
@@ -253,6 +263,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "model.name": ("gpt", "cnn"),
     "data.on_bad_shard": ("fail", "skip"),
+    "data.sequences": ("rows", "pack", "pack_masked", "bucket"),
 }
 
 # (field, lower bound, inclusive?) checked after types.
@@ -383,8 +394,30 @@ def validate(spec: JobSpec) -> JobSpec:
                         f"train.global_batch_size={spec.train.global_batch_size}")
     if not spec.data.path:
         raise SpecError("data.path", "is empty; give a dataset directory (see `raytrain-sys prepare-data`)")
+    if spec.data.sequences != "rows":
+        _validate_sequences(spec)
     validate_parallel(spec)
     return spec
+
+
+def _validate_sequences(spec: JobSpec) -> None:
+    """Rows made of documents: next-token rows whose padding and boundaries only the task sees."""
+    seq = spec.data.sequences
+    if spec.model.name != "gpt":
+        raise SpecError("data.sequences", f"got {seq!r}; documents make token rows for a next-token "
+                                          f"model (gpt), not {spec.model.name!r}")
+    if spec.data.on_bad_shard == "skip":
+        raise SpecError("data.on_bad_shard", f"got 'skip'; with data.sequences={seq} a skipped shard "
+                                             f"would re-pack rows already trained on: use 'fail'")
+    # The pipeline schedule carries token rows only, without the padding mask or document ids.
+    if spec.parallel.pp > 1:
+        raise SpecError("data.sequences", f"got {seq!r}; pipeline parallel (parallel.pp="
+                                          f"{spec.parallel.pp}) trains on stored rows only: use rows")
+    # Bucketed batches change width every step (sequence parallel splits it) and document masks
+    # have not been run through the tensor-parallel attention.
+    if spec.parallel.tp > 1 and seq != "pack":
+        raise SpecError("data.sequences", f"got {seq!r}; with parallel.tp={spec.parallel.tp} use "
+                                          f"pack or rows")
 
 
 def validate_parallel(spec: JobSpec) -> None:

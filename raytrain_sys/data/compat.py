@@ -1,13 +1,15 @@
 """Does a job spec fit the dataset it names? Checked in pre-flight, before any Ray resource.
 
 One function per dataset format: token rows need a next-token model whose context matches the
-row length; WebDataset samples need a classifier whose task finds its columns in the manifest and
-whose output covers every class.
+row length; documents need a next-token model and a way to make rows of them (data.sequences);
+WebDataset samples need a classifier whose task finds its columns in the manifest and whose output
+covers every class.
 """
 
 from __future__ import annotations
 
-from raytrain_sys.data.manifest import TOKENS_FORMAT, WEBDATASET_FORMAT, DatasetManifest
+from raytrain_sys.data.manifest import (DOCUMENTS_FORMAT, TOKENS_FORMAT, WEBDATASET_FORMAT,
+                                        DatasetManifest)
 from raytrain_sys.errors import DataError, SpecError
 from raytrain_sys.spec import JobSpec
 
@@ -22,9 +24,17 @@ def _task(spec: JobSpec):
                         f"models with a task: {', '.join(sorted(TASKS))}") from None
 
 
+def _rows_only(spec: JobSpec, what: str) -> None:
+    if spec.data.sequences != "rows":
+        raise SpecError("data.sequences", f"got {spec.data.sequences!r}; dataset {spec.data.path} "
+                        f"holds {what}, trained as they are: use rows (packing and bucketing make "
+                        f"rows of a documents dataset: prepare-data --format documents)")
+
+
 def _check_tokens(spec: JobSpec, manifest: DatasetManifest) -> None:
     from raytrain_sys.train.tasks import NextToken
 
+    _rows_only(spec, f"fixed rows of {manifest.row_len} tokens")
     if not isinstance(_task(spec), NextToken):
         raise SpecError("model.name", f"got {spec.model.name!r}; dataset {spec.data.path} holds "
                         f"token rows, which train a next-token model (gpt)")
@@ -35,9 +45,24 @@ def _check_tokens(spec: JobSpec, manifest: DatasetManifest) -> None:
                         f"{manifest.row_len - 1} (or re-run prepare-data with --row-len)")
 
 
+def _check_documents(spec: JobSpec, manifest: DatasetManifest) -> None:
+    from raytrain_sys.train.tasks import NextToken
+
+    if not isinstance(_task(spec), NextToken):
+        raise SpecError("model.name", f"got {spec.model.name!r}; dataset {spec.data.path} holds "
+                        f"token documents, which train a next-token model (gpt)")
+    if spec.data.sequences == "rows":
+        raise SpecError("data.sequences", f"got 'rows'; dataset {spec.data.path} holds documents of "
+                        f"varying length: set pack, pack_masked or bucket to make rows of them")
+    if "document_lengths" not in manifest.extra:
+        raise DataError(f"dataset {spec.data.path} has no document length index in its manifest; "
+                        f"re-run prepare-data --format documents")
+
+
 def _check_webdataset(spec: JobSpec, manifest: DatasetManifest) -> None:
     from raytrain_sys.train.tasks import Classify
 
+    _rows_only(spec, "labelled samples")
     task = _task(spec)
     if not isinstance(task, Classify):
         raise SpecError("model.name", f"got {spec.model.name!r}; dataset {spec.data.path} holds "
@@ -54,7 +79,8 @@ def _check_webdataset(spec: JobSpec, manifest: DatasetManifest) -> None:
                         f"has {num_classes} classes, so the classifier needs vocab_size >= {num_classes}")
 
 
-_CHECKS = {TOKENS_FORMAT: _check_tokens, WEBDATASET_FORMAT: _check_webdataset}
+_CHECKS = {TOKENS_FORMAT: _check_tokens, DOCUMENTS_FORMAT: _check_documents,
+           WEBDATASET_FORMAT: _check_webdataset}
 
 
 def check_spec_against_manifest(spec: JobSpec, manifest: DatasetManifest) -> None:
