@@ -105,9 +105,11 @@ def _read_token_rows(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
     return rows[lo: lo + (seg.row_end - seg.row_start)]
 
 
-def _read_token_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segment],
-                         s3_endpoint_url: str) -> np.ndarray:
-    """Rows of many token-shard segments, concatenated in the order given.
+def read_token_pool(dataset_uri: str, manifest: DatasetManifest, segs: list[Segment],
+                    s3_endpoint_url: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Rows of many token-shard segments as (pool, index): row ``i`` of the segments'
+    concatenation (in the order given) is ``pool[index[i]]``, so a caller that permutes them
+    gathers once, ``pool[index[perm]]``.
 
     One ``read_row_groups`` call per shard for all the row groups its segments span: a shuffle
     window touches a row group in each of many shards, and per-call overhead (~90 us single
@@ -145,7 +147,16 @@ def _read_token_segments(dataset_uri: str, manifest: DatasetManifest, segs: list
     index = np.concatenate([np.arange(where[(s.shard, s.row_start)],
                                       where[(s.shard, s.row_start)] + s.row_end - s.row_start)
                             for s in segs])
-    return pool[index]
+    return pool, index
+
+
+def gather_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``rows[index]`` for a C-contiguous (n, row_len) array, one memcpy per row: numpy copies a
+    fancy-indexed row of a 2-D uint8 array element by element, ``take`` of a void row of row_len
+    bytes at once (measured 2.7x faster for 129-byte rows)."""
+    flat = rows.reshape(len(rows), -1)
+    whole = flat.view(np.dtype((np.void, flat.shape[1] * flat.itemsize))).ravel()
+    return np.take(whole, index).view(rows.dtype).reshape((len(index),) + rows.shape[1:])
 
 
 def read_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segment],
@@ -156,7 +167,7 @@ def read_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segmen
     by segment (``read_columns``). Raises BadShardError naming a bad shard, as read_columns does.
     """
     if manifest.format == TOKENS_FORMAT:
-        return {"tokens": _read_token_segments(dataset_uri, manifest, segs, s3_endpoint_url)}
+        return {"tokens": gather_rows(*read_token_pool(dataset_uri, manifest, segs, s3_endpoint_url))}
     parts = [read_columns(dataset_uri, manifest, seg, s3_endpoint_url) for seg in segs]
     return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
