@@ -7,13 +7,17 @@
   ray-data      Ray Data's plain path: read_parquet + streaming_split(1) + iter_torch_batches
                 (tokens decoded in collate_fn), no shuffle.
 
-One epoch each, in one run, on a local Ray cluster this script starts (so every Ray process is
-its descendant). CPU seconds are summed over this process and all its descendants (raylet, Ray
+``--epochs`` epochs each (one by default), in one run, on a local Ray cluster this script starts
+(so every Ray process is its descendant). pyarrow reads the files once per epoch; our plane reads
+all epochs through one stream, as a training job does; Ray Data runs one pipeline per epoch. With
+one epoch of the ~10 MB stdlib, Ray Data's fixed costs (starting an execution, ~30-40 ms per
+block) dominate our figures; several epochs show the steady state a training run sees. CPU seconds are summed over this process and all its descendants (raylet, Ray
 workers), from psutil, so other users of a loaded machine do not count. GB = delivered token
 bytes (rows x row_len), not compressed file bytes. Also: time to the first batch of a fresh
 DataPlane at 0% and at 90% of an epoch (resume seeks; best of 3).
 
     .venv/bin/python benchmarks/data_throughput.py                 # ~12 MB of stdlib source
+    .venv/bin/python benchmarks/data_throughput.py --epochs 8         # steady state
     .venv/bin/python benchmarks/data_throughput.py --max-bytes 4000000 --quick
 
 Results go to benchmarks/results/data_throughput.json.
@@ -65,9 +69,9 @@ class CpuMeter:
         return time.perf_counter() - self.t0, cpu
 
 
-def run_pyarrow(path: str, manifest, batch: int) -> int:
+def run_pyarrow(path: str, manifest, batch: int, epochs: int) -> int:
     rows = 0
-    for shard in manifest.shards:
+    for shard in manifest.shards * epochs:
         col = pq.read_table(os.path.join(path, shard.path), columns=["tokens"]).column("tokens")
         arr = col.combine_chunks()
         tokens = np.frombuffer(arr.buffers()[1], dtype=np.uint8)[
@@ -79,8 +83,8 @@ def run_pyarrow(path: str, manifest, batch: int) -> int:
     return rows
 
 
-def run_plane(path: str, manifest, batch: int, window: int) -> int:
-    steps = manifest.num_rows // batch
+def run_plane(path: str, manifest, batch: int, window: int, epochs: int) -> int:
+    steps = epochs * manifest.num_rows // batch
     plane = DataPlane(path, manifest, 0, window, 256, batch, end_position=steps * batch)
     rows = 0
     try:
@@ -92,7 +96,7 @@ def run_plane(path: str, manifest, batch: int, window: int) -> int:
     return rows
 
 
-def run_ray_data(path: str, manifest, batch: int) -> int:
+def run_ray_data(path: str, manifest, batch: int, epochs: int) -> int:
     import ray.data
 
     row_len = manifest.row_len
@@ -101,10 +105,11 @@ def run_ray_data(path: str, manifest, batch: int) -> int:
         return torch.from_numpy(np.frombuffer(b"".join(b["tokens"]), dtype=np.uint8).reshape(-1, row_len))
 
     files = [os.path.join(path, s.path) for s in manifest.shards]
-    it = ray.data.read_parquet(files).streaming_split(1)[0]
     rows = 0
-    for t in it.iter_torch_batches(batch_size=batch, collate_fn=collate):
-        rows += t.shape[0]
+    for _ in range(epochs):
+        it = ray.data.read_parquet(files).streaming_split(1)[0]
+        for t in it.iter_torch_batches(batch_size=batch, collate_fn=collate):
+            rows += t.shape[0]
     return rows
 
 
@@ -124,7 +129,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="global batch (jobs/tinygpt.yaml's)")
     ap.add_argument("--window", type=int, default=4096, help="shuffle window (tinygpt's)")
     ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")
-    ap.add_argument("--quick", action="store_true", help="one repeat per variant")
+    ap.add_argument("--epochs", type=int, default=1, help="epochs read by each variant")
+    ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per variant")
+    ap.add_argument("--quick", action="store_true", help="one repeat per variant, no warm-up")
     ap.add_argument("--out", default=str(HERE / "results" / "data_throughput.json"))
     args = ap.parse_args()
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
@@ -139,13 +146,14 @@ def main() -> None:
     ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False,
              _temp_dir=tempfile.mkdtemp(prefix="rts-ray-", dir="/tmp"))
     ray.data.DataContext.get_current().enable_progress_bars = False
+    load_before = os.getloadavg()[0]
 
     variants = {
-        "pyarrow": lambda: run_pyarrow(path, manifest, args.batch),
-        "raytrain-sys": lambda: run_plane(path, manifest, args.batch, args.window),
-        "ray-data": lambda: run_ray_data(path, manifest, args.batch),
+        "pyarrow": lambda: run_pyarrow(path, manifest, args.batch, args.epochs),
+        "raytrain-sys": lambda: run_plane(path, manifest, args.batch, args.window, args.epochs),
+        "ray-data": lambda: run_ray_data(path, manifest, args.batch, args.epochs),
     }
-    repeats = 1 if args.quick else 2
+    repeats = 1 if args.quick else args.repeats
     results = {}
     meter = CpuMeter()
     for name, fn in variants.items():
@@ -164,9 +172,11 @@ def main() -> None:
     ray.shutdown()
 
     base = results["pyarrow"]
-    print(f"{manifest.num_rows} rows x {manifest.row_len} tokens ({gb * 1000:.0f} MB delivered), "
-          f"{len(manifest.shards)} shards, batch {args.batch}, window {args.window}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    load_after = os.getloadavg()[0]
+    print(f"{manifest.num_rows} rows x {manifest.row_len} tokens ({gb * 1000:.0f} MB delivered) x "
+          f"{args.epochs} epoch(s), {len(manifest.shards)} shards, batch {args.batch}, window "
+          f"{args.window}, best of {repeats}; load average {load_before:.1f} before, "
+          f"{load_after:.1f} after, on {os.cpu_count()} cores")
     print(f"{'variant':14s} {'rows/s':>10s} {'x pyarrow':>10s} {'CPU s/GB':>10s} {'x pyarrow':>10s}")
     for name, r in results.items():
         print(f"{name:14s} {r['rows_per_s']:10,.0f} {r['rows_per_s'] / base['rows_per_s']:10.2f} "
@@ -185,8 +195,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "rows": manifest.num_rows, "row_len": manifest.row_len, "batch": args.batch,
-        "window": args.window, "variants": results, "first_batch_s": ttfb,
-        "tinygpt_rows_per_s": tinygpt, "loadavg_1m": os.getloadavg()[0], "quick": args.quick,
+        "window": args.window, "epochs": args.epochs, "repeats": repeats, "variants": results,
+        "first_batch_s": ttfb, "tinygpt_rows_per_s": tinygpt,
+        "loadavg_1m": {"before": load_before, "after": load_after}, "quick": args.quick,
     }, indent=1))
 
 
