@@ -6,6 +6,10 @@
                 block + window shuffle), global batches sliced by cursor, torch.from_numpy.
   ray-data      Ray Data's plain path: read_parquet + streaming_split(1) + iter_torch_batches
                 (tokens decoded in collate_fn), no shuffle.
+  raytrain-sys pack_masked (with --sequences pack_masked, or pack / bucket): our plane over the
+                same files prepared as documents, rows made by packing (or bucketing) in the
+                readers; its rows carry num_tokens (and doc_ids) columns too. Rows and bytes
+                counted as for the others (row_len tokens a row).
 
 ``--epochs`` epochs each (one by default), in one run, on a local Ray cluster this script starts
 (so every Ray process is its descendant). pyarrow reads the files once per epoch; our plane reads
@@ -42,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from raytrain_sys.data.plane import DataPlane  # noqa: E402
-from raytrain_sys.data.prepare import prepare_text_dataset  # noqa: E402
+from raytrain_sys.data.prepare import prepare_documents_dataset, prepare_text_dataset  # noqa: E402
 from raytrain_sys.data.shards import read_manifest  # noqa: E402
 
 
@@ -83,9 +87,12 @@ def run_pyarrow(path: str, manifest, batch: int, epochs: int) -> int:
     return rows
 
 
-def run_plane(path: str, manifest, batch: int, window: int, epochs: int) -> int:
-    steps = epochs * manifest.num_rows // batch
-    plane = DataPlane(path, manifest, 0, window, 256, batch, end_position=steps * batch)
+def run_plane(path: str, manifest, batch: int, window: int, epochs: int, sequences: str = "rows",
+              row_len: int = 0, rows_per_epoch: int = 0) -> int:
+    steps = epochs * (rows_per_epoch or manifest.num_rows) // batch
+    block = 256 if sequences == "rows" else 16  # a row group: 256 rows, or 16 documents
+    plane = DataPlane(path, manifest, 0, window, block, batch, end_position=steps * batch,
+                      sequences=sequences, row_len=row_len)
     rows = 0
     try:
         for step in range(steps):
@@ -130,6 +137,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4096, help="shuffle window (tinygpt's)")
     ap.add_argument("--num-cpus", type=int, default=4, help="logical CPUs of the local Ray cluster")
     ap.add_argument("--epochs", type=int, default=1, help="epochs read by each variant")
+    ap.add_argument("--sequences", choices=("pack", "pack_masked", "bucket"), default="",
+                    help="add our plane over the same sources as documents, rows made this way")
+    ap.add_argument("--doc-window", type=int, default=64, help="documents per shuffle window")
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per variant")
     ap.add_argument("--quick", action="store_true", help="one repeat per variant, no warm-up")
     ap.add_argument("--out", default=str(HERE / "results" / "data_throughput.json"))
@@ -147,12 +157,24 @@ def main() -> None:
              _temp_dir=tempfile.mkdtemp(prefix="rts-ray-", dir="/tmp"))
     ray.data.DataContext.get_current().enable_progress_bars = False
     load_before = os.getloadavg()[0]
+    if args.sequences:
+        docs_path = os.path.join(tmp, "stdlib-docs")
+        prepare_documents_dataset(docs_path, max_bytes=args.max_bytes)
+        docs = read_manifest(docs_path)
+        probe = DataPlane(docs_path, docs, 0, args.doc_window, 16, args.batch, end_position=1,
+                          sequences=args.sequences, row_len=manifest.row_len)
+        docs_rows = probe.stream.epoch(0).num_rows  # rows of the first epoch, from the lengths
+        probe.close()
 
     variants = {
         "pyarrow": lambda: run_pyarrow(path, manifest, args.batch, args.epochs),
         "raytrain-sys": lambda: run_plane(path, manifest, args.batch, args.window, args.epochs),
         "ray-data": lambda: run_ray_data(path, manifest, args.batch, args.epochs),
     }
+    if args.sequences:
+        variants[f"raytrain-sys {args.sequences}"] = lambda: run_plane(
+            docs_path, docs, args.batch, args.doc_window, args.epochs, args.sequences,
+            manifest.row_len, docs_rows)
     repeats = 1 if args.quick else args.repeats
     results = {}
     meter = CpuMeter()
@@ -177,9 +199,9 @@ def main() -> None:
           f"{args.epochs} epoch(s), {len(manifest.shards)} shards, batch {args.batch}, window "
           f"{args.window}, best of {repeats}; load average {load_before:.1f} before, "
           f"{load_after:.1f} after, on {os.cpu_count()} cores")
-    print(f"{'variant':14s} {'rows/s':>10s} {'x pyarrow':>10s} {'CPU s/GB':>10s} {'x pyarrow':>10s}")
+    print(f"{'variant':25s} {'rows/s':>10s} {'x pyarrow':>10s} {'CPU s/GB':>10s} {'x pyarrow':>10s}")
     for name, r in results.items():
-        print(f"{name:14s} {r['rows_per_s']:10,.0f} {r['rows_per_s'] / base['rows_per_s']:10.2f} "
+        print(f"{name:25s} {r['rows_per_s']:10,.0f} {r['rows_per_s'] / base['rows_per_s']:10.2f} "
               f"{r['cpu_s_per_gb']:10.1f} {r['cpu_s_per_gb'] / base['cpu_s_per_gb']:10.2f}")
     print(f"time to first batch: {ttfb[0]:.2f} s at 0%, {ttfb[90]:.2f} s at 90% of the epoch")
     tinygpt = None

@@ -264,7 +264,7 @@ def read_windows(batch: dict[str, np.ndarray], dataset_uri: str, manifest: Datas
     parts: list[tuple[int, dict[str, np.ndarray], np.ndarray]] = []
     bad_window = -1
     for first, last, start in zip(batch["g"], batch["last"], batch["start"]):
-        windows = [g for g in range(int(first), int(last) + 1)]
+        windows = list(range(int(first), int(last) + 1))
         try:
             if isinstance(stream, order.RowStream) and manifest.format == TOKENS_FORMAT:
                 parts += _read_row_chunk(dataset_uri, manifest, stream, windows, int(start), skip_map,
