@@ -82,3 +82,26 @@ def test_survivor_pieces_rebuild_any_layout(name, world_a, par_a, replicated, wo
     ref, _ = reference()
     for k in ref:
         torch.testing.assert_close(b["final"][k], ref[k], rtol=RTOL_FP64, atol=1e-12)
+
+
+def mesh_view(par: ParallelSpec, batch: int) -> tuple:
+    from raytrain_sys.data.order import deal
+    from raytrain_sys.parallel import mesh as meshlib
+
+    mesh = meshlib.build_mesh(par, dist.get_world_size())
+    index, size = meshlib.data_shard(mesh)
+    return deal(batch, size)[index], meshlib.is_data_leader(mesh)
+
+
+@pytest.mark.parametrize("par", [dict(strategy="ddp", tp=2), dict(strategy="fsdp", pp=2),
+                                 dict(strategy="hsdp", fsdp=2), dict(strategy="ddp", pp=2, pp_schedule="gpipe")])
+def test_supervisor_arithmetic_matches_the_mesh(par):
+    """The Supervisor deals rows and sums losses by rank arithmetic (it has no process group);
+    the workers' real DeviceMesh must agree, rank by rank. A batch of 7 makes shares uneven."""
+    from raytrain_sys.parallel import mesh as meshlib
+
+    spec = ParallelSpec(**par)
+    real = run_on_ranks(4, mesh_view, spec, 7)
+    degrees = spec.degrees(4)
+    assert meshlib.rank_data_slices(spec, 4, 7) == [r[0] for r in real]
+    assert [meshlib.is_data_leader_rank(degrees, r) for r in range(4)] == [r[1] for r in real]

@@ -56,6 +56,35 @@ def data_shard(mesh: DeviceMesh) -> tuple[int, int]:
 dp_rank_and_size = data_shard  # the name the issue uses
 
 
+def rank_coordinates(degrees: dict[str, int], rank: int) -> dict[str, int]:
+    """A rank's coordinate on each axis, as ``init_device_mesh`` lays ranks out (row-major in
+    MESH_AXES order). Pure arithmetic: the Supervisor uses it without a process group."""
+    coords = {}
+    for axis in reversed(MESH_AXES):
+        rank, coords[axis] = divmod(rank, degrees[axis])
+    return coords
+
+
+def rank_data_slices(parallel_spec: ParallelSpec, world_size: int, global_batch_size: int) -> list[slice]:
+    """Rows of a global batch for each rank, in rank order: the ``deal`` slice of its data index
+    (TP and PP peers share one)."""
+    from raytrain_sys.data.order import deal
+
+    degrees = parallel_spec.degrees(world_size)
+    shares = deal(global_batch_size, degrees["dp"] * degrees["fsdp"])
+    out = []
+    for rank in range(world_size):
+        c = rank_coordinates(degrees, rank)
+        out.append(shares[c["dp"] * degrees["fsdp"] + c["fsdp"]])
+    return out
+
+
+def is_data_leader_rank(degrees: dict[str, int], rank: int) -> bool:
+    """``is_data_leader`` by arithmetic: the rank whose summed loss counts for its data shard."""
+    c = rank_coordinates(degrees, rank)
+    return c["tp"] == 0 and c["pp"] == 0
+
+
 def is_data_leader(mesh: DeviceMesh) -> bool:
     """True on one rank per data shard (tp index 0, pp index 0): the rank whose loss counts once
     when per-rank losses are summed over the world."""
@@ -63,4 +92,5 @@ def is_data_leader(mesh: DeviceMesh) -> bool:
 
 
 __all__ = ["MESH_AXES", "DATA_AXES", "build_mesh", "degree", "local_index", "submesh",
-           "data_shard", "dp_rank_and_size", "is_data_leader"]
+           "data_shard", "dp_rank_and_size", "is_data_leader", "rank_coordinates",
+           "rank_data_slices", "is_data_leader_rank"]
