@@ -431,14 +431,14 @@ class DataPlane:
         """The stream's items from window ``g`` (read from raw index ``start``) to the run's end.
 
         The first item is that window alone, so the first batch after a seek waits for one
-        window; later items group consecutive windows into chunks that double in rows up to
+        window; later items group consecutive windows into chunks that grow 4x in rows up to
         ``chunk_rows``, so that Ray Data's per-block cost is paid rarely.
         """
         last, _ = self._locate(max(self.end_position - 1, 0))
         items = [{"g": g, "last": g, "start": start}]
-        budget, k = self._delivered_len(g) - start, g
+        budget, k = self._delivered_len(g), g  # a whole window, even when read from mid-window
         while k < last:
-            budget = min(2 * budget, self.chunk_rows)
+            budget = min(4 * budget, self.chunk_rows)
             first = k = self._next_window(k)
             rows = self._delivered_len(k)
             while rows < budget and k < last:
