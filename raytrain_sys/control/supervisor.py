@@ -5,8 +5,18 @@ run. It drives steps, counts a step as committed when every rank reported it, co
 checkpoints (workers write data, the Supervisor writes the manifest last), and records every
 state transition with its reason. It never touches tensors.
 
-States: starting -> running <-> checkpointing -> finished | failed, with restoring between
-starting and running when a run resumes from a checkpoint.
+States: starting -> running <-> checkpointing -> finished | stopped | failed, with restoring
+between starting and running when a run resumes from a checkpoint. From running, at a failed
+step: rebuilding (survivors re-form the group in place; waiting while below
+elastic.min_workers; restoring only when no replica holds the state); at a step boundary:
+resizing (newcomers join) and draining (members leave nodes marked for preemption). Every
+transition is logged with its reason, in summary.json and as an MLflow event.
+
+Failure detection (``_collect``): Ray reports a dead actor; survivors' collectives fail when a
+peer's socket closes; members still in a step are pinged every LIVENESS_EVERY_S and lost when
+silent for PING_TIMEOUT_S (a stopped process, a vanished machine that closes no socket); a
+step that outlives its deadline (a multiple of recent step times, elastic.hang_floor_s at
+least) is hung even when its members answer.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ from raytrain_sys import __version__
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary, git_commit
-from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
+from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S
+from raytrain_sys.control.worker_group import Worker, WorkerGroup, clean_up_leftovers, connect_ray
 from raytrain_sys.data.order import deal
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
@@ -90,6 +101,12 @@ class StepOutcome:
     errored: dict[int, str] = field(default_factory=dict)  # alive; its collective failed
     blocked: dict[int, str] = field(default_factory=dict)
     failed: bool = False
+    detected_at_unix_s: float = 0.0  # when the first failure of the step was seen
+
+    def note_failures(self) -> None:
+        self.failed = bool(self.lost or self.errored)
+        if self.failed and not self.detected_at_unix_s:
+            self.detected_at_unix_s = time.time()
 
 
 class WorkerLost(Exception):
@@ -100,12 +117,44 @@ class WorkerLost(Exception):
         self.worker, self.reason = worker, reason
 
 
-def _alive(w: Worker) -> bool:
-    try:
-        ray.get(w.actor.ping.remote(), timeout=5)
-        return True
-    except Exception:
-        return False
+# A worker that does not answer a ping on its control path within this long is lost (stopped,
+# or its node vanished). The control path runs in its own thread, so a busy step does not delay
+# the answer; the margin is for a loaded machine.
+PING_TIMEOUT_S = 3.0
+# Members still in a step after this long are pinged this often (see Supervisor._collect).
+LIVENESS_EVERY_S = 1.0
+# A draining node's last members keep training while successors start elsewhere, until this
+# long before the drain's deadline; then the state goes through a checkpoint instead (a spot
+# notice gives 120 s; a checkpoint of a small model takes well under a second).
+DRAIN_HANDOVER_MARGIN_S = 20.0
+
+
+class _MembersLost(Exception):
+    """Members found dead or silent while the group re-forms."""
+
+    def __init__(self, dead: list["Worker"], silent: list["Worker"]):
+        super().__init__(", ".join([f"worker {w.slot} died" for w in dead]
+                                   + [f"worker {w.slot} silent" for w in silent]) or "no answer")
+        self.dead, self.silent = dead, silent
+
+
+def _ping_all(workers: list[Worker]) -> tuple[dict[int, int], list[Worker], list[Worker]]:
+    """Ping every worker at once: ({slot: committed steps held} of those that answered, the
+    workers Ray reports dead, the workers that did not answer within PING_TIMEOUT_S)."""
+    if not workers:
+        return {}, [], []
+    refs = {w.slot: w.actor.ping.remote() for w in workers}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=PING_TIMEOUT_S)
+    held, dead, silent = {}, [], []
+    for w in workers:
+        if refs[w.slot] not in ready:
+            silent.append(w)
+            continue
+        try:
+            held[w.slot] = ray.get(refs[w.slot])
+        except ray.exceptions.RayError:
+            dead.append(w)
+    return held, dead, silent
 
 
 def _resolve_dir(path: str) -> str:
@@ -114,14 +163,18 @@ def _resolve_dir(path: str) -> str:
 
 class Supervisor:
     def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
-                 on_step: Callable[[StepReport], None] | None = None):
+                 previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None):
         self.spec = spec
         self.resume_run_id = resume_run_id
+        # The run key of the launch this one continues: its leftovers are removed before start.
+        self.previous_run_key = previous_run_key
         self.on_step = on_step
         self.state = State.STARTING
         self.output_dir = os.path.abspath(spec.output_dir)
         self.run_dir = run_dir or os.path.join(
             self.output_dir, f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000}")
+        # Names this run's actors and placement groups; a resume into the same run dir keeps it.
+        self.run_key = os.path.basename(self.run_dir.rstrip("/"))
         self.tracking_uri = spec.tracking.uri or mt.default_tracking_uri(self.output_dir)
         self.checkpoint_root = _resolve_dir(spec.checkpoint.uri or os.path.join(self.run_dir, "checkpoints"))
         self.summary = RunSummary(job=spec.name, run_dir=self.run_dir)
@@ -132,15 +185,21 @@ class Supervisor:
         self.data_cursor = 0
         self._local_cluster = False
         self._last_drain_poll = 0.0
+        self._handover_waits: set[str] = set()  # draining nodes whose members await successors
         self._step_times: deque[float] = deque(maxlen=50)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _transition(self, state: State, reason: str) -> None:
+    def _transition(self, state: State, reason: str, detected_at_unix_s: float = 0.0) -> None:
+        """Record a state change; ``detected_at_unix_s``: when the failure that caused it was
+        seen, if earlier (the rebuild decision waits for the rest of the step's members)."""
         log.info("supervisor: %s -> %s (%s)", self.state.value, state.value, reason)
         self.state = state
         self.summary.status = state.value
-        self.summary.transitions.append({"time": time.time(), "state": state.value,
-                                         "reason": reason, "step": self.committed_step})
+        record = {"time": time.time(), "state": state.value, "reason": reason,
+                  "step": self.committed_step}
+        if detected_at_unix_s:
+            record["detected_at"] = detected_at_unix_s
+        self.summary.transitions.append(record)
         if self.tracker is not None:
             try:
                 self.tracker.log_event(self.committed_step, state.value, reason)
@@ -194,6 +253,9 @@ class Supervisor:
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
         spec = self.spec
+        # First, before anything of the run is written: a resume must not touch the record of a
+        # run whose earlier driver is still alive.
+        removed = self._clean_up_previous_launch()
         try:
             resume_info = self._preflight()
             self.summary.spec_hash = spec.spec_hash()
@@ -210,7 +272,10 @@ class Supervisor:
             self.summary.write()
 
             self._local_cluster = connect_ray(spec)
-            self.group = WorkerGroup(spec, self._local_cluster)
+            if removed:
+                self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
+                                 f"left by the lost driver of run {self.previous_run_key}")
+            self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key)
             self.group.start(spec.resources.num_workers)
             self._start_tracking()
             self._transition(State.STARTING, f"{self.group.world_size} workers placed")
@@ -242,6 +307,24 @@ class Supervisor:
             raise
         finally:
             self._teardown()
+
+    def _clean_up_previous_launch(self) -> list:
+        """A resumed run first removes whatever its lost driver left on the cluster, and refuses
+        to start while that driver is still alive (see ``clean_up_leftovers``)."""
+        if not self.previous_run_key:
+            return []
+        if not (ray.is_initialized() or self.spec.resources.ray_address or os.environ.get("RAY_ADDRESS")):
+            # A local cluster started now holds nothing of an earlier driver; the one that
+            # driver started ended with it.
+            return []
+        connect_ray(self.spec)
+        try:
+            return clean_up_leftovers(self.previous_run_key)
+        except UserError:
+            raise
+        except Exception as exc:  # cannot read the cluster's tables: Ray's own clean-up remains
+            log.warning("could not look for leftovers of run %s: %s", self.previous_run_key, exc)
+            return []
 
     def _start_tracking(self) -> None:
         spec = self.spec
@@ -304,7 +387,8 @@ class Supervisor:
                         for w, sl in zip(members, shares)]
                 outcome = self._collect(members, refs, step)
                 if outcome.failed:
-                    self._recover(step, outcome, batch, ids, shares)
+                    self._recover(step, members, outcome, batch, ids, shares,
+                                  time.perf_counter() - t0, data_wait)
                     continue
                 # Committed: every rank finished its optimizer step.
                 results = [outcome.results[w.slot] for w in members]
@@ -363,19 +447,27 @@ class Supervisor:
         """Wait for a step on every member; classify each as done, errored or lost.
 
         Lost = dead (Ray reports the actor died), or not answering a ping on its control path
-        (a stopped process or a vanished node). Survivors whose collective failed because a peer
+        (a stopped process or a vanished node). Members still in the step after LIVENESS_EVERY_S
+        are pinged every LIVENESS_EVERY_S; one silent for PING_TIMEOUT_S is lost at once, long
+        before the step deadline (a vanished machine closes no socket: without this its peers
+        would wait in their all-reduce until the deadline). The deadline itself catches members
+        that answer but do not progress. Survivors whose collective failed because a peer
         vanished report an error quickly; a peer blocked in a collective still answers pings.
         """
         outcome = StepOutcome()
         by_ref = dict(zip(refs, members))
         pending = list(refs)
-        deadline = time.monotonic() + self._step_deadline_s()
+        deadline_s = self._step_deadline_s()
+        t_start = time.monotonic()
+        deadline = t_start + deadline_s
+        pings: dict[int, tuple[object, float]] = {}  # slot -> (ping ref, sent at)
         while pending:
             # Once something failed, the rest finish (or fail) fast: their collective broke.
-            limit = deadline if not outcome.failed else min(deadline, time.monotonic() + 2.0)
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, limit - time.monotonic()))
-            if not ready:
+            now = time.monotonic()
+            limit = deadline if not outcome.failed else min(deadline, now + 2.0)
+            if now >= limit:
                 break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(limit - now, LIVENESS_EVERY_S))
             for ref in ready:
                 w = by_ref[ref]
                 try:
@@ -385,10 +477,29 @@ class Supervisor:
                     outcome.lost[w.slot] = f"died ({type(exc).__name__})"
                 except ray.exceptions.RayTaskError as exc:
                     outcome.errored[w.slot] = str(exc).strip().splitlines()[-1][:300]
+                outcome.note_failures()
+            if pending and time.monotonic() - t_start >= LIVENESS_EVERY_S:
+                silent = self._check_liveness([by_ref[r] for r in pending], pings)
+                for w in silent:
+                    outcome.lost[w.slot] = (f"hung: no answer on its control path for "
+                                            f"{PING_TIMEOUT_S:g} s (stopped, or its node is unreachable)")
+                if silent:
+                    outcome.note_failures()
+                    break
         if pending:
-            stuck = [by_ref[r] for r in pending]
-            answers = {w.slot: w.actor.ping.remote() for w in stuck}
-            done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=3.0)
+            stuck = [by_ref[r] for r in pending if by_ref[r].slot not in outcome.lost]
+            # A liveness ping still in flight counts from when it was sent: a worker silent
+            # since before the deadline is not given a fresh PING_TIMEOUT_S.
+            now = time.monotonic()
+            answers, wait_until = {}, now
+            for w in stuck:
+                ref, sent = pings.get(w.slot, (None, 0.0))
+                if ref is None or ray.wait([ref], timeout=0)[0]:
+                    ref, sent = w.actor.ping.remote(), now
+                answers[w.slot] = ref
+                wait_until = max(wait_until, sent + PING_TIMEOUT_S)
+            done, _ = ray.wait(list(answers.values()), num_returns=len(answers),
+                               timeout=max(0.0, wait_until - time.monotonic()))
             for w in stuck:
                 if answers[w.slot] in done:
                     try:
@@ -397,11 +508,15 @@ class Supervisor:
                         continue
                     except ray.exceptions.RayError:
                         pass
-                outcome.lost[w.slot] = ("hung: no answer within the step deadline"
+                outcome.lost[w.slot] = (f"hung: no answer within the {deadline_s:.1f} s step deadline"
                                         if not outcome.lost and not outcome.errored
                                         else "unreachable (node lost?)")
+            outcome.note_failures()
+            stuck = [by_ref[r] for r in pending]
             # Kill what is lost so that blocked peers' collectives fail, then wait for them.
-            self.group.remove([w for w in stuck if w.slot in outcome.lost])
+            silent = [w for w in stuck if w.slot in outcome.lost]
+            self.group.reap(silent)
+            self.group.remove(silent)
             still = [r for r in pending if by_ref[r].slot in outcome.blocked]
             if still:
                 done, late = ray.wait(still, num_returns=len(still), timeout=30.0)
@@ -417,8 +532,26 @@ class Supervisor:
                 for ref in late:
                     outcome.lost[by_ref[ref].slot] = "blocked in a collective after its peers were lost"
                 outcome.blocked.clear()
-        outcome.failed = bool(outcome.lost or outcome.errored)
+        outcome.note_failures()
         return outcome
+
+    @staticmethod
+    def _check_liveness(workers: list[Worker], pings: dict[int, tuple[object, float]]) -> list[Worker]:
+        """Ping each worker (one ping in flight per worker); return those silent too long."""
+        now = time.monotonic()
+        silent = []
+        for w in workers:
+            ref, sent = pings.get(w.slot, (None, 0.0))
+            if ref is not None:
+                answered, _ = ray.wait([ref], timeout=0)
+                if not answered:
+                    if now - sent >= PING_TIMEOUT_S:
+                        silent.append(w)
+                    continue
+                # Answered (or raised: then the step's own result reports the death).
+            if now - sent >= LIVENESS_EVERY_S:
+                pings[w.slot] = (w.actor.ping.remote(), now)
+        return silent
 
     # ------------------------------------------------------------------ recovery
     def _count_failure(self, reason: str) -> None:
@@ -432,9 +565,12 @@ class Supervisor:
                 f"{len(self._failures)} membership failures within elastic.failure_window_s="
                 f"{e.failure_window_s:g} s (elastic.max_failures={e.max_failures}); last: {reason}")
 
-    def _recover(self, step: int, outcome: "StepOutcome", batch, ids, shares: list[slice]) -> None:
-        """Rebuild in place after a failed step: survivors keep their state; nothing committed is lost."""
-        members = list(self.group.workers)
+    def _recover(self, step: int, members: list[Worker], outcome: "StepOutcome", batch, ids,
+                 shares: list[slice], step_time_s: float, data_wait_s: float) -> None:
+        """Rebuild in place after a failed step: survivors keep their state; nothing committed is lost.
+
+        ``members`` and ``shares`` are the step's, rank by rank (``_collect`` may already have
+        removed hung members from the group)."""
         lost = [w for w in members if w.slot in outcome.lost]
         reason = "; ".join([f"worker {w.slot} on node {w.node_id[:8]} {outcome.lost[w.slot]}" for w in lost]
                            + [f"worker {s} error: {m}" for s, m in outcome.errored.items()])
@@ -446,28 +582,43 @@ class Supervisor:
                 done = [i for i, w in enumerate(members) if w.slot in outcome.results]
                 units = sum(self.task.units({k: v[shares[i]] for k, v in batch.items()}) for i in done)
                 results = [outcome.results[members[i].slot] for i in done]
-                self._commit(step, results, units, ids, shares, 0.0, 0.0, world_size=len(members))
+                self._commit(step, results, units, ids, shares, step_time_s, data_wait_s,
+                             world_size=len(members))
                 log.info("step %d had finished on a survivor: committed, not redone", step + 1)
 
-        self._rebuild_without(lost, f"step {step + 1} failed: {reason}", commit_if_finished)
+        self._rebuild_without(lost, f"step {step + 1} failed: {reason}", commit_if_finished,
+                              detected_at_unix_s=outcome.detected_at_unix_s)
 
     def _rebuild_without(self, lost: list[Worker], reason: str,
-                         before_reform: Callable[[dict[int, int]], None] | None = None) -> None:
+                         before_reform: Callable[[dict[int, int]], None] | None = None,
+                         detected_at_unix_s: float = 0.0) -> None:
         """Drop ``lost`` members and re-form the group from the survivor holding the newest step;
         with no survivor, fall back to the newest durable checkpoint."""
-        self._transition(State.REBUILDING, reason)
-        self._count_failure(reason)
+        self._transition(State.REBUILDING, reason, detected_at_unix_s)
         self.group.remove(lost)
-        survivors = list(self.group.workers)
-        if not survivors:
+        held = self._survivors_held()
+        if held and before_reform is not None:
+            before_reform(held)
+        # After the commit of a step that had finished: should the budget stop the run, the
+        # state it saves is the newest one.
+        self._count_failure(reason)
+        if not self.group.workers:
             self._restore_all_lost()
             return
-        held = self._held_steps(survivors)
-        if before_reform is not None:
-            before_reform(held)
         self._reform(source_slot=max(held, key=held.get))
 
-    def _watch(self, worker: Worker, ref, what: str, ping_every_s: float = 2.0):
+    def _survivors_held(self) -> dict[int, int]:
+        """Steps held by the members; members that died or stopped answering meanwhile (a
+        second fault during the first one's recovery) are removed as well."""
+        held, dead, silent = _ping_all(self.group.workers)
+        if dead or silent:
+            log.warning("lost during the rebuild: %s",
+                        ", ".join(f"worker {w.slot}" for w in dead + silent))
+            self.group.reap(silent)
+            self.group.remove(dead + silent)
+        return held
+
+    def _watch(self, worker: Worker, ref, what: str, ping_every_s: float = LIVENESS_EVERY_S):
         """The result of ``ref`` (a call on ``worker``), waiting as long as the worker stays
         responsive: a call that may rightly take long (a checkpoint of a big model) gets no
         deadline, but a worker that stops answering its control path is lost (SIGSTOP, a vanished
@@ -479,38 +630,61 @@ class Supervisor:
                     return ray.get(ref)
                 except ray.exceptions.RayActorError as exc:
                     raise WorkerLost(worker, f"died during {what} ({type(exc).__name__})") from None
-            if not _alive(worker):
+            _, dead, silent = _ping_all([worker])
+            if dead:
+                raise WorkerLost(worker, f"died during {what}")
+            if silent:
+                self.group.reap([worker])
                 raise WorkerLost(worker, f"hung during {what}: no answer on its control path")
-
-    def _held_steps(self, workers: list[Worker]) -> dict[int, int]:
-        steps = ray.get([w.actor.ping.remote() for w in workers], timeout=60)
-        return {w.slot: s for w, s in zip(workers, steps)}
 
     def _target_size(self) -> int:
         return self.spec.elastic.max_workers or self.spec.resources.num_workers
 
     def _reform(self, source_slot: int | None = None, reason: str = "") -> None:
-        """New process group over the members (+ ready newcomers); equalize state from the source."""
+        """New process group over the members (+ ready newcomers); equalize state from a member
+        that holds the committed step (``source_slot`` when it still can)."""
         for attempt in range(5):
             self._request_replacements()
             newcomers = self.group.ready_pending(timeout_s=0.0)
             self._wait_for_min_workers(extra=len(newcomers))
             newcomers += self.group.ready_pending(timeout_s=0.0)
             self.group.add(newcomers)
-            members = self.group.workers
+            members = list(self.group.workers)
             try:
-                self.group.form_process_group(timeout_s=60.0)
-                src = next((i for i, w in enumerate(members) if w.slot == source_slot), 0)
-                held = self._held_steps(members)
-                if newcomers or len(set(held.values())) > 1:
+                # Members known lost now (e.g. a node gone since the last step) would stall
+                # the rendezvous until its timeout: leave them out from the start.
+                _, dead, silent = _ping_all(members)
+                if dead or silent:
+                    raise _MembersLost(dead, silent)
+                self.group.form_process_group(timeout_s=RENDEZVOUS_TIMEOUT_S + 30.0)
+                held, dead, silent = _ping_all(members)
+                if dead or silent:
+                    raise _MembersLost(dead, silent)
+                holders = [w.slot for w in members if held[w.slot] == self.committed_step]
+                if not holders:
+                    # Every replica of the committed step is gone (they died during this
+                    # rebuild): only a durable checkpoint can continue the run.
+                    self._restore_all_lost()
+                    return
+                src_slot = source_slot if source_slot in holders else holders[0]
+                src = next(i for i, w in enumerate(members) if w.slot == src_slot)
+                if len(set(held.values())) > 1:
                     ray.get([w.actor.sync_state.remote(src) for w in members], timeout=120)
-                held = set(self._held_steps(members).values())
-                assert held == {self.committed_step}, f"replicas hold {held}, committed {self.committed_step}"
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                dead = [w for w in members if not _alive(w)]
-                log.warning("rebuild attempt %d failed (%s); dropping %d dead workers", attempt + 1,
-                            type(exc).__name__, len(dead))
-                self.group.remove(dead or members[-1:])
+                    held, dead, silent = _ping_all(members)
+                    if dead or silent:
+                        raise _MembersLost(dead, silent)
+                    assert set(held.values()) == {self.committed_step}, \
+                        f"replicas hold {held} after the state sync, committed {self.committed_step}"
+            except (_MembersLost, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                if not isinstance(exc, _MembersLost):
+                    exc = _MembersLost(*_ping_all(members)[1:])
+                lost = exc.dead + exc.silent
+                log.warning("rebuild attempt %d failed (%s); dropping %d lost workers", attempt + 1,
+                            exc, len(lost))
+                # Nobody lost (a timeout): retry with the same members; never drop a healthy
+                # one, it may hold the only copy of the state.
+                self.group.reap(exc.silent)
+                self.group.remove(lost)
                 if not self.group.workers:
                     self._restore_all_lost()
                     return
@@ -522,6 +696,7 @@ class Supervisor:
 
     def _request_replacements(self) -> None:
         """Replacements are requested at once; they start in the background."""
+        self.group.drop_stale_pending(self.spec.resources.start_timeout_s)
         missing = self._target_size() - len(self.group.workers) - len(self.group.pending)
         for _ in range(max(0, missing)):
             self.group.request()
@@ -561,11 +736,31 @@ class Supervisor:
         saved = ""
         if self.group.workers and self.committed_step not in [c["step"] for c in self.summary.checkpoints]:
             try:
-                self._checkpoint(final=True)
-                saved = f"; state saved at step {self.committed_step}: {self.summary.newest_checkpoint}"
+                saved = self._save_before_failing()
             except Exception as exc:  # the failure is the news; the save is a courtesy
                 saved = f"; could not save a checkpoint: {exc}"
         raise TrainingFailed(reason + (saved or f"; newest checkpoint: {self.summary.newest_checkpoint or 'none'}"))
+
+    def _save_before_failing(self) -> str:
+        """The committed state, written by any member that holds it. No rebuild, no retry
+        through the failure path: the run is ending. The process group may be broken; a save
+        needs none."""
+        step = self.committed_step
+        self._transition(State.CHECKPOINTING, f"saving step {step} before stopping")
+        for w in list(self.group.workers):
+            try:
+                if ray.get(w.actor.ping.remote(), timeout=PING_TIMEOUT_S) != step:
+                    continue  # holds a half-committed step, or an older one
+                ref = w.actor.save_checkpoint.remote(self.checkpoint_root,
+                                                     self.spec.checkpoint.s3_endpoint_url, step)
+                files = self._watch(w, ref, f"the final checkpoint of step {step}")
+            except (WorkerLost, ray.exceptions.RayError) as exc:
+                log.warning("worker %d could not save step %d: %s", w.slot, step, exc)
+                continue
+            info = self.checkpointer.commit(step, files, self._checkpoint_meta())
+            self._record_checkpoint(info)
+            return f"; state saved at step {step}: {info.uri}"
+        return f"; no surviving worker holds step {step} to save it"
 
     # ------------------------------------------------------------------ membership at step boundaries
     def _at_step_boundary(self) -> None:
@@ -585,6 +780,15 @@ class Supervisor:
                              reason=f"grown to world {len(self.group.workers)}")
 
     def _leave_draining_nodes(self) -> None:
+        """Members on nodes marked for preemption leave at this step boundary, with no step lost.
+
+        When too few members would remain (below elastic.min_workers, or none), the state has
+        to go somewhere first. While the notice leaves time (DRAIN_HANDOVER_MARGIN_S before its
+        deadline), the members keep training on the draining node and replacements are brought
+        up elsewhere; once they are up they join and take the state over in memory, and then
+        the draining members leave. Only when the time runs out does the state go through a
+        checkpoint (saved before the node goes, restored on the new members).
+        """
         try:
             from raytrain_sys.control.drain import draining_nodes
 
@@ -598,19 +802,44 @@ class Supervisor:
         leaving = [w for w in self.group.workers if w.node_id in draining]
         if not leaving:
             return
-        deadlines = {draining[w.node_id].deadline_unix_s for w in leaving}
-        self._transition(State.DRAINING, f"{len(leaving)} worker(s) on draining node(s) "
-                         f"(deadline {min(deadlines):.0f}): leaving at step {self.committed_step}")
-        staying = len(self.group.workers) - len(leaving)
-        if staying < max(1, self.spec.elastic.min_workers):
-            # Too few would remain: make the state durable before the node goes.
-            if self.committed_step not in [c["step"] for c in self.summary.checkpoints]:
-                self._checkpoint(final=False)
-        if staying == 0:
-            self.group.remove(leaving)
+        deadlines = [d for d in (draining[w.node_id].deadline_unix_s for w in leaving) if d]
+        deadline = min(deadlines) if deadlines else None
+        when = f"deadline in {deadline - time.time():.0f} s" if deadline else "no deadline"
+        staying = [w for w in self.group.workers if w not in leaving]
+        need = max(1, self.spec.elastic.min_workers)
+        if len(staying) < need:
+            ready = [w for w in self.group.ready_pending(timeout_s=0.0) if w.node_id not in draining]
+            if len(staying) + len(ready) >= need:
+                self._transition(State.DRAINING, f"{len(leaving)} worker(s) on draining node(s) "
+                                 f"({when}): {len(ready)} newcomer(s) take the state over at step "
+                                 f"{self.committed_step}")
+                self.group.add(ready)
+                self._reform(source_slot=leaving[0].slot,
+                             reason=f"{len(ready)} newcomer(s) hold the state of step {self.committed_step}")
+                staying += ready
+            elif deadline is None or deadline - time.time() > DRAIN_HANDOVER_MARGIN_S:
+                for _ in range(need - len(staying) - len(self.group.pending)):
+                    self.group.request()
+                if not self._handover_waits & {w.node_id for w in leaving}:
+                    self._handover_waits |= {w.node_id for w in leaving}
+                    self._transition(State.DRAINING, f"{len(leaving)} worker(s) on draining node(s) "
+                                     f"({when}): training on until a replacement is up to take "
+                                     f"the state over")
+                    self._transition(State.RUNNING, "waiting for replacements of draining workers")
+                return
+            else:
+                self._transition(State.DRAINING, f"{len(leaving)} worker(s) on draining node(s) "
+                                 f"({when}): no replacement in time, saving a checkpoint at step "
+                                 f"{self.committed_step} before leaving")
+                if self.committed_step not in [c["step"] for c in self.summary.checkpoints]:
+                    self._checkpoint(final=False)
+        else:
+            self._transition(State.DRAINING, f"{len(leaving)} worker(s) on draining node(s) "
+                             f"({when}): leaving at step {self.committed_step}")
+        self.group.remove(leaving)
+        if not self.group.workers:
             self._restore_all_lost()
             return
-        self.group.remove(leaving)
         self._reform(source_slot=self.group.workers[0].slot,
                      reason=f"left draining node(s): world {len(self.group.workers)}")
 
@@ -635,14 +864,17 @@ class Supervisor:
             log.warning("checkpoint at step %d failed, training continues: %s", step, user)
             self._transition(State.RUNNING, f"checkpoint at step {step} failed: {user}")
             return
+        self._record_checkpoint(info)
+        self._transition(State.RUNNING, f"checkpoint committed: {info.uri}")
+
+    def _record_checkpoint(self, info: CheckpointInfo) -> None:
         self.summary.newest_checkpoint = info.uri
-        self.summary.checkpoints.append({"step": step, "uri": info.uri})
+        self.summary.checkpoints.append({"step": info.step, "uri": info.uri})
         if self.tracker is not None:
             try:
-                self.tracker.record_checkpoint(step, info.uri, {"data_cursor": self.data_cursor})
+                self.tracker.record_checkpoint(info.step, info.uri, {"data_cursor": self.data_cursor})
             except Exception as exc:
                 log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)
-        self._transition(State.RUNNING, f"checkpoint committed: {info.uri}")
 
     def _save_checkpoint_files(self, step: int) -> list[dict] | None:
         """Have a member write the state of ``step``; a writer lost mid-save is replaced by a
@@ -732,7 +964,9 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
         raw.setdefault("train", {})["stop_at_step"] = 0
     spec = from_dict(raw)
     run_dir = record.run_dir if record.run_dir and os.path.isdir(record.run_dir) else ""
-    sup = Supervisor(spec, resume_run_id=run_id, run_dir=run_dir, on_step=on_step)
+    previous_key = os.path.basename(record.run_dir.rstrip("/")) if record.run_dir else ""
+    sup = Supervisor(spec, resume_run_id=run_id, run_dir=run_dir, previous_run_key=previous_key,
+                     on_step=on_step)
     if Checkpointer(open_store(sup.checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
         raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {sup.checkpoint_root}: "
                               f"nothing to resume; start it again with `raytrain-sys run`")

@@ -32,6 +32,8 @@ from raytrain_sys.train.tasks import task_for
 log = logging.getLogger(__name__)
 
 TRAIN_STATE_FILE = "train_state.pt"
+# How long joining a process group may wait for the other members (see setup_group).
+RENDEZVOUS_TIMEOUT_S = 30.0
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -58,8 +60,19 @@ class TrainWorker:
     # ------------------------------------------------------------------ control path
     @ray.method(concurrency_group="control")
     def node_info(self) -> dict[str, Any]:
+        import psutil
+
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "create_time": psutil.Process().create_time()}
+
+    def prepare(self) -> dict[str, Any]:
+        """Build model and optimizer now, while the group trains without this worker: joining
+        later costs a process-group rebuild and a state sync, not a model build. Returns
+        ``node_info()``."""
+        if self.model is None:
+            self._select_device()
+            self._build()
+        return self.node_info()
 
     @ray.method(concurrency_group="control")
     def free_port(self) -> int:
@@ -77,22 +90,34 @@ class TrainWorker:
         """(Re)join the process group of ``generation``; build model and optimizer on first use."""
         if dist.is_initialized():
             dist.destroy_process_group()
-        choice = choose_backend(self.spec.parallel.backend, torch.cuda.is_available(),
-                                self.spec.resources.gpus_per_worker)
-        self.device = choice.device
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(self.device))
-        dist.init_process_group(
-            choice.backend, init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank, world_size=world_size,
-            # The supervisor's step deadline acts long before this; it only bounds a lost peer.
-            timeout=timedelta(seconds=max(60.0, self.spec.train.step_timeout_s)),
-        )
+        choice = self._select_device()
+        # The supervisor's step deadline acts long before the collective timeout; it only
+        # bounds a lost peer. The rendezvous gets a short one of its own: a member that dies
+        # during it would otherwise hold every other member inside init_process_group (and
+        # their actors' next calls behind it) for the whole collective timeout.
+        collective = timedelta(seconds=max(60.0, self.spec.train.step_timeout_s))
+        rendezvous = min(collective, timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        try:
+            from torch.distributed.distributed_c10d import _set_pg_timeout
+        except ImportError:  # a torch without it: one timeout for both
+            _set_pg_timeout, rendezvous = None, collective
+        dist.init_process_group(choice.backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size, timeout=rendezvous)
+        if _set_pg_timeout is not None and rendezvous != collective:
+            _set_pg_timeout(collective)
         self.rank, self.world_size, self.generation = rank, world_size, generation
         if self.model is None:
             self._build()
         self.ddp = parallelize_ddp(self.model, self.device)
         return {"rank": rank, "backend": choice.backend, "device": self.device}
+
+    def _select_device(self):
+        choice = choose_backend(self.spec.parallel.backend, torch.cuda.is_available(),
+                                self.spec.resources.gpus_per_worker)
+        self.device = choice.device
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        return choice
 
     def _build(self) -> None:
         # Build order (torchtitan): model, parallelize, optimizer last.

@@ -7,6 +7,12 @@ Afterwards a slot can be added (a replacement or a newcomer, prepared in the bac
 the others train) or removed (dead, hung, or on a draining node) one at a time, which is why
 each worker has its own one-bundle placement group rather than a share of one gang-wide group.
 ``shutdown`` leaves no actor and no placement group behind, whatever happened.
+
+Actors and placement groups are not detached: Ray ties them to the driver that created them and
+removes both within about 0.3 s when that driver exits, even by SIGKILL (measured on Ray 2.60,
+see tests/test_driver_loss.py). They are also named after the run (``raytrain-sys:<run_key>:``)
+so that a resumed run can find and remove anything of its predecessor that is still there (the
+moment between a driver's death and Ray's clean-up, or a leak), see ``clean_up_leftovers``.
 """
 
 from __future__ import annotations
@@ -14,18 +20,28 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
+                                            PlacementGroupSchedulingStrategy)
 
-from raytrain_sys.control.worker import TrainWorker
-from raytrain_sys.errors import ClusterCapacityError
+from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
+from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
 
 log = logging.getLogger(__name__)
+
+NAME_PREFIX = "raytrain-sys"
+
+
+def run_name_prefix(run_key: str) -> str:
+    """The prefix of every actor and placement group name of one run (all its launches)."""
+    return f"{NAME_PREFIX}:{run_key}:"
 
 
 def connect_ray(spec: JobSpec) -> bool:
@@ -49,6 +65,22 @@ def connect_ray(spec: JobSpec) -> bool:
     return True
 
 
+@ray.remote(num_cpus=0, max_retries=0)
+def _reap_process(pid: int, create_time: float) -> bool:
+    """Kill ``pid`` on this node if it is still the process that started at ``create_time``
+    (a pid can be reused once its process is gone)."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if create_time and abs(proc.create_time() - create_time) > 0.01:
+            return False
+        proc.kill()
+        return True
+    except psutil.NoSuchProcess:
+        return False
+
+
 @dataclass
 class Worker:
     """One slot: its actor, its placement group and where it runs."""
@@ -57,7 +89,8 @@ class Worker:
     actor: Any
     pg: Any
     info: dict = field(default_factory=dict)  # ip, node_id, pid once started
-    ready_ref: Any = None  # node_info() call that completes when the actor is up
+    ready_ref: Any = None  # prepare() call: completes when the actor is up with its model built
+    requested_at: float = field(default_factory=time.monotonic)
 
     @property
     def node_id(self) -> str:
@@ -65,9 +98,13 @@ class Worker:
 
 
 class WorkerGroup:
-    def __init__(self, spec: JobSpec, local_cluster: bool):
+    def __init__(self, spec: JobSpec, local_cluster: bool, run_key: str = ""):
         self.spec = spec
         self.local_cluster = local_cluster
+        # Names: run key (shared by every launch of the run, so a resume finds its predecessor's
+        # leftovers), then a launch id (two launches never reuse a name), then the slot.
+        self.run_key = run_key or spec.name
+        self.name_prefix = run_name_prefix(self.run_key) + uuid.uuid4().hex[:8] + ":"
         self.workers: list[Worker] = []  # members of the current process group, rank order
         self.pending: list[Worker] = []  # requested, not yet members
         self.generation = 0
@@ -98,15 +135,15 @@ class WorkerGroup:
     def request(self) -> Worker:
         """Ask for one more worker; it starts in the background (see ``ready_pending``)."""
         slot = next(self._slots)
-        pg = placement_group([self._bundle()], strategy="STRICT_PACK",
-                             name=f"raytrain-sys:{self.spec.name}:{slot}")
+        name = f"{self.name_prefix}{slot}"
+        pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=name)
         r = self.spec.resources
         actor = TrainWorker.options(
-            num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
+            name=name, num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=0),
         ).remote(self.spec.to_dict())
-        worker = Worker(slot, actor, pg, ready_ref=actor.node_info.remote())
+        worker = Worker(slot, actor, pg, ready_ref=actor.prepare.remote())
         self.pending.append(worker)
         return worker
 
@@ -129,6 +166,17 @@ class WorkerGroup:
                 self.pending.remove(w)
                 ready.append(w)
         return ready
+
+    def drop_stale_pending(self, timeout_s: float) -> list[Worker]:
+        """Release requested workers that are not up after ``timeout_s``: e.g. placed on a node
+        that vanished, which Ray declares dead only after its health checks (about 15-30 s).
+        Their slots are requested again."""
+        now = time.monotonic()
+        stale = [w for w in self.pending if now - w.requested_at > timeout_s]
+        for w in stale:
+            log.warning("worker slot %d not up after %.0f s: requesting another", w.slot, timeout_s)
+        self.remove(stale)
+        return stale
 
     def start(self, num_workers: int) -> None:
         """The first gang: all ``num_workers`` up within the start timeout, or none."""
@@ -162,6 +210,21 @@ class WorkerGroup:
                 self.pending.remove(w)
             self._release(w)
 
+    def reap(self, workers: list[Worker]) -> None:
+        """SIGKILL the processes of workers that stopped answering, from their own node.
+
+        ``ray.kill`` of a process that cannot answer (stopped, wedged) takes effect only after
+        Ray's own timeout, about 5 s on Ray 2.60; until then its peers stay blocked in their
+        collective, since a silent peer closes no socket. A 0-CPU task pinned to the node
+        kills it at once (about the time a Ray worker process takes to start there). Fire and
+        forget: on a vanished node the task never runs, and nothing is left to kill.
+        """
+        for w in workers:
+            if not w.node_id or "pid" not in w.info:
+                continue
+            _reap_process.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                w.node_id, soft=False)).remote(w.info["pid"], w.info.get("create_time", 0.0))
+
     def add(self, workers: list[Worker]) -> None:
         self.workers.extend(workers)
 
@@ -184,7 +247,14 @@ class WorkerGroup:
         refs = [w.actor.setup_group.remote(rank, len(self.workers), master.info["ip"], port,
                                            self.generation)
                 for rank, w in enumerate(self.workers)]
-        results = ray.get(refs, timeout=timeout_s)
+        try:
+            results = ray.get(refs, timeout=timeout_s)
+        except Exception:
+            # A member failed (died?) while the others may still wait in this generation's
+            # rendezvous: let them leave it (they fail once its timeout passes) so that the
+            # next attempt does not queue behind them.
+            ray.wait(refs, num_returns=len(refs), timeout=RENDEZVOUS_TIMEOUT_S + 10.0)
+            raise
         log.info("process group generation %d formed: world=%d backend=%s master=%s:%d",
                  self.generation, len(self.workers), results[0]["backend"], master.info["ip"], port)
 
@@ -196,7 +266,120 @@ class WorkerGroup:
         return [w.actor for w in self.workers]
 
     # ------------------------------------------------------------------ end
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 10.0) -> None:
+        """Kill every actor and remove every placement group of this launch, and wait (up to
+        ``wait_s``) until Ray reports them gone: ``ray.kill`` only asks."""
         for w in self.workers + self.pending:
             self._release(w)
         self.workers, self.pending = [], []
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                left = [x for x in find_leftovers(self.run_key) if x.name.startswith(self.name_prefix)]
+            except Exception as exc:  # e.g. the cluster itself is gone: nothing to wait for
+                log.debug("could not list leftovers: %s", exc)
+                return
+            if not left:
+                return
+            if time.monotonic() >= deadline:
+                log.warning("still present %g s after shutdown: %s", wait_s,
+                            ", ".join(f"{x.kind} {x.name}" for x in left))
+                return
+            for x in left:  # e.g. a worker that was still starting when it was killed
+                _remove(x)
+            time.sleep(0.1)
+
+
+# ---------------------------------------------------------------------- leftovers of a lost driver
+@dataclass
+class Leftover:
+    """An actor or placement group of some earlier launch of a run that is still there."""
+
+    kind: str  # "actor" | "placement_group"
+    name: str
+    job_id: str  # the Ray job (driver) that created it
+    namespace: str = ""
+    pg_id: str = ""
+
+
+def find_leftovers(run_key: str) -> list[Leftover]:
+    """Actors not dead and placement groups not removed whose names belong to ``run_key``.
+
+    Reads the GCS tables directly: no dashboard needed, as on a locally started cluster.
+    """
+    from ray._private import state
+
+    prefix = run_name_prefix(run_key)
+    found = []
+    named = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(prefix)}
+    if named:
+        for info in state.actors().values():
+            name = info.get("Name") or ""
+            if name in named and info.get("State") != "DEAD":
+                found.append(Leftover("actor", name, info["JobID"], namespace=named[name]))
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+            # A placement group id ends with the id of the job that created it (4 bytes).
+            found.append(Leftover("placement_group", info["name"], pg_id[-8:], pg_id=pg_id))
+    return found
+
+
+def _live_jobs() -> dict[str, dict]:
+    from ray._private import state
+
+    return {j["JobID"]: j for j in state.state.job_table() if not j.get("IsDead")}
+
+
+def _remove(left: Leftover) -> None:
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    try:
+        if left.kind == "actor":
+            ray.kill(ray.get_actor(left.name, namespace=left.namespace), no_restart=True)
+        else:
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(left.pg_id))))
+    except ValueError:  # gone between the listing and now
+        pass
+
+
+def clean_up_leftovers(run_key: str, grace_s: float = 10.0, poll_s: float = 0.2) -> list[Leftover]:
+    """Remove what earlier launches of ``run_key`` left behind; return what was removed.
+
+    Ray removes a dead driver's actors and placement groups by itself, within about 0.3 s; the
+    grace period covers that moment (a resume started right after the crash). Leftovers whose
+    creating job is dead are removed at once. Leftovers of a job that stays alive through the
+    grace period mean the earlier driver still runs: resuming would train the same run twice,
+    so that is an error.
+    """
+    my_job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + grace_s
+    removed: dict[tuple[str, str], Leftover] = {}
+    while True:
+        left = [x for x in find_leftovers(run_key) if x.job_id != my_job]
+        if not left:
+            return list(removed.values())
+        live = _live_jobs()
+        for x in left:
+            if x.job_id not in live:  # removal is asynchronous: ask again only once
+                if (x.kind, x.name) not in removed:
+                    log.warning("removing %s %s left by Ray job %s, whose driver is gone",
+                                x.kind.replace("_", " "), x.name, x.job_id)
+                    _remove(x)
+                removed[(x.kind, x.name)] = x
+        if time.monotonic() >= deadline:
+            held = [x for x in left if x.job_id in live]
+            if held:
+                jobs = sorted({x.job_id for x in held})
+                drivers = ", ".join(f"job {j} (driver pid {live[j].get('DriverPid')} on "
+                                    f"{live[j].get('DriverIPAddress')})" for j in jobs)
+                raise UserError(
+                    f"run {run_key} is still running: {len(held)} of its workers/placement groups "
+                    f"belong to the live Ray {drivers}; stop that driver (Ctrl-C, or `ray job "
+                    f"stop`) and resume again")
+            raise UserError(
+                f"could not remove {len(left)} actors/placement groups left by an earlier driver "
+                f"of run {run_key} within {grace_s:g} s ({', '.join(x.name for x in left)}); "
+                f"check the cluster's state (`ray list actors`, `ray list placement-groups`)")
+        time.sleep(poll_s)
