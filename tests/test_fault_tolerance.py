@@ -4,164 +4,310 @@ Every test asserts what a user would notice: the run completes, committed steps 
 backwards and none is redone, the final parameters equal an uninterrupted run's over the same
 global batches, and the audit log shows every sample exactly once. Runs are in fp64 so that a
 changing world size (a different order of the gradient sums) cannot hide behind rounding noise.
+Every ending (finished, failed, budget exceeded) leaves no actor and no placement group behind.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
+import time
 
 import pytest
 import ray
 
-from raytrain_sys.control.supervisor import Supervisor, run_job
-from raytrain_sys.data import order
-from raytrain_sys.data.shards import read_manifest
-from tests.helpers import assert_params_close, final_params, read_summary, tiny_spec
+from raytrain_sys.control import drain
+from raytrain_sys.control.supervisor import LIVENESS_EVERY_S, PING_TIMEOUT_S, Supervisor, run_job
+from raytrain_sys.errors import TrainingFailed
+from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, kill_soon,
+                             lose_node_of, node_of_worker, restore_cluster_size, run_with_events,
+                             supervisor_with_events, wait_for_a_ready_newcomer, worker_pid)
+from tests.helpers import read_summary
 
 STEPS = 16
+CLUSTER_NODES = 4  # the session cluster's worker nodes (tests/conftest.py)
+# Ray 2.60 kills a process that cannot answer (stopped) about 5 s after ray.kill (measured).
+RAY_KILL_TIMEOUT_S = 5.0
+# Room on top of a bound derived from the configured intervals: on this shared 2-core machine a
+# process can wait seconds for a CPU (7 s seen for a 5 s bound at load average 47).
+LOAD_ALLOWANCE_S = 4.0
 
 
-def ft_spec(tmp_path, dataset, **sections):
-    base = dict(train={"max_steps": STEPS, "precision": "fp64", "log_every_steps": 4},
-                data={"log_sample_ids": True},
-                checkpoint={"every_steps": 5, "keep_last": 2},
-                elastic={"hang_floor_s": 4.0, "below_min_timeout_s": 60.0})
-    for k, v in sections.items():
-        base[k] = {**base.get(k, {}), **v}
-    return tiny_spec(tmp_path, dataset, **base)
+def spec_for(tmp_path, dataset, **sections):
+    return ft_spec(tmp_path, dataset, STEPS, **sections)
 
 
 @pytest.fixture(scope="module")
 def reference(ray_cluster, tiny_dataset, tmp_path_factory):
     """The same job without failures."""
-    result = run_job(ft_spec(tmp_path_factory.mktemp("ref"), tiny_dataset))
+    from tests.helpers import final_params
+
+    result = run_job(spec_for(tmp_path_factory.mktemp("ref"), tiny_dataset))
     return final_params(result.newest_checkpoint), result
 
 
-def run_with_events(spec, events: dict):
-    """Run a job; at the listed committed steps call ``event(supervisor)``."""
-    seen: list[int] = []
-    sup: Supervisor
-
-    def on_step(report):
-        seen.append(report.step)
-        if report.step in events:
-            events[report.step](sup)
-
-    sup = Supervisor(spec, on_step=on_step)
-    return sup.run(), sup, seen
+def like_reference(result, seen, reference, spec, dataset, **kw):
+    return assert_like_reference(result, seen, reference, spec, dataset, STEPS, **kw)
 
 
-def kill_soon(pid: int, sig=signal.SIGKILL, delay_s: float = 0.02) -> None:
-    """Signal a worker process a moment into the next step (mid-step, not between steps)."""
-    threading.Timer(delay_s, os.kill, (pid, sig)).start()
+def transitions(summary, state):
+    return [t for t in summary["transitions"] if t["state"] == state]
 
 
-def assert_like_reference(result, seen, reference, spec, dataset, redone_ok: bool = False):
-    ref_params, ref_result = reference
-    assert result.status == "finished" and result.committed_steps == STEPS
-    summary = read_summary(result.run_dir)
-    if not redone_ok:
-        assert seen == list(range(1, STEPS + 1)), f"steps went backwards or were redone: {seen}"
-        assert summary["steps_redone"] == 0
-    assert_params_close(final_params(result.newest_checkpoint), ref_params, rtol=1e-6, atol=1e-9)
-    # Exactly once: committed steps' ids are the plan's ids, each sample once.
-    with open(os.path.join(result.run_dir, "sample_ids.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    by_step = {}
-    for line in lines:  # a restore re-logs redone steps; the last record of a step counts
-        by_step[line["step"]] = [i for rank in line["ranks"] for i in rank]
-    assert sorted(by_step) == list(range(1, STEPS + 1))
-    ids = [i for s in sorted(by_step) for i in by_step[s]]
-    m = read_manifest(dataset)
-    B = spec.train.global_batch_size
-    expected = order.sample_ids(tuple(sh.num_rows for sh in m.shards), spec.data.seed,
-                                spec.data.shuffle_window, spec.data.shuffle_block_rows, 0, STEPS * B)
-    assert ids == expected.tolist() and len(set(ids)) == len(ids)
-    return summary
-
-
-def worker_pid(sup, index):
-    return sup.group.workers[index].info["pid"]
-
-
-def test_worker_killed_mid_step(reference, tiny_dataset, tmp_path):
-    spec = ft_spec(tmp_path, tiny_dataset)
-    result, sup, seen = run_with_events(spec, {6: lambda s: kill_soon(worker_pid(s, 1))})
-    summary = assert_like_reference(result, seen, reference, spec, tiny_dataset)
+def test_worker_killed_mid_step(reference, tiny_dataset, tmp_path, ray_cluster):
+    spec = spec_for(tmp_path, tiny_dataset)
+    result, sup, seen = run_with_events(spec, {
+        6: lambda s: kill_soon(worker_pid(s, 1)),
+        # The replacement, requested at once, joins at a step boundary once it is up.
+        9: wait_for_a_ready_newcomer})
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
     assert summary["failures"] == 1
     assert "rebuilding" in [t["state"] for t in summary["transitions"]]
-    assert 1 in summary["world_sizes"] or summary["world_sizes"].count(2) == STEPS
+    assert 1 in summary["world_sizes"] and summary["world_sizes"][-1] == 2
+    assert_no_leftovers(ray_cluster, sup.run_key)
 
 
-def test_hung_worker_is_detected_and_replaced(reference, tiny_dataset, tmp_path):
-    spec = ft_spec(tmp_path, tiny_dataset)
+def test_hung_worker_mid_step_is_detected_and_replaced(reference, tiny_dataset, tmp_path):
+    """SIGSTOP in the middle of a step: its peer blocks in the all-reduce (gloo would wait 30
+    minutes); the supervisor's liveness pings catch it, the hung worker is killed and replaced."""
+    spec = spec_for(tmp_path, tiny_dataset)
+    stopped_at = {}
+
+    def stop(sup):
+        stopped_at.update(t=time.time(), slot=sup.group.workers[1].slot)
+        kill_soon(worker_pid(sup, 1), signal.SIGSTOP)
+
+    result, sup, seen = run_with_events(spec, {7: stop, 10: wait_for_a_ready_newcomer})
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    rebuild = transitions(summary, "rebuilding")
+    assert len(rebuild) == 1 and f"worker {stopped_at['slot']} on node" in rebuild[0]["reason"]
+    assert "hung: no answer" in rebuild[0]["reason"], rebuild
+    # A stopped worker stops answering pings: lost after one liveness interval plus one ping
+    # timeout (checked once per interval), or at the step deadline (at least
+    # elastic.hang_floor_s) if that comes first; with room for a loaded machine. Far sooner
+    # than gloo's 30 minutes.
+    detected_s = rebuild[0]["detected_at"] - stopped_at["t"]
+    assert detected_s < 2 * LIVENESS_EVERY_S + PING_TIMEOUT_S + LOAD_ALLOWANCE_S
+    # Then the hung process is killed (from its node, or by Ray within its ~5 s kill timeout),
+    # its peer's all-reduce fails, and the group re-forms.
+    assert rebuild[0]["time"] - rebuild[0]["detected_at"] < RAY_KILL_TIMEOUT_S + LOAD_ALLOWANCE_S
+    assert summary["world_sizes"][-1] == 2 and "resizing" in [t["state"] for t in summary["transitions"]]
+
+
+def test_hung_worker_during_checkpoint_is_detected(reference, tiny_dataset, tmp_path):
+    """SIGSTOP right before a checkpoint: the writer stops answering its control path."""
+    spec = spec_for(tmp_path, tiny_dataset)
     result, sup, seen = run_with_events(
         spec, {5: lambda s: kill_soon(worker_pid(s, 0), signal.SIGSTOP, delay_s=0.0)})
-    summary = assert_like_reference(result, seen, reference, spec, tiny_dataset)
-    rebuild = next(t for t in summary["transitions"] if t["state"] == "rebuilding")
-    assert "hung" in rebuild["reason"]
-    # Detected within the deadline (floor 4 s) plus the ping timeout, not gloo's 30 minutes.
-    before = next(t for t in summary["transitions"] if t["state"] == "running" and t["step"] == 5
-                  or t["step"] == 5)
-    assert rebuild["time"] - before["time"] < 4.0 + 3.0 + 5.0
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    rebuild = transitions(summary, "rebuilding")
+    assert len(rebuild) == 1 and "hung during the checkpoint of step 5" in rebuild[0]["reason"]
+    started = next(t for t in summary["transitions"] if t["state"] == "checkpointing" and t["step"] == 5)
+    # One watch interval plus one ping timeout, with room for a loaded machine.
+    assert rebuild[0]["time"] - started["time"] < LIVENESS_EVERY_S + PING_TIMEOUT_S + LOAD_ALLOWANCE_S
 
 
 def test_node_removed(reference, tiny_dataset, tmp_path, ray_nodes):
-    spec = ft_spec(tmp_path, tiny_dataset)
+    spec = spec_for(tmp_path, tiny_dataset)
     removed = []
+    lost = {}
 
     def lose_node(sup):
-        node_id = sup.group.workers[1].node_id
-        node = next(n for n in ray_nodes.worker_nodes if n.node_id == node_id)
-        ray_nodes.remove_node(node, allow_graceful=False)
-        removed.append(node)
+        lost["slot"] = sup.group.workers[1].slot
+        lose_node_of(ray_nodes, sup.group.workers[1], removed)
 
     try:
         result, sup, seen = run_with_events(spec, {6: lose_node})
     finally:
-        for _ in removed:  # keep the session cluster at full size for the next tests
-            ray_nodes.add_node(num_cpus=1, **ray_nodes.node_args)
-        ray_nodes.wait_for_nodes()
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
     assert removed
-    assert_like_reference(result, seen, reference, spec, tiny_dataset)
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    rebuild = transitions(summary, "rebuilding")
+    assert len(rebuild) == 1 and f"worker {lost['slot']} on node" in rebuild[0]["reason"]
+    assert summary["failures"] == 1 and 1 in summary["world_sizes"]
 
 
-def test_all_workers_lost_restores_from_checkpoint(reference, tiny_dataset, tmp_path):
-    spec = ft_spec(tmp_path, tiny_dataset)
+def test_all_workers_lost_restores_from_checkpoint(reference, tiny_dataset, tmp_path, ray_cluster):
+    spec = spec_for(tmp_path, tiny_dataset)
 
     def kill_all(sup):
         for w in sup.group.workers:
             os.kill(w.info["pid"], signal.SIGKILL)
 
     result, sup, seen = run_with_events(spec, {7: kill_all})
-    summary = assert_like_reference(result, seen, reference, spec, tiny_dataset, redone_ok=True)
+    summary = like_reference(result, seen, reference, spec, tiny_dataset, redone_ok=True)
     # Step 5 was the newest checkpoint: steps 6..7 were redone, nothing else.
     assert summary["steps_redone"] == 2
     assert seen == list(range(1, 8)) + list(range(6, STEPS + 1))
+    assert "restoring" in [t["state"] for t in summary["transitions"]]
+    assert_no_leftovers(ray_cluster, sup.run_key)
 
 
 def test_node_added_grows_an_elastic_group(reference, tiny_dataset, tmp_path, ray_nodes):
     """Elastic 1..3 with room for one worker: a node joins mid-run and the group grows."""
     # Hold all but one CPU so that only one worker fits at the start.
-    hold = ray.util.placement_group([{"CPU": 1}] * 3, strategy="SPREAD")
+    hold = ray.util.placement_group([{"CPU": 1}] * (CLUSTER_NODES - 1), strategy="SPREAD")
     ray.get(hold.ready(), timeout=60)
-    added = []
-    spec = ft_spec(tmp_path, tiny_dataset, resources={"num_workers": 1},
-                   elastic={"min_workers": 1, "max_workers": 3})
+    spec = spec_for(tmp_path, tiny_dataset, resources={"num_workers": 1},
+                    elastic={"min_workers": 1, "max_workers": 3})
 
     def join(sup):
-        added.append(ray_nodes.add_node(num_cpus=1, **ray_nodes.node_args))
+        ray_nodes.add_node(num_cpus=1, **ray_nodes.node_args)
 
     try:
-        result, sup, seen = run_with_events(spec, {3: join})
+        result, sup, seen = run_with_events(spec, {3: join, 5: wait_for_a_ready_newcomer})
     finally:
         ray.util.remove_placement_group(hold)
-        for node in added:
-            ray_nodes.remove_node(node)
-    summary = assert_like_reference(result, seen, reference, spec, tiny_dataset)
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
     assert summary["world_sizes"][0] == 1 and max(summary["world_sizes"]) >= 2
     assert "resizing" in [t["state"] for t in summary["transitions"]]
+    assert summary["failures"] == 0
+
+
+def test_drain_notice_leaves_the_node_with_no_step_redone(reference, tiny_dataset, tmp_path,
+                                                           ray_nodes):
+    """A PREEMPTION drain with a deadline, then the node is killed at the deadline: the group
+    leaves the node at the next step boundary, before the deadline, and loses nothing."""
+    # Look up drains at every step boundary: the 16 tiny steps take well under a second.
+    spec = spec_for(tmp_path, tiny_dataset, elastic={"drain_poll_s": 0.0})
+    deadline_s = 15.0
+    drained = {}
+
+    def kill_at_deadline(node):
+        # A node that is still alive at its deadline is killed, as a cloud reclaims it.
+        if any(n is node for n in ray_nodes.worker_nodes):
+            ray_nodes.remove_node(node, allow_graceful=False)
+
+    def notice(sup):
+        w = sup.group.workers[1]
+        node = node_of_worker(ray_nodes, w)
+        drained.update(slot=w.slot, node_id=w.node_id, t=time.time())
+        assert drain.drain_node(w.node_id, "PREEMPTION", deadline_s, "test: spot preemption")
+        timer = threading.Timer(deadline_s, kill_at_deadline, (node,))
+        timer.daemon = True
+        drained["timer"] = timer
+        timer.start()
+
+    try:
+        result, sup, seen = run_with_events(spec, {6: notice})
+        drained["timer"].join(timeout=deadline_s + 30)
+    finally:
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    draining = transitions(summary, "draining")
+    assert len(draining) == 1 and draining[0]["step"] == 6, draining
+    assert "worker(s) on draining node(s)" in draining[0]["reason"]
+    assert draining[0]["time"] < drained["t"] + deadline_s
+    # Left at the next step boundary: no failure, nothing redone, the world shrank after step 6.
+    assert summary["failures"] == 0 and summary["steps_redone"] == 0
+    assert summary["world_sizes"][:6] == [2] * 6 and summary["world_sizes"][6] == 1
+
+
+def test_drain_of_the_last_worker_hands_the_state_over_in_memory(reference, tiny_dataset,
+                                                                  tmp_path, ray_nodes):
+    """The only worker's node is drained with time to spare: it trains on until a replacement
+    is up elsewhere, which takes the state over from it in memory; no checkpoint restore."""
+    spec = spec_for(tmp_path, tiny_dataset, resources={"num_workers": 1},
+                    elastic={"min_workers": 1, "max_workers": 1, "drain_poll_s": 0.0})
+    drained = {}
+
+    def notice(sup):
+        w = sup.group.workers[0]
+        drained.update(slot=w.slot, node_id=w.node_id)
+        assert drain.drain_node(w.node_id, "PREEMPTION", 120.0, "test: spot preemption")
+
+    try:
+        result, sup, seen = run_with_events(spec, {4: notice, 5: wait_for_a_ready_newcomer})
+    finally:
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    states = [t["state"] for t in summary["transitions"]]
+    assert "restoring" not in states and summary["failures"] == 0
+    draining = transitions(summary, "draining")
+    assert "training on until a replacement is up" in draining[0]["reason"] and draining[0]["step"] == 4
+    assert "take the state over" in draining[-1]["reason"]
+    handover = draining[-1]["step"]
+    assert 5 <= handover < STEPS
+    # The periodic checkpoints only: nothing was saved for the handover.
+    assert [c["step"] for c in summary["checkpoints"]] == [5, 10, 15, 16]
+    assert set(summary["world_sizes"]) == {1}
+
+
+# --------------------------------------------------------------------------- endings
+def test_no_leftovers_when_every_worker_is_lost_without_a_checkpoint(tiny_dataset, tmp_path,
+                                                                      ray_cluster):
+    spec = spec_for(tmp_path, tiny_dataset, checkpoint={"every_steps": 0, "save_on_exit": False})
+
+    def kill_all(sup):
+        for w in sup.group.workers:
+            os.kill(w.info["pid"], signal.SIGKILL)
+
+    sup, summary = run_events_expecting_failure(
+        spec, {3: kill_all}, "every worker was lost at step 3 and no checkpoint")
+    assert summary["status"] == "failed"
+    assert_no_leftovers(ray_cluster, sup.run_key)
+
+
+def test_no_leftovers_when_the_failure_budget_is_exceeded(tiny_dataset, tmp_path, ray_cluster):
+    spec = spec_for(tmp_path, tiny_dataset, elastic={"max_failures": 1})
+
+    def kill_one(sup):
+        kill_soon(worker_pid(sup, len(sup.group.workers) - 1))
+
+    # Kill, let the replacement join (two workers again), kill again: one failure too many.
+    sup, _ = run_events_expecting_failure(spec, {3: kill_one, 4: wait_for_a_ready_newcomer,
+                                                 6: kill_one},
+                                          "2 membership failures within elastic.failure_window_s")
+    summary = read_summary(sup.run_dir)
+    assert summary["status"] == "failed" and summary["failures"] == 2
+    assert summary["world_sizes"][-1] == 2  # the replacement was in when the second kill came
+    # The survivor's state was saved before giving up: step 6, or 7 when the killed worker's
+    # gradient was already in the all-reduce (the step finished on the survivor: committed).
+    step = summary["committed_steps"]
+    assert step in (6, 7) and summary["checkpoints"][-1]["step"] == step
+    assert f"state saved at step {step}" in summary["reason"]
+    assert_no_leftovers(ray_cluster, sup.run_key)
+
+
+def test_no_leftovers_when_below_min_workers_past_the_timeout(tiny_dataset, tmp_path, ray_nodes):
+    """min_workers=2, a node is lost and no other has room: a clear error after the timeout,
+    with the survivor's state saved first."""
+    spec = spec_for(tmp_path, tiny_dataset, elastic={"min_workers": 2, "below_min_timeout_s": 3.0})
+    hold, removed = {}, []
+
+    def fill_and_lose_a_node(sup):
+        # Take every free CPU so that no replacement can start, then lose a worker's node.
+        free = int(ray.available_resources().get("CPU", 0))
+        if free:
+            hold["pg"] = ray.util.placement_group([{"CPU": 1}] * free, strategy="SPREAD")
+            ray.get(hold["pg"].ready(), timeout=60)
+        lose_node_of(ray_nodes, sup.group.workers[1], removed)
+
+    try:
+        sup, _ = run_events_expecting_failure(spec, {6: fill_and_lose_a_node},
+                                              "stayed below elastic.min_workers=2")
+    finally:
+        if "pg" in hold:
+            ray.util.remove_placement_group(hold["pg"])
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
+    summary = read_summary(sup.run_dir)
+    assert summary["status"] == "failed"
+    assert "waiting" in [t["state"] for t in summary["transitions"]]
+    assert summary["checkpoints"][-1]["step"] == summary["committed_steps"] == 6
+    assert "state saved at step 6" in summary["reason"]
+    assert_no_leftovers(ray_nodes.address, sup.run_key)
+
+
+def run_events_expecting_failure(spec, events: dict, match: str):
+    sup, _ = supervisor_with_events(spec, events)
+    with pytest.raises(TrainingFailed, match=match):
+        sup.run()
+    return sup, read_summary(sup.run_dir)
+
+
+def test_no_leftovers_when_finished(reference, ray_cluster):
+    _, result = reference
+    assert result.status == "finished"
+    assert_no_leftovers(ray_cluster, os.path.basename(result.run_dir))

@@ -1,0 +1,177 @@
+"""Shared by the fault-tolerance tests: fault injection at committed steps and the assertions a
+user would notice (the run completes, committed steps never go backwards, final parameters equal
+an uninterrupted run's, every sample exactly once, nothing left on the cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import ray
+
+from raytrain_sys.control.supervisor import Supervisor
+from raytrain_sys.control.worker_group import find_leftovers, run_name_prefix
+from raytrain_sys.data import order
+from raytrain_sys.data.shards import read_manifest
+from tests.helpers import assert_params_close, final_params, read_summary, tiny_spec
+
+
+def ft_spec(tmp_path, dataset, steps: int, **sections):
+    """fp64, so that a changing world size (another order of the gradient sums) cannot hide
+    behind rounding noise; sample ids logged for the exactly-once audit."""
+    base = dict(train={"max_steps": steps, "precision": "fp64", "log_every_steps": 4},
+                data={"log_sample_ids": True},
+                checkpoint={"every_steps": 5, "keep_last": 2},
+                elastic={"hang_floor_s": 4.0, "below_min_timeout_s": 60.0})
+    for k, v in sections.items():
+        base[k] = {**base.get(k, {}), **v}
+    return tiny_spec(tmp_path, dataset, **base)
+
+
+def run_with_events(spec, events: dict):
+    """Run a job with ``events`` (see ``supervisor_with_events``): (result, supervisor, steps seen)."""
+    sup, seen = supervisor_with_events(spec, events)
+    return sup.run(), sup, seen
+
+
+def supervisor_with_events(spec, events: dict):
+    """A Supervisor that calls ``events[N](supervisor)`` when step N is first committed.
+
+    Each event fires once: a step committed again after a restore from a checkpoint (steps
+    redone) does not inject its fault a second time. An event that returns False is not due
+    yet (e.g. no replacement requested so far) and is tried again at the next committed step;
+    at most one event runs per step.
+    """
+    seen: list[int] = []
+    pending = dict(events)
+    sup: Supervisor
+
+    def on_step(report):
+        seen.append(report.step)
+        due = [s for s in pending if s <= report.step]
+        if due:
+            first = min(due)
+            if pending[first](sup) is not False:
+                del pending[first]
+
+    sup = Supervisor(spec, on_step=on_step)
+    return sup, seen
+
+
+def kill_soon(pid: int, sig=signal.SIGKILL, delay_s: float = 0.02) -> None:
+    """Signal a worker process a moment into the next step (mid-step, not between steps)."""
+    threading.Timer(delay_s, os.kill, (pid, sig)).start()
+
+
+def worker_pid(sup, index):
+    return sup.group.workers[index].info["pid"]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_until(pred, timeout_s: float, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return pred()
+
+
+def wait_for_a_ready_newcomer(sup, timeout_s: float = 120.0):
+    """Block the step loop (called from an event) until a requested replacement is up, so that
+    the next step boundary takes it in: makes "the worker is replaced" deterministic. False
+    (not due yet) while no replacement has been requested, e.g. during a rebuild that is
+    still committing the step in flight."""
+    if not sup.group.pending:
+        return False
+    ready, _ = ray.wait([w.ready_ref for w in sup.group.pending], num_returns=1, timeout=timeout_s)
+    assert ready, f"no replacement worker started within {timeout_s:g} s"
+    return True
+
+
+def node_of_worker(cluster, worker):
+    return next(n for n in cluster.worker_nodes if n.node_id == worker.node_id)
+
+
+def lose_node_of(cluster, worker, removed: list) -> None:
+    """Remove a worker's node without grace, as a vanished machine, and wait until the worker's
+    process is gone too. Ray's raylet-death check ends a worker about a second after its raylet:
+    until then a "lost" node keeps training, and the fault would miss the run."""
+    node = node_of_worker(cluster, worker)
+    cluster.remove_node(node, allow_graceful=False)
+    removed.append(node)
+    pid = worker.info["pid"]
+    assert wait_until(lambda: not pid_alive(pid), 60.0), f"worker pid {pid} outlived its node"
+
+
+def restore_cluster_size(cluster, size: int) -> None:
+    """Keep the session cluster at ``size`` worker nodes for the tests that follow."""
+    from raytrain_sys.control.drain import alive_nodes
+
+    alive = alive_nodes()
+    for node in list(cluster.worker_nodes):
+        if node.node_id not in alive:  # exited by itself (a drained node once idle)
+            cluster.remove_node(node, allow_graceful=False)
+    while len(cluster.worker_nodes) < size:
+        cluster.add_node(num_cpus=1, **cluster.node_args)
+    while len(cluster.worker_nodes) > size:  # a set: any node; no run holds one any more
+        cluster.remove_node(next(iter(cluster.worker_nodes)))
+    cluster.wait_for_nodes()
+
+
+def expected_sample_ids(spec, dataset, steps: int) -> list[int]:
+    m = read_manifest(dataset)
+    B = spec.train.global_batch_size
+    return order.sample_ids(tuple(sh.num_rows for sh in m.shards), spec.data.seed,
+                            spec.data.shuffle_window, spec.data.shuffle_block_rows, 0,
+                            steps * B).tolist()
+
+
+def assert_like_reference(result, seen, reference, spec, dataset, steps: int,
+                          redone_ok: bool = False) -> dict:
+    ref_params, _ = reference
+    assert result.status == "finished" and result.committed_steps == steps, result
+    summary = read_summary(result.run_dir)
+    if not redone_ok:
+        assert seen == list(range(1, steps + 1)), f"steps went backwards or were redone: {seen}"
+        assert summary["steps_redone"] == 0
+    else:  # after a restore, steps are redone from the checkpoint on, ending at the last one
+        assert not seen or seen[-1] == steps
+    assert_params_close(final_params(result.newest_checkpoint), ref_params, rtol=1e-6, atol=1e-9)
+    # Exactly once: committed steps' ids are the plan's ids, each sample once.
+    with open(os.path.join(result.run_dir, "sample_ids.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    by_step = {}
+    for line in lines:  # a restore re-logs redone steps; the last record of a step counts
+        by_step[line["step"]] = [i for rank in line["ranks"] for i in rank]
+    assert sorted(by_step) == list(range(1, steps + 1))
+    ids = [i for s in sorted(by_step) for i in by_step[s]]
+    assert ids == expected_sample_ids(spec, dataset, steps) and len(set(ids)) == len(ids)
+    return summary
+
+
+def assert_no_leftovers(cluster_address: str, run_key: str) -> None:
+    """No actor alive and no placement group left of the run, read back two ways: Ray's state
+    API (through the dashboard) and the GCS tables the resume clean-up reads."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    prefix = run_name_prefix(run_key)
+    actors = [a for a in list_actors(address=cluster_address, filters=[("state", "!=", "DEAD")],
+                                     limit=10_000)
+              if (a.name or "").startswith(prefix) or a.class_name == "TrainWorker"]
+    groups = [g for g in list_placement_groups(address=cluster_address, limit=10_000)
+              if (g.name or "").startswith(prefix) and g.state != "REMOVED"]
+    assert not actors, f"actors left alive: {[(a.name, a.state) for a in actors]}"
+    assert not groups, f"placement groups left: {[(g.name, g.state) for g in groups]}"
+    assert find_leftovers(run_key) == []
