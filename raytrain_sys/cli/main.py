@@ -124,7 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a spec field, e.g. --set train.max_steps=50 (repeatable)")
     r.set_defaults(func=_cmd_run)
 
-    rs = sub.add_parser("resume", help="continue an MLflow run from its newest committed checkpoint")
+    rs = sub.add_parser("resume", help="continue an MLflow run from its newest committed checkpoint",
+                        description="Continue an MLflow run from its newest committed checkpoint, "
+                                    "in the same run. Workers and placement groups a lost driver "
+                                    "left on the cluster are removed first; while that driver "
+                                    "still runs, resume refuses (exit 2).")
     rs.add_argument("--mlflow-run", required=True, metavar="RUN_ID")
     rs.add_argument("--tracking-uri", default="", help="default: sqlite:///<output-dir>/mlflow.db")
     rs.add_argument("--output-dir", default="runs")

@@ -1,0 +1,158 @@
+"""Driver loss: the supervisor process itself dies mid-run, and `raytrain-sys resume` carries on.
+
+The driver runs as `raytrain-sys run` in a subprocess attached to the session cluster
+(RAY_ADDRESS), tracked on a real `mlflow server` (a driver stopped in the middle of a SQLite
+write would lock the store for the resume). What Ray does with a SIGKILLed driver's actors and
+placement groups, and what the resume does about leftovers, are both asserted:
+
+* while the old driver is alive (SIGSTOP: alive but silent), a resume refuses with a clear
+  error and touches nothing of the run;
+* once the driver is SIGKILLed, Ray removes its non-detached actors and placement groups by
+  itself (about 0.3 s on a quiet machine);
+* the resume continues from the newest committed checkpoint in the same MLflow run and run
+  dir, ends with the same parameters as an uninterrupted run, every sample exactly once, and
+  leaves nothing of the run on the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain_sys.control.supervisor import run_job
+from raytrain_sys.control.worker_group import find_leftovers
+from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, wait_until)
+from tests.helpers import final_params, read_summary
+
+STEPS = 40
+KILL_AFTER_STEP = 12  # checkpoints every 5 steps: the resume redoes the steps after step 10
+RAYTRAIN_SYS = str(Path(sys.executable).parent / "raytrain-sys")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def driver_spec(tmp_path, dataset, mlflow_uri):
+    return ft_spec(tmp_path, dataset, STEPS, train={"log_every_steps": 1},
+                   tracking={"uri": mlflow_uri, "experiment": "driver-loss"})
+
+
+def committed(run_dir: str) -> int:
+    try:
+        return read_summary(run_dir)["committed_steps"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+@pytest.mark.timeout(600)
+def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, mlflow_server):
+    ref = run_job(driver_spec(tmp_path / "ref", tiny_dataset, mlflow_server))
+    reference = (final_params(ref.newest_checkpoint), ref)
+
+    spec = driver_spec(tmp_path / "job", tiny_dataset, mlflow_server)
+    job_yaml = tmp_path / "job.yaml"
+    job_yaml.write_text(yaml.safe_dump(spec.to_dict()))
+    env = {**os.environ, "RAY_ADDRESS": ray_nodes.address,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    log_path = tmp_path / "driver.log"
+    with open(log_path, "w") as log_file:
+        driver = subprocess.Popen([RAYTRAIN_SYS, "run", str(job_yaml)], cwd=tmp_path, env=env,
+                                  stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        latest = os.path.join(spec.output_dir, "latest")
+        assert wait_until(lambda: os.path.exists(os.path.join(latest, "summary.json")), 180), \
+            log_path.read_text()[-3000:]
+        run_dir = os.path.realpath(latest)
+        assert wait_until(lambda: committed(run_dir) >= KILL_AFTER_STEP, 180, interval_s=0.01), \
+            log_path.read_text()[-3000:]
+        # Alive but silent: the driver holds its workers and answers nothing.
+        driver.send_signal(signal.SIGSTOP)
+        at_stop = read_summary(run_dir)
+        assert at_stop["status"] == "running" and at_stop["committed_steps"] < STEPS
+        run_id, run_key = at_stop["mlflow_run_id"], os.path.basename(run_dir)
+        assert find_leftovers(run_key), "the running driver's workers should be visible"
+        summary_before = Path(run_dir, "summary.json").read_text()
+
+        resume = [RAYTRAIN_SYS, "resume", "--mlflow-run", run_id, "--tracking-uri", mlflow_server,
+                  "--output-dir", spec.output_dir]
+        refused = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True,
+                                 timeout=300)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert f"run {run_key} is still running" in refused.stderr
+        assert "stop that driver" in refused.stderr
+        assert Path(run_dir, "summary.json").read_text() == summary_before  # untouched
+
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=60)
+    # Ray ties non-detached actors and placement groups to their driver: all gone by itself.
+    assert wait_until(lambda: find_leftovers(run_key) == [], 30.0), find_leftovers(run_key)
+
+    resumed = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert "finished: 40 steps" in resumed.stdout
+
+    summary = read_summary(run_dir)
+    assert summary["mlflow_run_id"] == run_id
+    # Continued from the newest committed checkpoint the lost driver wrote (step 10 or later).
+    resumed_step = int(os.path.basename(summary["resumed_from"][-1]).split("_")[-1])
+    assert resumed_step >= 10 and resumed_step % 5 == 0
+    result = type(ref)(summary["status"], run_dir, summary["committed_steps"], summary["losses"],
+                       run_id, summary["newest_checkpoint"], os.path.join(run_dir, "summary.json"))
+    assert_like_reference(result, [], reference, spec, tiny_dataset, STEPS, redone_ok=True)
+    assert_no_leftovers(ray_nodes.address, run_key)
+
+    import mlflow
+
+    run = mlflow.MlflowClient(tracking_uri=mlflow_server).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    print(json.dumps({"killed_after_step": at_stop["committed_steps"],
+                      "resumed_from_step": resumed_step}))
+
+
+ORPHAN_MAKER = """
+import sys, ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1])
+prefix = sys.argv[2]
+
+@ray.remote(num_cpus=0)
+class Orphan:
+    def ping(self):
+        return 1
+
+pg = placement_group([{"CPU": 1}], name=prefix + "0", lifetime="detached")
+ray.get(pg.ready(), timeout=120)
+actor = Orphan.options(name=prefix + "0", lifetime="detached").remote()
+ray.get(actor.ping.remote(), timeout=120)
+print("MADE", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_leftovers_of_a_dead_driver_are_removed(ray_nodes):
+    """What Ray does not clean up by itself (detached lifetimes: a leak, or another tool's) is
+    removed by the resume's clean-up once the job that made it is dead."""
+    from raytrain_sys.control.worker_group import clean_up_leftovers, run_name_prefix
+
+    run_key = "orphans-test"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    made = subprocess.run([sys.executable, "-c", ORPHAN_MAKER, ray_nodes.address,
+                           run_name_prefix(run_key) + "dead-launch:"], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert "MADE" in made.stdout, made.stderr[-3000:]
+    left = find_leftovers(run_key)
+    assert sorted(x.kind for x in left) == ["actor", "placement_group"]
+    removed = clean_up_leftovers(run_key, grace_s=30.0)
+    assert sorted(x.kind for x in removed) == ["actor", "placement_group"]
+    assert find_leftovers(run_key) == []
+    assert_no_leftovers(ray_nodes.address, run_key)
