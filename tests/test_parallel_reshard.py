@@ -27,9 +27,12 @@ def pieces_after_half(par: ParallelSpec) -> dict:
     pm, opt = make_parallel(par)
     train_steps(pm, opt, 0, HALF)
     pieces = reshard.local_pieces(pm.local_model, opt)
+    from raytrain_sys.parallel import mesh as meshlib
+    coords = {axis: meshlib.local_index(pm.mesh, axis) for axis in meshlib.MESH_AXES}
+    owned = reshard.local_pieces(pm.local_model, opt, owned_by=coords)
     gathered = {"params": pm.full_state_dict(), "optim": pm.full_optimizer_state(opt)}
     losses = train_steps(pm, opt, HALF, STEPS - HALF)
-    return {"pieces": pieces, **(gathered if dist.get_rank() == 0 else {}), "losses": losses}
+    return {"pieces": pieces, "owned": owned, **(gathered if dist.get_rank() == 0 else {}), "losses": losses}
 
 
 def load_and_continue(par: ParallelSpec, full: dict) -> dict | None:
@@ -67,6 +70,15 @@ def test_survivor_pieces_rebuild_any_layout(name, world_a, par_a, replicated, wo
     for k, state in gathered["optim"].items():
         for sub, v in state.items():
             assert torch.equal(full[f"optim/{k}/{sub}"], torch.as_tensor(v)), f"{k}/{sub}"
+
+    # What a checkpoint writes: each block once (a tied pair, two parameters in a pipeline,
+    # is the only repeat), and together the whole state.
+    owned_full, missing = reshard.assemble([o["owned"] for o in outs])
+    assert not missing and owned_full.keys() == full.keys()
+    assert all(torch.equal(owned_full[k], full[k]) for k in full)
+    blocks = [(k, p.offset) for o in outs for k, p in o["owned"].items()]
+    repeats = {k for k, offset in blocks if blocks.count((k, offset)) > 1}
+    assert all("wte" in k or "lm_head" in k for k in repeats), sorted(repeats)[:3]
 
     # Without the last rank: complete only where the layout keeps a replica of its shards.
     _, missing = reshard.assemble([o["pieces"] for o in outs[:-1]])

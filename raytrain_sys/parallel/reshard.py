@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 @dataclass
@@ -67,9 +68,31 @@ def parameter_names(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Piece]:
-    """Everything this rank holds of the model and its optimizer state, as pieces (no collective)."""
-    out = {f"model/{name}": _piece(t) for name, t in model.state_dict().items()}
+REPLICA_AXES = ("dp", "fsdp", "tp")  # mesh axes along which a tensor is either sharded or copied
+
+
+def _owns(t: torch.Tensor, coords: dict[str, int] | None) -> bool:
+    """Whether this rank is the one that writes ``t``'s block: of the ranks holding the same
+    block (copies along the axes ``t`` is not sharded on), the one at coordinate 0."""
+    if coords is None:
+        return True
+    sharded = set()
+    if isinstance(t, DTensor):
+        for axis, placement in zip(t.device_mesh.mesh_dim_names or (), t.placements):
+            # _StridedShard (FSDP on top of TP along one dim) is a shard but not a Shard.
+            if placement.is_shard() or isinstance(placement, _StridedShard):
+                sharded.add(axis)
+    return all(coords.get(axis, 0) == 0 for axis in REPLICA_AXES if axis not in sharded)
+
+
+def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 owned_by: dict[str, int] | None = None) -> dict[str, Piece]:
+    """What this rank holds of the model and its optimizer state, as pieces (no collective).
+
+    With ``owned_by`` (this rank's mesh coordinates) only the blocks this rank owns: every
+    block of the state then comes from exactly one rank, which is what a checkpoint writes.
+    """
+    out = {f"model/{name}": _piece(t) for name, t in model.state_dict().items() if _owns(t, owned_by)}
     if optimizer is not None:
         names = parameter_names(model)
         for p, state in optimizer.state.items():
@@ -77,10 +100,22 @@ def local_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"optimizer state {key!r} is a {type(value).__name__}; "
                                     f"only tensors can be resharded")
+                if not _owns(value, owned_by):  # a plain scalar (Adam's step) is a copy everywhere
+                    continue
                 piece = _piece(value)
                 for name in names[id(p)]:
                     out[f"optim/{name}/{key}"] = piece
     return out
+
+
+def pieces_to_plain(pieces: dict[str, Piece]) -> dict[str, dict]:
+    """Pieces as plain containers of tensors and ints: what torch.load(weights_only=True) reads."""
+    return {k: {"global_shape": list(p.global_shape), "offset": list(p.offset), "data": p.data}
+            for k, p in pieces.items()}
+
+
+def pieces_from_plain(plain: dict[str, dict]) -> dict[str, Piece]:
+    return {k: Piece(tuple(v["global_shape"]), tuple(v["offset"]), v["data"]) for k, v in plain.items()}
 
 
 def assemble(piece_sets: list[dict[str, Piece]]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -153,4 +188,5 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                 optimizer.state[p] = state
 
 
-__all__ = ["Piece", "local_pieces", "assemble", "keys_needed", "load_full_state", "parameter_names"]
+__all__ = ["Piece", "local_pieces", "assemble", "keys_needed", "load_full_state", "parameter_names",
+           "pieces_to_plain", "pieces_from_plain"]
