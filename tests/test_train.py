@@ -114,7 +114,7 @@ def test_half_written_checkpoint_stays_invisible(ray_cluster, tiny_dataset, tmp_
     with pytest.raises(RuntimeError, match="injected fault"):
         run_job(spec)
     root = os.path.join(read_summary_dir(tmp_path), "checkpoints")
-    assert os.path.exists(os.path.join(root, "step_00000020", "train_state.pt"))
+    assert os.path.exists(os.path.join(root, "step_00000020", "pieces_rank00000.pt"))
     assert not os.path.exists(os.path.join(root, "step_00000020", "manifest.json"))
     latest = Checkpointer(open_store(root), keep_last=3).latest()
     assert latest.step == 10

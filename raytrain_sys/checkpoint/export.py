@@ -8,7 +8,7 @@ import torch
 
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo, open_checkpoint
 from raytrain_sys.checkpoint.store import open_store
-from raytrain_sys.control.worker import TRAIN_STATE_FILE
+from raytrain_sys.checkpoint.state import model_state_dict, read_full_state
 from raytrain_sys.errors import CheckpointError
 from raytrain_sys.spec import JobSpec, from_dict
 
@@ -42,7 +42,8 @@ def load_model(path: str, s3_endpoint_url: str = "") -> tuple[torch.nn.Module, J
     model = build_model(spec.model)
     if spec.train.precision == "fp64":
         model = model.double()
-    model.load_state_dict(ckpt.load_state(info, TRAIN_STATE_FILE)["model"])
+    # Whatever layout wrote it (DDP, FSDP, TP, PP): the pieces assemble into the whole model.
+    model.load_state_dict(model_state_dict(read_full_state(ckpt, info)))
     model.eval()
     return model, spec, info
 

@@ -38,6 +38,7 @@ from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary, git_com
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S
 from raytrain_sys.control.worker_group import Worker, WorkerGroup, clean_up_leftovers, connect_ray
 from raytrain_sys.data.order import deal
+from raytrain_sys.parallel.mesh import is_data_leader_rank, rank_data_slices
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
@@ -187,6 +188,8 @@ class Supervisor:
         self._last_drain_poll = 0.0
         self._handover_waits: set[str] = set()  # draining nodes whose members await successors
         self._step_times: deque[float] = deque(maxlen=50)
+        self.layout_replicated = True  # set when a process group forms (see _form_group)
+        self._departing_pieces: list = []  # state of members leaving a draining node
 
     # ------------------------------------------------------------------ bookkeeping
     def _transition(self, state: State, reason: str, detected_at_unix_s: float = 0.0) -> None:
@@ -279,7 +282,7 @@ class Supervisor:
             self.group.start(spec.resources.num_workers)
             self._start_tracking()
             self._transition(State.STARTING, f"{self.group.world_size} workers placed")
-            self.group.form_process_group()
+            self._form_group()
             if resume_info is not None:
                 self._restore(resume_info)
             self.data = DataPlane.for_job(
@@ -382,7 +385,8 @@ class Supervisor:
                 data_wait = self.data.wait_s - wait0
                 units = self.task.units(batch)
                 members = list(self.group.workers)
-                shares = deal(spec.train.global_batch_size, len(members))
+                # Each rank's rows: its data-parallel slice (TP/PP peers share one).
+                shares = rank_data_slices(spec.parallel, len(members), spec.train.global_batch_size)
                 refs = [w.actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units)
                         for w, sl in zip(members, shares)]
                 outcome = self._collect(members, refs, step)
@@ -407,7 +411,7 @@ class Supervisor:
         self.committed_step = step + 1
         self.data_cursor += spec.train.global_batch_size
         self._step_times.append(dt)
-        loss = sum(r["loss_sum"] for r in results) / units
+        loss = sum(r["loss_sum"] for r in results) / units if units else float("nan")
         self.summary.losses.append(loss)
         self.summary.world_sizes.append(world)
         self.summary.committed_steps = self.committed_step
@@ -579,7 +583,9 @@ class Supervisor:
             # Did the step finish on some replica? Then its update is complete and correct (every
             # rank's gradient went into the all-reduce): commit it instead of redoing it.
             if max(held.values()) == step + 1:
-                done = [i for i, w in enumerate(members) if w.slot in outcome.results]
+                degrees = self.spec.parallel.degrees(len(members))
+                done = [i for i, w in enumerate(members) if w.slot in outcome.results
+                        and is_data_leader_rank(degrees, i)]  # the ranks whose loss counts
                 units = sum(self.task.units({k: v[shares[i]] for k, v in batch.items()}) for i in done)
                 results = [outcome.results[members[i].slot] for i in done]
                 self._commit(step, results, units, ids, shares, step_time_s, data_wait_s,
@@ -653,10 +659,11 @@ class Supervisor:
             try:
                 # Members known lost now (e.g. a node gone since the last step) would stall
                 # the rendezvous until its timeout: leave them out from the start.
-                _, dead, silent = _ping_all(members)
+                held, dead, silent = _ping_all(members)
                 if dead or silent:
                     raise _MembersLost(dead, silent)
-                self.group.form_process_group(timeout_s=RENDEZVOUS_TIMEOUT_S + 30.0)
+                members = self._fit_to_layout(members, held)
+                results = self._form_group(timeout_s=RENDEZVOUS_TIMEOUT_S + 30.0)
                 held, dead, silent = _ping_all(members)
                 if dead or silent:
                     raise _MembersLost(dead, silent)
@@ -666,15 +673,18 @@ class Supervisor:
                     # rebuild): only a durable checkpoint can continue the run.
                     self._restore_all_lost()
                     return
-                src_slot = source_slot if source_slot in holders else holders[0]
-                src = next(i for i, w in enumerate(members) if w.slot == src_slot)
-                if len(set(held.values())) > 1:
+                if any(r["stashed"] for r in results) or not all(r["replicated"] for r in results):
+                    if not self._share_state_as_pieces(members, held):
+                        return  # restored from a checkpoint instead
+                elif len(set(held.values())) > 1:
+                    src_slot = source_slot if source_slot in holders else holders[0]
+                    src = next(i for i, w in enumerate(members) if w.slot == src_slot)
                     ray.get([w.actor.sync_state.remote(src) for w in members], timeout=120)
-                    held, dead, silent = _ping_all(members)
-                    if dead or silent:
-                        raise _MembersLost(dead, silent)
-                    assert set(held.values()) == {self.committed_step}, \
-                        f"replicas hold {held} after the state sync, committed {self.committed_step}"
+                held, dead, silent = _ping_all(members)
+                if dead or silent:
+                    raise _MembersLost(dead, silent)
+                assert set(held.values()) == {self.committed_step}, \
+                    f"members hold {held} after the state sync, committed {self.committed_step}"
             except (_MembersLost, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 if not isinstance(exc, _MembersLost):
                     exc = _MembersLost(*_ping_all(members)[1:])
@@ -694,6 +704,54 @@ class Supervisor:
             return
         self._fail_with_checkpoint("could not re-form the process group after 5 attempts")
 
+    def _form_group(self, timeout_s: float = 120.0) -> list[dict]:
+        results = self.group.form_process_group(timeout_s=timeout_s)
+        # Whether every member holds a whole copy (plain DDP): then any one of them can save it.
+        self.layout_replicated = all(r["replicated"] for r in results)
+        return results
+
+    def _fit_to_layout(self, members: list[Worker], held: dict[int, int]) -> list[Worker]:
+        """The members the parallel degrees can use: the largest usable world, holders of the
+        committed step first; the rest wait on standby for a larger world."""
+        usable = self.spec.parallel.usable_world_size(len(members))
+        if usable == len(members):
+            return members
+        if usable == 0:
+            raise TrainingFailed(f"{len(members)} workers cannot hold one copy of the model with "
+                                 f"parallel.tp x parallel.pp = {self.spec.parallel.tp * self.spec.parallel.pp}"
+                                 f"; raise elastic.min_workers to at least that")
+        ordered = sorted(members, key=lambda w: held.get(w.slot) != self.committed_step)
+        extra = ordered[usable:]
+        self.group.bench(extra)
+        log.info("%d worker(s) on standby: parallel degrees need a world of %d, not %d",
+                 len(extra), usable, len(members))
+        return [w for w in self.group.workers]
+
+    def _share_state_as_pieces(self, members: list[Worker], held: dict[int, int]) -> bool:
+        """Members re-cut for a new layout take their blocks of the state the holders of the
+        committed step hold (their pieces, passed through Ray's object store; the Supervisor
+        never reads them). False when the holders do not cover the state, e.g. the only shard
+        of some layer died: then the newest durable checkpoint is restored, resharded."""
+        step = self.committed_step
+        refs = [w.actor.state_pieces.remote() for w in members if held[w.slot] == step]
+        refs += self._departing_pieces  # members that left a draining node just now
+        missing = ray.get([w.actor.load_pieces.remote(refs, step) for w in members], timeout=300)
+        del refs
+        self._departing_pieces = []
+        gaps = sorted({k for m in missing for k in m})
+        if not gaps:
+            return True
+        info = self.checkpointer.latest()
+        reason = (f"the surviving workers do not hold all of the state of step {step} (no copy "
+                  f"of {', '.join(gaps[:2])}{' ...' if len(gaps) > 2 else ''})")
+        if info is None:
+            raise TrainingFailed(f"{reason} and no checkpoint exists in {self.checkpoint_root}; "
+                                 f"set checkpoint.every_steps, or keep replicas (parallel.dp, hsdp)")
+        self._transition(State.RESTORING, f"{reason}: restoring {info.uri}")
+        self._restore(info)
+        self._transition(State.RUNNING, f"restored from {info.uri}, resharded to world {len(members)}")
+        return False
+
     def _request_replacements(self) -> None:
         """Replacements are requested at once; they start in the background."""
         self.group.drop_stale_pending(self.spec.resources.start_timeout_s)
@@ -703,15 +761,18 @@ class Supervisor:
 
     def _wait_for_min_workers(self, extra: int = 0) -> None:
         e = self.spec.elastic
-        if len(self.group.workers) + extra >= max(1, e.min_workers):
+        # The parallel degrees set a floor of their own: tp x pp ranks hold one copy of the model.
+        need = max(1, e.min_workers, self.spec.parallel.world_granularity())
+        if len(self.group.workers) + extra >= need:
             return
         self._transition(State.WAITING, f"{len(self.group.workers) + extra} workers, below "
-                         f"elastic.min_workers={e.min_workers}: waiting up to {e.below_min_timeout_s:g} s")
+                         f"{need} (elastic.min_workers={e.min_workers}, parallel degrees): waiting "
+                         f"up to {e.below_min_timeout_s:g} s")
         deadline = time.monotonic() + e.below_min_timeout_s
         while len(self.group.workers) + len(self.group.pending) and time.monotonic() < deadline:
             ready = self.group.ready_pending(timeout_s=1.0)
             self.group.add(ready)
-            if len(self.group.workers) >= max(1, e.min_workers):
+            if len(self.group.workers) >= need:
                 return
             self._request_replacements()
         self._fail_with_checkpoint(f"the group stayed below elastic.min_workers={e.min_workers} for "
@@ -727,7 +788,7 @@ class Supervisor:
         self._request_replacements()
         self._wait_for_min_workers()
         self.group.add(self.group.ready_pending(timeout_s=0.0))
-        self.group.form_process_group(timeout_s=120.0)
+        self._form_group(timeout_s=120.0)
         self._restore(info)
         self._transition(State.RUNNING, f"restored from {info.uri} after losing every worker")
 
@@ -742,17 +803,38 @@ class Supervisor:
         raise TrainingFailed(reason + (saved or f"; newest checkpoint: {self.summary.newest_checkpoint or 'none'}"))
 
     def _save_before_failing(self) -> str:
-        """The committed state, written by any member that holds it. No rebuild, no retry
+        """The committed state, written by the members that hold it. No rebuild, no retry
         through the failure path: the run is ending. The process group may be broken; a save
-        needs none."""
+        needs none. In a replicated layout any one holder has it all; in a sharded one every
+        member must still be there (each writes the blocks it owns)."""
         step = self.committed_step
         self._transition(State.CHECKPOINTING, f"saving step {step} before stopping")
-        for w in list(self.group.workers):
+        held, dead, silent = _ping_all(self.group.workers)
+        holders = [w for w in self.group.workers if held.get(w.slot) == step]
+        writers = holders[:1] if self.layout_replicated else holders
+        if not writers or (not self.layout_replicated and len(holders) < len(self.group.workers)):
+            return f"; no complete copy of step {step} left among the workers to save it"
+        files = []
+        for w in writers:
+            ref = w.actor.save_checkpoint.remote(self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url,
+                                                 step, everything=self.layout_replicated)
             try:
-                if ray.get(w.actor.ping.remote(), timeout=PING_TIMEOUT_S) != step:
-                    continue  # holds a half-committed step, or an older one
-                ref = w.actor.save_checkpoint.remote(self.checkpoint_root,
-                                                     self.spec.checkpoint.s3_endpoint_url, step)
+                files += self._watch(w, ref, f"the final checkpoint of step {step}")
+            except (WorkerLost, ray.exceptions.RayError) as exc:
+                log.warning("worker %d could not save step %d: %s", w.slot, step, exc)
+                if not self.layout_replicated:
+                    return f"; worker {w.slot} was lost while saving step {step}: not saved"
+                return self._save_before_failing_from(holders[1:], step)
+        info = self.checkpointer.commit(step, files, self._checkpoint_meta())
+        self._record_checkpoint(info)
+        return f"; state saved at step {step}: {info.uri}"
+
+    def _save_before_failing_from(self, holders: list[Worker], step: int) -> str:
+        """Replicated layout: the next holder writes everything, until one succeeds."""
+        for w in holders:
+            ref = w.actor.save_checkpoint.remote(self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url,
+                                                 step, everything=True)
+            try:
                 files = self._watch(w, ref, f"the final checkpoint of step {step}")
             except (WorkerLost, ray.exceptions.RayError) as exc:
                 log.warning("worker %d could not save step %d: %s", w.slot, step, exc)
@@ -760,7 +842,7 @@ class Supervisor:
             info = self.checkpointer.commit(step, files, self._checkpoint_meta())
             self._record_checkpoint(info)
             return f"; state saved at step {step}: {info.uri}"
-        return f"; no surviving worker holds step {step} to save it"
+        return f"; no surviving worker could save step {step}"
 
     # ------------------------------------------------------------------ membership at step boundaries
     def _at_step_boundary(self) -> None:
@@ -772,6 +854,10 @@ class Supervisor:
         if len(self.group.workers) < self._target_size():
             self._request_replacements()
             ready = self.group.ready_pending(timeout_s=0.0)
+            world = self.spec.parallel.usable_world_size(len(self.group.workers) + len(ready))
+            if world <= len(self.group.workers):  # not enough for the next usable world yet
+                self.group.standby += ready
+                ready = []
             if ready:
                 self._transition(State.RESIZING, f"{len(ready)} worker(s) ready: growing to "
                                  f"{len(self.group.workers) + len(ready)}")
@@ -798,7 +884,7 @@ class Supervisor:
             return
         if not draining:
             return
-        self.group.remove([w for w in self.group.pending if w.node_id in draining])
+        self.group.remove([w for w in self.group.pending + self.group.standby if w.node_id in draining])
         leaving = [w for w in self.group.workers if w.node_id in draining]
         if not leaving:
             return
@@ -836,8 +922,15 @@ class Supervisor:
         else:
             self._transition(State.DRAINING, f"{len(leaving)} worker(s) on draining node(s) "
                              f"({when}): leaving at step {self.committed_step}")
+        if not self.layout_replicated:
+            # Their shards may be the only copy: their pieces go into the object store before
+            # they leave (the node lives until its deadline) and the re-formed group takes them.
+            held, _, _ = _ping_all(leaving)
+            self._departing_pieces = [w.actor.state_pieces.remote() for w in leaving
+                                      if held.get(w.slot) == self.committed_step]
         self.group.remove(leaving)
         if not self.group.workers:
+            self._departing_pieces = []
             self._restore_all_lost()
             return
         self._reform(source_slot=self.group.workers[0].slot,
@@ -877,21 +970,26 @@ class Supervisor:
                 log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)
 
     def _save_checkpoint_files(self, step: int) -> list[dict] | None:
-        """Have a member write the state of ``step``; a writer lost mid-save is replaced by a
-        survivor (DDP replicas are equal). None when no replica holds ``step`` any more."""
+        """Have every member write the blocks of the state of ``step`` it owns (in a replicated
+        layout rank 0 owns all of it). A member lost mid-save: the group is rebuilt without it
+        (its blocks are re-dealt) and the save starts over. None when the group had to fall
+        back to an older checkpoint meanwhile."""
         for _ in range(3):
-            writer = self.group.workers[0]
-            ref = writer.actor.save_checkpoint.remote(self.checkpoint_root,
-                                                      self.spec.checkpoint.s3_endpoint_url, step)
+            members = list(self.group.workers)
+            refs = [(w, w.actor.save_checkpoint.remote(self.checkpoint_root,
+                                                       self.spec.checkpoint.s3_endpoint_url, step))
+                    for w in members]
             try:
-                return self._watch(writer, ref, f"the checkpoint of step {step}")
+                return [record for w, ref in refs
+                        for record in self._watch(w, ref, f"the checkpoint of step {step}")]
             except WorkerLost as lost:
+                ray.wait([r for _, r in refs], num_returns=len(refs), timeout=PING_TIMEOUT_S)
                 self._rebuild_without([lost.worker], f"worker {lost.worker.slot} on node "
                                       f"{lost.worker.node_id[:8]} {lost.reason}")
             if self.committed_step != step:
                 return None
-            self._transition(State.CHECKPOINTING, f"checkpoint at step {step}, retried on a survivor")
-        raise TrainingFailed(f"checkpoint at step {step}: three writers were lost in a row")
+            self._transition(State.CHECKPOINTING, f"checkpoint at step {step}, retried after a rebuild")
+        raise TrainingFailed(f"checkpoint at step {step}: members were lost during three attempts")
 
     def _checkpoint_meta(self) -> dict:
         return {"data_cursor": self.data_cursor, "world_size": self.group.world_size,
@@ -935,9 +1033,12 @@ def _point_latest(output_dir: str, run_dir: str) -> None:
 
 
 def _sample_line(step: int, ids, shares: list[slice]) -> str:
+    """The audit record of a committed step: the sample ids of each data-parallel shard (TP and
+    PP peers of a shard trained on the same rows, listed once)."""
     import json
 
-    return json.dumps({"step": step, "ranks": [ids[sl].tolist() for sl in shares]}) + "\n"
+    distinct = list(dict.fromkeys((sl.start, sl.stop) for sl in shares))
+    return json.dumps({"step": step, "ranks": [ids[a:b].tolist() for a, b in distinct]}) + "\n"
 
 
 def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = None) -> RunResult:

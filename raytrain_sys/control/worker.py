@@ -2,7 +2,23 @@
 
 The actor keeps the model and optimizer in memory across steps and across process-group
 rebuilds. The driver hands it a rank, world size, master address/port and a generation number;
-the worker tears down and re-creates its process group and wraps the same module again.
+the worker tears down and re-creates its process group and cuts the model by the job's
+DeviceMesh for that world (raytrain_sys.parallel.parallelize: DDP, FSDP2, TP, PP and hybrids).
+
+Two kinds of layout, one contract:
+- replicated (plain DDP: every rank holds everything): a rebuild keeps the model and optimizer
+  objects and only wraps them again; a member that lacks the state gets it by broadcast from a
+  survivor (``sync_state``).
+- sharded (anything with fsdp, tp or pp > 1): DTensor parameters belong to the mesh they were
+  cut for, so a rebuild builds the model afresh for the new mesh. What the worker held before is
+  kept as *pieces* (raytrain_sys.parallel.reshard: blocks with their global offsets, no process
+  group needed, so this works after a peer died); the survivors' pieces are shared through Ray's
+  object store and each member takes its blocks of the new layout (``load_pieces``). When the
+  survivors do not cover the state (the only shard of something died), the Supervisor restores
+  the newest durable checkpoint instead, resharded the same way.
+
+Checkpoints are pieces too: each rank writes the blocks it owns (every block exactly once), and
+any layout or world size reads them back (``load_checkpoint``), with torch.load(weights_only=True).
 
 Control calls (node info, ping) run in their own concurrency group, so they are answered while a
 step is blocked inside a collective.
@@ -10,7 +26,6 @@ step is blocked inside a collective.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -23,15 +38,17 @@ import ray
 import torch
 import torch.distributed as dist
 
+from raytrain_sys.parallel import mesh as meshlib
+from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
-from raytrain_sys.parallel.ddp import parallelize_ddp
+from raytrain_sys.parallel.parallelize import parallelize
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.train.optim import build_optimizer, lr_at
 from raytrain_sys.train.tasks import task_for
 
 log = logging.getLogger(__name__)
 
-TRAIN_STATE_FILE = "train_state.pt"
+PIECES_FILE = "pieces_rank{rank:05d}.pt"  # one per writing rank; see raytrain_sys.checkpoint.state
 # How long joining a process group may wait for the other members (see setup_group).
 RENDEZVOUS_TIMEOUT_S = 30.0
 
@@ -51,10 +68,13 @@ class TrainWorker:
         self.world_size = 0
         self.generation = -1
         self.device = "cpu"
-        self.model: torch.nn.Module | None = None
-        self.ddp: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # this rank's part, original parameter names
+        self.pm = None  # ParallelModel: the model cut by the current mesh
         self.optimizer: torch.optim.Optimizer | None = None
-        self.step_done = 0  # optimizer steps applied to this replica's state
+        self.replicated = True  # the current layout keeps a whole copy on every rank
+        self.step_done = 0  # optimizer steps applied to the state in the current layout
+        # The state held before the layout was rebuilt: (step, pieces), until shared and loaded.
+        self.stash: tuple[int, dict] | None = None
         self.task = task_for(self.spec.model.name)
 
     # ------------------------------------------------------------------ control path
@@ -66,9 +86,9 @@ class TrainWorker:
                 "pid": os.getpid(), "create_time": psutil.Process().create_time()}
 
     def prepare(self) -> dict[str, Any]:
-        """Build model and optimizer now, while the group trains without this worker: joining
-        later costs a process-group rebuild and a state sync, not a model build. Returns
-        ``node_info()``."""
+        """Import torch's distributed pieces and build the model now, while the group trains
+        without this worker: joining later costs a process-group rebuild and a state sync, not
+        a model build. Returns ``node_info()``."""
         if self.model is None:
             self._select_device()
             self._build()
@@ -82,7 +102,8 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control")
     def ping(self) -> int:
-        return self.step_done
+        """The step of the newest state this worker holds, in its current layout or as pieces."""
+        return self.stash[0] if self.stash is not None else self.step_done
 
     # ------------------------------------------------------------------ group lifecycle
     def setup_group(self, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -106,10 +127,30 @@ class TrainWorker:
         if _set_pg_timeout is not None and rendezvous != collective:
             _set_pg_timeout(collective)
         self.rank, self.world_size, self.generation = rank, world_size, generation
-        if self.model is None:
-            self._build()
-        self.ddp = parallelize_ddp(self.model, self.device)
-        return {"rank": rank, "backend": choice.backend, "device": self.device}
+        degrees = self.spec.parallel.degrees(world_size)
+        replicated = degrees["tp"] == degrees["pp"] == degrees["fsdp"] == 1
+        fresh = self.optimizer is None  # never trained: its model is the step-0 build
+        keep = not fresh and self.stash is None and self.replicated and replicated
+        if not keep:
+            # DTensors are bound to the mesh they were cut for: a new layout starts from a fresh
+            # model, and the state held so far waits as pieces to be shared and re-cut.
+            if not fresh and self.stash is None:
+                self.stash = (self.step_done, reshard.local_pieces(self.model, self.optimizer))
+            if not fresh or self.model is None:
+                self._build()
+        self.replicated = replicated
+        self.mesh = meshlib.build_mesh(self.spec.parallel, world_size, self.device.split(":")[0])
+        self.coords = {axis: meshlib.local_index(self.mesh, axis) for axis in meshlib.MESH_AXES}
+        # Build order (torchtitan): model, parallelize, optimizer last. A replicated layout
+        # wraps the same module again: DDP holds the group it was built with.
+        self.pm = parallelize(self.model, self.mesh, self.spec.parallel, self.device, task=self.task,
+                              precision=self.spec.train.precision)
+        self.model = self.pm.local_model
+        if not keep:
+            self.optimizer = build_optimizer(self.pm.optimizer_module(), self.spec.optim)
+            self.step_done = 0  # a fresh model is the state of step 0, the same on every rank
+        return {"rank": rank, "backend": choice.backend, "device": self.device,
+                "replicated": replicated, "stashed": self.stash is not None}
 
     def _select_device(self):
         choice = choose_backend(self.spec.parallel.backend, torch.cuda.is_available(),
@@ -120,14 +161,16 @@ class TrainWorker:
         return choice
 
     def _build(self) -> None:
-        # Build order (torchtitan): model, parallelize, optimizer last.
+        """The whole model, initialized from the job's seed: identical on every rank, so the
+        layouts cut from it agree with the single-process model."""
         from raytrain_sys.models import build_model
 
         torch.manual_seed(self.spec.train.seed)
         self.model = build_model(self.spec.model).to(self.device)
         if self.spec.train.precision == "fp64":
             self.model = self.model.double()
-        self.optimizer = build_optimizer(self.model, self.spec.optim)
+        self.pm = None
+        self.optimizer = None  # built after parallelize, from the parameters it leaves
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -135,13 +178,16 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ the step
     def train_step(self, step: int, batch: dict[str, np.ndarray], global_units: int) -> dict[str, float]:
-        """One optimizer step on this rank's share of step ``step``'s global batch.
+        """One optimizer step on this rank's rows of step ``step``'s global batch.
 
-        Each micro-batch's summed loss is scaled by world_size / global_units: DDP averages
-        gradients over ranks, so the result is the gradient of the global mean loss whatever the
-        shares, equal to the single-process one.
+        The rows are this rank's data-parallel slice (TP and PP peers get the same rows). The
+        summed loss of each micro-batch is scaled by data_parallel_size / global_units: data
+        parallelism averages gradients over its ranks, so the result is the gradient of the global
+        mean loss whatever the shares, equal to the single-process one. ``loss_sum`` is reported
+        by one rank per data shard (0 elsewhere), so the Supervisor's sum counts each row once.
         """
-        assert self.ddp is not None and self.optimizer is not None, "setup_group first"
+        assert self.pm is not None and self.optimizer is not None, "setup_group first"
+        assert self.stash is None, "this worker holds state not yet loaded into its layout"
         t0 = time.perf_counter()
         spec = self.spec
         lr = lr_at(step, spec.optim, spec.train.max_steps)
@@ -152,73 +198,94 @@ class TrainWorker:
         # The arrays arrive read-only from Ray's object store; torch.tensor copies them.
         tensors = {k: torch.tensor(v, device=self.device) for k, v in batch.items()}
         rows = len(next(iter(tensors.values())))
-        scale = self.world_size / global_units
-        micro = spec.train.micro_batch_size or rows
-        starts = list(range(0, rows, micro))
-        autocast = (torch.autocast(device_type=self.device.split(":")[0], dtype=torch.bfloat16)
-                    if spec.train.precision == "bf16" else contextlib.nullcontext())
-        self.ddp.train()
         try:
-            loss_sum = self._forward_backward(tensors, starts, micro, scale, autocast)
+            loss_sum = self.pm.forward_backward(tensors, global_units, spec.train.micro_batch_size)
+            max_norm = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
+            grad_norm = self.pm.clip_grad_norm_(max_norm)
         except BaseException:
             # A peer died mid-step: this half-done step is discarded; the rebuild starts clean.
             self.optimizer.zero_grad(set_to_none=True)
             raise
-        max_norm = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done = step + 1
-        return {"loss_sum": loss_sum, "rows": float(rows), "grad_norm": float(grad_norm), "lr": lr,
-                "compute_s": time.perf_counter() - t0}
-
-    def _forward_backward(self, tensors, starts, micro, scale, autocast) -> float:
-        loss_sum = 0.0
-        for i, start in enumerate(starts):
-            chunk = {k: v[start:start + micro] for k, v in tensors.items()}
-            # Gradients are all-reduced once per step, on the last micro-batch.
-            sync = contextlib.nullcontext() if i == len(starts) - 1 else self.ddp.no_sync()
-            with sync:
-                with autocast:
-                    loss = self.task.loss_sum(self.ddp, chunk)
-                (loss * scale).backward()
-            loss_sum += loss.item()
-        return loss_sum
+        return {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
+                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ state
-    def _state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "step": self.step_done}
+    def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int,
+                        everything: bool = False) -> list[dict]:
+        """Write the blocks of the state of ``step`` this rank owns (data only; no manifest).
 
-    def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int) -> list[dict]:
-        """Write this replica's state into the checkpoint of ``step`` (data only; no manifest)."""
+        Every block of the state is owned by exactly one rank (in a replicated layout rank 0
+        owns all of it), so the files of all members together hold it once. ``everything``:
+        write all this rank holds instead (a replicated layout's last save when rank 0 is gone).
+        No collective: a save works while the process group is broken. Returns the manifest
+        records written (none when this rank owns nothing).
+        """
         from raytrain_sys.checkpoint.checkpointer import Checkpointer
         from raytrain_sys.checkpoint.store import open_store
 
-        assert self.step_done == step, f"asked to save step {step}, replica holds {self.step_done}"
+        assert self.stash is None and self.step_done == step, \
+            f"asked to save step {step}, this worker holds {self.ping()} (in layout: {self.step_done})"
+        owned = reshard.local_pieces(self.model, self.optimizer,
+                                     owned_by=None if everything else self.coords)
+        if not owned:
+            return []
         ckpt = Checkpointer(open_store(store_uri, s3_endpoint_url), keep_last=None)  # writes only
-        return [ckpt.write_state(step, TRAIN_STATE_FILE, self._state())]
+        state = {"step": step, "rank": self.rank, "world_size": self.world_size,
+                 "pieces": reshard.pieces_to_plain(owned)}
+        return [ckpt.write_state(step, PIECES_FILE.format(rank=self.rank), state)]
 
     def load_checkpoint(self, checkpoint_uri: str, s3_endpoint_url: str) -> int:
+        """Take this layout's blocks of a checkpoint written at any layout or world size."""
         from raytrain_sys.checkpoint.checkpointer import open_checkpoint
+        from raytrain_sys.checkpoint.state import read_full_state
 
         ckpt, info = open_checkpoint(checkpoint_uri, s3_endpoint_url)
-        state = ckpt.load_state(info, TRAIN_STATE_FILE)
-        if self.model is None:
-            self._build()
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
-        self.step_done = int(state["step"])
+        full = read_full_state(ckpt, info)
+        self._load_full(full, info.step, source=info.uri)
         return self.step_done
 
+    def state_pieces(self) -> dict:
+        """What this worker holds of the state, as pieces, for peers re-forming in a new layout.
+        The Supervisor passes the reference on without reading it."""
+        if self.stash is not None:
+            return self.stash[1]
+        return reshard.local_pieces(self.model, self.optimizer)
+
+    def load_pieces(self, piece_refs: list, step: int) -> list[str]:
+        """Assemble the pieces of the members that hold ``step`` and take this layout's blocks.
+        Returns the state keys no piece covers (then nothing is loaded: the Supervisor falls
+        back to the newest checkpoint)."""
+        full, missing = reshard.assemble(ray.get(list(piece_refs)))
+        missing += sorted(reshard.keys_needed(self.model, self.optimizer) - full.keys())
+        if missing:
+            return missing
+        self._load_full(full, step, source=f"{len(piece_refs)} peers")
+        return []
+
+    def _load_full(self, full: dict, step: int, source: str) -> None:
+        needed = reshard.keys_needed(self.model, self.optimizer) - full.keys()
+        if needed:
+            from raytrain_sys.errors import CheckpointError
+
+            raise CheckpointError(f"state from {source} lacks {sorted(needed)[:3]}: it was written "
+                                  f"for another model; resume with the spec that wrote it")
+        reshard.load_full_state(self.model, self.optimizer, full)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_done, self.stash = step, None
+
     def sync_state(self, src_rank: int) -> int:
-        """Make this replica equal to ``src_rank``'s: the survivor that holds the newest step.
+        """Replicated layout: make this replica equal to ``src_rank``'s, the survivor that holds
+        the newest step.
 
         Parameters go tensor by tensor (in place, so DDP and the optimizer keep their
         references); the optimizer state, whose layout a newcomer lacks, goes as one object.
         The schedule and dropout RNG are functions of the step, and the data cursor lives in the
         Supervisor, so nothing else needs to travel.
         """
+        assert self.replicated and self.stash is None, "sharded layouts share state as pieces"
         with torch.no_grad():
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, src=src_rank)
@@ -231,6 +298,6 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return self.step_done
 
-    def parameters(self) -> dict[str, np.ndarray]:
-        """A copy of the parameters, for tests and export."""
-        return {k: v.detach().cpu().numpy().copy() for k, v in self.model.state_dict().items()}
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state (its shards)."""
+        return self.pm.memory(self.optimizer)

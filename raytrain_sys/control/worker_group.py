@@ -107,6 +107,9 @@ class WorkerGroup:
         self.name_prefix = run_name_prefix(self.run_key) + uuid.uuid4().hex[:8] + ":"
         self.workers: list[Worker] = []  # members of the current process group, rank order
         self.pending: list[Worker] = []  # requested, not yet members
+        # Up, but left out of the process group: the parallel degrees need a world size that
+        # these would not make (tp x pp = 2 and 3 workers: one waits for a partner).
+        self.standby: list[Worker] = []
         self.generation = 0
         self._slots = itertools.count()
 
@@ -148,12 +151,13 @@ class WorkerGroup:
         return worker
 
     def ready_pending(self, timeout_s: float = 0.0) -> list[Worker]:
-        """Pending workers whose actor is up, moved out of ``pending`` (not yet members)."""
+        """Workers that are up and not members: standby ones, then pending ones whose actor
+        is up (moved out of ``standby`` and ``pending``)."""
+        ready, self.standby = self.standby, []
         if not self.pending:
-            return []
+            return ready
         refs = [w.ready_ref for w in self.pending]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready = []
         for w in list(self.pending):
             if w.ready_ref in done:
                 try:
@@ -208,6 +212,8 @@ class WorkerGroup:
                 self.workers.remove(w)
             if w in self.pending:
                 self.pending.remove(w)
+            if w in self.standby:
+                self.standby.remove(w)
             self._release(w)
 
     def reap(self, workers: list[Worker]) -> None:
@@ -228,6 +234,12 @@ class WorkerGroup:
     def add(self, workers: list[Worker]) -> None:
         self.workers.extend(workers)
 
+    def bench(self, workers: list[Worker]) -> None:
+        """Take members out of the process group but keep them up, for a later, larger world."""
+        for w in workers:
+            self.workers.remove(w)
+            self.standby.append(w)
+
     def _release(self, w: Worker) -> None:
         try:
             ray.kill(w.actor, no_restart=True)
@@ -239,8 +251,9 @@ class WorkerGroup:
             pass
 
     # ------------------------------------------------------------------ process group
-    def form_process_group(self, timeout_s: float = 120.0) -> None:
-        """New generation: a fresh master port on rank 0's node; every member (re)joins."""
+    def form_process_group(self, timeout_s: float = 120.0) -> list[dict]:
+        """New generation: a fresh master port on rank 0's node; every member (re)joins.
+        Returns each member's ``setup_group`` answer, in rank order."""
         self.generation += 1
         master = self.workers[0]
         port = ray.get(master.actor.free_port.remote(), timeout=timeout_s)
@@ -257,6 +270,7 @@ class WorkerGroup:
             raise
         log.info("process group generation %d formed: world=%d backend=%s master=%s:%d",
                  self.generation, len(self.workers), results[0]["backend"], master.info["ip"], port)
+        return results
 
     @property
     def world_size(self) -> int:
@@ -269,9 +283,9 @@ class WorkerGroup:
     def shutdown(self, wait_s: float = 10.0) -> None:
         """Kill every actor and remove every placement group of this launch, and wait (up to
         ``wait_s``) until Ray reports them gone: ``ray.kill`` only asks."""
-        for w in self.workers + self.pending:
+        for w in self.workers + self.pending + self.standby:
             self._release(w)
-        self.workers, self.pending = [], []
+        self.workers, self.pending, self.standby = [], [], []
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -277,8 +277,11 @@ def apply_activation_checkpointing(block: nn.Module) -> None:
 
     from torch.utils.checkpoint import checkpoint
 
+    if getattr(block, "_recomputes_activations", False):
+        return  # a replicated layout wraps the same blocks again at every rebuild
     inner = block.forward
     block.forward = functools.partial(checkpoint, inner, use_reentrant=False)
+    block._recomputes_activations = True
 
 
 @torch.no_grad()
