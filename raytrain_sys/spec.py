@@ -152,6 +152,12 @@ class OptimSpec:
     beta2: float = 0.95  # second-moment decay; 0.95 is steadier than 0.999 for LMs (GPT-3)
     eps: float = 1e-8  # Adam denominator floor
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    momentum: float = 0.9  # LARS only: heavy-ball momentum
+    trust_coefficient: float = 0.001  # LARS only: eta, the layer-wise step = eta x ||w|| / ||g||
+    # none | linear | sqrt: lr is the peak LR at lr_base_batch_size rows and is scaled to
+    # train.global_batch_size (linear for SGD/LARS, sqrt for Adam-type); warmup still applies
+    lr_scaling: str = "none"
+    lr_base_batch_size: int = 0  # the global batch optim.lr was tuned for (lr_scaling needs it)
 
 
 @dataclass
@@ -259,7 +265,8 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.mixed_precision": ("none", "bf16"),
     "parallel.comm_hook": ("none", "fp16", "powersgd"),
     "parallel.backend": ("auto", "gloo", "nccl"),
-    "optim.name": ("adamw",),
+    "optim.name": ("adamw", "lamb", "lars"),
+    "optim.lr_scaling": ("none", "linear", "sqrt"),
     "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "model.name": ("gpt", "cnn"),
     "data.on_bad_shard": ("fail", "skip"),
@@ -279,7 +286,8 @@ _POSITIVE = [
 ]
 _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "optim.min_lr_ratio", "optim.warmup_steps",
-    "optim.weight_decay", "optim.grad_clip", "checkpoint.every_steps", "resources.gpus_per_worker",
+    "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
+    "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
     "resources.local_num_cpus", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
 ]
 
@@ -368,6 +376,11 @@ def validate(spec: JobSpec) -> JobSpec:
         )
     if spec.model.dropout >= 1:
         raise SpecError("model.dropout", f"got {spec.model.dropout}; must be below 1")
+    if spec.optim.lr_scaling != "none" and spec.optim.lr_base_batch_size < 1:
+        raise SpecError("optim.lr_base_batch_size",
+                        f"got {spec.optim.lr_base_batch_size}; optim.lr_scaling="
+                        f"{spec.optim.lr_scaling} scales optim.lr from the global batch it was tuned "
+                        f"for: give that batch size")
     if spec.optim.min_lr_ratio > 1:
         raise SpecError("optim.min_lr_ratio", f"got {spec.optim.min_lr_ratio}; must be at most 1")
     if spec.optim.warmup_steps > spec.train.max_steps:

@@ -20,6 +20,11 @@ from raytrain_sys.spec import ModelSpec, OptimSpec, ParallelSpec
 
 MODEL = ModelSpec(block_size=16, n_layer=4, n_head=4, n_embd=32)
 OPTIM = OptimSpec(lr=1e-2, warmup_steps=2, weight_decay=0.1, grad_clip=0.5)  # clipping is active
+# LAMB and LARS take layer-wise trust-ratio steps: each layer moves by about lr (LAMB) or
+# lr x trust_coefficient (LARS) of its own norm per step, hence these lrs to train in ten steps.
+OPTIMS = {"adamw": OPTIM,
+          "lamb": OptimSpec(name="lamb", lr=0.2, warmup_steps=2, weight_decay=0.1, grad_clip=0.5),
+          "lars": OptimSpec(name="lars", lr=20.0, warmup_steps=2, weight_decay=1e-4, grad_clip=0.5)}
 GLOBAL_BATCH = 8
 STEPS = 10
 SEED = 1234
@@ -50,28 +55,30 @@ def build(dtype=torch.float64, model_spec: ModelSpec = MODEL):
     return build_model(model_spec).to(dtype)
 
 
-@functools.lru_cache(maxsize=4)
-def reference(steps: int = STEPS, dtype_name: str = "float64") -> tuple[dict, list[float]]:
+@functools.lru_cache(maxsize=8)
+def reference(steps: int = STEPS, dtype_name: str = "float64", optim_name: str = "adamw") -> tuple[dict, list[float]]:
     """One process, the whole global batch: the parameters and losses every layout must match."""
     from raytrain_sys.train.optim import build_optimizer, lr_at
     from raytrain_sys.train.tasks import NextToken
 
+    optim = OPTIMS[optim_name]
     model = build(getattr(torch, dtype_name))
-    opt = build_optimizer(model, OPTIM)
+    opt = build_optimizer(model, optim)
     task, losses = NextToken(), []
     for step, batch in enumerate(global_batches(steps)):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, OPTIM, steps)
+            group["lr"] = lr_at(step, optim, steps)
         loss = task.loss_sum(model, {"tokens": torch.tensor(batch)})
         (loss / units(batch)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def make_parallel(par: ParallelSpec, dtype=torch.float64, model_spec: ModelSpec = MODEL):
+def make_parallel(par: ParallelSpec, dtype=torch.float64, model_spec: ModelSpec = MODEL,
+                  optim_name: str = "adamw"):
     from raytrain_sys.parallel.mesh import build_mesh
     from raytrain_sys.parallel.parallelize import parallelize
     from raytrain_sys.train.optim import build_optimizer
@@ -79,7 +86,8 @@ def make_parallel(par: ParallelSpec, dtype=torch.float64, model_spec: ModelSpec 
 
     mesh = build_mesh(par, dist.get_world_size())
     pm = parallelize(build(dtype, model_spec), mesh, par, "cpu", task=NextToken())
-    opt = build_optimizer(pm.optimizer_module(), OPTIM)
+    opt = build_optimizer(pm.optimizer_module(), OPTIMS[optim_name])
+    opt.spec = OPTIMS[optim_name]
     return pm, opt
 
 
@@ -88,15 +96,16 @@ def train_steps(pm, opt, first_step: int, steps: int, total_steps: int = STEPS,
     """Run steps [first_step, first_step + steps) of the global batches; the global losses."""
     from raytrain_sys.train.optim import lr_at
 
+    optim = getattr(opt, "spec", OPTIM)
     batches = global_batches(total_steps)
     index, size = pm.data_shard()
     losses = []
     for step in range(first_step, first_step + steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, OPTIM, total_steps)
+            group["lr"] = lr_at(step, optim, total_steps)
         rows = torch.tensor(shard_rows(batches[step], index, size))
         loss = pm.forward_backward({"tokens": rows}, units(batches[step]), micro_batch_size)
-        pm.clip_grad_norm_(OPTIM.grad_clip)
+        pm.clip_grad_norm_(optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         # The global loss: each data shard's loss once (its leader's).
@@ -107,9 +116,9 @@ def train_steps(pm, opt, first_step: int, steps: int, total_steps: int = STEPS,
 
 
 def train_and_report(par: ParallelSpec, steps: int = STEPS, dtype_name: str = "float64",
-                     micro_batch_size: int = 0) -> dict | None:
+                     micro_batch_size: int = 0, optim_name: str = "adamw") -> dict | None:
     """Rank function: train ``steps`` steps under ``par``; rank 0 returns params and losses."""
-    pm, opt = make_parallel(par, getattr(torch, dtype_name))
+    pm, opt = make_parallel(par, getattr(torch, dtype_name), optim_name=optim_name)
     losses = train_steps(pm, opt, 0, steps, steps, micro_batch_size)
     params = pm.full_state_dict()
     return {"params": params, "losses": losses} if dist.get_rank() == 0 else None

@@ -23,8 +23,8 @@ from tests.parallel_harness import run_on_ranks
 HALF = STEPS // 2
 
 
-def pieces_after_half(par: ParallelSpec) -> dict:
-    pm, opt = make_parallel(par)
+def pieces_after_half(par: ParallelSpec, optim_name: str = "adamw") -> dict:
+    pm, opt = make_parallel(par, optim_name=optim_name)
     train_steps(pm, opt, 0, HALF)
     pieces = reshard.local_pieces(pm.local_model, opt)
     from raytrain_sys.parallel import mesh as meshlib
@@ -35,8 +35,8 @@ def pieces_after_half(par: ParallelSpec) -> dict:
     return {"pieces": pieces, "owned": owned, **(gathered if dist.get_rank() == 0 else {}), "losses": losses}
 
 
-def load_and_continue(par: ParallelSpec, full: dict) -> dict | None:
-    pm, opt = make_parallel(par)
+def load_and_continue(par: ParallelSpec, full: dict, optim_name: str = "adamw") -> dict | None:
+    pm, opt = make_parallel(par, optim_name=optim_name)
     missing = reshard.keys_needed(pm.local_model, opt) - full.keys()
     assert not missing, f"layout {par} needs {sorted(missing)[:3]}"
     reshard.load_full_state(pm.local_model, opt, full)
@@ -56,12 +56,14 @@ CASES = [
     ("dp2xtp2_to_pp2", 4, dict(strategy="ddp", tp=2), True, 2, dict(pp=2, pp_schedule="gpipe")),
     ("fsdp2xtp2_to_ddp2", 4, dict(strategy="fsdp", tp=2), False, 2, dict(strategy="ddp")),
     ("pp2xfsdp2_to_tp2", 4, dict(strategy="fsdp", pp=2), False, 2, dict(tp=2)),
+    ("lars_fsdp2_to_tp2", 2, dict(strategy="fsdp"), False, 2, dict(tp=2)),  # momentum, not Adam state
 ]
 
 
 @pytest.mark.parametrize("name,world_a,par_a,replicated,world_b,par_b", CASES, ids=[c[0] for c in CASES])
 def test_survivor_pieces_rebuild_any_layout(name, world_a, par_a, replicated, world_b, par_b):
-    outs = run_on_ranks(world_a, pieces_after_half, ParallelSpec(**par_a))
+    optim_name = "lars" if name.startswith("lars") else "adamw"
+    outs = run_on_ranks(world_a, pieces_after_half, ParallelSpec(**par_a), optim_name)
     full, missing = reshard.assemble([o["pieces"] for o in outs])
     assert not missing
     gathered = outs[0]
@@ -86,12 +88,12 @@ def test_survivor_pieces_rebuild_any_layout(name, world_a, par_a, replicated, wo
     absent = set(full) - partial_keys
     assert (not missing and not absent) == replicated, (missing[:3], sorted(absent)[:3])
 
-    b = run_on_ranks(world_b, load_and_continue, ParallelSpec(**par_b), full)[0]
+    b = run_on_ranks(world_b, load_and_continue, ParallelSpec(**par_b), full, optim_name)[0]
     for k, v in gathered["params"].items():
         assert torch.equal(b["loaded"][k], v), k
     torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(outs[0]["losses"]),
                                rtol=RTOL_FP64, atol=0)
-    ref, _ = reference()
+    ref, _ = reference(optim_name=optim_name)
     for k in ref:
         torch.testing.assert_close(b["final"][k], ref[k], rtol=RTOL_FP64, atol=1e-12)
 

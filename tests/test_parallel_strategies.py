@@ -34,8 +34,8 @@ CASES = [
 ]
 
 
-def assert_matches_reference(out: dict) -> None:
-    ref, ref_losses = reference()
+def assert_matches_reference(out: dict, optim_name: str = "adamw") -> None:
+    ref, ref_losses = reference(optim_name=optim_name)
     assert out["params"].keys() == ref.keys()
     for k in ref:
         torch.testing.assert_close(out["params"][k], ref[k], rtol=RTOL_FP64, atol=1e-12,
@@ -49,6 +49,22 @@ def assert_matches_reference(out: dict) -> None:
 def test_strategy_matches_single_process(name, world, par, micro):
     out = run_on_ranks(world, train_and_report, ParallelSpec(**par), micro_batch_size=micro)[0]
     assert_matches_reference(out)
+
+
+LARGE_BATCH_CASES = [
+    # LAMB's and LARS's trust ratio needs each parameter's whole norm: sharded (FSDP), split
+    # by columns and rows (TP), or cut into stages (PP), every layout must take one process's step.
+    ("lamb_fsdp", 2, dict(strategy="fsdp"), "lamb"),
+    ("lamb_tp_sp", 2, dict(tp=2), "lamb"),
+    ("lars_fsdp_x_tp", 4, dict(strategy="fsdp", tp=2), "lars"),
+    ("lars_pp_1f1b", 2, dict(pp=2, pp_schedule="1f1b", microbatches=4), "lars"),
+]
+
+
+@pytest.mark.parametrize("name,world,par,optim_name", LARGE_BATCH_CASES, ids=[c[0] for c in LARGE_BATCH_CASES])
+def test_large_batch_optimizers_match_single_process(name, world, par, optim_name):
+    out = run_on_ranks(world, train_and_report, ParallelSpec(**par), optim_name=optim_name)[0]
+    assert_matches_reference(out, optim_name)
 
 
 def test_ddp_fp16_hook_is_close():

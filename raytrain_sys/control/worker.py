@@ -190,7 +190,7 @@ class TrainWorker:
         assert self.stash is None, "this worker holds state not yet loaded into its layout"
         t0 = time.perf_counter()
         spec = self.spec
-        lr = lr_at(step, spec.optim, spec.train.max_steps)
+        lr = lr_at(step, spec.optim, spec.train.max_steps, spec.train.global_batch_size)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(_step_seed(spec.train.seed, step, self.rank))
@@ -259,14 +259,14 @@ class TrainWorker:
         Returns the state keys no piece covers (then nothing is loaded: the Supervisor falls
         back to the newest checkpoint)."""
         full, missing = reshard.assemble(ray.get(list(piece_refs)))
-        missing += sorted(reshard.keys_needed(self.model, self.optimizer) - full.keys())
+        missing += sorted(reshard.keys_needed(self.model, self.optimizer, step > 0) - full.keys())
         if missing:
             return missing
         self._load_full(full, step, source=f"{len(piece_refs)} peers")
         return []
 
     def _load_full(self, full: dict, step: int, source: str) -> None:
-        needed = reshard.keys_needed(self.model, self.optimizer) - full.keys()
+        needed = reshard.keys_needed(self.model, self.optimizer, step > 0) - full.keys()
         if needed:
             from raytrain_sys.errors import CheckpointError
 

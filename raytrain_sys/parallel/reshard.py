@@ -134,14 +134,17 @@ def assemble(piece_sets: list[dict[str, Piece]]) -> tuple[dict[str, torch.Tensor
     return full, missing
 
 
-def keys_needed(model: nn.Module, optimizer: torch.optim.Optimizer | None, state_keys=("step", "exp_avg", "exp_avg_sq")) -> set[str]:
-    """The keys ``load_full_state`` reads for this rank's layout (AdamW's state by default)."""
+def keys_needed(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                with_optimizer_state: bool = True) -> set[str]:
+    """The keys ``load_full_state`` reads for this rank's layout. The optimizer's per-parameter
+    state (its ``state_keys``, AdamW's by default) exists once it has taken a step."""
     keys = {f"model/{name}" for name in model.state_dict()}
-    if optimizer is not None:
+    if optimizer is not None and with_optimizer_state:
+        state_keys = getattr(optimizer, "state_keys", ("step", "exp_avg", "exp_avg_sq"))
+        names = parameter_names(model)
         for group in optimizer.param_groups:
             for p in group["params"]:
-                first = parameter_names(model)[id(p)][0]
-                keys |= {f"optim/{first}/{k}" for k in state_keys}
+                keys |= {f"optim/{names[id(p)][0]}/{k}" for k in state_keys}
     return keys
 
 
