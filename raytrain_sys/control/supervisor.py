@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -246,8 +247,9 @@ class Supervisor:
         if old is not None:
             a, b = old.flat(), self.spec.flat()
             diffs = [k for k in a if k.split(".")[0] in ("model", "optim") and a[k] != b.get(k)]
-            diffs += [k for k in ("data.seed", "data.shuffle_window", "data.shuffle_block_rows", "train.global_batch_size",
-                                  "train.precision", "train.seed") if a.get(k) != b.get(k)]
+            diffs += [k for k in ("data.seed", "data.shuffle_window", "data.shuffle_block_rows",
+                                  "data.sequences", "train.global_batch_size", "train.precision",
+                                  "train.seed") if a.get(k, b.get(k)) != b.get(k)]
         raise CheckpointError(
             f"checkpoint {info.uri} was written with different training settings "
             f"({', '.join(diffs) or 'training hash differs'}); resuming would not continue the same "
@@ -275,6 +277,12 @@ class Supervisor:
             self.summary.write()
 
             self._local_cluster = connect_ray(spec)
+            # Ray Data takes seconds to start its first stream: let it run while the workers
+            # start, from the cursor the run continues at.
+            self.data = DataPlane.for_job(
+                spec, self.manifest, end_position=spec.train.max_steps * spec.train.global_batch_size,
+                run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason))
+            warm = self._warm_data(int(resume_info.manifest["data_cursor"]) if resume_info else 0)
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
                                  f"left by the lost driver of run {self.previous_run_key}")
@@ -285,9 +293,9 @@ class Supervisor:
             self._form_group()
             if resume_info is not None:
                 self._restore(resume_info)
-            self.data = DataPlane.for_job(
-                spec, self.manifest, end_position=spec.train.max_steps * spec.train.global_batch_size,
-                run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason))
+            if warm is not None:
+                warm.join()
+                self.data.wait_s = 0.0  # spent while the workers started, not waited for by them
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._loop()
             saved = [c["step"] for c in self.summary.checkpoints]
@@ -310,6 +318,24 @@ class Supervisor:
             raise
         finally:
             self._teardown()
+
+    def _warm_data(self, cursor: int):
+        """Read the first global batch in the background (the plane caches it). Only where a
+        read has no side effect: with data.on_bad_shard=skip a bad shard changes the stream's
+        ledger, which belongs to the step loop. An error here is met again, and reported, by
+        the step that needs the batch."""
+        if self.spec.data.on_bad_shard != "fail":
+            return None
+
+        def read() -> None:
+            try:
+                self.data.global_batch(cursor)
+            except Exception as exc:
+                log.debug("data warm-up: %s (the first step will report it)", exc)
+
+        thread = threading.Thread(target=read, name="data-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def _clean_up_previous_launch(self) -> list:
         """A resumed run first removes whatever its lost driver left on the cluster, and refuses
@@ -420,7 +446,9 @@ class Supervisor:
         if self._sample_log is not None:
             self._sample_log.write(_sample_line(self.committed_step, ids, shares))
             self._sample_log.flush()
-        tokens_per_step = spec.train.global_batch_size * spec.model.block_size
+        # Trained tokens: the targets the loss counted (padding of packed or bucketed rows and
+        # document boundaries excluded; one image counts one for a classifier).
+        tokens_per_step = units
         steady = list(self._step_times)[min(3, len(self._step_times) - 1):]
         mean_dt = sum(steady) / len(steady)
         metrics = {"loss": loss, "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],

@@ -330,7 +330,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
         split = pplib.split_gpt(model, meshlib.local_index(mesh, "pp"), pp, spec.pp_schedule,
                                 spec.pp_stages_per_rank)
     stage_modules: list[nn.Module] = split.modules if split else [model]
-    blocks = list(model.transformer.h.values())
+    # The repeated blocks (FSDP units, activation checkpointing): the GPT's layers. A model
+    # without them (the CNN) is one FSDP unit and recomputes nothing.
+    blocks = list(model.transformer.h.values()) if hasattr(model, "transformer") else []
 
     # 2. tensor parallel + sequence parallel
     if tp > 1:
