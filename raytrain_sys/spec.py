@@ -196,6 +196,9 @@ class ResourcesSpec:
     num_workers: int = 2  # workers at the start: one Ray actor per GPU or CPU slot
     cpus_per_worker: float = 1.0  # also the worker's torch thread count
     gpus_per_worker: float = 0.0  # > 0 on a CUDA machine selects NCCL (parallel.backend auto)
+    # Peak dense TFLOP/s of one worker's device at the training precision, for the MFU metric
+    # (e.g. 989 for an H100 SXM in bf16); 0 = MFU not reported
+    peak_tflops_per_worker: float = 0.0
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     start_timeout_s: float = 60.0  # wait this long for the cluster to hold the whole group
     ray_address: str = ""  # "" = RAY_ADDRESS or a running job's cluster, else start a local one
@@ -288,7 +291,7 @@ _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "optim.min_lr_ratio", "optim.warmup_steps",
     "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
-    "resources.local_num_cpus", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
+    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
 ]
 
 

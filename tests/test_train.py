@@ -81,7 +81,8 @@ def test_resume_equals_uninterrupted(straight_run, tiny_dataset, tmp_path):
     spec, straight = straight_run
     paused_spec = tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 20, "stop_at_step": 10,
                                                            "log_every_steps": 5},
-                            checkpoint={"every_steps": 10})
+                            checkpoint={"every_steps": 10},
+                            resources={"peak_tflops_per_worker": 0.05})  # for the MFU metric
     paused = run_job(paused_spec)
     assert paused.status == "stopped" and paused.committed_steps == 10
     resumed = resume_job(paused.mlflow_run_id, tracking_uri=mt.default_tracking_uri(paused_spec.output_dir))
@@ -103,6 +104,14 @@ def test_resume_equals_uninterrupted(straight_run, tiny_dataset, tmp_path):
     assert row["status"] == "FINISHED"
     history = mlflow.MlflowClient().get_metric_history(paused.mlflow_run_id, "loss")
     assert sorted({m.step for m in history}) == list(range(1, 21))
+    # MFU = tokens/s x FLOPs per token / (world x peak), step by step.
+    client = mlflow.MlflowClient()
+    tokens = {m.step: m.value for m in client.get_metric_history(paused.mlflow_run_id, "tokens_per_s")}
+    mfu = {m.step: m.value for m in client.get_metric_history(paused.mlflow_run_id, "mfu")}
+    from raytrain_sys.models import model_flops_per_token
+    per_token = model_flops_per_token(paused_spec.model)
+    assert sorted(mfu) == list(range(1, 21))
+    assert all(abs(mfu[k] - tokens[k] * per_token / (2 * 0.05e12)) < 1e-9 for k in mfu)
     record = mt.Tracker.lookup(mt.default_tracking_uri(paused_spec.output_dir), paused.mlflow_run_id)
     assert [c["step"] for c in record.checkpoint_records] == [10, 20]
 

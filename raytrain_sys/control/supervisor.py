@@ -140,6 +140,14 @@ class _MembersLost(Exception):
         self.dead, self.silent = dead, silent
 
 
+def _collective_timeout_s(step_deadline_s: float) -> float:
+    """The timeout of the workers' collectives during a step: just past the moment the
+    Supervisor acts on a hung or silent member. A peer whose machine vanished closes no socket;
+    without this, the survivors would wait in their all-reduce for the timeout the group was
+    formed with (minutes) and be given up as lost too, leaving only the checkpoint."""
+    return step_deadline_s + LIVENESS_EVERY_S + PING_TIMEOUT_S
+
+
 def _ping_all(workers: list[Worker]) -> tuple[dict[int, int], list[Worker], list[Worker]]:
     """Ping every worker at once: ({slot: committed steps held} of those that answered, the
     workers Ray reports dead, the workers that did not answer within PING_TIMEOUT_S)."""
@@ -223,6 +231,9 @@ class Supervisor:
         self.store.check_access()
         self.checkpointer = Checkpointer(self.store, spec.checkpoint.keep_last)
         self.task = task_for(spec.model.name)
+        from raytrain_sys.models import model_flops_per_token
+
+        self._flops_per_token = model_flops_per_token(spec.model) if spec.model.name == "gpt" else 0
         if spec.tracking.enabled:
             mt.check_reachable(self.tracking_uri)
         resume = spec.checkpoint.resume_from
@@ -413,9 +424,11 @@ class Supervisor:
                 members = list(self.group.workers)
                 # Each rank's rows: its data-parallel slice (TP/PP peers share one).
                 shares = rank_data_slices(spec.parallel, len(members), spec.train.global_batch_size)
-                refs = [w.actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units)
+                deadline_s = self._step_deadline_s()
+                refs = [w.actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units,
+                                                  _collective_timeout_s(deadline_s))
                         for w, sl in zip(members, shares)]
-                outcome = self._collect(members, refs, step)
+                outcome = self._collect(members, refs, step, deadline_s)
                 if outcome.failed:
                     self._recover(step, members, outcome, batch, ids, shares,
                                   time.perf_counter() - t0, data_wait)
@@ -454,6 +467,14 @@ class Supervisor:
         metrics = {"loss": loss, "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                    "data_wait_s": data_wait, "world_size": float(world)}
+        if self._flops_per_token:
+            # Model FLOPs utilization (PaLM, appendix B): achieved model FLOP/s over the peak of
+            # the devices used; recomputation (activation checkpointing) does not count.
+            achieved = tokens_per_step / dt * self._flops_per_token
+            metrics["model_tflops_per_s"] = achieved / 1e12
+            peak = spec.resources.peak_tflops_per_worker
+            if peak:
+                metrics["mfu"] = achieved / (world * peak * 1e12)
         if self.tracker is not None:  # queued: the step loop never waits on MLflow
             self.tracker.log_metrics(self.committed_step, metrics)
         if self.on_step is not None:
@@ -475,7 +496,8 @@ class Supervisor:
         times = sorted(self._step_times)
         return min(self.spec.train.step_timeout_s, max(e.hang_floor_s, e.hang_factor * times[len(times) // 2]))
 
-    def _collect(self, members: list[Worker], refs: list, step: int) -> "StepOutcome":
+    def _collect(self, members: list[Worker], refs: list, step: int,
+                 deadline_s: float | None = None) -> "StepOutcome":
         """Wait for a step on every member; classify each as done, errored or lost.
 
         Lost = dead (Ray reports the actor died), or not answering a ping on its control path
@@ -489,7 +511,8 @@ class Supervisor:
         outcome = StepOutcome()
         by_ref = dict(zip(refs, members))
         pending = list(refs)
-        deadline_s = self._step_deadline_s()
+        if deadline_s is None:
+            deadline_s = self._step_deadline_s()
         t_start = time.monotonic()
         deadline = t_start + deadline_s
         pings: dict[int, tuple[object, float]] = {}  # slot -> (ping ref, sent at)
@@ -551,7 +574,10 @@ class Supervisor:
             self.group.remove(silent)
             still = [r for r in pending if by_ref[r].slot in outcome.blocked]
             if still:
-                done, late = ray.wait(still, num_returns=len(still), timeout=30.0)
+                # Their collective fails as soon as the lost members' sockets close, or at the
+                # latest at its timeout (a vanished machine closes none).
+                done, late = ray.wait(still, num_returns=len(still),
+                                      timeout=max(30.0, _collective_timeout_s(deadline_s) + PING_TIMEOUT_S))
                 for ref in done:
                     w = by_ref[ref]
                     outcome.blocked.pop(w.slot)
