@@ -95,6 +95,44 @@ def test_hung_worker_mid_step_is_detected_and_replaced(reference, tiny_dataset, 
     assert summary["world_sizes"][-1] == 2 and "resizing" in [t["state"] for t in summary["transitions"]]
 
 
+def test_unreachable_worker_that_no_kill_reaches(reference, tiny_dataset, tmp_path, monkeypatch):
+    """A machine that vanishes closes no socket and takes no kill. Emulated here by a stopped
+    worker whose kills (Ray's and the reaper's) never arrive while the run lasts: its peer's
+    all-reduce must still fail, at the step's collective timeout (the step deadline plus the
+    liveness margin), not after the group's 10 minutes, and the survivor carries on in place
+    with nothing redone."""
+    from raytrain_sys.control.worker_group import WorkerGroup
+
+    spec = spec_for(tmp_path, tiny_dataset)
+    frozen = {}
+    release, reap = WorkerGroup._release, WorkerGroup.reap
+    monkeypatch.setattr(WorkerGroup, "_release", lambda self, w: (
+        None if w.slot == frozen.get("slot") else release(self, w)))
+    monkeypatch.setattr(WorkerGroup, "reap", lambda self, ws: reap(
+        self, [w for w in ws if w.slot != frozen.get("slot")]))
+
+    def freeze(sup):
+        w = sup.group.workers[1]
+        # The deadline of the next step (the one the freeze hits), from the same step times.
+        frozen.update(slot=w.slot, pid=w.info["pid"], worker=w, group=sup.group, t=time.time(),
+                      deadline_s=sup._step_deadline_s())
+        kill_soon(w.info["pid"], signal.SIGSTOP)
+
+    try:
+        result, sup, seen = run_with_events(spec, {7: freeze})
+    finally:
+        if "pid" in frozen:  # the "machine" may go now
+            os.kill(frozen["pid"], signal.SIGKILL)
+            release(frozen["group"], frozen["worker"])
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    rebuild = transitions(summary, "rebuilding")
+    assert len(rebuild) == 1 and "hung: no answer" in rebuild[0]["reason"], rebuild
+    assert "restoring" not in [t["state"] for t in summary["transitions"]]
+    collective_timeout_s = frozen["deadline_s"] + LIVENESS_EVERY_S + PING_TIMEOUT_S
+    assert collective_timeout_s < 60  # far below the group's own (train.step_timeout_s)
+    assert rebuild[0]["time"] - frozen["t"] < collective_timeout_s + LOAD_ALLOWANCE_S
+
+
 def test_hung_worker_during_checkpoint_is_detected(reference, tiny_dataset, tmp_path):
     """SIGSTOP right before a checkpoint: the writer stops answering its control path."""
     spec = spec_for(tmp_path, tiny_dataset)

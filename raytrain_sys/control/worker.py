@@ -75,6 +75,7 @@ class TrainWorker:
         self.step_done = 0  # optimizer steps applied to the state in the current layout
         # The state held before the layout was rebuilt: (step, pieces), until shared and loaded.
         self.stash: tuple[int, dict] | None = None
+        self.collective_timeout_s = 0.0  # of the current process groups (see train_step)
         self.task = task_for(self.spec.model.name)
 
     # ------------------------------------------------------------------ control path
@@ -126,6 +127,7 @@ class TrainWorker:
                                 rank=rank, world_size=world_size, timeout=rendezvous)
         if _set_pg_timeout is not None and rendezvous != collective:
             _set_pg_timeout(collective)
+        self.collective_timeout_s = collective.total_seconds()
         self.rank, self.world_size, self.generation = rank, world_size, generation
         degrees = self.spec.parallel.degrees(world_size)
         replicated = degrees["tp"] == degrees["pp"] == degrees["fsdp"] == 1
@@ -152,6 +154,23 @@ class TrainWorker:
         return {"rank": rank, "backend": choice.backend, "device": self.device,
                 "replicated": replicated, "stashed": self.stash is not None}
 
+    def _set_collective_timeout(self, timeout_s: float) -> None:
+        """Collectives of this step time out after ``timeout_s`` (the Supervisor's step deadline
+        plus its liveness margin), on every process group of the mesh."""
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            groups = list(c10d._world.pg_map.keys())  # the default group and the mesh's
+        except AttributeError as exc:  # a torch without it: keep the timeout of setup_group
+            log.warning("could not set the collective timeout to %.0f s: %s", timeout_s, exc)
+            groups = []
+        for group in groups:
+            try:
+                c10d._set_pg_timeout(timedelta(seconds=timeout_s), group)
+            except (ValueError, RuntimeError) as exc:
+                log.warning("could not set the collective timeout of %s: %s", group, exc)
+        self.collective_timeout_s = timeout_s
+
     def _select_device(self):
         choice = choose_backend(self.spec.parallel.backend, torch.cuda.is_available(),
                                 self.spec.resources.gpus_per_worker)
@@ -177,7 +196,8 @@ class TrainWorker:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, step: int, batch: dict[str, np.ndarray], global_units: int) -> dict[str, float]:
+    def train_step(self, step: int, batch: dict[str, np.ndarray], global_units: int,
+                   collective_timeout_s: float = 0.0) -> dict[str, float]:
         """One optimizer step on this rank's rows of step ``step``'s global batch.
 
         The rows are this rank's data-parallel slice (TP and PP peers get the same rows). The
@@ -188,6 +208,8 @@ class TrainWorker:
         """
         assert self.pm is not None and self.optimizer is not None, "setup_group first"
         assert self.stash is None, "this worker holds state not yet loaded into its layout"
+        if collective_timeout_s and abs(collective_timeout_s - self.collective_timeout_s) > 1.0:
+            self._set_collective_timeout(collective_timeout_s)
         t0 = time.perf_counter()
         spec = self.spec
         lr = lr_at(step, spec.optim, spec.train.max_steps, spec.train.global_batch_size)
