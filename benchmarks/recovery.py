@@ -1,0 +1,517 @@
+"""Recovery after failures: raytrain-sys against Ray Train's TorchTrainer, same model, same fault.
+
+One invocation starts one ``ray.cluster_utils.Cluster`` (a 0-CPU head and three 1-CPU worker
+nodes, in a private temp dir) and runs, with the same model, data, global batch, 2 workers and a
+checkpoint every K steps:
+
+  worker kill   raytrain-sys   SIGKILL of one of the 2 workers' processes in the middle of step N+1
+  worker kill   ray-train      the same fault under TorchTrainer (Ray Train v2), FailureConfig(
+                               max_failures=3), a Checkpoint reported through ray.train.report
+                               every K steps and loaded from ray.train.get_checkpoint() on restart
+  node loss     raytrain-sys   remove_node(allow_graceful=False) of one worker's node after step N
+  drain         raytrain-sys   a PREEMPTION drain (deadline 60 s) of one worker's node after step N
+
+Per scenario:
+
+  recovery s    seconds from the fault to the next step committed after it. raytrain-sys commits a
+                step when every rank finished its optimizer step; for a lost node or a drain, the
+                first step committed by the group that no longer holds the node (a node's worker
+                can outlive its raylet for a second and still commit steps, correct ones). For
+                Ray Train: the first optimizer step any attempt completes after the kill (Ray
+                Train commits nothing per step; this favours it).
+  steps redone  committed steps executed again (Ray Train: from its newest checkpoint on).
+  regain s      seconds from the fault until the step that was running at the fault is done: the
+                progress lost, redone steps included.
+
+and for raytrain-sys the split of the recovery from its own state transitions (detect: fault to
+the rebuild decision; re-form: new process group and state sync among survivors; step: the next
+step, on the smaller world). Goals (issue 4, 2-core machine): worker kill <= 2 step times + 2 s,
+node loss <= 5 s, 0 steps redone.
+
+    .venv/bin/python benchmarks/recovery.py --quick      # the CI-sized model
+    .venv/bin/python benchmarks/recovery.py              # jobs/tinygpt.yaml's model
+
+Either takes 2.5 to 4.5 min on 2 cores, depending on the load.
+
+Results go to benchmarks/results/recovery.json (``"quick": true`` marks a smoke test's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+import _torchrun_ddp as baseline  # noqa: E402  (model build, share reader and step seed)
+import yaml  # noqa: E402
+
+from raytrain_sys.spec import JobSpec, from_dict  # noqa: E402
+
+# Ray 2.60 defaults to Train v2 already; pin it so the figures always name the same controller.
+os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+QUICK_MODEL = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}  # tests/helpers.tiny_spec's
+QUICK_BATCH = 8
+WORKER_NODES = 3  # 2 workers + room for a replacement
+DRAIN_DEADLINE_S = 60.0
+SCENARIOS = ("worker-kill", "ray-train-worker-kill", "node-loss", "drain")
+
+log = logging.getLogger("recovery")
+
+
+# ----------------------------------------------------------------------------- setup
+
+def make_spec(args: argparse.Namespace, data_dir: str, work_dir: str, name: str) -> JobSpec:
+    with open(REPO / "jobs" / "tinygpt.yaml") as f:
+        raw = yaml.safe_load(f)
+    if args.quick:
+        raw["model"].update(QUICK_MODEL)
+        raw["train"]["global_batch_size"] = QUICK_BATCH
+    raw["name"] = name
+    raw["output_dir"] = os.path.join(work_dir, name)
+    raw["data"]["path"] = data_dir
+    raw["data"]["shuffle_window"] = 256
+    raw["train"]["max_steps"] = args.steps
+    raw["train"]["log_every_steps"] = 1
+    raw["optim"]["warmup_steps"] = min(raw["optim"].get("warmup_steps", 20), args.steps)
+    raw["checkpoint"] = {"every_steps": args.checkpoint_every, "keep_last": 2}
+    # MLflow off: Ray Train tracks nothing either; the figures are about recovery.
+    raw["tracking"] = {"enabled": False}
+    raw["resources"] = {"num_workers": 2, "cpus_per_worker": 1}
+    # How often draining nodes are looked up (the job default is 1 s): with the small model the
+    # steps after the notice would otherwise end before the first look.
+    raw["elastic"] = {"drain_poll_s": args.drain_poll_s}
+    return from_dict(raw)
+
+
+def start_cluster(work_dir: str, verbose: bool):
+    """0-CPU head + WORKER_NODES 1-CPU nodes. RAY_TMPDIR points into work_dir: Cluster records
+    its address in <RAY_TMPDIR>/ray/ray_current_cluster, and must not re-point anybody else's
+    `ray` commands on this machine to ours."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray_tmp = os.path.join(work_dir, "rt")
+    os.makedirs(os.path.join(ray_tmp, "ray"), exist_ok=True)
+    os.environ["RAY_TMPDIR"] = ray_tmp
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        os.environ.pop(var, None)
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 0, "temp_dir": os.path.join(work_dir, "r"),
+                                      "include_dashboard": False})
+    for _ in range(WORKER_NODES):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=verbose)
+    return cluster
+
+
+def restore_nodes(cluster) -> None:
+    """Back to WORKER_NODES alive worker nodes (a lost or drained node is replaced)."""
+    from raytrain_sys.control.drain import alive_nodes
+
+    alive = alive_nodes()
+    for node in list(cluster.worker_nodes):
+        if node.node_id not in alive:
+            cluster.remove_node(node, allow_graceful=False)
+    while len(cluster.worker_nodes) < WORKER_NODES:
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+
+
+# ----------------------------------------------------------------------------- raytrain-sys
+
+def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
+    """One run with one fault injected right after step ``at_step`` is committed."""
+    from raytrain_sys.control import drain
+    from raytrain_sys.control.run_record import RunSummary
+    from raytrain_sys.control.supervisor import Supervisor
+
+    commits: list[tuple[int, float]] = []
+    fault_at: dict = {}
+    sup: Supervisor
+
+    def inject(s: Supervisor) -> None:
+        victim = s.group.workers[1]
+        if fault == "worker-kill":
+            # A moment into the next step, so that the step is in flight (as in the tests).
+            def kill():
+                fault_at["t"] = time.time()
+                os.kill(victim.info["pid"], signal.SIGKILL)
+            threading.Timer(0.02, kill).start()
+        elif fault == "node-loss":
+            node = next(n for n in cluster.worker_nodes if n.node_id == victim.node_id)
+            fault_at["t"] = time.time()
+            threading.Thread(target=cluster.remove_node, args=(node,),
+                             kwargs={"allow_graceful": False}).start()
+        elif fault == "drain":
+            fault_at["t"] = time.time()
+            threading.Thread(target=drain.drain_node, args=(victim.node_id, "PREEMPTION",
+                                                            DRAIN_DEADLINE_S, "benchmark")).start()
+        fault_at["slot"] = victim.slot
+
+    def on_step(report) -> None:
+        commits.append((report.step, time.time()))
+        if report.step == at_step and not fault_at:
+            inject(sup)
+
+    sup = Supervisor(spec, on_step=on_step)
+    t0 = time.perf_counter()
+    result = sup.run()
+    wall = time.perf_counter() - t0
+    if result.status != "finished":
+        raise RuntimeError(f"raytrain-sys {fault} run ended {result.status}: {result.reason}")
+    summary = RunSummary.read(result.run_dir)
+    t_fault = fault_at["t"]
+    trans = [t for t in summary.transitions if t["time"] >= t_fault]
+    # The decision: the first rebuild (kill, node loss) or leave (drain) after the fault.
+    decided = next(t for t in trans if t["state"] in ("rebuilding", "draining"))
+    formed = next(t for t in trans if t["state"] == "running" and t["time"] >= decided["time"])
+    # When the failure was first seen; the rebuild starts once the step's other members have
+    # returned (their collective fails), which is the "decide" part.
+    detected = decided.get("detected_at") or decided["time"]
+    after = [(s, t) for s, t in commits if t > formed["time"]]
+    # The replacement joins at a step boundary once it is up (model built in the background):
+    # how long the running members wait for that re-form.
+    resized = next((t for t in trans if t["state"] == "resizing"), None)
+    grown = next((t for t in trans if resized and t["state"] == "running"
+                  and t["time"] >= resized["time"]), None)
+    next_step, next_t = after[0]
+    in_flight = at_step + 1  # the step running at the fault
+    steps_seen = [s for s, _ in commits]
+    redone = len(steps_seen) - len(set(steps_seen))
+    regain_t = next(t for s, t in commits if s >= in_flight and t > t_fault)
+    before = [b - a for (_, a), (_, b) in zip(commits[:at_step], commits[1:at_step])]
+    return {
+        "framework": "raytrain-sys", "fault": fault, "fault_after_step": at_step,
+        "recovery_s": next_t - t_fault, "steps_redone": redone + summary.steps_redone,
+        "regain_s": regain_t - t_fault, "next_step": next_step,
+        "detect_s": detected - t_fault,
+        "decide_s": decided["time"] - detected,
+        "reform_s": formed["time"] - decided["time"],
+        "first_step_s": next_t - formed["time"],
+        "replacement_joined_after_s": grown["time"] - t_fault if grown else None,
+        "join_stall_s": grown["time"] - resized["time"] if grown else None,
+        # Steps the lost node's worker still committed before the loss was seen (node loss).
+        "steps_committed_before_detection": sum(1 for _, t in commits if t_fault < t < decided["time"]),
+        "step_time_median_s": statistics.median(before[2:] or before),
+        "decision_reason": decided["reason"][:300],
+        "world_sizes": summary.world_sizes, "failures": summary.failures,
+        "wall_s": wall, "commit_times": commits, "fault_unix_s": t_fault,
+        "transitions": summary.transitions,
+    }
+
+
+# ----------------------------------------------------------------------------- Ray Train
+
+def _ray_train_loop(config: dict) -> None:
+    """TorchTrainer's train_loop_per_worker: the Supervisor's step (TrainWorker.train_step's
+    math, as _torchrun_ddp.run_steps does it), resumable from a reported checkpoint."""
+    import numpy as np
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.nn.functional as F
+
+    from raytrain_sys.train.optim import lr_at
+
+    spec = from_dict(config["spec"])
+    torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    events = Path(config["events"])
+    attempt = uuid.uuid4().hex[:8]
+    Path(config["pid_dir"], f"rank{rank}.pid").write_text(str(os.getpid()))
+    if rank == 0:
+        with open(events, "a") as f:
+            f.write(json.dumps({"attempt": attempt, "event": "start", "t": time.time()}) + "\n")
+
+    model, optimizer = baseline.build(spec)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        start = int(state["step"])
+    ddp = ray.train.torch.prepare_model(model)
+    reader = baseline.ShareReader(spec.data, spec.train.global_batch_size, world, rank)
+    B = spec.train.global_batch_size
+    every = spec.checkpoint.every_steps
+    ddp.train()
+    for step in range(start, spec.train.max_steps):
+        tokens, _ = reader.share_rows(step * B)
+        lr = lr_at(step, spec.optim, spec.train.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        torch.manual_seed(baseline._step_seed(spec.train.seed, step, rank))
+        rows = torch.from_numpy(tokens.astype(np.int64))
+        x, y = rows[:, :-1], rows[:, 1:]
+        logits = ddp(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),
+                               reduction="sum")
+        (loss * (world / (B * y.shape[1]))).backward()
+        clip = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            with open(events, "a") as f:
+                f.write(json.dumps({"attempt": attempt, "event": "step", "step": step + 1,
+                                    "t": time.time()}) + "\n")
+        if every and (step + 1) % every == 0:
+            with tempfile.TemporaryDirectory() as d:
+                reported = None
+                if rank == 0:
+                    torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
+                                "step": step + 1}, os.path.join(d, "state.pt"))
+                    reported = ray.train.Checkpoint.from_directory(d)
+                ray.train.report({"step": step + 1}, checkpoint=reported)
+            if rank == 0:
+                with open(events, "a") as f:
+                    f.write(json.dumps({"attempt": attempt, "event": "reported", "step": step + 1,
+                                        "t": time.time()}) + "\n")
+
+
+def run_ray_train(spec: JobSpec, at_step: int, work_dir: str) -> dict:
+    import ray.cloudpickle
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    # Workers cannot import benchmarks/_torchrun_ddp.py by name: ship it with the function.
+    ray.cloudpickle.register_pickle_by_value(baseline)
+    run_dir = os.path.join(work_dir, f"ray-train-{uuid.uuid4().hex[:6]}")
+    pid_dir = os.path.join(run_dir, "pids")
+    os.makedirs(pid_dir)
+    events = os.path.join(run_dir, "events.jsonl")
+    Path(events).touch()
+    fault_at: dict = {}
+    stop = threading.Event()
+
+    def read_events() -> list[dict]:
+        with open(events) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+
+    def killer() -> None:
+        """Kill rank 1 a moment after rank 0 reports step ``at_step``, as for raytrain-sys."""
+        while not stop.is_set():
+            if any(e["event"] == "step" and e["step"] == at_step for e in read_events()):
+                time.sleep(0.02)
+                pid = int(Path(pid_dir, "rank1.pid").read_text())
+                fault_at["t"] = time.time()
+                os.kill(pid, signal.SIGKILL)
+                return
+            time.sleep(0.005)
+
+    trainer = TorchTrainer(
+        _ray_train_loop,
+        train_loop_config={"spec": spec.to_dict(), "events": events, "pid_dir": pid_dir},
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="recovery", storage_path=os.path.join(run_dir, "storage"),
+                             failure_config=FailureConfig(max_failures=3),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+    watcher = threading.Thread(target=killer, daemon=True)
+    watcher.start()
+    t0 = time.perf_counter()
+    try:
+        result = trainer.fit()
+    finally:
+        stop.set()
+    wall = time.perf_counter() - t0
+    if result.error:
+        raise RuntimeError(f"Ray Train run failed: {result.error}")
+    ev = read_events()
+    t_kill = fault_at["t"]
+    steps = [e for e in ev if e["event"] == "step"]
+    first_attempt = steps[0]["attempt"]
+    done_before = max(e["step"] for e in steps if e["t"] <= t_kill)
+    after = [e for e in steps if e["t"] > t_kill]
+    nxt = after[0]
+    resumed_from = nxt["step"] - 1
+    restart = next(e for e in ev if e["event"] == "start" and e["t"] > t_kill)
+    regain = next(e for e in after if e["step"] >= done_before + 1)
+    step_ts = [e["t"] for e in steps if e["attempt"] == first_attempt][:at_step]
+    gaps = [b - a for a, b in zip(step_ts, step_ts[1:])]
+    reported = [e["step"] for e in ev if e["event"] == "reported" and e["t"] <= t_kill]
+    return {
+        "framework": "ray-train", "fault": "worker-kill", "fault_after_step": at_step,
+        # Ray Train v2 registers a reported checkpoint asynchronously: a kill soon after the
+        # report can restart from an older one (or from scratch).
+        "newest_checkpoint_reported_before_kill": max(reported, default=0),
+        "recovery_s": nxt["t"] - t_kill, "steps_redone": done_before - resumed_from,
+        "regain_s": regain["t"] - t_kill, "next_step": nxt["step"],
+        "resumed_from_step": resumed_from, "restart_s": restart["t"] - t_kill,
+        "first_step_s": nxt["t"] - restart["t"],
+        "attempts": len({e["attempt"] for e in ev}),
+        "step_time_median_s": statistics.median(gaps[2:] or gaps),
+        "wall_s": wall, "fault_unix_s": t_kill, "events": ev,
+    }
+
+
+# ----------------------------------------------------------------------------- report
+
+LABELS = {"worker-kill": "worker kill (SIGKILL)", "node-loss": "node loss (remove_node)",
+          "drain": "drain (PREEMPTION)"}
+
+
+def detail(r: dict) -> str:
+    if r["framework"] == "ray-train":
+        return (f"restart {r['restart_s']:.1f} + first step {r['first_step_s']:.1f}; resumed "
+                f"from step {r['resumed_from_step']} (newest checkpoint reported: step "
+                f"{r['newest_checkpoint_reported_before_kill']})")
+    joined = (f"; replacement in after {r['replacement_joined_after_s']:.1f}, join stall "
+              f"{r['join_stall_s']:.2f}" if r.get("join_stall_s") is not None else "")
+    return (f"detect {r['detect_s']:.2f} + decide {r['decide_s']:.2f} + re-form "
+            f"{r['reform_s']:.2f} + step {r['first_step_s']:.2f}{joined}")
+
+
+def print_table(rows: list[dict], spec: JobSpec) -> None:
+    print()
+    print(f"model {spec.model.n_layer}L/{spec.model.n_head}H/{spec.model.n_embd}d block "
+          f"{spec.model.block_size}, global batch {spec.train.global_batch_size}, 2 workers x 1 CPU, "
+          f"{spec.train.max_steps} steps, checkpoint every {spec.checkpoint.every_steps}, fault "
+          f"after step {rows[0]['fault_after_step']}")
+    header = (f"{'scenario':<25}{'framework':<14}{'step s':>8}{'recovery s':>12}{'redone':>8}"
+              f"{'regain s':>10}  breakdown (s)")
+    print(header)
+    print("-" * (len(header) + 40))
+    for r in rows:
+        print(f"{LABELS[r['fault']]:<25}{r['framework']:<14}{r['step_time_median_s']:>8.2f}"
+              f"{r['recovery_s']:>12.2f}{r['steps_redone']:>8d}{r['regain_s']:>10.2f}  {detail(r)}")
+
+
+def goals(rows: list[dict]) -> dict:
+    out = {}
+    for r in rows:
+        if r["framework"] != "raytrain-sys":
+            continue
+        if r["fault"] == "worker-kill":
+            limit = 2 * r["step_time_median_s"] + 2.0
+        elif r["fault"] == "node-loss":
+            limit = 5.0
+        else:
+            limit = None
+        out[r["fault"]] = {"recovery_s": r["recovery_s"], "limit_s": limit,
+                           "met": (limit is None or r["recovery_s"] <= limit) and r["steps_redone"] == 0}
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Recovery after a killed worker, a lost node and a "
+                                            "drain: raytrain-sys vs Ray Train, same model and fault.")
+    p.add_argument("--quick", action="store_true", help="the CI-sized model (a smoke test)")
+    p.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
+    p.add_argument("--fault-step", type=int, default=15,
+                   help="the fault comes right after this step is committed (default 15)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="checkpoint every K steps, both frameworks (default 10)")
+    p.add_argument("--drain-poll-s", type=float, default=0.25,
+                   help="elastic.drain_poll_s of the raytrain-sys runs (default 0.25)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--data", default="", help="an existing dataset dir (row_len = block_size + 1)")
+    p.add_argument("--out", default=str(HERE / "results" / "recovery.json"))
+    p.add_argument("--keep-temp", action="store_true", help="keep the temp dir (data, run dirs)")
+    p.add_argument("--verbose", action="store_true", help="INFO logs and the workers' output")
+    args = p.parse_args(argv)
+    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        p.error(f"unknown --scenarios {', '.join(sorted(unknown))}; allowed: {', '.join(SCENARIOS)}")
+    if not 2 < args.fault_step < args.steps - 2:
+        p.error(f"--fault-step must leave steps before and after it (got {args.fault_step} of {args.steps})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    # Short, private temp dir: Ray's unix socket paths must stay under 107 characters.
+    work_dir = tempfile.mkdtemp(prefix="rts-rb-", dir="/tmp")
+    rows: list[dict] = []
+    cluster = None
+    load0 = os.getloadavg()
+    try:
+        block = QUICK_MODEL["block_size"] if args.quick else yaml.safe_load(
+            (REPO / "jobs" / "tinygpt.yaml").read_text())["model"]["block_size"]
+        data_dir = args.data
+        if not data_dir:
+            from raytrain_sys.data.prepare import prepare_text_dataset
+
+            data_dir = os.path.join(work_dir, "data")
+            prepare_text_dataset(data_dir, row_len=block + 1, rows_per_shard=1024, max_bytes=1_000_000)
+        cluster = start_cluster(work_dir, args.verbose)
+        for scenario in args.scenarios:
+            spec = make_spec(args, data_dir, work_dir, scenario)
+            log.info("%s: %d steps, fault after step %d", scenario, args.steps, args.fault_step)
+            if scenario == "ray-train-worker-kill":
+                rows.append(run_ray_train(spec, args.fault_step, work_dir))
+            else:
+                rows.append(run_raytrain_sys(spec, scenario, args.fault_step, cluster))
+            restore_nodes(cluster)
+    finally:
+        import ray
+
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        if not args.keep_temp:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+    print_table(rows, spec)
+    ours = next((r for r in rows if r["framework"] == "raytrain-sys" and r["fault"] == "worker-kill"), None)
+    theirs = next((r for r in rows if r["framework"] == "ray-train"), None)
+    ratio = theirs["recovery_s"] / ours["recovery_s"] if ours and theirs else None
+    met = goals(rows)
+    import ray
+    import torch
+
+    report = {
+        "benchmark": "recovery",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "quick": args.quick,
+        "versions": {"ray": ray.__version__, "torch": torch.__version__, "python": sys.version.split()[0]},
+        "machine": {"cpu_count": os.cpu_count(), "loadavg_before": load0, "loadavg_at_end": os.getloadavg()},
+        "config": {"steps": args.steps, "fault_after_step": args.fault_step,
+                   "checkpoint_every": args.checkpoint_every, "workers": 2, "cpus_per_worker": 1,
+                   "worker_nodes": WORKER_NODES, "model": spec.to_dict()["model"],
+                   "global_batch_size": spec.train.global_batch_size},
+        "results": rows,
+        "ratio_recovery_ray_train_over_raytrain_sys": ratio,
+        "goals": met,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    if ratio:
+        print(f"worker kill, seconds to the next committed step: ray-train / raytrain-sys = {ratio:.1f}x")
+    for fault, g in met.items():
+        limit = f"<= {g['limit_s']:.2f} s" if g["limit_s"] is not None else "no time goal"
+        print(f"goal {fault}: {g['recovery_s']:.2f} s ({limit}), 0 redone: {'met' if g['met'] else 'MISSED'}")
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
