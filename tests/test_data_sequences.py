@@ -181,13 +181,7 @@ def test_a_resume_reads_only_documents_from_the_cursor_on(corpus):
 
 # ----------------------------------------------------------------------------- the plane (Ray Data)
 
-action = st.one_of(
-    st.tuples(st.just("step"), st.integers(1, 4)),  # commit this many steps
-    st.tuples(st.just("fail"), st.integers(0, 1)),  # ask for the step's batch, commit nothing
-    st.tuples(st.just("resize"), st.integers(1, 5)),  # new world size (3 and 5 do not divide 8)
-    st.tuples(st.just("checkpoint"), st.just(0)),
-    st.tuples(st.just("restart"), st.just(0)),  # back to the last checkpoint with a new plane
-)
+from tests.test_data_exactly_once import action  # noqa: E402  (the same schedules of faults)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

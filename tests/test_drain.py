@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from raytrain_sys.control import drain
+from tests.ft_common import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 SCRUBBED_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
@@ -55,13 +56,7 @@ def parse_result(stdout: str) -> dict:
 
 
 def wait_for(pred, timeout_s: float, interval_s: float = 0.02):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(interval_s)
-    return None
+    return wait_until(pred, timeout_s, interval_s) or None
 
 
 # --------------------------------------------------------------------------- unit tests

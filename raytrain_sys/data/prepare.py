@@ -157,6 +157,36 @@ def _remove_stale_shards(directory: Path, keep: set[str]) -> None:
 
 # ----------------------------------------------------------------------------- prepare
 
+def _check_cap_and_split(max_bytes: int, val_fraction: float) -> None:
+    if max_bytes < 0:
+        raise DataError(f"max_bytes must be 0 (no cap) or positive, got {max_bytes}")
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+
+
+def _unpublish(out: Path, val_out: Path, overwrite: bool) -> None:
+    """Refuse to clobber a dataset unless asked; then unpublish it first: while shards are
+    rewritten, no reader may take the directory for a dataset."""
+    if (out / MANIFEST_NAME).exists() and not overwrite:
+        raise DataError(f"{out} already holds a dataset ({MANIFEST_NAME}); choose another "
+                        f"directory or pass overwrite=True (--overwrite)")
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    (val_out / MANIFEST_NAME).unlink(missing_ok=True)
+
+
+def _source_files(sources) -> tuple[list[Path], str]:
+    """The text files to read, and a description of where they came from, for the manifest."""
+    if sources is None:
+        files = stdlib_source_files()
+        source = f"python {sys.version.split()[0]} stdlib ({sysconfig.get_paths()['stdlib']})"
+    else:
+        files = [f for s in sources for f in _files_of(s)]
+        source = ", ".join(str(s) for s in sources)
+    if not files:
+        raise DataError(f"no source files found in {source or 'the given sources'}")
+    return files, source
+
+
 def prepare_text_dataset(
     out_dir: str,
     sources: list[str] | None = None,
@@ -176,29 +206,12 @@ def prepare_text_dataset(
         raise DataError(f"row_len must be at least 2 (inputs and a target), got {row_len}")
     if rows_per_shard < 1:
         raise DataError(f"rows_per_shard must be positive, got {rows_per_shard}")
-    if max_bytes < 0:
-        raise DataError(f"max_bytes must be 0 (no cap) or positive, got {max_bytes}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    _check_cap_and_split(max_bytes, val_fraction)
 
     out = Path(out_dir).expanduser()
     val_out = out / VAL_DIR
-    if (out / MANIFEST_NAME).exists():
-        if not overwrite:
-            raise DataError(f"{out} already holds a dataset ({MANIFEST_NAME}); choose another "
-                            f"directory or pass overwrite=True (--overwrite)")
-    # Unpublish first: while shards are rewritten, no reader may take the directory for a dataset.
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    (val_out / MANIFEST_NAME).unlink(missing_ok=True)
-
-    if sources is None:
-        files = stdlib_source_files()
-        source = f"python {sys.version.split()[0]} stdlib ({sysconfig.get_paths()['stdlib']})"
-    else:
-        files = [f for s in sources for f in _files_of(s)]
-        source = ", ".join(str(s) for s in sources)
-    if not files:
-        raise DataError(f"no source files found in {source or 'the given sources'}")
+    _unpublish(out, val_out, overwrite)
+    files, source = _source_files(sources)
 
     # The stream's length decides the train/val boundary before any byte is read: size every
     # file now and check each one against it as it is read.
@@ -342,26 +355,11 @@ def prepare_documents_dataset(
 
     if docs_per_shard < 1:
         raise DataError(f"docs_per_shard must be positive, got {docs_per_shard}")
-    if max_bytes < 0:
-        raise DataError(f"max_bytes must be 0 (no cap) or positive, got {max_bytes}")
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    _check_cap_and_split(max_bytes, val_fraction)
     out = Path(out_dir).expanduser()
     val_out = out / VAL_DIR
-    if (out / MANIFEST_NAME).exists() and not overwrite:
-        raise DataError(f"{out} already holds a dataset ({MANIFEST_NAME}); choose another "
-                        f"directory or pass overwrite=True (--overwrite)")
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
-    (val_out / MANIFEST_NAME).unlink(missing_ok=True)
-
-    if sources is None:
-        files = stdlib_source_files()
-        source = f"python {sys.version.split()[0]} stdlib ({sysconfig.get_paths()['stdlib']})"
-    else:
-        files = [f for s in sources for f in _files_of(s)]
-        source = ", ".join(str(s) for s in sources)
-    if not files:
-        raise DataError(f"no source files found in {source or 'the given sources'}")
+    _unpublish(out, val_out, overwrite)
+    files, source = _source_files(sources)
     # How many documents the cap keeps decides the train/val boundary before any byte is read.
     num_docs, total = 0, 0
     for f in files:
