@@ -65,3 +65,49 @@ def tiny_dataset(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("data") / "stdlib-tiny")
     prepare_text_dataset(out, row_len=33, rows_per_shard=512, max_bytes=400_000)
     return out
+
+
+@pytest.fixture(autouse=True)
+def _session_cluster_idle(request):
+    """Each test that uses the session cluster starts on an idle one, and finds out if an earlier
+    test left something holding it: every CPU free again within 30 s (Ray frees a killed actor's
+    resources asynchronously), or an error naming what still holds them."""
+    if not {"ray_nodes", "ray_cluster"} & set(request.fixturenames):
+        yield
+        return
+    request.getfixturevalue("ray_nodes")
+    yield
+    _wait_until_idle(request.node.nodeid)
+
+
+def _wait_until_idle(after: str, timeout_s: float = 30.0) -> None:
+    import time
+
+    import ray
+    from ray._private.state import state
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total = ray.cluster_resources().get("CPU", 0)
+        free = ray.available_resources().get("CPU", 0)
+        if free >= total:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    actors = [f"{a['ActorClassName']} {a['Name'] or a['ActorID'][:8]} ({a['State']}, job {a['JobID']})"
+              for a in state.actor_table(None).values() if a["State"] != "DEAD" and not a["IsDetached"]]
+    groups = [f"{g['name'] or g['placement_group_id'][:8]} ({g['state']})"
+              for g in state.placement_group_table().values() if g["state"] != "REMOVED"]
+    pytest.fail(f"after {after}: {total - free:g} of {total:g} CPUs still held {timeout_s:g} s later; "
+                f"actors: {actors or 'none'}; placement groups: {groups or 'none'}", pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_rank_pools():
+    """The parallelism tests' pools of gloo ranks live for one module: idle ranks still cost a
+    slice of a core each, which the rest of the session should not pay."""
+    yield
+    from tests import parallel_harness
+
+    parallel_harness.close_pools()

@@ -65,7 +65,10 @@ def test_missing_spec_file(tmp_path):
 def _live_actors_and_groups() -> tuple[list, list]:
     from ray._private.state import state
 
-    actors = [a for a in state.actor_table(None).values() if a["State"] != "DEAD"]
+    # Ray Data starts detached, cluster-wide singletons (its stats and autoscaling actors) the
+    # first time any dataset runs; they are Ray's, shared by every job. Ours are never detached.
+    actors = [a for a in state.actor_table(None).values()
+              if a["State"] != "DEAD" and not a["IsDetached"]]
     groups = [g for g in state.placement_group_table().values() if g["state"] != "REMOVED"]
     return actors, groups
 

@@ -87,6 +87,7 @@ def test_drain_info_seconds_left():
 
 
 # --------------------------------------------------------------------------- cluster test
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_drains_on_multinode_cluster():
     env, ray_tmp = child_env()

@@ -49,6 +49,7 @@ def committed(run_dir: str) -> int:
         return 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, mlflow_server):
     ref = run_job(driver_spec(tmp_path / "ref", tiny_dataset, mlflow_server))

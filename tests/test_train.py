@@ -28,8 +28,22 @@ def straight_run(ray_cluster, tiny_dataset, tmp_path_factory):
     return spec, result
 
 
+@pytest.fixture(scope="module")
+def one_process(ray_cluster, tiny_dataset, tmp_path_factory):
+    """The single-worker reference of each precision, run once for the module."""
+    runs = {}
+
+    def get(precision: str):
+        if precision not in runs:
+            runs[precision] = run_job(tiny_spec(tmp_path_factory.mktemp(f"one-{precision}"), tiny_dataset,
+                                                train={"precision": precision},
+                                                resources={"num_workers": 1}))
+        return runs[precision]
+    return get
+
+
 @pytest.mark.parametrize("workers,precision", [(2, "fp64"), (3, "fp64"), (2, "fp32")])
-def test_ddp_equals_one_process(ray_cluster, tiny_dataset, tmp_path, workers, precision):
+def test_ddp_equals_one_process(one_process, tiny_dataset, tmp_path, workers, precision):
     """N workers (3 does not divide the global batch of 8) end where one process ends.
 
     In fp64 the only difference is the order of the gradient sums, so the parameters agree far
@@ -39,7 +53,7 @@ def test_ddp_equals_one_process(ray_cluster, tiny_dataset, tmp_path, workers, pr
     micro-batch moves them by ~lr = 1e-2, which both tolerances catch.
     """
     train = {"precision": precision}
-    one = run_job(tiny_spec(tmp_path / "one", tiny_dataset, train=train, resources={"num_workers": 1}))
+    one = one_process(precision)
     many = run_job(tiny_spec(tmp_path / "many", tiny_dataset, train=train,
                              resources={"num_workers": workers}))
     assert one.status == many.status == "finished"

@@ -26,11 +26,13 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from raytrain_sys.cli.progress import Progress
-    from raytrain_sys.control.supervisor import run_job
     from raytrain_sys.spec import load_spec
 
+    # The spec is checked before torch, Ray and MLflow are imported: a typo costs no seconds.
     spec = load_spec(args.spec, args.set)
+    from raytrain_sys.cli.progress import Progress
+    from raytrain_sys.control.supervisor import run_job
+
     result = run_job(spec, on_step=Progress(spec.train.log_every_steps))
     _print_result(result)
     return 0

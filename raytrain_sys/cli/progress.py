@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from raytrain_sys.control.supervisor import StepReport
+if TYPE_CHECKING:
+    from raytrain_sys.control.supervisor import StepReport
 
 
 def _fmt_eta(seconds: float) -> str:

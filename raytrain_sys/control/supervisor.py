@@ -297,8 +297,11 @@ class Supervisor:
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
                                  f"left by the lost driver of run {self.previous_run_key}")
+            store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled else None
             self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key)
             self.group.start(spec.resources.num_workers)
+            if store is not None:
+                store.join()
             self._start_tracking()
             self._transition(State.STARTING, f"{self.group.world_size} workers placed")
             self._form_group()

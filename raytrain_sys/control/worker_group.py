@@ -58,11 +58,21 @@ def connect_ray(spec: JobSpec) -> bool:
         ray.init(address=address, log_to_driver=True)
         return False
     num_cpus = spec.resources.local_num_cpus or os.cpu_count() or 1
+    if spec.resources.num_workers * spec.resources.cpus_per_worker > num_cpus:  # no cluster started
+        raise _local_capacity_error("CPU", num_cpus, spec.resources.num_workers, spec.resources.cpus_per_worker)
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(spec.resources.cpus_per_worker)))}}
     # address="local" never attaches to some other cluster that happens to run on this machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              runtime_env=runtime_env, log_to_driver=True)
     return True
+
+
+def _local_capacity_error(res: str, have: float, num_workers: int, per_worker: float) -> ClusterCapacityError:
+    return ClusterCapacityError(
+        f"the local Ray cluster has {have:g} {res} in total but the group needs {num_workers * per_worker:g} "
+        f"(resources.num_workers={num_workers} x {per_worker:g} {res} per worker): "
+        f"lower resources.num_workers, or raise resources.local_num_cpus / connect to a "
+        f"bigger cluster with resources.ray_address")
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -129,11 +139,7 @@ class WorkerGroup:
         for res, per_worker in self._bundle().items():
             need, have = per_worker * num_workers, total.get(res, 0.0)
             if need > have:
-                raise ClusterCapacityError(
-                    f"the local Ray cluster has {have:g} {res} in total but the group needs {need:g} "
-                    f"(resources.num_workers={num_workers} x {per_worker:g} {res} per worker): "
-                    f"lower resources.num_workers, or raise resources.local_num_cpus / connect to a "
-                    f"bigger cluster with resources.ray_address")
+                raise _local_capacity_error(res, have, num_workers, per_worker)
 
     def request(self) -> Worker:
         """Ask for one more worker; it starts in the background (see ``ready_pending``)."""

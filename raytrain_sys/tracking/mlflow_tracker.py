@@ -229,6 +229,22 @@ def _client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+def prepare_store(tracking_uri: str) -> threading.Thread:
+    """Open the store in the background (a new SQLite store spends seconds creating its tables),
+    while the workers start; join the thread before the first real call. An error here is met
+    again, and reported, by that call."""
+
+    def open_it() -> None:
+        try:
+            _client(tracking_uri).search_experiments(max_results=1)
+        except Exception as exc:
+            log.debug("preparing the MLflow store: %s (reported when the run is opened)", exc)
+
+    thread = threading.Thread(target=open_it, name="mlflow-open", daemon=True)
+    thread.start()
+    return thread
+
+
 def _get_run(client, tracking_uri: str, run_id: str):
     try:
         run = client.get_run(run_id)
