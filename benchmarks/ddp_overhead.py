@@ -35,7 +35,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
+import _common as common  # noqa: E402
 import _torchrun_ddp as baseline  # noqa: E402  (the shared step code of torchrun and ray-train)
 import yaml  # noqa: E402
 
@@ -298,20 +298,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--repeats must be at least 1")
     if args.steps <= args.skip_steps:
         p.error(f"--steps ({args.steps}) must exceed --skip-steps ({args.skip_steps})")
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        p.error(f"unknown --variants {', '.join(sorted(unknown))}; allowed: {', '.join(VARIANTS)}")
+    args.variants = common.pick(p, args.variants, VARIANTS, "--variants")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)
-    # Short, private temp dir: Ray's unix socket paths must stay under 107 characters.
-    work_dir = tempfile.mkdtemp(prefix="rts-ddpb-", dir="/tmp")
+    work_dir = common.start(args.verbose, log, "rts-ddpb-")
     results: dict = {}
     try:
         model_block = QUICK_MODEL["block_size"] if args.quick else yaml.safe_load(

@@ -57,6 +57,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
+import _common as common  # noqa: E402
 import _torchrun_ddp as baseline  # noqa: E402  (model build, share reader and step seed)
 import yaml  # noqa: E402
 
@@ -433,10 +434,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep-temp", action="store_true", help="keep the temp dir (data, run dirs)")
     p.add_argument("--verbose", action="store_true", help="INFO logs and the workers' output")
     args = p.parse_args(argv)
-    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = set(args.scenarios) - set(SCENARIOS)
-    if unknown:
-        p.error(f"unknown --scenarios {', '.join(sorted(unknown))}; allowed: {', '.join(SCENARIOS)}")
+    args.scenarios = common.pick(p, args.scenarios, SCENARIOS, "--scenarios")
     if not 2 < args.fault_step < args.steps - 2:
         p.error(f"--fault-step must leave steps before and after it (got {args.fault_step} of {args.steps})")
     return args
@@ -444,11 +442,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s")
-    log.setLevel(logging.INFO)
-    # Short, private temp dir: Ray's unix socket paths must stay under 107 characters.
-    work_dir = tempfile.mkdtemp(prefix="rts-rb-", dir="/tmp")
+    work_dir = common.start(args.verbose, log, "rts-rb-")
     rows: list[dict] = []
     cluster = None
     load0 = os.getloadavg()
