@@ -84,7 +84,8 @@ def _wait_until_idle(after: str, timeout_s: float = 30.0) -> None:
     import time
 
     import ray
-    from ray._private.state import state
+
+    from tests.helpers import live_actors_and_groups
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -95,10 +96,10 @@ def _wait_until_idle(after: str, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    live_actors, live_groups = live_actors_and_groups()
     actors = [f"{a['ActorClassName']} {a['Name'] or a['ActorID'][:8]} ({a['State']}, job {a['JobID']})"
-              for a in state.actor_table(None).values() if a["State"] != "DEAD" and not a["IsDetached"]]
-    groups = [f"{g['name'] or g['placement_group_id'][:8]} ({g['state']})"
-              for g in state.placement_group_table().values() if g["state"] != "REMOVED"]
+              for a in live_actors]
+    groups = [f"{g['name'] or g['placement_group_id'][:8]} ({g['state']})" for g in live_groups]
     pytest.fail(f"after {after}: {total - free:g} of {total:g} CPUs still held {timeout_s:g} s later; "
                 f"actors: {actors or 'none'}; placement groups: {groups or 'none'}", pytrace=False)
 

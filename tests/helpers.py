@@ -52,3 +52,17 @@ def assert_params_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs: max abs diff {(a[k] - b[k]).abs().max()}"
+
+
+def live_actors_and_groups() -> tuple[list, list]:
+    """Actors not dead and placement groups not removed, from the GCS tables.
+
+    Ray Data starts detached, cluster-wide singletons (its stats and autoscaling actors) the first
+    time any dataset runs; they are Ray's, shared by every job, and left out. Ours are never
+    detached."""
+    from ray._private.state import state
+
+    actors = [a for a in state.actor_table(None).values()
+              if a["State"] != "DEAD" and not a["IsDetached"]]
+    groups = [g for g in state.placement_group_table().values() if g["state"] != "REMOVED"]
+    return actors, groups

@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from tests.helpers import live_actors_and_groups
+
 CLI = [sys.executable, "-m", "raytrain_sys.cli.main"]
 
 
@@ -62,19 +64,8 @@ def test_missing_spec_file(tmp_path):
     assert proc.returncode == 2 and "does not exist" in error_lines(proc)[0]
 
 
-def _live_actors_and_groups() -> tuple[list, list]:
-    from ray._private.state import state
-
-    # Ray Data starts detached, cluster-wide singletons (its stats and autoscaling actors) the
-    # first time any dataset runs; they are Ray's, shared by every job. Ours are never detached.
-    actors = [a for a in state.actor_table(None).values()
-              if a["State"] != "DEAD" and not a["IsDetached"]]
-    groups = [g for g in state.placement_group_table().values() if g["state"] != "REMOVED"]
-    return actors, groups
-
-
 def test_more_workers_than_the_cluster_holds(ray_cluster, tiny_dataset, tmp_path):
-    before = _live_actors_and_groups()
+    before = live_actors_and_groups()
     spec = write_spec(tmp_path, f"""
         model: {{block_size: 32, n_layer: 1, n_embd: 32, n_head: 2}}
         data: {{path: {tiny_dataset}}}
@@ -86,7 +77,7 @@ def test_more_workers_than_the_cluster_holds(ray_cluster, tiny_dataset, tmp_path
     assert proc.returncode == 2, proc.stderr
     (line,) = error_lines(proc)
     assert "could not hold 8 workers" in line and "resources.num_workers" in line
-    assert _live_actors_and_groups() == before  # no actors or placement groups left behind
+    assert live_actors_and_groups() == before  # no actors or placement groups left behind
 
 
 def test_more_workers_than_a_local_cluster_holds_fails_at_once(tiny_dataset, tmp_path):
