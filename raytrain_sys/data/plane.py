@@ -52,6 +52,7 @@ from raytrain_sys.data import order
 from raytrain_sys.data.manifest import TOKENS_FORMAT, DatasetManifest
 from raytrain_sys.data.shards import (BadShardError, gather_rows, read_document_index,
                                       read_documents, read_segments, read_token_pool)
+from raytrain_sys.data.stream import iter_blocks_closing_quietly
 from raytrain_sys.errors import DataError, find_user_error
 
 log = logging.getLogger(__name__)
@@ -482,7 +483,8 @@ class DataPlane:
                            masked=self.sequences == "pack_masked",
                            skips=tuple(sorted(self.skips.items()))),
         )
-        self._stream = iter(ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=1))
+        self._stream = iter_blocks_closing_quietly(ds, batch_size=None, batch_format="pyarrow",
+                                                   prefetch_batches=1)
         self._stream_next, self._stream_first = g, (g, offset)
         log.info("data plane: stream opened at window %d offset %d (epoch %d)", g, offset,
                  g // self.windows_per_epoch)
@@ -604,7 +606,8 @@ class DataPlane:
         return self.rows(data_cursor, data_cursor + self.global_batch_size)
 
     def _drop_stream(self) -> None:
-        # Closing the generator now shuts its Ray Data execution down while Ray is still up.
+        # Closing the generator now shuts its Ray Data execution down while Ray is still up,
+        # after the reads running in it end (raytrain_sys.data.stream: no cancel).
         stream, self._stream = self._stream, None
         if stream is not None and hasattr(stream, "close"):
             try:
