@@ -41,7 +41,7 @@ import torch.distributed as dist
 from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
-from raytrain_sys.parallel.parallelize import parallelize
+from raytrain_sys.parallel.parallelize import import_for, parallelize
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.train.optim import build_optimizer, lr_at
 from raytrain_sys.train.tasks import task_for
@@ -92,6 +92,7 @@ class TrainWorker:
         a model build. Returns ``node_info()``."""
         if self.model is None:
             self._select_device()
+            import_for(self.spec.parallel)
             self._build()
         return self.node_info()
 

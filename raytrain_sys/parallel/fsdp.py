@@ -4,18 +4,27 @@ FSDP2 ``fully_shard`` goes on every transformer block first, then on the root: a
 parameters are all-gathered just before it runs and freed after, while the root unit keeps what
 is left (embeddings, final norm, head). The tied ``wte`` / ``lm_head`` weight is one parameter
 and both its users are in the root unit, so the tie holds without any special case.
+
+FSDP2 is imported inside the functions that use it: it pulls in DTensor, about a second in every
+worker process, which a DDP job never needs.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def mixed_precision_policy(name: str) -> MixedPrecisionPolicy:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if name == "bf16":
         # Compute in bf16, reduce gradients in fp32: bf16 sums of many ranks lose too many bits
         # (torchtitan's default policy).
@@ -30,6 +39,8 @@ def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dp_mesh: DeviceM
     ``dp_mesh`` is 1-D ("fsdp") for FSDP or 2-D ("dp", "fsdp") for HSDP: FSDP2 shards over
     the last axis and replicates over the first.
     """
+    from torch.distributed.fsdp import fully_shard
+
     mp = mixed_precision_policy(mixed_precision)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)

@@ -18,6 +18,12 @@ The worker sees one object, ``ParallelModel``, whatever the strategy:
     loss_sum = pm.forward_backward(rows, global_units, micro_batch_size)
     grad_norm = pm.clip_grad_norm_(max_norm)
     optimizer.step(); optimizer.zero_grad(set_to_none=True)
+
+Only what plain DDP uses is imported at the top. Pipelining, tensor parallel, FSDP2 and DCP pull
+in DTensor and torch._dynamo, about 2 s of imports, and every driver imports this module through
+the worker's (the Ray actor class) without ever training: they are imported where a layout or a
+call needs them, DTensor checks go through ``is_dtensor`` (raytrain_sys.parallel.dtensor), and a
+worker imports its layout's share ahead of joining with ``import_for``.
 """
 
 from __future__ import annotations
@@ -26,20 +32,20 @@ import contextlib
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from raytrain_sys.parallel import mesh as meshlib
-from raytrain_sys.parallel import pp as pplib
+from raytrain_sys.parallel.dtensor import is_dtensor
 from raytrain_sys.parallel.fsdp import apply_ddp, apply_fsdp
-from raytrain_sys.parallel.tp import apply_tp
 from raytrain_sys.spec import ParallelSpec
+
+if TYPE_CHECKING:
+    from raytrain_sys.parallel import pp as pplib
 
 
 @dataclass
@@ -140,6 +146,8 @@ class ParallelModel:
         if rows.size(0) < microbatches:
             raise ValueError(f"{rows.size(0)} rows cannot fill {microbatches} pipeline micro-batches;"
                              f" lower parallel.microbatches or raise train.global_batch_size")
+        from raytrain_sys.parallel import pp as pplib
+
         self.loss_fn.scale = scale
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.split.has_first else ()
@@ -161,18 +169,22 @@ class ParallelModel:
         """torch.nn.utils.clip_grad_norm_ over every shard and stage: sharded DTensor grads
         count their shards once, replicated ones once, and PP stages add up their squares."""
         params = [p for p in self.local_model.parameters() if p.grad is not None]
-        skip = pplib.tied_duplicate(self.split) if self.split else None
+        skip = None
+        if self.split:
+            from raytrain_sys.parallel import pp as pplib
+
+            skip = pplib.tied_duplicate(self.split)
         groups: dict[tuple, list[torch.Tensor]] = {}
         for p in params:
             if p is skip:
                 continue
             g = p.grad
-            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else ("plain",)
+            key = (id(g.device_mesh), tuple(g.placements)) if is_dtensor(g) else ("plain",)
             groups.setdefault(key, []).append(g)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for grads in groups.values():
             norm = torch.nn.utils.get_total_norm(grads, 2.0)
-            if isinstance(norm, DTensor):
+            if is_dtensor(norm):
                 norm = norm.full_tensor()
             sq += norm.double() ** 2
         if meshlib.degree(self.mesh, "pp") > 1:
@@ -189,7 +201,7 @@ class ParallelModel:
         """The whole model as plain CPU tensors under the original names (for export)."""
         # module.state_dict() keeps the original names (DDP's inner module, FSDP2 and TP
         # register DTensors under them); full_tensor() gathers each over its mesh.
-        sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+        sd = {k: (v.full_tensor() if is_dtensor(v) else v).detach().cpu().clone()
               for k, v in self.local_model.state_dict().items()}
         if meshlib.degree(self.mesh, "pp") > 1:
             parts: list = [None] * meshlib.degree(self.mesh, "pp")
@@ -203,7 +215,7 @@ class ParallelModel:
         names = {id(p): n for n, p in self.local_model.named_parameters()}
         out = {}
         for p, st in optimizer.state.items():
-            out[names[id(p)]] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+            out[names[id(p)]] = {k: (v.full_tensor() if is_dtensor(v) else v).detach().cpu().clone()
                                  if isinstance(v, torch.Tensor) else v for k, v in st.items()}
         if meshlib.degree(self.mesh, "pp") > 1:
             parts: list = [None] * meshlib.degree(self.mesh, "pp")
@@ -218,10 +230,14 @@ class ParallelModel:
         return rank_bytes(self.local_model, optimizer).as_dict()
 
     def dcp_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_sd, optim_sd = get_state_dict(self.local_model, optimizer)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_dcp_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         set_state_dict(self.local_model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
 
@@ -237,6 +253,8 @@ class ParallelModel:
         """Write a sharded checkpoint to the local directory ``path``. With ``async_save`` the
         tensors are staged (copied) before returning and written in the background; call
         ``wait_for_save()`` (or the returned future's ``result()``) before the next save."""
+        import torch.distributed.checkpoint as dcp
+
         self.wait_for_save()
         state = self.dcp_state_dict(optimizer)
         group = self._checkpoint_group()
@@ -254,6 +272,8 @@ class ParallelModel:
 
     def load_dcp(self, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
         """Load a checkpoint written by ``save_dcp`` at any layout or world size (DCP reshards)."""
+        import torch.distributed.checkpoint as dcp
+
         self.wait_for_save()
         state = self.dcp_state_dict(optimizer)  # the template: this layout's shards
         names = [list(g["params"]) for g in state["optim"]["param_groups"]]
@@ -288,7 +308,7 @@ def apply_activation_checkpointing(block: nn.Module) -> None:
 def _broadcast_params(model: nn.Module, group: dist.ProcessGroup) -> None:
     src = dist.get_global_rank(group, 0)
     for t in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(t._local_tensor if isinstance(t, DTensor) else t, src=src, group=group)
+        dist.broadcast(t._local_tensor if is_dtensor(t) else t, src=src, group=group)
 
 
 @torch.no_grad()
@@ -296,7 +316,7 @@ def _allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> No
     """Average gradients over ``group`` in one flat all-reduce per dtype (what DDP does)."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+    grads = [p.grad._local_tensor if is_dtensor(p.grad) else p.grad
              for p in params if p.grad is not None]
     n = dist.get_world_size(group)
     for dtype in {g.dtype for g in grads}:
@@ -306,6 +326,25 @@ def _allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> No
         flat.div_(n)
         for g, reduced in zip(same, _unflatten_dense_tensors(flat, same)):
             g.copy_(reduced)
+
+
+def import_for(parallel_spec: ParallelSpec) -> None:
+    """Import now what ``parallelize`` and the optimizer will import for this spec.
+
+    A worker calls it while it waits to join (``TrainWorker.prepare``), so that joining a group
+    costs a rebuild and not seconds of imports with every member waiting. torch.optim imports
+    torch._dynamo on an optimizer's first construction, and with it FSDP2 and DTensor, whatever
+    the strategy; the pipeline and TP modules only their layouts need.
+    """
+    import torch._dynamo  # noqa: F401
+
+    spec = parallel_spec
+    if spec.pp > 1:
+        from raytrain_sys.parallel import pp  # noqa: F401
+    if spec.tp > 1:
+        from raytrain_sys.parallel import tp  # noqa: F401
+    if spec.strategy in ("fsdp", "hsdp"):
+        import torch.distributed.fsdp  # noqa: F401
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec, device: str,
@@ -327,6 +366,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
     # 1. pipeline split (names unchanged: layers are deleted from a ModuleDict keyed by index)
     split = None
     if pp > 1:
+        from raytrain_sys.parallel import pp as pplib
+
         split = pplib.split_gpt(model, meshlib.local_index(mesh, "pp"), pp, spec.pp_schedule,
                                 spec.pp_stages_per_rank)
     stage_modules: list[nn.Module] = split.modules if split else [model]
@@ -336,6 +377,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
 
     # 2. tensor parallel + sequence parallel
     if tp > 1:
+        from raytrain_sys.parallel.tp import apply_tp
+
         apply_tp(model, meshlib.submesh(mesh, "tp"))
 
     # 3. activation checkpointing: recompute each block's activations in backward
@@ -379,4 +422,4 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
     return pm
 
 
-__all__ = ["ParallelModel", "parallelize"]
+__all__ = ["ParallelModel", "import_for", "parallelize"]

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+
+# DTensor's module is imported only where a tensor is one (see raytrain_sys.parallel.dtensor).
+from raytrain_sys.parallel.dtensor import is_dtensor
 
 
 @dataclass
@@ -47,7 +47,9 @@ class Piece:
 
 def _block(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
     """(global shape, offset, local tensor) of ``t`` on this rank."""
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         local = t.to_local()
         assert tuple(local.shape) == tuple(local_shape), (t.shape, t.placements, local.shape)
@@ -77,7 +79,9 @@ def _owns(t: torch.Tensor, coords: dict[str, int] | None) -> bool:
     if coords is None:
         return True
     sharded = set()
-    if isinstance(t, DTensor):
+    if is_dtensor(t):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
         for axis, placement in zip(t.device_mesh.mesh_dim_names or (), t.placements):
             # _StridedShard (FSDP on top of TP along one dim) is a shard but not a Shard.
             if placement.is_shard() or isinstance(placement, _StridedShard):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from raytrain_sys.parallel.dtensor import is_dtensor
 from raytrain_sys.spec import OptimSpec
 
 # The per-parameter state each optimizer keeps (what a rebuilt layout must receive).
@@ -71,7 +71,7 @@ def lr_at(step: int, spec: OptimSpec, max_steps: int, global_batch_size: int = 0
 def _norm(t: torch.Tensor) -> torch.Tensor:
     """The L2 norm of the whole tensor, as a plain scalar on every rank holding a part of it."""
     n = torch.linalg.vector_norm(t)
-    return n.full_tensor() if isinstance(n, DTensor) else n
+    return n.full_tensor() if is_dtensor(n) else n
 
 
 def _trust_ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
