@@ -18,7 +18,12 @@ all three, and reported separately as end-to-end wall time. tokens/s = global_ba
 
     .venv/bin/python benchmarks/ddp_overhead.py --quick          # smoke test, about a minute
     .venv/bin/python benchmarks/ddp_overhead.py                  # default job, 60 steps each
-    .venv/bin/python benchmarks/ddp_overhead.py --repeats 3      # best of 3: a noisy machine
+    .venv/bin/python benchmarks/ddp_overhead.py --repeats 5      # 5 rounds: a noisy machine
+
+With --repeats N the variants run in N rounds, each round in the reverse order of the one before.
+Two ratios are printed: best run against best run, and the median over rounds of the ratio
+within a round (the variants of a round run minutes apart, so the machine's drift between rounds
+cancels out; this is the figure to quote).
 
 Results go to benchmarks/results/ddp_overhead.json (``"quick": true`` marks a smoke test's; pass
 ``--out`` to keep real figures from being overwritten).
@@ -247,12 +252,32 @@ def print_table(results: dict, spec: JobSpec) -> None:
               f"{r['tokens_per_s_median']:>19.0f}{r['wall_s']:>9.1f}{r['last_loss']:>11.4f}")
 
 
+def _run_torchrun_logged(spec: JobSpec, args: argparse.Namespace, work_dir: str, repeat: int) -> dict:
+    log.info("[%d] (a) torchrun: %d steps", repeat, args.steps)
+    return run_torchrun(spec, args, work_dir)
+
+
 def ratios(results: dict) -> dict:
+    """raytrain-sys tokens/s over each other variant's, best run against best run."""
     out = {}
     ours = results.get("raytrain-sys")
     for other in ("torchrun", "ray-train"):
         if ours and other in results:
             out[f"raytrain-sys/{other}"] = ours["tokens_per_s"] / results[other]["tokens_per_s"]
+    return out
+
+
+def round_ratios(results: dict) -> dict:
+    """The same ratios within each round (variants run minutes apart at most), and their median:
+    robust to the machine's drift between rounds, which best-of-N is not."""
+    out = {}
+    ours = results.get("raytrain-sys", {}).get("repeats_tokens_per_s", [])
+    for other in ("torchrun", "ray-train"):
+        theirs = results.get(other, {}).get("repeats_tokens_per_s", [])
+        per_round = [a / b for a, b in zip(ours, theirs)]
+        if per_round:
+            out[f"raytrain-sys/{other}"] = {"per_round": per_round,
+                                            "median": statistics.median(per_round)}
     return out
 
 
@@ -314,25 +339,34 @@ def main(argv: list[str] | None = None) -> int:
 
         runs: dict[str, list[dict]] = {v: [] for v in args.variants}
         for repeat in range(args.repeats):
-            # torchrun runs before Ray starts: the baseline pays no idle Ray daemons.
-            if "torchrun" in args.variants:
-                log.info("[%d] (a) torchrun: %d steps", repeat, args.steps)
-                runs["torchrun"].append(run_torchrun(spec, args, work_dir))
-            if {"raytrain-sys", "ray-train"} & set(args.variants):
+            # The machine's speed drifts over minutes (other tenants, thermal): each round runs
+            # every variant back to back, in the reverse order of the round before, so that no
+            # variant always runs first or last. torchrun runs outside Ray: it pays no idle Ray
+            # daemons.
+            forward = repeat % 2 == 0
+            ray_variants = [v for v in ("raytrain-sys", "ray-train") if v in args.variants]
+            if not forward:
+                ray_variants.reverse()
+            if forward and "torchrun" in args.variants:
+                runs["torchrun"].append(_run_torchrun_logged(spec, args, work_dir, repeat))
+            if ray_variants:
                 import ray
 
                 ray.init(address="local", num_cpus=math.ceil(args.workers * args.cpus_per_worker) + 1,
                          include_dashboard=False, _temp_dir=os.path.join(work_dir, "ray"),
                          log_to_driver=args.verbose)
                 try:
-                    if "raytrain-sys" in args.variants:
-                        log.info("[%d] (b) raytrain-sys: %d steps", repeat, args.steps)
-                        runs["raytrain-sys"].append(run_raytrain_sys(spec, args))
-                    if "ray-train" in args.variants:
-                        log.info("[%d] (c) Ray Train: %d steps", repeat, args.steps)
-                        runs["ray-train"].append(run_ray_train(spec, args, work_dir, repeat))
+                    for name in ray_variants:
+                        if name == "raytrain-sys":
+                            log.info("[%d] (b) raytrain-sys: %d steps", repeat, args.steps)
+                            runs[name].append(run_raytrain_sys(spec, args))
+                        else:
+                            log.info("[%d] (c) Ray Train: %d steps", repeat, args.steps)
+                            runs[name].append(run_ray_train(spec, args, work_dir, repeat))
                 finally:
                     ray.shutdown()
+            if not forward and "torchrun" in args.variants:
+                runs["torchrun"].append(_run_torchrun_logged(spec, args, work_dir, repeat))
         # Best of the repeats: on a shared machine the least disturbed run is the one to compare.
         for name, rs in runs.items():
             best = max(rs, key=lambda r: r["tokens_per_s"])
@@ -343,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print_table(results, spec)
     rat = ratios(results)
+    by_round = round_ratios(results)
     diffs = max_loss_diff(results)
     import ray
     import torch
@@ -361,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                    "shuffle_window": spec.data.shuffle_window},
         "results": results,
         "ratios_tokens_per_s": rat,
+        "ratios_within_rounds": by_round,
         "max_abs_loss_diff": diffs,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -370,7 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         print("max |loss - torchrun loss| per step: "
               + "  ".join(f"{k}: {v:.2e}" for k, v in diffs.items()))
     print(f"results: {args.out}")
-    print("ratio " + "  ".join(f"{k} = {v:.2f}x" for k, v in rat.items()))
+    print("ratio (best run of each) " + "  ".join(f"{k} = {v:.2f}x" for k, v in rat.items()))
+    if args.repeats > 1:
+        print("ratio (median of rounds) " + "  ".join(
+            f"{k} = {v['median']:.2f}x [{' '.join(f'{x:.2f}' for x in v['per_round'])}]"
+            for k, v in by_round.items()))
     return 0
 
 
