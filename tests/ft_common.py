@@ -121,7 +121,10 @@ def restore_cluster_size(cluster, size: int) -> None:
 
     alive = alive_nodes()
     for node in list(cluster.worker_nodes):
-        if node.node_id not in alive:  # exited by itself (a drained node once idle)
+        # Gone by itself (a drained node exits once idle), or still draining: a draining node
+        # reports free CPUs but takes no new work, and without an autoscaler nothing ends it;
+        # the tests that follow would wait on it for their workers.
+        if node.node_id not in alive or alive[node.node_id].draining:
             cluster.remove_node(node, allow_graceful=False)
     while len(cluster.worker_nodes) < size:
         cluster.add_node(num_cpus=1, **cluster.node_args)
