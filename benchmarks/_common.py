@@ -23,3 +23,24 @@ def start(verbose: bool, log: logging.Logger, prefix: str) -> str:
     log.setLevel(logging.INFO)
     # Short and under /tmp: Ray's unix socket paths must stay under 107 characters.
     return tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+
+
+def wait_until_quiet(log: logging.Logger, below: float = 0.15, max_s: float = 60.0) -> float:
+    """Wait until the whole machine's CPU use over one second is under ``below`` of its cores
+    (a just-started Ray keeps a core busy for seconds: daemons, pre-started workers), at most
+    ``max_s``. Each variant then starts on an equally quiet machine. Returns the seconds waited."""
+    import time
+
+    import psutil
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_s:
+        busy = psutil.cpu_percent(interval=1.0) / 100.0
+        if busy < below:
+            break
+    else:
+        log.warning("the machine stayed busy (%.0f%% CPU) for %.0f s: results will be noisy",
+                    busy * 100, max_s)
+    waited = time.monotonic() - t0
+    log.info("quiet after %.1f s", waited)
+    return waited

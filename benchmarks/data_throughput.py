@@ -14,14 +14,17 @@
 ``--epochs`` epochs each (one by default), in one run, on a local Ray cluster this script starts
 (so every Ray process is its descendant). pyarrow reads the files once per epoch; our plane reads
 all epochs through one stream, as a training job does; Ray Data runs one pipeline per epoch. With
-one epoch of the ~10 MB stdlib, Ray Data's fixed costs (starting an execution, ~30-40 ms per
-block) dominate our figures; several epochs show the steady state a training run sees. CPU seconds are summed over this process and all its descendants (raylet, Ray
+one epoch of the ~10 MB stdlib, Ray Data's fixed costs (starting an execution, up to ~100 ms
+per block) dominate our figures; several epochs show the steady state a training run sees
+(``--epochs 40`` streams ~400 MB, as one epoch of a 400 MB dataset would; ``--variants
+pyarrow,raytrain-sys`` leaves out plain Ray Data, which takes minutes for that). CPU seconds are summed over this process and all its descendants (raylet, Ray
 workers), from psutil, so other users of a loaded machine do not count. GB = delivered token
 bytes (rows x row_len), not compressed file bytes. Also: time to the first batch of a fresh
 DataPlane at 0% and at 90% of an epoch (resume seeks; best of 3).
 
     .venv/bin/python benchmarks/data_throughput.py                 # ~12 MB of stdlib source
-    .venv/bin/python benchmarks/data_throughput.py --epochs 8         # steady state
+    .venv/bin/python benchmarks/data_throughput.py --epochs 8
+    .venv/bin/python benchmarks/data_throughput.py --epochs 40 --variants pyarrow,raytrain-sys
     .venv/bin/python benchmarks/data_throughput.py --max-bytes 4000000 --quick
 
 Results go to benchmarks/results/data_throughput.json.
@@ -142,6 +145,8 @@ def main() -> None:
     ap.add_argument("--doc-window", type=int, default=64, help="documents per shuffle window")
     ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per variant")
     ap.add_argument("--quick", action="store_true", help="one repeat per variant, no warm-up")
+    ap.add_argument("--variants", default="pyarrow,raytrain-sys,ray-data",
+                    help="comma list of pyarrow, raytrain-sys, ray-data (pyarrow, the base, always runs)")
     ap.add_argument("--out", default=str(HERE / "results" / "data_throughput.json"))
     args = ap.parse_args()
     os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
@@ -171,6 +176,11 @@ def main() -> None:
         "raytrain-sys": lambda: run_plane(path, manifest, args.batch, args.window, args.epochs),
         "ray-data": lambda: run_ray_data(path, manifest, args.batch, args.epochs),
     }
+    keep = {"pyarrow", *args.variants.split(",")}
+    unknown = keep - set(variants)
+    if unknown:
+        ap.error(f"--variants: unknown {sorted(unknown)}; choose from {sorted(variants)}")
+    variants = {k: v for k, v in variants.items() if k in keep}
     if args.sequences:
         variants[f"raytrain-sys {args.sequences}"] = lambda: run_plane(
             docs_path, docs, args.batch, args.doc_window, args.epochs, args.sequences,

@@ -13,7 +13,9 @@ steady-state tokens/s for each:
 
 Steady state skips the first ``--skip-steps`` steps of each (process group warm-up, allocator
 growth); worker startup, Ray Train's controller and placement are outside the measured steps for
-all three, and reported separately as end-to-end wall time. tokens/s = global_batch * block_size
+all three, and reported separately as end-to-end wall time. Each variant starts once the machine
+is quiet (under 15% CPU for a second): a just-started Ray keeps a core busy for seconds, which
+would otherwise land on whichever variant runs first after it. tokens/s = global_batch * block_size
 * steps / (sum of their step wall times), the formula the Supervisor uses for its own reports.
 
     .venv/bin/python benchmarks/ddp_overhead.py --quick          # smoke test, about a minute
@@ -253,6 +255,7 @@ def print_table(results: dict, spec: JobSpec) -> None:
 
 
 def _run_torchrun_logged(spec: JobSpec, args: argparse.Namespace, work_dir: str, repeat: int) -> dict:
+    common.wait_until_quiet(log)
     log.info("[%d] (a) torchrun: %d steps", repeat, args.steps)
     return run_torchrun(spec, args, work_dir)
 
@@ -357,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                          log_to_driver=args.verbose)
                 try:
                     for name in ray_variants:
+                        common.wait_until_quiet(log)
                         if name == "raytrain-sys":
                             log.info("[%d] (b) raytrain-sys: %d steps", repeat, args.steps)
                             runs[name].append(run_raytrain_sys(spec, args))
