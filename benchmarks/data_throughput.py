@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -143,7 +144,8 @@ def main() -> None:
     ap.add_argument("--sequences", choices=("pack", "pack_masked", "bucket"), default="",
                     help="add our plane over the same sources as documents, rows made this way")
     ap.add_argument("--doc-window", type=int, default=64, help="documents per shuffle window")
-    ap.add_argument("--repeats", type=int, default=2, help="best of this many runs per variant")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="rounds of every variant; best run of each, and the median ratio within rounds")
     ap.add_argument("--quick", action="store_true", help="one repeat per variant, no warm-up")
     ap.add_argument("--variants", default="pyarrow,raytrain-sys,ray-data",
                     help="comma list of pyarrow, raytrain-sys, ray-data (pyarrow, the base, always runs)")
@@ -186,19 +188,27 @@ def main() -> None:
             docs_path, docs, args.batch, args.doc_window, args.epochs, args.sequences,
             manifest.row_len, docs_rows)
     repeats = 1 if args.quick else args.repeats
-    results = {}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
     meter = CpuMeter()
-    for name, fn in variants.items():
-        fn() if not args.quick else None  # warm-up: worker processes, page cache
-        best = None
-        for _ in range(repeats):
+    if not args.quick:
+        for fn in variants.values():
+            fn()  # warm-up: worker processes, page cache
+    # Rounds, each running every variant back to back, in the reverse order of the round before:
+    # the machine's speed drifts by tens of percent over minutes (pyarrow alone moved between 1.3
+    # and 2.0 M rows/s here), so ratios are taken within a round, where the drift cancels out.
+    for r in range(repeats):
+        for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
             meter.start()
-            rows = fn()
+            rows = variants[name]()
             wall, cpu = meter.stop()
-            if best is None or wall < best["wall_s"]:
-                best = {"rows": rows, "wall_s": wall, "cpu_s": cpu, "rows_per_s": rows / wall,
-                        "cpu_s_per_gb": cpu / (rows * manifest.row_len / 1e9)}
-        results[name] = best
+            runs[name].append({"rows": rows, "wall_s": wall, "cpu_s": cpu, "rows_per_s": rows / wall,
+                               "cpu_s_per_gb": cpu / (rows * manifest.row_len / 1e9)})
+    results = {name: {**min(rs, key=lambda x: x["wall_s"]), "runs": rs} for name, rs in runs.items()}
+    within = {name: {"rows_per_s": statistics.median(a["rows_per_s"] / b["rows_per_s"]
+                                                      for a, b in zip(rs, runs["pyarrow"])),
+                     "cpu_s_per_gb": statistics.median(a["cpu_s_per_gb"] / b["cpu_s_per_gb"]
+                                                        for a, b in zip(rs, runs["pyarrow"]))}
+              for name, rs in runs.items() if name != "pyarrow"}
     ttfb = {pct: min(first_batch_s(path, manifest, int(pct / 100 * manifest.num_rows), args.batch,
                                    args.window) for _ in range(3)) for pct in (0, 90)}
     ray.shutdown()
@@ -207,12 +217,16 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     print(f"{manifest.num_rows} rows x {manifest.row_len} tokens ({gb * 1000:.0f} MB delivered) x "
           f"{args.epochs} epoch(s), {len(manifest.shards)} shards, batch {args.batch}, window "
-          f"{args.window}, best of {repeats}; load average {load_before:.1f} before, "
+          f"{args.window}, best of {repeats} rounds; load average {load_before:.1f} before, "
           f"{load_after:.1f} after, on {os.cpu_count()} cores")
     print(f"{'variant':25s} {'rows/s':>10s} {'x pyarrow':>10s} {'CPU s/GB':>10s} {'x pyarrow':>10s}")
     for name, r in results.items():
         print(f"{name:25s} {r['rows_per_s']:10,.0f} {r['rows_per_s'] / base['rows_per_s']:10.2f} "
               f"{r['cpu_s_per_gb']:10.1f} {r['cpu_s_per_gb'] / base['cpu_s_per_gb']:10.2f}")
+    if repeats > 1:
+        for name, w in within.items():
+            print(f"{name:25s} median of {repeats} rounds' ratios: {w['rows_per_s']:.2f}x pyarrow rows/s, "
+                  f"{w['cpu_s_per_gb']:.2f}x its CPU per GB")
     print(f"time to first batch: {ttfb[0]:.2f} s at 0%, {ttfb[90]:.2f} s at 90% of the epoch")
     tinygpt = None
     ddp = HERE / "results" / "ddp_overhead.json"
@@ -228,6 +242,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({
         "rows": manifest.num_rows, "row_len": manifest.row_len, "batch": args.batch,
         "window": args.window, "epochs": args.epochs, "repeats": repeats, "variants": results,
+        "ratios_within_rounds": within,
         "first_batch_s": ttfb, "tinygpt_rows_per_s": tinygpt,
         "loadavg_1m": {"before": load_before, "after": load_after}, "quick": args.quick,
     }, indent=1))

@@ -65,11 +65,14 @@ SEQUENCES = ("rows", "pack", "pack_masked", "bucket")
 # task's block on a loop that waits up to 100 ms, and frees the task's slot only after a metadata
 # fetch on another thread; so each block costs up to ~100 ms of latency and ~17 ms of driver CPU
 # (2 cores), whatever its size. Reading 16 MiB takes about as long: readers stalled half the time
-# (1.0-1.1 M rows/s over 40 epochs of the stdlib, pyarrow 1.4-1.7 M). 32 MiB: 0.89x pyarrow
-# rows/s at 1.0x its CPU per GB (64 MiB gave the same). The first chunks after a seek are small
+# (1.0-1.1 M rows/s over 40 epochs of the stdlib, pyarrow 1.4-1.7 M); 32 MiB gave 1.2-1.3 M,
+# 64 MiB no more. The first chunks after a seek are small
 # (a window, then 4x each), so time to first batch does not grow; the driver's cache and the
 # object store hold a few blocks at most.
 CHUNK_BYTES = 32 * 2**20
+# Reading tasks of a stream at most (40 epochs of the stdlib: 2 gave 1.1-1.3 M rows/s, 3 gave
+# 1.5-1.6 M, 4 no more than 3 and the start of another worker process).
+READERS = 3
 
 
 def window_layout(plan: order.EpochPlan, w: int, perm: np.ndarray | None = None
@@ -480,8 +483,10 @@ class DataPlane:
             # placement group; reading a window is short and mostly I/O.
             num_cpus=0,
             # ...but bounded: zero-CPU tasks are otherwise launched for every item at once, each
-            # in a new worker process. Two: one chunk read while the driver serves the last.
-            compute=ray.data.TaskPoolStrategy(size=min(len(items), 2)),
+            # in a new worker process. READERS: Ray Data frees a finished task's slot a scheduling
+            # round or two (up to 100 ms each) after the task ends, so with two slots the next
+            # read waited on the last one's bookkeeping, and reading ran one task at a time.
+            compute=ray.data.TaskPoolStrategy(size=min(len(items), READERS)),
             fn_kwargs=dict(dataset_uri=self.dataset_uri, manifest=self.manifest, stream=self.stream,
                            s3_endpoint_url=self.s3_endpoint_url,
                            masked=self.sequences == "pack_masked",
