@@ -66,9 +66,8 @@ SEQUENCES = ("rows", "pack", "pack_masked", "bucket")
 # fetch on another thread; so each block costs up to ~100 ms of latency and ~17 ms of driver CPU
 # (2 cores), whatever its size. Reading 16 MiB takes about as long: readers stalled half the time
 # (1.0-1.1 M rows/s over 40 epochs of the stdlib, pyarrow 1.4-1.7 M); 32 MiB gave 1.2-1.3 M,
-# 64 MiB no more. The first chunks after a seek are small
-# (a window, then 4x each), so time to first batch does not grow; the driver's cache and the
-# object store hold a few blocks at most.
+# 64 MiB no more. The first chunks after a seek are small (a window, then 4x each), so time to
+# first batch does not grow; the driver's cache and the object store hold a few blocks at most.
 CHUNK_BYTES = 32 * 2**20
 # Reading tasks of a stream at most (40 epochs of the stdlib: 2 gave 1.1-1.3 M rows/s, 3 gave
 # 1.5-1.6 M, 4 no more than 3 and the start of another worker process).
