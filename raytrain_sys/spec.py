@@ -203,6 +203,12 @@ class ResourcesSpec:
     start_timeout_s: float = 60.0  # wait this long for the cluster to hold the whole group
     ray_address: str = ""  # "" = RAY_ADDRESS or a running job's cluster, else start a local one
     local_num_cpus: int = 0  # CPUs of a locally started cluster; 0 = this machine's count
+    # Scheduling priority (nice, -20..19) of the training workers. Ray starts its worker processes
+    # at nice 15, so that a worker busy on every core loses the CPU to each daemon or driver
+    # wake-up, and the ranks waiting for it at the next collective lose it too. 0 = normal
+    # priority; null = keep Ray's. Lowering it needs the right to (root or CAP_SYS_NICE);
+    # without it the worker keeps Ray's and says so once.
+    worker_niceness: int | None = 0
 
 
 @dataclass
@@ -408,6 +414,9 @@ def validate(spec: JobSpec) -> JobSpec:
         raise SpecError("elastic.max_workers",
                         f"got {e.max_workers}; every worker needs at least one row of "
                         f"train.global_batch_size={spec.train.global_batch_size}")
+    nice = spec.resources.worker_niceness
+    if nice is not None and not -20 <= nice <= 19:
+        raise SpecError("resources.worker_niceness", f"got {nice}; must be in -20..19, or null for Ray's")
     if not spec.data.path:
         raise SpecError("data.path", "is empty; give a dataset directory (see `raytrain-sys prepare-data`)")
     if spec.data.sequences != "rows":

@@ -58,10 +58,26 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
 
 
+def set_niceness(nice: int | None) -> int:
+    """Set this process's nice value (resources.worker_niceness; None keeps it). Returns the value
+    in effect. A process may raise its own nice value but needs root or CAP_SYS_NICE to lower it:
+    without them it keeps the one it has, with a warning."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice is None or nice == current:
+        return current
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except PermissionError:
+        log.warning("resources.worker_niceness=%d: not permitted here (lowering a nice value needs "
+                    "root or CAP_SYS_NICE); the worker keeps nice %d", nice, current)
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 @ray.remote(concurrency_groups={"control": 2})
 class TrainWorker:
     def __init__(self, spec_dict: dict[str, Any]):
         self.spec: JobSpec = from_dict(spec_dict)
+        set_niceness(self.spec.resources.worker_niceness)
         threads = max(1, int(self.spec.resources.cpus_per_worker))
         torch.set_num_threads(threads)
         self.rank = -1
@@ -84,7 +100,8 @@ class TrainWorker:
         import psutil
 
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
-                "pid": os.getpid(), "create_time": psutil.Process().create_time()}
+                "pid": os.getpid(), "create_time": psutil.Process().create_time(),
+                "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
     def prepare(self) -> dict[str, Any]:
         """Import torch's distributed pieces and build the model now, while the group trains
