@@ -17,8 +17,8 @@ all epochs through one stream, as a training job does; Ray Data runs one pipelin
 one epoch of the ~10 MB stdlib, Ray Data's fixed costs (starting an execution, up to ~100 ms
 per block) dominate our figures; several epochs show the steady state a training run sees
 (``--epochs 40`` streams ~400 MB, as one epoch of a 400 MB dataset would; ``--variants
-pyarrow,raytrain-sys`` leaves out plain Ray Data, which takes minutes for that). CPU seconds are summed over this process and all its descendants (raylet, Ray
-workers), from psutil, so other users of a loaded machine do not count. GB = delivered token
+pyarrow,raytrain-sys`` leaves out plain Ray Data, which takes minutes for that). CPU seconds
+are summed over this process and all its descendants (raylet, Ray workers), from psutil, so other users of a loaded machine do not count. GB = delivered token
 bytes (rows x row_len), not compressed file bytes. Also: time to the first batch of a fresh
 DataPlane at 0% and at 90% of an epoch (resume seeks; best of 3).
 
@@ -204,10 +204,8 @@ def main() -> None:
             runs[name].append({"rows": rows, "wall_s": wall, "cpu_s": cpu, "rows_per_s": rows / wall,
                                "cpu_s_per_gb": cpu / (rows * manifest.row_len / 1e9)})
     results = {name: {**min(rs, key=lambda x: x["wall_s"]), "runs": rs} for name, rs in runs.items()}
-    within = {name: {"rows_per_s": statistics.median(a["rows_per_s"] / b["rows_per_s"]
-                                                      for a, b in zip(rs, runs["pyarrow"])),
-                     "cpu_s_per_gb": statistics.median(a["cpu_s_per_gb"] / b["cpu_s_per_gb"]
-                                                        for a, b in zip(rs, runs["pyarrow"]))}
+    within = {name: {k: statistics.median(a[k] / b[k] for a, b in zip(rs, runs["pyarrow"]))
+                     for k in ("rows_per_s", "cpu_s_per_gb")}
               for name, rs in runs.items() if name != "pyarrow"}
     ttfb = {pct: min(first_batch_s(path, manifest, int(pct / 100 * manifest.num_rows), args.batch,
                                    args.window) for _ in range(3)) for pct in (0, 90)}

@@ -58,19 +58,18 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
 
 
-def set_niceness(nice: int | None) -> int:
-    """Set this process's nice value (resources.worker_niceness; None keeps it). Returns the value
-    in effect. A process may raise its own nice value but needs root or CAP_SYS_NICE to lower it:
-    without them it keeps the one it has, with a warning."""
-    current = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice is None or nice == current:
-        return current
+def set_niceness(nice: int | None) -> None:
+    """Set this process's nice value (resources.worker_niceness; None keeps Ray's). A process may
+    raise its own nice value but needs root or CAP_SYS_NICE to lower it: without them it keeps the
+    one it has, with a warning."""
+    if nice is None:
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     except PermissionError:
         log.warning("resources.worker_niceness=%d: not permitted here (lowering a nice value needs "
-                    "root or CAP_SYS_NICE); the worker keeps nice %d", nice, current)
-    return os.getpriority(os.PRIO_PROCESS, 0)
+                    "root or CAP_SYS_NICE); the worker keeps nice %d", nice,
+                    os.getpriority(os.PRIO_PROCESS, 0))
 
 
 @ray.remote(concurrency_groups={"control": 2})
