@@ -66,6 +66,7 @@ class TrainSpec:
     log_every_steps: int = 10  # progress lines and summary.json throughput refresh
     step_timeout_s: float = 600.0  # a step slower than this is treated as a hung worker
     stop_at_step: int = 0  # pause: stop after this many committed steps, with a checkpoint; 0 = run on
+    run_ahead: bool = True  # send step k+1 while step k runs (boundaries with work excepted); same results
 
 
 @dataclass

@@ -91,6 +91,19 @@ def test_straight_run_records(straight_run, tiny_dataset):
     assert seen == expected.tolist() and len(set(seen)) == 160
 
 
+def test_run_ahead_changes_nothing_but_time(straight_run, tiny_dataset, tmp_path):
+    """Step k+1 sent while step k runs (train.run_ahead, the default) gives bitwise the run of
+    one step at a time; the boundary before a checkpoint is the one step not sent ahead."""
+    spec, ahead = straight_run
+    one_by_one = run_job(tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 20, "log_every_steps": 5,
+                                                                  "run_ahead": False},
+                                   checkpoint={"every_steps": 10}))
+    assert read_summary(ahead.run_dir)["steps_run_ahead"] == 18  # all but step 1 and step 11
+    assert read_summary(one_by_one.run_dir)["steps_run_ahead"] == 0
+    assert one_by_one.losses == ahead.losses
+    assert_params_equal(final_params(one_by_one.newest_checkpoint), final_params(ahead.newest_checkpoint))
+
+
 def test_resume_equals_uninterrupted(straight_run, tiny_dataset, tmp_path):
     spec, straight = straight_run
     paused_spec = tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 20, "stop_at_step": 10,

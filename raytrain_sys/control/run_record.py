@@ -2,7 +2,8 @@
 
 summary.json keys (stable): status, reason, job, run_dir, committed_steps, samples_consumed,
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
-mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput.
+mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
+failures, steps_redone, steps_run_ahead.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class RunSummary:
     resumed_from: list[str] = field(default_factory=list)
     failures: int = 0  # membership failures survived
     steps_redone: int = 0  # committed steps lost to a restore from a durable checkpoint
+    steps_run_ahead: int = 0  # committed steps sent while the step before them ran (train.run_ahead)
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 

@@ -12,6 +12,12 @@ elastic.min_workers; restoring only when no replica holds the state); at a step 
 resizing (newcomers join) and draining (members leave nodes marked for preemption). Every
 transition is logged with its reason, in summary.json and as an MLflow event.
 
+Run-ahead: while step k runs, step k+1 is already sent (``_may_run_ahead``) unless the
+boundary between them has work to do; the members start it as they finish step k, so the
+driver's dispatch and commit are off the critical path. A step k that fails voids step k+1:
+its members refuse it or fail in its first collective, and ``_settle`` waits for that before
+the rebuild. Nothing is committed out of order: step k+1 is collected only after k committed.
+
 Failure detection (``_collect``): Ray reports a dead actor; survivors' collectives fail when a
 peer's socket closes; members still in a step are pinged every LIVENESS_EVERY_S and lost when
 silent for PING_TIMEOUT_S (a stopped process, a vanished machine that closes no socket); a
@@ -43,7 +49,7 @@ from raytrain_sys.parallel.mesh import is_data_leader_rank, rank_data_slices
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
-from raytrain_sys.errors import (CheckpointError, SpecError, StorageError, TrainingFailed,
+from raytrain_sys.errors import (CheckpointError, DataError, SpecError, StorageError, TrainingFailed,
                                  UserError, find_user_error)
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.tracking import mlflow_tracker as mt
@@ -109,6 +115,23 @@ class StepOutcome:
         self.failed = bool(self.lost or self.errored)
         if self.failed and not self.detected_at_unix_s:
             self.detected_at_unix_s = time.time()
+
+
+@dataclass
+class _Dispatch:
+    """A step sent to the members: what its commit (or its redo after a failure) needs."""
+
+    step: int
+    members: list[Worker]
+    refs: list
+    batch: dict
+    ids: object
+    shares: list[slice]
+    units: int
+    deadline_s: float
+    t0: float  # when the members could start it (perf_counter)
+    data_wait: float
+    sent_ahead: bool  # sent while the step before it ran
 
 
 class WorkerLost(Exception):
@@ -415,36 +438,113 @@ class Supervisor:
                             if spec.data.log_sample_ids else None)
         self._step_times: deque[float] = deque(maxlen=50)
         self._run_t0 = time.perf_counter()
+        ahead: _Dispatch | None = None
         try:
             while self.committed_step < last:
-                self._at_step_boundary()
-                step = self.committed_step
-                t0 = time.perf_counter()
-                wait0 = self.data.wait_s
-                batch, ids = self.data.global_batch(self.data_cursor)
-                data_wait = self.data.wait_s - wait0
-                units = self.task.units(batch)
-                members = list(self.group.workers)
-                # Each rank's rows: its data-parallel slice (TP/PP peers share one).
-                shares = rank_data_slices(spec.parallel, len(members), spec.train.global_batch_size)
-                deadline_s = self._step_deadline_s()
-                refs = [w.actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units,
-                                                  _collective_timeout_s(deadline_s))
-                        for w, sl in zip(members, shares)]
-                outcome = self._collect(members, refs, step, deadline_s)
+                if ahead is None:
+                    self._at_step_boundary()
+                    cur = self._dispatch(self.committed_step)
+                else:
+                    cur, ahead = ahead, None
+                if self._may_run_ahead(cur.step + 1, last):
+                    try:
+                        ahead = self._dispatch(cur.step + 1, after=cur)
+                    except DataError:
+                        pass  # raised again, in step order, when the step is sent in turn
+                outcome = self._collect(cur.members, cur.refs, cur.step, cur.deadline_s)
+                done_at = time.perf_counter()
+                if ahead is not None:
+                    ahead.t0 = done_at  # its members start it as they finish this one
                 if outcome.failed:
-                    self._recover(step, members, outcome, batch, ids, shares,
-                                  time.perf_counter() - t0, data_wait)
+                    if ahead is not None:
+                        self._settle(ahead, outcome)
+                        ahead = None
+                    self._recover(cur.step, cur.members, outcome, cur.batch, cur.ids, cur.shares,
+                                  done_at - cur.t0, cur.data_wait)
                     continue
                 # Committed: every rank finished its optimizer step.
-                results = [outcome.results[w.slot] for w in members]
-                self._commit(step, results, units, ids, shares, time.perf_counter() - t0, data_wait)
+                results = [outcome.results[w.slot] for w in cur.members]
+                self.summary.steps_run_ahead += cur.sent_ahead
+                self._commit(cur.step, results, cur.units, cur.ids, cur.shares, done_at - cur.t0,
+                             cur.data_wait)
                 every = spec.checkpoint.every_steps
                 if every and self.committed_step % every == 0 and self.committed_step < last:
                     self._checkpoint(final=False)
         finally:
             if self._sample_log is not None:
                 self._sample_log.close()
+
+    def _dispatch(self, step: int, after: "_Dispatch | None" = None) -> "_Dispatch":
+        """Send step ``step`` to every member: its rows of the step's global batch.
+
+        ``after``: the step still running before this one (run-ahead); the members queue this
+        one behind it and start it as they finish that one, with no round trip to the driver.
+        """
+        spec = self.spec
+        wait0 = self.data.wait_s
+        cursor = self.data_cursor + (spec.train.global_batch_size if after is not None else 0)
+        batch, ids = self.data.global_batch(cursor)
+        members = list(self.group.workers)
+        # Each rank's rows: its data-parallel slice (TP/PP peers share one).
+        shares = rank_data_slices(spec.parallel, len(members), spec.train.global_batch_size)
+        units = self.task.units(batch)
+        deadline_s = self._step_deadline_s()
+        refs = [w.actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units,
+                                          _collective_timeout_s(deadline_s))
+                for w, sl in zip(members, shares)]
+        return _Dispatch(step, members, refs, batch, ids, shares, units, deadline_s,
+                         time.perf_counter(), self.data.wait_s - wait0, after is not None)
+
+    def _may_run_ahead(self, step: int, last: int) -> bool:
+        """Whether step ``step`` may be sent before the one before it is committed: only when
+        the boundary between them has nothing to do (no checkpoint due, no draining member, no
+        newcomer to take in), so that sending it early changes nothing but the time."""
+        spec = self.spec
+        if not spec.train.run_ahead or step >= last:
+            return False
+        every = spec.checkpoint.every_steps
+        if every and step % every == 0:
+            return False
+        if len(self.group.workers) < self._target_size():
+            return False  # a boundary may take newcomers in
+        now = time.monotonic()
+        if now - self._last_drain_poll >= spec.elastic.drain_poll_s:
+            # The drain poll, done now while the members compute: a draining member must leave
+            # at the coming boundary, so that boundary is kept.
+            try:
+                from raytrain_sys.control.drain import draining_nodes
+
+                draining = draining_nodes()
+            except Exception as exc:
+                log.debug("could not read draining nodes: %s", exc)
+                return False
+            if any(w.node_id in draining for w in self.group.workers + self.group.pending + self.group.standby):
+                return False
+            self._last_drain_poll = now
+        return True
+
+    def _settle(self, ahead: "_Dispatch", outcome: "StepOutcome") -> None:
+        """After a failed step: wait for the step sent ahead of it to end on every member still
+        in the group. A member whose step failed refuses the next one at once (it holds the
+        wrong step); one whose step finished runs into its peers' failure in the next step's
+        first collective. Its result is dropped: it was never committed, and the rebuild starts
+        from the state the members hold. A member still in it past the collective timeout is lost.
+        """
+        in_group = {w.slot for w in self.group.workers}
+        by_ref = {r: w for r, w in zip(ahead.refs, ahead.members)
+                  if w.slot in in_group and w.slot not in outcome.lost}
+        if not by_ref:
+            return
+        _, late = ray.wait(list(by_ref), num_returns=len(by_ref),
+                           timeout=_collective_timeout_s(ahead.deadline_s) + PING_TIMEOUT_S)
+        if late:
+            stuck = [by_ref[r] for r in late]
+            log.warning("worker(s) %s still in step %d after step %d failed: treated as lost",
+                        ", ".join(str(w.slot) for w in stuck), ahead.step + 1, ahead.step)
+            for w in stuck:
+                outcome.lost[w.slot] = f"blocked in step {ahead.step + 1} after step {ahead.step} failed"
+            self.group.reap(stuck)
+            self.group.remove(stuck)
 
     def _commit(self, step: int, results: list[dict], units: int, ids, shares: list[slice],
                 dt: float, data_wait: float, world_size: int | None = None) -> None:

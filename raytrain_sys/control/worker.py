@@ -225,6 +225,11 @@ class TrainWorker:
         """
         assert self.pm is not None and self.optimizer is not None, "setup_group first"
         assert self.stash is None, "this worker holds state not yet loaded into its layout"
+        if self.step_done != step:
+            # Sent ahead (the Supervisor's run-ahead) after a step that failed here: refuse it,
+            # state untouched, so that the rebuild finds the state of the step before.
+            raise RuntimeError(f"step {step + 1} refused: this worker holds the state of step "
+                               f"{self.step_done}, not {step}")
         if collective_timeout_s and abs(collective_timeout_s - self.collective_timeout_s) > 1.0:
             self._set_collective_timeout(collective_timeout_s)
         t0 = time.perf_counter()
