@@ -218,6 +218,7 @@ class Supervisor:
         self.data_cursor = 0
         self._local_cluster = False
         self._last_drain_poll = 0.0
+        self._resend: dict[int, _Dispatch] = {}  # steps sent before a failure, by step
         self._handover_waits: set[str] = set()  # draining nodes whose members await successors
         self._step_times: deque[float] = deque(maxlen=50)
         self.layout_replicated = True  # set when a process group forms (see _form_group)
@@ -456,6 +457,9 @@ class Supervisor:
                 if ahead is not None:
                     ahead.t0 = done_at  # its members start it as they finish this one
                 if outcome.failed:
+                    # Sent again after the rebuild: their global batches are kept (a batch is
+                    # a function of the cursor; the data plane may have dropped the window).
+                    self._resend = {d.step: d for d in (cur, ahead) if d is not None}
                     if ahead is not None:
                         self._settle(ahead, outcome)
                         ahead = None
@@ -482,8 +486,13 @@ class Supervisor:
         """
         spec = self.spec
         wait0 = self.data.wait_s
-        cursor = self.data_cursor + (spec.train.global_batch_size if after is not None else 0)
-        batch, ids = self.data.global_batch(cursor)
+        kept = self._resend.pop(step, None)
+        self._resend = {k: d for k, d in self._resend.items() if k > step}
+        if kept is not None:
+            batch, ids = kept.batch, kept.ids
+        else:
+            cursor = self.data_cursor + (spec.train.global_batch_size if after is not None else 0)
+            batch, ids = self.data.global_batch(cursor)
         members = list(self.group.workers)
         # Each rank's rows: its data-parallel slice (TP/PP peers share one).
         shares = rank_data_slices(spec.parallel, len(members), spec.train.global_batch_size)
