@@ -527,7 +527,8 @@ class Supervisor:
             except Exception as exc:
                 log.debug("could not read draining nodes: %s", exc)
                 return False
-            if any(w.node_id in draining for w in self.group.workers + self.group.pending + self.group.standby):
+            everyone = self.group.workers + self.group.pending + self.group.standby
+            if any(w.node_id in draining for w in everyone):
                 return False
             self._last_drain_poll = now
         return True
