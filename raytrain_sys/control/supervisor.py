@@ -463,8 +463,7 @@ class Supervisor:
                     if ahead is not None:
                         self._settle(ahead, outcome)
                         ahead = None
-                    self._recover(cur.step, cur.members, outcome, cur.batch, cur.ids, cur.shares,
-                                  done_at - cur.t0, cur.data_wait)
+                    self._recover(cur, outcome, done_at - cur.t0)
                     continue
                 # Committed: every rank finished its optimizer step.
                 results = [outcome.results[w.slot] for w in cur.members]
@@ -520,12 +519,8 @@ class Supervisor:
         if now - self._last_drain_poll >= spec.elastic.drain_poll_s:
             # The drain poll, done now while the members compute: a draining member must leave
             # at the coming boundary, so that boundary is kept.
-            try:
-                from raytrain_sys.control.drain import draining_nodes
-
-                draining = draining_nodes()
-            except Exception as exc:
-                log.debug("could not read draining nodes: %s", exc)
+            draining = self._draining_nodes()
+            if draining is None:
                 return False
             everyone = self.group.workers + self.group.pending + self.group.standby
             if any(w.node_id in draining for w in everyone):
@@ -736,12 +731,12 @@ class Supervisor:
                 f"{len(self._failures)} membership failures within elastic.failure_window_s="
                 f"{e.failure_window_s:g} s (elastic.max_failures={e.max_failures}); last: {reason}")
 
-    def _recover(self, step: int, members: list[Worker], outcome: "StepOutcome", batch, ids,
-                 shares: list[slice], step_time_s: float, data_wait_s: float) -> None:
+    def _recover(self, sent: _Dispatch, outcome: "StepOutcome", step_time_s: float) -> None:
         """Rebuild in place after a failed step: survivors keep their state; nothing committed is lost.
 
-        ``members`` and ``shares`` are the step's, rank by rank (``_collect`` may already have
-        removed hung members from the group)."""
+        ``sent.members`` and ``sent.shares`` are the step's, rank by rank (``_collect`` may
+        already have removed hung members from the group)."""
+        step, members, batch, shares = sent.step, sent.members, sent.batch, sent.shares
         lost = [w for w in members if w.slot in outcome.lost]
         reason = "; ".join([f"worker {w.slot} on node {w.node_id[:8]} {outcome.lost[w.slot]}" for w in lost]
                            + [f"worker {s} error: {m}" for s, m in outcome.errored.items()])
@@ -755,7 +750,7 @@ class Supervisor:
                         and is_data_leader_rank(degrees, i)]  # the ranks whose loss counts
                 units = sum(self.task.units({k: v[shares[i]] for k, v in batch.items()}) for i in done)
                 results = [outcome.results[members[i].slot] for i in done]
-                self._commit(step, results, units, ids, shares, step_time_s, data_wait_s,
+                self._commit(step, results, units, sent.ids, shares, step_time_s, sent.data_wait,
                              world_size=len(members))
                 log.info("step %d had finished on a survivor: committed, not redone", step + 1)
 
@@ -1032,6 +1027,17 @@ class Supervisor:
                 self._reform(source_slot=self.group.workers[0].slot,
                              reason=f"grown to world {len(self.group.workers)}")
 
+    @staticmethod
+    def _draining_nodes() -> dict | None:
+        """Nodes marked for preemption, by node id; None when the lookup failed."""
+        try:
+            from raytrain_sys.control.drain import draining_nodes
+
+            return draining_nodes()
+        except Exception as exc:  # a GCS hiccup must not stop training
+            log.debug("could not read draining nodes: %s", exc)
+            return None
+
     def _leave_draining_nodes(self) -> None:
         """Members on nodes marked for preemption leave at this step boundary, with no step lost.
 
@@ -1042,13 +1048,7 @@ class Supervisor:
         the draining members leave. Only when the time runs out does the state go through a
         checkpoint (saved before the node goes, restored on the new members).
         """
-        try:
-            from raytrain_sys.control.drain import draining_nodes
-
-            draining = draining_nodes()
-        except Exception as exc:  # a GCS hiccup must not stop training
-            log.debug("could not read draining nodes: %s", exc)
-            return
+        draining = self._draining_nodes()
         if not draining:
             return
         self.group.remove([w for w in self.group.pending + self.group.standby if w.node_id in draining])
