@@ -10,6 +10,10 @@ steady-state tokens/s for each:
                 Ray Data plane; step times from StepReport.step_time_s.
   ray-train     ray.train.torch.TorchTrainer (Ray Train v2 in Ray 2.60) with prepare_model, the
                 same step code and the same per-rank reader as torchrun, inside the train loop.
+  torchrun-ray-idle
+                torchrun again, while the Ray session the two Ray variants ran in is still up and
+                idle (its daemons, Ray Data's actors, idle worker processes). The control: what Ray's
+                mere presence costs plain DDP, so that raytrain-sys's own overhead can be told from it.
 
 Steady state skips the first ``--skip-steps`` steps of each (process group warm-up, allocator
 growth); worker startup, Ray Train's controller and placement are outside the measured steps for
@@ -59,7 +63,7 @@ from raytrain_sys.spec import JobSpec, from_dict  # noqa: E402
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
-VARIANTS = ("torchrun", "raytrain-sys", "ray-train")
+VARIANTS = ("torchrun", "raytrain-sys", "ray-train", "torchrun-ray-idle")
 # --quick: the CI-sized model of tests/helpers.tiny_spec.
 QUICK_MODEL = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 QUICK_BATCH = 8
@@ -236,7 +240,7 @@ def _train_v2_enabled() -> bool:
 # ----------------------------------------------------------------------------- report
 
 def print_table(results: dict, spec: JobSpec) -> None:
-    header = (f"{'variant':<14}{'steady steps':>13}{'step ms (mean)':>16}{'step ms (median)':>18}"
+    header = (f"{'variant':<18}{'steady steps':>13}{'step ms (mean)':>16}{'step ms (median)':>18}"
               f"{'tokens/s':>11}{'tokens/s (median)':>19}{'wall s':>9}{'last loss':>11}")
     print()
     print(f"model {spec.model.n_layer}L/{spec.model.n_head}H/{spec.model.n_embd}d block "
@@ -249,7 +253,7 @@ def print_table(results: dict, spec: JobSpec) -> None:
         r = results.get(name)
         if r is None:
             continue
-        print(f"{name:<14}{r['steady_steps']:>13}{r['step_time_mean_s'] * 1e3:>16.1f}"
+        print(f"{name:<18}{r['steady_steps']:>13}{r['step_time_mean_s'] * 1e3:>16.1f}"
               f"{r['step_time_median_s'] * 1e3:>18.1f}{r['tokens_per_s']:>11.0f}"
               f"{r['tokens_per_s_median']:>19.0f}{r['wall_s']:>9.1f}{r['last_loss']:>11.4f}")
 
@@ -260,27 +264,27 @@ def _run_torchrun_logged(spec: JobSpec, args: argparse.Namespace, work_dir: str,
     return run_torchrun(spec, args, work_dir)
 
 
+# (numerator, denominator) of the printed ratios: raytrain-sys against each reference, and what an
+# idle Ray session beside it costs plain DDP.
+RATIOS = (("raytrain-sys", "torchrun"), ("raytrain-sys", "ray-train"),
+          ("raytrain-sys", "torchrun-ray-idle"), ("torchrun-ray-idle", "torchrun"))
+
+
 def ratios(results: dict) -> dict:
-    """raytrain-sys tokens/s over each other variant's, best run against best run."""
-    out = {}
-    ours = results.get("raytrain-sys")
-    for other in ("torchrun", "ray-train"):
-        if ours and other in results:
-            out[f"raytrain-sys/{other}"] = ours["tokens_per_s"] / results[other]["tokens_per_s"]
-    return out
+    """The RATIOS of tokens/s, best run against best run."""
+    return {f"{a}/{b}": results[a]["tokens_per_s"] / results[b]["tokens_per_s"]
+            for a, b in RATIOS if a in results and b in results}
 
 
 def round_ratios(results: dict) -> dict:
     """The same ratios within each round (variants run minutes apart at most), and their median:
     robust to the machine's drift between rounds, which best-of-N is not."""
     out = {}
-    ours = results.get("raytrain-sys", {}).get("repeats_tokens_per_s", [])
-    for other in ("torchrun", "ray-train"):
-        theirs = results.get(other, {}).get("repeats_tokens_per_s", [])
-        per_round = [a / b for a, b in zip(ours, theirs)]
+    for a, b in RATIOS:
+        per_round = [x / y for x, y in zip(results.get(a, {}).get("repeats_tokens_per_s", []),
+                                           results.get(b, {}).get("repeats_tokens_per_s", []))]
         if per_round:
-            out[f"raytrain-sys/{other}"] = {"per_round": per_round,
-                                            "median": statistics.median(per_round)}
+            out[f"{a}/{b}"] = {"per_round": per_round, "median": statistics.median(per_round)}
     return out
 
 
@@ -288,7 +292,7 @@ def max_loss_diff(results: dict) -> dict:
     """The variants train the same numbers: their per-step losses agree to float rounding."""
     out = {}
     ref = results.get("torchrun")
-    for name in ("raytrain-sys", "ray-train"):
+    for name in ("raytrain-sys", "ray-train", "torchrun-ray-idle"):
         if ref and name in results:
             a, b = ref["losses"], results[name]["losses"]
             out[f"{name} vs torchrun"] = max(abs(x - y) for x, y in zip(a, b))
@@ -350,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             ray_variants = [v for v in ("raytrain-sys", "ray-train") if v in args.variants]
             if not forward:
                 ray_variants.reverse()
+            if "torchrun-ray-idle" in args.variants:
+                # Last in the session, when the Ray variants have left what a run leaves idle.
+                ray_variants.append("torchrun-ray-idle")
             if forward and "torchrun" in args.variants:
                 runs["torchrun"].append(_run_torchrun_logged(spec, args, work_dir, repeat))
             if ray_variants:
@@ -364,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                         if name == "raytrain-sys":
                             log.info("[%d] (b) raytrain-sys: %d steps", repeat, args.steps)
                             runs[name].append(run_raytrain_sys(spec, args))
+                        elif name == "torchrun-ray-idle":
+                            log.info("[%d] (d) torchrun beside the idle Ray session: %d steps",
+                                     repeat, args.steps)
+                            runs[name].append(run_torchrun(spec, args, work_dir))
                         else:
                             log.info("[%d] (c) Ray Train: %d steps", repeat, args.steps)
                             runs[name].append(run_ray_train(spec, args, work_dir, repeat))
