@@ -292,8 +292,8 @@ def max_loss_diff(results: dict) -> dict:
     """The variants train the same numbers: their per-step losses agree to float rounding."""
     out = {}
     ref = results.get("torchrun")
-    for name in ("raytrain-sys", "ray-train", "torchrun-ray-idle"):
-        if ref and name in results:
+    for name in VARIANTS:
+        if ref and name != "torchrun" and name in results:
             a, b = ref["losses"], results[name]["losses"]
             out[f"{name} vs torchrun"] = max(abs(x - y) for x, y in zip(a, b))
     return out
