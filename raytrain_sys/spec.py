@@ -54,6 +54,16 @@ class DataSpec:
     # batched together, each batch padded to its longest row. shuffle_window and shuffle_block_rows
     # then count documents.
     sequences: str = "rows"
+    # Read tasks running at once; each reads a chunk of windows into Ray's object store.
+    num_readers: int = 3
+    # Ray resources of each read task. {} reserves no CPU (a read is short and mostly I/O, and must
+    # not wait behind trainers holding every CPU); {"CPU": 1}, or a custom resource that only
+    # CPU-only nodes offer (e.g. {"data_reader": 1}), moves reading and decoding off the trainers.
+    read_resources: dict = field(default_factory=dict)
+    # How a rank gets its rows. refs: the driver sends object references and row ranges, the rank
+    # fetches its rows from the object store, node to node. driver: the driver fetches the rows and
+    # sends them as task arguments (every byte through one process; kept to measure against).
+    delivery: str = "refs"
 
 
 @dataclass
@@ -281,12 +291,13 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "model.name": ("gpt", "cnn"),
     "data.on_bad_shard": ("fail", "skip"),
     "data.sequences": ("rows", "pack", "pack_masked", "bucket"),
+    "data.delivery": ("refs", "driver"),
 }
 
 # (field, lower bound, inclusive?) checked after types.
 _POSITIVE = [
     "model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd",
-    "data.shuffle_window", "data.shuffle_block_rows", "data.prefetch_steps",
+    "data.shuffle_window", "data.shuffle_block_rows", "data.prefetch_steps", "data.num_readers",
     "train.max_steps", "train.global_batch_size", "train.log_every_steps", "train.step_timeout_s",
     "optim.lr", "optim.eps",
     "checkpoint.keep_last",
@@ -332,6 +343,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         return float(value)
     if tp is int and isinstance(value, bool):
         raise SpecError(path, f"got {value!r}; expected {_type_name(tp)}")
+    if tp is dict and not isinstance(value, dict):
+        raise SpecError(path, f"got {value!r} ({type(value).__name__}); expected a mapping")
     if tp in (int, float, str, bool) and not isinstance(value, tp):
         raise SpecError(path, f"got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
     return value
@@ -420,6 +433,12 @@ def validate(spec: JobSpec) -> JobSpec:
         raise SpecError("resources.worker_niceness", f"got {nice}; must be in -20..19, or null for Ray's")
     if not spec.data.path:
         raise SpecError("data.path", "is empty; give a dataset directory (see `raytrain-sys prepare-data`)")
+    for name, amount in spec.data.read_resources.items():
+        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
+                or amount < 0:
+            raise SpecError(f"data.read_resources.{name}",
+                            f"got {amount!r}; a Ray resource name mapped to a number of 0 or more, "
+                            f"e.g. {{CPU: 1}} or {{data_reader: 1}}")
     if spec.data.sequences != "rows":
         _validate_sequences(spec)
     validate_parallel(spec)

@@ -46,6 +46,7 @@ from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S
 from raytrain_sys.control.worker_group import Worker, WorkerGroup, clean_up_leftovers, connect_ray
 from raytrain_sys.data.order import deal
 from raytrain_sys.parallel.mesh import is_data_leader_rank, rank_data_slices
+from raytrain_sys.data.batches import GlobalBatch
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
@@ -124,7 +125,7 @@ class _Dispatch:
     step: int
     members: list[Worker]
     refs: list
-    batch: dict
+    batch: GlobalBatch  # references, sample ids and loss units; never the rows
     ids: object
     shares: list[slice]
     units: int
@@ -316,7 +317,8 @@ class Supervisor:
             # start, from the cursor the run continues at.
             self.data = DataPlane.for_job(
                 spec, self.manifest, end_position=spec.train.max_steps * spec.train.global_batch_size,
-                run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason))
+                run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason),
+                task=self.task)
             warm = self._warm_data(int(resume_info.manifest["data_cursor"]) if resume_info else 0)
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
@@ -367,7 +369,7 @@ class Supervisor:
 
         def read() -> None:
             try:
-                self.data.global_batch(cursor)
+                self.data.global_batch_refs(cursor)
             except Exception as exc:
                 log.debug("data warm-up: %s (the first step will report it)", exc)
 
@@ -439,6 +441,7 @@ class Supervisor:
                             if spec.data.log_sample_ids else None)
         self._step_times: deque[float] = deque(maxlen=50)
         self._run_t0 = time.perf_counter()
+        self._fetch_wait_s = 0.0
         ahead: _Dispatch | None = None
         try:
             while self.committed_step < last:
@@ -478,7 +481,8 @@ class Supervisor:
                 self._sample_log.close()
 
     def _dispatch(self, step: int, after: "_Dispatch | None" = None) -> "_Dispatch":
-        """Send step ``step`` to every member: its rows of the step's global batch.
+        """Send step ``step`` to every member: where its rows of the step's global batch lie
+        (object references and row ranges; the driver never holds the rows).
 
         ``after``: the step still running before this one (run-ahead); the members queue this
         one behind it and start it as they finish that one, with no round trip to the driver.
@@ -487,20 +491,25 @@ class Supervisor:
         wait0 = self.data.wait_s
         kept = self._resend.pop(step, None)
         self._resend = {k: d for k, d in self._resend.items() if k > step}
-        if kept is not None:
-            batch, ids = kept.batch, kept.ids
-        else:
-            cursor = self.data_cursor + (spec.train.global_batch_size if after is not None else 0)
-            batch, ids = self.data.global_batch(cursor)
         members = list(self.group.workers)
         # Each rank's rows: its data-parallel slice (TP/PP peers share one).
         shares = rank_data_slices(spec.parallel, len(members), spec.train.global_batch_size)
-        units = self.task.units(batch)
+        # Pieces read from now on line up with these shares (a rank then fetches its own rows only).
+        self.data.share_rows = max(sl.stop - sl.start for sl in shares)
+        if kept is not None:
+            batch = kept.batch
+        else:
+            cursor = self.data_cursor + (spec.train.global_batch_size if after is not None else 0)
+            batch = self.data.global_batch_refs(cursor)
+        if spec.data.delivery == "driver":  # every row through this process: to measure against
+            rows, _ = self.data.rows(batch.start, batch.start + spec.train.global_batch_size)
+            args = [{k: v[sl] for k, v in rows.items()} for sl in shares]
+        else:  # references and row ranges: each rank fetches its rows where they lie
+            args = [batch.share(sl) for sl in shares]
         deadline_s = self._step_deadline_s()
-        refs = [w.actor.train_step.remote(step, {k: v[sl] for k, v in batch.items()}, units,
-                                          _collective_timeout_s(deadline_s))
-                for w, sl in zip(members, shares)]
-        return _Dispatch(step, members, refs, batch, ids, shares, units, deadline_s,
+        refs = [w.actor.train_step.remote(step, arg, batch.units, _collective_timeout_s(deadline_s))
+                for w, arg in zip(members, args)]
+        return _Dispatch(step, members, refs, batch, batch.ids, shares, batch.units, deadline_s,
                          time.perf_counter(), self.data.wait_s - wait0, after is not None)
 
     def _may_run_ahead(self, step: int, last: int) -> bool:
@@ -558,6 +567,11 @@ class Supervisor:
         self.committed_step = step + 1
         self.data_cursor += spec.train.global_batch_size
         self._step_times.append(dt)
+        # The step waited for its rows twice over: the driver for the reads' metadata, and the
+        # slowest rank for its fetch from the object store.
+        fetch_wait = max((r.get("fetch_s", 0.0) for r in results), default=0.0)
+        self._fetch_wait_s += fetch_wait
+        data_wait += fetch_wait
         loss = sum(r["loss_sum"] for r in results) / units if units else float("nan")
         self.summary.losses.append(loss)
         self.summary.world_sizes.append(world)
@@ -592,7 +606,8 @@ class Supervisor:
         if self.committed_step % spec.train.log_every_steps == 0:
             self.summary.throughput = {
                 "tokens_per_s": tokens_per_step / mean_dt, "step_time_s": mean_dt,
-                "data_wait_fraction": self.data.wait_s / max(time.perf_counter() - self._run_t0, 1e-9)}
+                "data_wait_fraction": (self.data.wait_s + self._fetch_wait_s)
+                / max(time.perf_counter() - self._run_t0, 1e-9)}
             self.summary.write()
 
     # ------------------------------------------------------------------ failure detection
@@ -748,7 +763,7 @@ class Supervisor:
                 degrees = self.spec.parallel.degrees(len(members))
                 done = [i for i, w in enumerate(members) if w.slot in outcome.results
                         and is_data_leader_rank(degrees, i)]  # the ranks whose loss counts
-                units = sum(self.task.units({k: v[shares[i]] for k, v in batch.items()}) for i in done)
+                units = sum(int(batch.row_units[shares[i]].sum()) for i in done)
                 results = [outcome.results[members[i].slot] for i in done]
                 self._commit(step, results, units, sent.ids, shares, step_time_s, sent.data_wait,
                              world_size=len(members))

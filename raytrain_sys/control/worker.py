@@ -38,6 +38,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from raytrain_sys.data.batches import RankShare
 from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
@@ -213,11 +214,13 @@ class TrainWorker:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, step: int, batch: dict[str, np.ndarray], global_units: int,
+    def train_step(self, step: int, batch: "RankShare | dict[str, np.ndarray]", global_units: int,
                    collective_timeout_s: float = 0.0) -> dict[str, float]:
         """One optimizer step on this rank's rows of step ``step``'s global batch.
 
-        The rows are this rank's data-parallel slice (TP and PP peers get the same rows). The
+        The rows are this rank's data-parallel slice (TP and PP peers get the same rows): where
+        they lie in the object store (``RankShare``, fetched here, node to node), or the rows
+        themselves (``data.delivery=driver``). The
         summed loss of each micro-batch is scaled by data_parallel_size / global_units: data
         parallelism averages gradients over its ranks, so the result is the gradient of the global
         mean loss whatever the shares, equal to the single-process one. ``loss_sum`` is reported
@@ -232,6 +235,9 @@ class TrainWorker:
                                f"{self.step_done}, not {step}")
         if collective_timeout_s and abs(collective_timeout_s - self.collective_timeout_s) > 1.0:
             self._set_collective_timeout(collective_timeout_s)
+        fetch_s = 0.0
+        if isinstance(batch, RankShare):
+            batch, fetch_s = batch.fetch()
         t0 = time.perf_counter()
         spec = self.spec
         lr = lr_at(step, spec.optim, spec.train.max_steps, spec.train.global_batch_size)
@@ -254,7 +260,8 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done = step + 1
         return {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
-                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
+                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0,
+                "fetch_s": fetch_s}
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int,

@@ -42,17 +42,21 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import os
 import time
-from typing import Callable, Iterator
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from raytrain_sys.data import order
+from raytrain_sys.data.batches import GlobalBatch, Piece
 from raytrain_sys.data.manifest import TOKENS_FORMAT, DatasetManifest
-from raytrain_sys.data.shards import (BadShardError, gather_rows, read_document_index,
+from raytrain_sys.data.shards import (BadShardError, clear_caches, gather_rows, read_document_index,
                                       read_documents, read_segments, read_token_pool)
-from raytrain_sys.data.stream import iter_blocks_closing_quietly
 from raytrain_sys.errors import DataError, find_user_error
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,9 @@ CHUNK_BYTES = 32 * 2**20
 # Reading tasks of a stream at most (40 epochs of the stdlib: 2 gave 1.1-1.3 M rows/s, 3 gave
 # 1.5-1.6 M, 4 no more than 3 and the start of another worker process).
 READERS = 3
+# A piece (what a rank fetches) is at least this big: Ray keeps objects under 100 KiB in the
+# owner's memory (the driver's), and every object costs bookkeeping; byte-token rows are ~130 B.
+MIN_PIECE_BYTES = 2**20
 
 
 def window_layout(plan: order.EpochPlan, w: int, perm: np.ndarray | None = None
@@ -176,48 +183,19 @@ def read_document_window(dataset_uri: str, manifest: DatasetManifest,
     return columns, rows.row_ids[start:]
 
 
-def to_table(columns: dict[str, np.ndarray]) -> "pa.Table":
-    """A block for Ray Data, zero-copy: a column of rows of any shape is a fixed-size binary column
-    over the array's own buffer, its dtype and row shape in the field's metadata.
+@dataclass(frozen=True)
+class ReadContext:
+    """What every read task of one stream needs, put in the object store once per stream."""
 
-    Returning the numpy dict instead makes Ray Data build its tensor extension arrays, measured at
-    ~2 ms per MB (29 ms for a 15 MB block), the largest cost of a block after reading it.
-    """
-    import pyarrow as pa
-
-    fields, arrays = [], []
-    for name, v in columns.items():
-        if v.dtype.kind in "OUS":  # text (a bad shard's error)
-            array = pa.array([str(x) for x in v])
-            meta = None
-        else:
-            v = np.ascontiguousarray(v)
-            width = int(np.prod(v.shape[1:], dtype=np.int64)) * v.itemsize
-            array = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(v),
-                                                         [None, pa.py_buffer(v)])
-            meta = {"dtype": v.dtype.str, "shape": ",".join(str(d) for d in v.shape[1:])}
-        arrays.append(array)
-        fields.append(pa.field(name, array.type, metadata=meta))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-
-
-def from_table(table) -> dict[str, np.ndarray]:
-    """The columns of a block made by ``to_table``, as numpy views of its buffers (no copy)."""
-    out = {}
-    for field in table.schema:
-        column = table.column(field.name)
-        array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-        meta = field.metadata or {}
-        if b"dtype" not in meta:
-            out[field.name] = np.asarray(array.to_pylist())
-            continue
-        dtype = np.dtype(meta[b"dtype"].decode())
-        shape = tuple(int(d) for d in meta[b"shape"].decode().split(",") if d)
-        width = array.type.byte_width
-        raw = np.frombuffer(array.buffers()[1], dtype=np.uint8)
-        raw = raw[array.offset * width:(array.offset + len(array)) * width]
-        out[field.name] = raw.view(dtype).reshape((len(array),) + shape)
-    return out
+    dataset_uri: str
+    manifest: DatasetManifest
+    stream: object  # order.RowStream | order.DocumentStream
+    s3_endpoint_url: str
+    masked: bool
+    skips: tuple[tuple[int, int], ...]
+    task: object = None  # the job's Task: each row's loss units are counted where it is read
+    bucket: bool = False  # keep each row's num_tokens in the metadata (a batch pads to its longest)
+    stream_id: str = ""  # new at every seek: a reader process reopens shards for a new stream
 
 
 def _read_row_chunk(dataset_uri: str, manifest: DatasetManifest, stream: order.RowStream,
@@ -250,56 +228,142 @@ def _read_one(dataset_uri: str, manifest: DatasetManifest, stream, g: int, start
                        start, s3_endpoint_url)
 
 
-def read_windows(batch: dict[str, np.ndarray], dataset_uri: str, manifest: DatasetManifest,
-                 stream, s3_endpoint_url: str, masked: bool = False,
-                 skips: tuple[tuple[int, int], ...] = ()):
-    """Ray Data map_batches function: a chunk of consecutive windows -> their rows + sample ids.
+def read_chunk_columns(ctx: ReadContext, item: dict[str, int]) -> dict[str, np.ndarray]:
+    """A chunk of consecutive windows -> their rows, sample ids (``sample_id``) and windows (``g``).
 
     A chunk is windows ``g..last`` (those with delivered rows), the first read from training-order
-    index ``start``; the output has a ``g`` column naming each row's window. One block per chunk
-    rather than per window: each Ray Data block costs tens of milliseconds of latency and driver
-    CPU, more than reading a window of rows.
-
-    A bad shard never raises here: an exception would reach the driver as text, at a time that
-    depends on prefetch. If the chunk's first window is bad, the block is a marker naming the
-    shard in place of the window; if a later one is, the block holds the windows before it and a
-    ``bad_window`` column, and the driver reads on from that window with a new stream, whose first
-    chunk is that window alone and so comes back as a marker, in stream order, exactly when the
-    consumer needs it.
+    index ``start``. A bad shard never raises here: an exception would reach the driver at a
+    time that depends on prefetch. If the chunk's first window is bad, the result is a marker
+    naming the shard (``bad_shard``, ``error``) in place of the window; if a later one is, it
+    holds the windows before it and ``bad_window``, and the driver reads on from that window
+    with a new stream, whose first chunk is that window alone and so comes back as a marker, in
+    stream order, exactly when the consumer needs it.
     """
-    skip_map = dict(skips)
+    manifest, stream, skip_map = ctx.manifest, ctx.stream, dict(ctx.skips)
+    first, last, start = int(item["g"]), int(item["last"]), int(item["start"])
+    windows = list(range(first, last + 1))
     parts: list[tuple[int, dict[str, np.ndarray], np.ndarray]] = []
     bad_window = -1
-    for first, last, start in zip(batch["g"], batch["last"], batch["start"]):
-        windows = list(range(int(first), int(last) + 1))
-        try:
-            if isinstance(stream, order.RowStream) and manifest.format == TOKENS_FORMAT:
-                parts += _read_row_chunk(dataset_uri, manifest, stream, windows, int(start), skip_map,
-                                         s3_endpoint_url)
-                continue
-        except BadShardError:
-            pass  # window by window below, to find the first bad one
+    try:
+        if isinstance(stream, order.RowStream) and manifest.format == TOKENS_FORMAT:
+            parts = _read_row_chunk(ctx.dataset_uri, manifest, stream, windows, start, skip_map,
+                                    ctx.s3_endpoint_url)
+    except BadShardError:
+        parts = []  # window by window below, to find the first bad one
+    if not parts:
         for i, g in enumerate(windows):
             try:
-                columns, ids = _read_one(dataset_uri, manifest, stream, g, int(start) if i == 0 else 0,
-                                         skip_map, masked, s3_endpoint_url)
+                columns, ids = _read_one(ctx.dataset_uri, manifest, stream, g, start if i == 0 else 0,
+                                         skip_map, ctx.masked, ctx.s3_endpoint_url)
             except BadShardError as exc:
                 if not any(len(ids) for _, _, ids in parts):
-                    return to_table({"g": np.asarray([g], dtype=np.int64),
-                                     "bad_shard": np.asarray([exc.shard], dtype=np.int64),
-                                     "error": np.asarray([str(exc)])})
+                    return {"g": np.asarray([g], dtype=np.int64),
+                            "bad_shard": np.asarray([exc.shard], dtype=np.int64),
+                            "error": np.asarray([str(exc)])}
                 bad_window = g
                 break
             parts.append((g, columns, ids))
-        if bad_window >= 0:
-            break
     parts = [p for p in parts if len(p[2])]  # windows all of whose rows are skipped
     out = {k: np.concatenate([p[1][k] for p in parts]) for k in parts[0][1]}
     out["sample_id"] = np.concatenate([p[2] for p in parts])
     out["g"] = np.concatenate([np.full(len(p[2]), p[0], dtype=np.int64) for p in parts])
     if bad_window >= 0:
-        out["bad_window"] = np.full(len(out["g"]), bad_window, dtype=np.int64)
-    return to_table(out)
+        out["bad_window"] = np.asarray([bad_window], dtype=np.int64)
+    return out
+
+
+def row_units(task, columns: dict[str, np.ndarray]) -> np.ndarray:
+    """The loss units of each row (their sum over a global batch normalizes its loss). A task
+    without ``row_units`` is asked row by row: its ``units`` must be a sum over rows."""
+    n = len(next(iter(columns.values()))) if columns else 0
+    if task is None:
+        return np.ones(n, dtype=np.int64)
+    if hasattr(task, "row_units"):
+        return np.asarray(task.row_units(columns), dtype=np.int64)
+    return np.asarray([task.units({k: v[i:i + 1] for k, v in columns.items()}) for i in range(n)],
+                      dtype=np.int64)
+
+
+def piece_bounds(first: int, stop: int, piece_rows: int) -> list[int]:
+    """Where rows ``[first, stop)`` of the stream are cut into pieces: at every multiple of
+    ``piece_rows``, so that pieces line up with the ranks' shares whatever chunk they came in."""
+    cuts = list(range((first // piece_rows + 1) * piece_rows, stop, piece_rows))
+    return [first, *cuts, stop]
+
+
+def read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: int,
+               num_pieces: int) -> tuple:
+    """Ray task: read a chunk, return ``(meta, piece_0, ..., piece_{num_pieces-1})``.
+
+    Each piece is a dict of columns (numpy, contiguous) for stream positions cut by
+    ``piece_bounds``; they stay in the object store of the node this task ran on until a rank
+    fetches them. ``meta`` is small and goes to the driver: sample ids, each row's loss units,
+    the windows delivered, and a bad shard's marker. A chunk cut short by a bad shard returns
+    ``None`` for the pieces it did not fill.
+    """
+    global _READER_STREAM
+    if ctx.stream_id != _READER_STREAM:
+        # A seek may follow a repaired or a vanished shard: handles opened for an earlier stream
+        # are not trusted (a deleted file stays readable through an open handle).
+        clear_caches()
+        _READER_STREAM = ctx.stream_id
+    out = read_chunk_columns(ctx, item)
+    if "bad_shard" in out:
+        meta = {"g": int(out["g"][0]), "bad_shard": int(out["bad_shard"][0]),
+                "error": str(out["error"][0])}
+        return (meta, *([None] * num_pieces))
+    ids, gs = out.pop("sample_id"), out.pop("g")
+    bad_window = out.pop("bad_window", None)
+    cuts = [0, *(np.flatnonzero(gs[1:] != gs[:-1]) + 1).tolist(), len(gs)]
+    meta = {"ids": ids, "units": row_units(ctx.task, out),
+            "windows": [(int(gs[lo]), hi - lo) for lo, hi in zip(cuts, cuts[1:])],
+            "bad_window": -1 if bad_window is None else int(bad_window[0])}
+    if ctx.bucket:
+        meta["num_tokens"] = out["num_tokens"]
+    bounds = piece_bounds(first, first + len(ids), piece_rows)
+    assert len(bounds) - 1 <= num_pieces, f"{len(bounds) - 1} pieces, {num_pieces} planned"
+    pieces = [{k: np.ascontiguousarray(v[lo - first:hi - first]) for k, v in out.items()}
+              for lo, hi in zip(bounds, bounds[1:])]
+    return (meta, *pieces, *([None] * (num_pieces - len(pieces))))
+
+
+@dataclass
+class _Pending:
+    """A submitted read: stream positions ``[first, stop)`` planned (fewer if cut short)."""
+
+    item: dict[str, int]
+    first: int
+    stop: int
+    bounds: list[int]
+    meta_ref: object
+    piece_refs: list
+
+
+@dataclass
+class _Span:
+    """A read chunk whose metadata the driver holds: positions ``[first, stop)``."""
+
+    first: int
+    stop: int
+    ids: np.ndarray
+    units: np.ndarray
+    num_tokens: np.ndarray | None
+    pieces: list[Piece]
+
+
+_READER = None
+_READER_STREAM = ""  # the stream this process last read for (see read_chunk)
+
+
+def _reader():
+    """``read_chunk`` as a Ray task (made once per process, on first use)."""
+    global _READER
+    if _READER is None:
+        import ray
+
+        # Reading is idempotent: a piece lost with its node is read again by Ray (lineage).
+        _READER = ray.remote(max_retries=3)(read_chunk)
+    return _READER
 
 
 class DataPlane:
@@ -312,7 +376,8 @@ class DataPlane:
                  block_rows: int, global_batch_size: int, end_position: int, prefetch_steps: int = 4,
                  s3_endpoint_url: str = "", on_bad_shard: str = "fail", run_dir: str = "",
                  on_skip: Callable[[str], None] | None = None, sequences: str = "rows",
-                 row_len: int = 0):
+                 row_len: int = 0, task=None, num_readers: int = READERS,
+                 read_resources: dict | None = None):
         if on_bad_shard not in BAD_SHARD_POLICIES:
             raise ValueError(f"on_bad_shard must be one of {BAD_SHARD_POLICIES}")
         if sequences not in SEQUENCES:
@@ -346,30 +411,38 @@ class DataPlane:
                 order.BUCKET if sequences == "bucket" else order.PACK, global_batch_size)
             row_bytes = row_len * (5 if sequences == "pack_masked" else 1) + 20  # int32 doc ids
         self.windows_per_epoch = self.stream.windows_per_epoch
+        self.row_bytes = row_bytes
         self.chunk_rows = max(prefetch_steps * global_batch_size, CHUNK_BYTES // row_bytes)
-        # window g -> (columns, sample ids, delivered offset of the first cached row)
-        self._cache: dict[int, tuple[dict[str, np.ndarray], np.ndarray, int]] = {}
-        self._stream: Iterator | None = None
-        self._stream_next: int | None = None  # the window the stream yields next
-        self._stream_first: tuple[int, int] = (-1, 0)  # (window, delivered offset) it opened at
-        self.wait_s = 0.0  # time the trainers waited on data (driver-side), for metrics
+        self.prefetch_rows = prefetch_steps * global_batch_size
+        self.task = task
+        self.num_readers = max(1, num_readers)
+        self.read_resources = dict(read_resources or {})
+        # Rows of a rank's share, which pieces line up with (the Supervisor sets it per world).
+        self.share_rows = global_batch_size
+        self.wait_s = 0.0  # time the driver waited on reads (metadata, or rows it fetched)
         self.skips: dict[int, int] = {}  # shard -> raw stream position its rows leave the stream
         self._fstarts: list[int] = []  # delivered-stream start of windows g0, g0+1, ...
         self._keep: dict[int, np.ndarray] = {}  # window -> kept-row mask, while skips exist
-        self._partial: list = []  # pieces of a window Ray Data delivered split over blocks
-        # (first position, end position, columns, ids) of the window the last batch ended in
-        self._last: tuple | None = None
+        # The stream: chunks still to submit, reads submitted, chunks read (positions in order).
+        self._items: list[dict[str, int]] = []
+        self._next_item = 0
+        self._submit_pos = -1  # stream position the next submitted chunk starts at
+        self._pending: deque[_Pending] = deque()
+        self._spans: list[_Span] = []
+        self._ctx_ref = None
+        self._fetched: dict[int, tuple[object, dict]] = {}  # piece first -> (ref, columns), rows()
         self._load_skips()
 
     @classmethod
     def for_job(cls, spec, manifest: DatasetManifest, end_position: int, run_dir: str = "",
-                on_skip: Callable[[str], None] | None = None) -> "DataPlane":
+                on_skip: Callable[[str], None] | None = None, task=None) -> "DataPlane":
         """The plane a job spec asks for: the one place that maps ``spec.data`` to the plane."""
         d = spec.data
         return cls(d.path, manifest, d.seed, d.shuffle_window, d.shuffle_block_rows,
                    spec.train.global_batch_size, end_position, prefetch_steps=d.prefetch_steps,
                    s3_endpoint_url=d.s3_endpoint_url, on_bad_shard=d.on_bad_shard, run_dir=run_dir,
-                   on_skip=on_skip, sequences=d.sequences, row_len=spec.model.block_size + 1)
+                   on_skip=on_skip, sequences=d.sequences, row_len=spec.model.block_size + 1,
+                   task=task, num_readers=d.num_readers, read_resources=d.read_resources)
 
     # ----- window geometry: raw (the plan's) and delivered (after skipped shards) positions
     def _raw_start(self, g: int) -> int:
@@ -457,176 +530,209 @@ class DataPlane:
             items.append({"g": first, "last": k, "start": 0})
         return items
 
-    def _open_stream(self, g: int, offset: int) -> None:
-        """Seek: a new Ray Data pipeline from delivered offset ``offset`` of window ``g``.
+    def _open_stream(self, position: int) -> None:
+        """Seek: plan the chunks from delivered position ``position`` to the run's end and start
+        reading them. The first window is read from that row on (only the segments holding rows
+        from there); nothing before the resume point is read and dropped.
 
-        The first window is read from that row on (only the segments holding rows from there);
-        nothing before the resume point is read and dropped.
+        The reads of the stream left behind are not cancelled: their references are dropped and
+        Ray frees what they return when they end. (Cancelling a read whose reply is in flight
+        aborts the calling process in Ray 2.60, task_manager.cc "Tried to complete task that was
+        not pending"; with no cancel, there is no race to lose.)
         """
-        import ray.data
+        import ray
 
-        ctx = ray.data.DataContext.get_current()
-        ctx.execution_options.preserve_order = True  # our plan is the order, not task timing
-        ctx.enable_progress_bars = False
-        # Ray Data logs every execution start at INFO; one per (re)seek is noise in a run's log.
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
         self._drop_stream()
-        self._cache.pop(g, None)
-        self._last = None
-        self._partial = []
-        items = self._chunks(g, self._raw_index(g, offset))
-        ds = ray.data.from_items(items, override_num_blocks=len(items))
-        ds = ds.map_batches(
-            read_windows, batch_size=1, batch_format="numpy",
-            # Zero CPUs: readers must not wait behind trainers that hold every CPU of the
-            # placement group; reading a window is short and mostly I/O.
-            num_cpus=0,
-            # ...but bounded: zero-CPU tasks are otherwise launched for every item at once, each
-            # in a new worker process. READERS: Ray Data frees a finished task's slot a scheduling
-            # round or two (up to 100 ms each) after the task ends, so with two slots the next
-            # read waited on the last one's bookkeeping, and reading ran one task at a time.
-            compute=ray.data.TaskPoolStrategy(size=min(len(items), READERS)),
-            fn_kwargs=dict(dataset_uri=self.dataset_uri, manifest=self.manifest, stream=self.stream,
-                           s3_endpoint_url=self.s3_endpoint_url,
-                           masked=self.sequences == "pack_masked",
-                           skips=tuple(sorted(self.skips.items()))),
-        )
-        self._stream = iter_blocks_closing_quietly(ds, batch_size=None, batch_format="pyarrow",
-                                                   prefetch_batches=1)
-        self._stream_next, self._stream_first = g, (g, offset)
+        self._spans = [s for s in self._spans if s.stop <= position]
+        g, offset = self._locate(position)
+        self._items = self._chunks(g, self._raw_index(g, offset))
+        self._next_item, self._submit_pos = 0, position
+        ctx = ReadContext(self.dataset_uri, self.manifest, self.stream, self.s3_endpoint_url,
+                          self.sequences == "pack_masked", tuple(sorted(self.skips.items())),
+                          self.task, self.sequences == "bucket", uuid.uuid4().hex)
+        self._ctx_ref = ray.put(ctx)
+        self._top_up()
         log.info("data plane: stream opened at window %d offset %d (epoch %d)", g, offset,
                  g // self.windows_per_epoch)
 
-    def _pull(self, want: tuple[int, int], data_cursor: int) -> None:
-        """Take the stream's next block (a chunk of windows) into the cache; ``want`` is the
-        (window, offset) waited for."""
+    def _piece_rows(self) -> int:
+        """Rows per piece: a rank's share, or a multiple of it large enough that a piece is worth
+        an object of its own (Ray inlines objects under 100 KiB into the owner, the driver)."""
+        share = max(1, self.share_rows)
+        return share * math.ceil(max(1, MIN_PIECE_BYTES // self.row_bytes) / share)
+
+    def _submit(self) -> None:
+        item = self._items[self._next_item]
+        self._next_item += 1
+        first = self._submit_pos
+        stop = self._fstart(item["last"]) + self._delivered_len(item["last"])
+        bounds = piece_bounds(first, stop, self._piece_rows())
+        options = {"num_returns": len(bounds), "num_cpus": self.read_resources.get("CPU", 0)}
+        custom = {k: v for k, v in self.read_resources.items() if k != "CPU"}
+        if custom:
+            options["resources"] = custom
+        refs = _reader().options(**options).remote(self._ctx_ref, item, first, self._piece_rows(),
+                                                   len(bounds) - 1)
+        self._pending.append(_Pending(item, first, stop, bounds, refs[0], list(refs[1:])))
+        self._submit_pos = stop
+
+    def _top_up(self) -> None:
+        """Keep the readers ahead of the consumer: at most ``num_readers`` reads running, and
+        chunks read or being read covering ``prefetch`` rows (``num_readers`` chunks at least)."""
+        import ray
+
+        depth = max(self.num_readers, math.ceil(self.prefetch_rows / max(1, self.chunk_rows)))
+        while self._next_item < len(self._items) and len(self._pending) < depth:
+            running = [p.meta_ref for p in self._pending]
+            if len(running) >= self.num_readers:
+                _, running = ray.wait(running, num_returns=len(running), timeout=0,
+                                      fetch_local=False)
+                if len(running) >= self.num_readers:
+                    return
+            self._submit()
+
+    def _pull(self, want: int, data_cursor: int) -> None:
+        """Take the next submitted read's metadata (waiting for it); ``want`` is the stream
+        position waited for, the first of that read."""
+        import ray
+
+        p = self._pending.popleft()
+        assert p.first == want, f"stream out of order: read at {p.first}, {want} wanted"
+        t0 = time.perf_counter()
         try:
-            batch = from_table(next(self._stream))
-        except StopIteration:
-            raise DataError("data stream ended before the requested cursor") from None
-        except Exception as exc:  # Ray Data wraps task errors; surface ours as one line
-            self._stream = None
+            meta = ray.get(p.meta_ref)
+        except Exception as exc:  # a task's error, wrapped by Ray: surface ours as one line
+            self._drop_stream()
             found = find_user_error(exc)
             if found is not None:
                 raise found from None
             raise
-        if "bad_shard" in batch:
-            g = int(batch["g"][0])
-            assert g == self._stream_next == want[0], f"stream out of order: {g}, {self._stream_next}, {want}"
-            # Windows after this one were read without knowing: a new stream either way.
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        self._top_up()
+        if "bad_shard" in meta:
+            g = meta["g"]
+            assert g == p.item["g"], f"stream out of order: window {g}, {p.item['g']} read"
+            # Chunks after this one were read without knowing: a new stream either way.
             self._drop_stream()
-            shard, error = int(batch["bad_shard"][0]), str(batch["error"][0])
             if self.on_bad_shard != "skip":
-                raise DataError(error)
+                raise DataError(meta["error"])
             # From the row waited for: rows before it were consumed and keep their positions.
-            self._skip(shard, error, self._raw_start(g) + self._raw_index(*want), data_cursor)
+            g_want, offset = self._locate(want)
+            self._skip(meta["bad_shard"], meta["error"], self._raw_start(g_want) + self._raw_index(g_want, offset),
+                       data_cursor)
             return
-        gs, ids = batch.pop("g"), batch.pop("sample_id")
-        truncated = batch.pop("bad_window", None) is not None
-        cuts = [0, *(np.flatnonzero(gs[1:] != gs[:-1]) + 1).tolist(), len(gs)]
-        for lo, hi in zip(cuts, cuts[1:]):
-            g = int(gs[lo])
-            assert g == self._stream_next, f"stream out of order: {g}, {self._stream_next}, {want}"
-            self._partial.append(({k: v[lo:hi] for k, v in batch.items()}, ids[lo:hi]))
-            base = self._stream_first[1] if g == self._stream_first[0] else 0
-            have, need = sum(len(p[1]) for p in self._partial), self._delivered_len(g) - base
-            assert have <= need, f"window {g}: {have} rows delivered, {need} planned"
-            if have == need:  # Ray Data may split a big block: a window can come in pieces
-                parts, self._partial = self._partial, []
-                if len(parts) == 1:  # views of the block in the object store, read-only, no copy
-                    self._cache[g] = (*parts[0], base)
-                else:
-                    self._cache[g] = ({k: np.concatenate([p[0][k] for p in parts]) for k in parts[0][0]},
-                                      np.concatenate([p[1] for p in parts]), base)
-                self._stream_next = self._next_window(g)
+        ids = meta["ids"]
+        stop = p.first + len(ids)
+        truncated = meta["bad_window"] >= 0
+        assert stop == p.stop or (truncated and stop < p.stop), \
+            f"chunk at {p.first}: {len(ids)} rows delivered, {p.stop - p.first} planned"
+        expect = p.item["g"]
+        for g, n in meta["windows"]:
+            assert g == expect, f"stream out of order: window {g}, {expect} expected"
+            expect = self._next_window(g)
+        bounds = piece_bounds(p.first, stop, self._piece_rows()) if truncated else p.bounds
+        pieces = [Piece(lo, hi, ref) for lo, hi, ref in zip(bounds, bounds[1:], p.piece_refs)]
+        self._spans.append(_Span(p.first, stop, ids, meta["units"], meta.get("num_tokens"), pieces))
         if truncated:  # the chunk stopped before a bad shard: read on from there with a new stream
             log.info("data plane: a chunk stopped before a bad shard in window %d; a new stream "
-                     "will read on from there", self._stream_next)
+                     "will read on from there", meta["bad_window"])
             self._drop_stream()
 
-    def _window(self, g: int, offset: int, data_cursor: int) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
-        """Window g cached from ``offset`` or earlier; seeks when the stream is elsewhere."""
-        hit = self._cache.get(g)
-        if hit is not None and hit[2] <= offset:
-            return hit
-        while True:
-            stale_first = g == self._stream_first[0] and self._stream_first[1] > offset
-            if self._stream is None or self._stream_next != g or stale_first or g in self._cache:
-                self._open_stream(g, offset)
-            self._pull((g, offset), data_cursor)
-            if g in self._cache:
-                return self._cache[g]
+    def _span_index(self, position: int) -> int:
+        """Index of the span holding ``position``, or -1."""
+        i = bisect.bisect_right([s.first for s in self._spans], position) - 1
+        return i if i >= 0 and position < self._spans[i].stop else -1
 
-    def rows(self, start: int, stop: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-        """The columns and sample ids of delivered-stream positions ``[start, stop)``.
-
-        Read-only arrays, views of the stream's blocks where a batch lies in one window: copy
-        before writing (a Ray task argument or ``torch.tensor`` copies anyway).
-        """
-        t0 = time.perf_counter()
-        last = self._last
-        if last is not None and last[0] <= start and stop <= last[1]:
-            # The common case, a batch inside the window the last one ended in: views, no lookups.
-            i, n = start - last[0], stop - start
-            batch, ids = {k: v[i:i + n] for k, v in last[2].items()}, last[3][i:i + n]
-            self.wait_s += time.perf_counter() - t0
-            return self._finish(batch), ids
-        parts: list[dict[str, np.ndarray]] = []
-        ids = []
+    def _load(self, start: int, stop: int) -> list[_Span]:
+        """The spans covering positions ``[start, stop)``, reading (or seeking) as needed."""
         pos = start
+        while pos < stop:
+            i = self._span_index(pos)
+            if i >= 0:
+                pos = self._spans[i].stop
+                continue
+            if not self._pending and self._submit_pos == pos:
+                self._top_up()  # the stream is here, its next read not yet submitted
+            if not self._pending or self._pending[0].first != pos:
+                self._open_stream(pos)
+                if not self._pending:
+                    raise DataError("data stream ended before the requested cursor")
+            self._pull(pos, start)
+        self._top_up()
+        # Nothing behind the cursor is needed again (a failed step keeps its own references).
+        self._spans = [s for s in self._spans if s.stop > start]
+        return [s for s in self._spans if s.first < stop and s.stop > start]
+
+    def batch_refs(self, start: int, stop: int) -> GlobalBatch:
+        """Delivered positions ``[start, stop)`` as references: pieces, sample ids, loss units."""
         try:
-            while pos < stop:
-                g, offset = self._locate(pos)
-                columns, wi, base = self._window(g, offset, start)
-                i = offset - base
-                take = min(stop - pos, len(wi) - i)
-                parts.append({k: v[i: i + take] for k, v in columns.items()})
-                ids.append(wi[i: i + take])
-                pos += take
+            spans = self._load(start, stop)
         except DataError as exc:
             step = start // self.global_batch_size + 1
             hint = ("; to train on without it set data.on_bad_shard=skip"
                     if self.on_bad_shard == "fail" and "shard" in str(exc) else "")
             raise DataError(f"{exc} [while reading the global batch at data cursor {start}, "
                             f"step {step}{hint}]") from None
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        # Drop windows wholly before this batch: nothing behind the cursor is needed again.
-        first, _ = self._locate(start)
-        for k in [k for k in self._cache if k < first]:
-            del self._cache[k]
-        # The window the batch ended in serves the next batches by the fast path above.
-        first_row = pos - take - i  # the delivered position of the window's first cached row
-        self._last = (first_row, first_row + len(wi), columns, wi)
-        if len(parts) == 1:
-            return self._finish(parts[0]), ids[0]
-        batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        return self._finish(batch), np.concatenate(ids)
-
-    def _finish(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        cut = [(max(start, s.first) - s.first, min(stop, s.stop) - s.first) for s in spans]
+        ids = np.concatenate([s.ids[lo:hi] for s, (lo, hi) in zip(spans, cut)])
+        units = np.concatenate([s.units[lo:hi] for s, (lo, hi) in zip(spans, cut)])
+        pieces = [p for s in spans for p in s.pieces if p.first < stop and p.stop > start]
+        width = 0
         if self.sequences == "bucket":
             # Padding per batch: to its longest row (2 tokens at least: an input and a target).
-            width = max(2, int(batch["num_tokens"].max()))
-            batch["tokens"] = np.ascontiguousarray(batch["tokens"][:, :width])
-        return batch
+            width = max(2, int(max(s.num_tokens[lo:hi].max() for s, (lo, hi) in zip(spans, cut))))
+        return GlobalBatch(start, pieces, ids, units, width)
+
+    def global_batch_refs(self, data_cursor: int) -> GlobalBatch:
+        return self.batch_refs(data_cursor, data_cursor + self.global_batch_size)
+
+    def rows(self, start: int, stop: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The columns and sample ids of delivered-stream positions ``[start, stop)``, fetched
+        into this process (tests, benchmarks, ``data.delivery=driver``; training ranks fetch
+        their own share instead: ``GlobalBatch.share``).
+
+        Read-only arrays, views of the object store's buffers where a batch lies in one piece:
+        copy before writing (a Ray task argument or ``torch.tensor`` copies anyway).
+        """
+        import ray
+
+        batch = self.batch_refs(start, stop)
+        t0 = time.perf_counter()
+        missing = [p for p in batch.pieces if self._fetched.get(p.first, (None,))[0] is not p.ref]
+        if missing:
+            for p, columns in zip(missing, ray.get([p.ref for p in missing])):
+                self._fetched[p.first] = (p.ref, columns)
+        parts = []
+        for p in batch.pieces:
+            columns = self._fetched[p.first][1]
+            lo, hi = max(start, p.first) - p.first, min(stop, p.stop) - p.first
+            parts.append({k: v[lo:hi] for k, v in columns.items()})
+        # Keep the pieces this batch ended in: the next batches start there.
+        self._fetched = {k: v for k, v in self._fetched.items() if k >= batch.pieces[-1].first}
+        self.wait_s += time.perf_counter() - t0
+        if len(parts) == 1:
+            columns = parts[0]
+        else:
+            columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        if batch.width:
+            columns["tokens"] = np.ascontiguousarray(columns["tokens"][:, :batch.width])
+        return columns, batch.ids
 
     def global_batch(self, data_cursor: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
         return self.rows(data_cursor, data_cursor + self.global_batch_size)
 
     def _drop_stream(self) -> None:
-        # Closing the generator now shuts its Ray Data execution down while Ray is still up,
-        # after the reads running in it end (raytrain_sys.data.stream: no cancel).
-        stream, self._stream = self._stream, None
-        if stream is not None and hasattr(stream, "close"):
-            try:
-                stream.close()
-            except Exception as exc:  # a failed stream may not close cleanly; it is gone anyway
-                log.debug("closing a data stream: %s", exc)
+        """Forget the stream's reads: no cancel (see ``_open_stream``); their results are freed
+        by Ray when they end, as nothing refers to them."""
+        self._pending.clear()
+        self._items, self._next_item, self._submit_pos = [], 0, -1
 
     def close(self) -> None:
-        self._last = None
         self._drop_stream()
-        self._cache.clear()
+        self._spans = []
+        self._fetched = {}
+        self._ctx_ref = None
 
     # ----- bad shards
     def _skip(self, bad: int, error: str, frm: int, data_cursor: int) -> None:
@@ -634,7 +740,7 @@ class DataPlane:
             raise DataError(f"{error} (already skipped from stream position {self.skips[bad]}, "
                             f"yet read again: a bug in the data plane)")
         self.skips[bad] = frm
-        self._fstarts, self._keep, self._last = [], {}, None
+        self._fstarts, self._keep = [], {}
         shard = self.manifest.shards[bad]
         lo = self.manifest.row_offsets[bad]
         epoch, p = divmod(frm, self.num_rows)

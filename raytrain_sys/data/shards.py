@@ -172,11 +172,16 @@ def read_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segmen
     return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
 
 
-def _bad_shard(dataset_uri: str, manifest: DatasetManifest, seg: Segment, what: str) -> BadShardError:
+def clear_caches() -> None:
+    """Forget open shards and seek indexes: the next read opens (and checks) them again."""
     _open_shard.cache_clear()
     from raytrain_sys.data import webdataset
 
     webdataset.clear_caches()
+
+
+def _bad_shard(dataset_uri: str, manifest: DatasetManifest, seg: Segment, what: str) -> BadShardError:
+    clear_caches()
     shard = manifest.shards[seg.shard]
     return BadShardError(f"shard {shard.path} of dataset {dataset_uri} {what} (sample ids "
                          f"{seg.first_id}..): restore it or re-run prepare-data",

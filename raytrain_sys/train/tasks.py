@@ -18,6 +18,11 @@ import torch.nn.functional as F
 class Task(Protocol):
     def units(self, batch: dict[str, np.ndarray]) -> int: ...
 
+    # Optional: each row's units, as an array (``units`` is their sum). Counted where rows are
+    # read, so the driver learns a global batch's units without its rows; a task without it is
+    # asked ``units`` row by row there.
+    # def row_units(self, batch: dict[str, np.ndarray]) -> np.ndarray: ...
+
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
@@ -38,13 +43,16 @@ class NextToken:
     """
 
     def units(self, batch: dict[str, np.ndarray]) -> int:
+        return int(self.row_units(batch).sum())
+
+    def row_units(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         tokens = batch["tokens"]
         if "num_tokens" not in batch:
-            return int(tokens.shape[0] * (tokens.shape[1] - 1))
+            return np.full(tokens.shape[0], tokens.shape[1] - 1, dtype=np.int64)
         valid = np.arange(1, tokens.shape[1])[None, :] < batch["num_tokens"][:, None]
         if "doc_ids" in batch:
             valid &= batch["doc_ids"][:, 1:] == batch["doc_ids"][:, :-1]
-        return int(valid.sum())
+        return valid.sum(axis=1, dtype=np.int64)
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         rows = batch["tokens"].long()
@@ -84,6 +92,9 @@ class Classify:
 
     def units(self, batch: dict[str, np.ndarray]) -> int:
         return int(batch[self.label_key].shape[0])
+
+    def row_units(self, batch: dict[str, np.ndarray]) -> np.ndarray:
+        return np.ones(batch[self.label_key].shape[0], dtype=np.int64)
 
     def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         dtype = next(model.parameters()).dtype
