@@ -19,8 +19,8 @@ to first batch). On S3 hashing is bound by the read, not the hash: a 64 MiB obje
 to verify and 0.72 s to read without hashing (local SeaweedFS, one stream, ~93 MB/s). So the
 price there is one whole extra read of each shard per reader process, paid when the process
 first touches it: the first window touching K shards of S bytes waits K x S / bandwidth more
-(16 shards of 100 MB at 90 MB/s: ~18 s), and the first epoch reads up to READERS+1 times the
-bytes. Kept on S3 too, deliberately: a flipped byte there trains on garbage as silently as on
+(16 shards of 100 MB at 90 MB/s: ~18 s), and each reader process that touches a shard reads
+it once more (plane.py runs READERS of them per stream). Kept on S3 too, deliberately: a flipped byte there trains on garbage as silently as on
 disk, and the cost is once per process, not per epoch or per seek. If it must go for large S3
 shards, ``verify_sha256=False`` in ``read_columns`` is the page-checksum-only path to extend.
 
