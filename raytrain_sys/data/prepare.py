@@ -127,6 +127,7 @@ class _ShardWriter:
             compression="zstd",  # source code compresses ~4x; every reader of pyarrow has zstd
             use_dictionary=False,  # rows are all distinct
             write_statistics=False,  # min/max of byte rows would help no query
+            write_page_checksum=True,  # readers verify every page they decode (shards.py)
         )
         blob = sink.getvalue().to_pybytes()
         name = f"shard-{len(self.shards):05d}.parquet"
@@ -314,7 +315,8 @@ class _DocumentShardWriter:
         sink = pa.BufferOutputStream()
         pq.write_table(pa.table({"tokens": pa.array(self.pending, type=pa.binary())}), sink,
                        row_group_size=DOC_GROUP_ROWS,  # a permuted block of documents = one read
-                       compression="zstd", use_dictionary=False, write_statistics=False)
+                       compression="zstd", use_dictionary=False, write_statistics=False,
+                       write_page_checksum=True)
         blob = sink.getvalue().to_pybytes()
         name = f"shard-{len(self.shards):05d}.parquet"
         _write_atomic(self.out_dir / name, blob)

@@ -4,40 +4,27 @@ Parquet token shards are read here; WebDataset tar shards in ``webdataset.py``; 
 is the one entry point for both. Documents shards (variable-length token documents) are read by
 ``read_documents``, their length index by ``read_document_index``.
 
+A shard is bad when it is missing, or its size, sha256 (checked once per shard per process, see
+``storage``) or a Parquet page checksum disagrees with what prepare-data wrote: every reader here
+then raises BadShardError naming it, and the data plane applies ``data.on_bad_shard``.
+
 Runs inside Ray Data tasks (possibly on CPU-only nodes) and in tests; no Ray import.
 """
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from raytrain_sys.data import storage, webdataset
 from raytrain_sys.data.manifest import (DOCUMENTS_FORMAT, MANIFEST_NAME, TOKENS_FORMAT,
                                         WEBDATASET_FORMAT, DatasetManifest)
 from raytrain_sys.data.order import DocumentIndex, Segment
+from raytrain_sys.data.storage import filesystem
 from raytrain_sys.errors import DataError
-
-
-def filesystem(uri: str, s3_endpoint_url: str = "") -> tuple[pafs.FileSystem, str]:
-    """(pyarrow filesystem, path inside it) for a local path or ``s3://bucket/prefix``.
-
-    pyarrow ignores AWS_ENDPOINT_URL, so the endpoint is passed explicitly.
-    """
-    if uri.startswith("s3://"):
-        endpoint = s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
-        kwargs = {}
-        if endpoint:
-            scheme, _, host = endpoint.partition("://")
-            kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
-        region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1"
-        fs = pafs.S3FileSystem(region=region, connect_timeout=5, request_timeout=30, **kwargs)
-        return fs, uri[len("s3://"):].rstrip("/")
-    return pafs.LocalFileSystem(), os.path.abspath(uri)
 
 
 def read_manifest(dataset_uri: str, s3_endpoint_url: str = "") -> DatasetManifest:
@@ -56,13 +43,20 @@ def read_manifest(dataset_uri: str, s3_endpoint_url: str = "") -> DatasetManifes
 
 
 @lru_cache(maxsize=64)
-def _open_shard(dataset_uri: str, s3_endpoint_url: str, rel_path: str, num_bytes: int):
+def _open_shard(dataset_uri: str, s3_endpoint_url: str, rel_path: str, num_bytes: int,
+                sha256: str, verify_sha256: bool = True):
     fs, root = filesystem(dataset_uri, s3_endpoint_url)
     f = fs.open_input_file(f"{root}/{rel_path}")
     # A size check first: a truncated or replaced shard is bad as a whole, before any row is read.
     if f.size() != num_bytes:
         raise ValueError(f"is {f.size()} bytes, the manifest says {num_bytes} (truncated or replaced)")
-    pf = pq.ParquetFile(f)
+    # Then every byte, once per process: a flipped byte in a page, in the footer or in a shard
+    # written without page checksums is bad as a whole too, whichever rows are asked for.
+    if verify_sha256:
+        storage.verify_once(fs, root, dataset_uri, rel_path, num_bytes, sha256, opened=f)
+    # Page checksums (prepare-data writes them) are checked on every page read: they catch a page
+    # changed after this process hashed the shard. Pages written without one are read unchecked.
+    pf = pq.ParquetFile(f, page_checksum_verification=True)
     starts = np.concatenate([[0], np.cumsum([pf.metadata.row_group(i).num_rows
                                              for i in range(pf.metadata.num_row_groups)])])
     return pf, starts
@@ -92,9 +86,10 @@ class BadShardError(DataError):
 
 
 def _read_token_rows(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
-                     s3_endpoint_url: str) -> np.ndarray:
+                     s3_endpoint_url: str, verify_sha256: bool = True) -> np.ndarray:
     shard = manifest.shards[seg.shard]
-    pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes)
+    pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes,
+                             shard.sha256, verify_sha256)
     if int(starts[-1]) != shard.num_rows:
         raise ValueError(f"holds {int(starts[-1])} rows, the manifest says {shard.num_rows}")
     first = int(np.searchsorted(starts, seg.row_start, side="right")) - 1
@@ -124,7 +119,8 @@ def read_token_pool(dataset_uri: str, manifest: DatasetManifest, segs: list[Segm
     for index, shard_segs in by_shard.items():
         shard = manifest.shards[index]
         try:
-            pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes)
+            pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes,
+                                     shard.sha256)
             if int(starts[-1]) != shard.num_rows:
                 raise ValueError(f"holds {int(starts[-1])} rows, the manifest says {shard.num_rows}")
             groups = sorted({g for seg in shard_segs
@@ -175,33 +171,35 @@ def read_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segmen
 def clear_caches() -> None:
     """Forget open shards and seek indexes: the next read opens (and checks) them again."""
     _open_shard.cache_clear()
-    from raytrain_sys.data import webdataset
-
     webdataset.clear_caches()
 
 
 def _bad_shard(dataset_uri: str, manifest: DatasetManifest, seg: Segment, what: str) -> BadShardError:
     clear_caches()
     shard = manifest.shards[seg.shard]
+    storage.forget(dataset_uri, shard.path)  # its next open hashes it again
+    what = (what.splitlines() or [""])[0]  # one line: pyarrow may append C++ source locations
     return BadShardError(f"shard {shard.path} of dataset {dataset_uri} {what} (sample ids "
                          f"{seg.first_id}..): restore it or re-run prepare-data",
                          seg.shard, shard.path)
 
 
 def read_columns(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
-                 s3_endpoint_url: str = "") -> dict[str, np.ndarray]:
+                 s3_endpoint_url: str = "", verify_sha256: bool = True) -> dict[str, np.ndarray]:
     """The rows of one segment as named columns, whatever the dataset's format.
 
-    Seeks: token shards read only the row groups the segment spans; tar shards one byte range.
+    Seeks: token shards read only the row groups the segment spans; tar shards one byte range
+    (after the once-per-process sha256 of the whole shard; ``verify_sha256=False`` skips it and
+    reads only those bytes, checking sizes and Parquet page checksums).
     Raises BadShardError naming the shard on a missing, truncated or corrupt shard.
     """
-    from raytrain_sys.data import webdataset
-
     try:
         if manifest.format == TOKENS_FORMAT:
-            return {"tokens": _read_token_rows(dataset_uri, manifest, seg, s3_endpoint_url)}
+            return {"tokens": _read_token_rows(dataset_uri, manifest, seg, s3_endpoint_url,
+                                               verify_sha256)}
         if manifest.format == WEBDATASET_FORMAT:
-            return webdataset.read_segment(dataset_uri, manifest, seg, s3_endpoint_url)
+            return webdataset.read_segment(dataset_uri, manifest, seg, s3_endpoint_url,
+                                           verify_sha256=verify_sha256)
     except FileNotFoundError:
         raise _bad_shard(dataset_uri, manifest, seg, "is missing") from None
     except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
@@ -214,7 +212,8 @@ def read_columns(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
 def _read_document_rows(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
                         s3_endpoint_url: str) -> tuple[np.ndarray, np.ndarray]:
     shard = manifest.shards[seg.shard]
-    pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes)
+    pf, starts = _open_shard(dataset_uri, s3_endpoint_url, shard.path, shard.num_bytes,
+                             shard.sha256)
     if int(starts[-1]) != shard.num_rows:
         raise ValueError(f"holds {int(starts[-1])} documents, the manifest says {shard.num_rows}")
     first = int(np.searchsorted(starts, seg.row_start, side="right")) - 1

@@ -8,8 +8,9 @@ Next to each shard ``shard-00000.tar`` we store ``shard-00000.tar.idx``: ``num_r
 little-endian int64 byte offsets, the offset of each sample's first tar header and, last, the end
 of the last sample. Reading rows ``[a, b)`` of a shard is then one ranged read of bytes
 ``[idx[a], idx[b])`` (one GET on S3): a resume mid-shard seeks, it never reads the samples before
-it. The index is a function of the shard's bytes, so the shard's sha256 in the manifest covers it;
-the reader checks its length and bounds, and a shard whose size differs from the manifest is
+it. The index is a function of the shard's bytes: the first time a process opens a shard it hashes
+the tar against the manifest's sha256 and, in the same pass, derives the index from the tar's
+members; the .idx file must be exactly that. A shard whose size differs from the manifest is
 reported as truncated before any byte of it is parsed.
 
 Why not ``ray.data.read_webdataset``: it reads whole tar files, in file order, with Ray Data
@@ -32,8 +33,10 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from raytrain_sys.data import storage
 from raytrain_sys.data.manifest import DatasetManifest, ShardInfo
 from raytrain_sys.data.order import Segment
+from raytrain_sys.data.storage import filesystem
 
 INDEX_SUFFIX = ".idx"
 _BLOCK = 512  # tar block size
@@ -183,16 +186,40 @@ def parse_members(blob: bytes) -> list[tuple[str, bytes]]:
     return out
 
 
+def sample_offsets(stream) -> np.ndarray:
+    """The seek index a tar's bytes imply (what ``write_tar_shard`` writes beside it): the offset
+    of each sample's first header, then of the end-of-archive block. ``stream``: read() only."""
+    offsets, last_key = [], None
+    try:
+        with tarfile.open(fileobj=stream, mode="r|") as tf:
+            for member in tf:
+                if not member.isreg():
+                    continue
+                key, _ = _split_key(member.name)
+                if key != last_key:
+                    offsets.append(member.offset)  # a long name's header, if it has one
+                    last_key = key
+            offsets.append(tf.offset)  # where the reader met the end-of-archive block
+    except tarfile.TarError as exc:
+        raise TarFormatError(f"not a tar archive ({exc})") from None
+    return np.asarray(offsets, dtype="<i8")
+
+
 @lru_cache(maxsize=64)
 def _shard_index(dataset_uri: str, s3_endpoint_url: str, rel_path: str, num_rows: int,
-                 num_bytes: int) -> np.ndarray:
-    from raytrain_sys.data.shards import filesystem
-
+                 num_bytes: int, sha256: str, verify_sha256: bool = True) -> np.ndarray:
     fs, root = filesystem(dataset_uri, s3_endpoint_url)
+    index_sha256 = None
     with fs.open_input_file(f"{root}/{rel_path}") as f:
         if f.size() != num_bytes:
             raise TarFormatError(f"is {f.size()} bytes, the manifest says {num_bytes} (truncated "
                                  f"or replaced)")
+        if verify_sha256:
+            index_sha256 = storage.verified(dataset_uri, rel_path, sha256)
+            if index_sha256 is None:  # first open in this process: hash it, derive its index
+                derived = storage.check_sha256(f, num_bytes, sha256, parse=sample_offsets)
+                index_sha256 = hashlib.sha256(derived.tobytes()).hexdigest()
+                storage.remember(dataset_uri, rel_path, sha256, index_sha256)
     try:
         with fs.open_input_file(f"{root}/{rel_path}{INDEX_SUFFIX}") as f:
             raw = f.read()
@@ -203,21 +230,24 @@ def _shard_index(dataset_uri: str, s3_endpoint_url: str, rel_path: str, num_rows
             or np.any(np.diff(idx) <= 0)):
         raise TarFormatError(f"its seek index {rel_path}{INDEX_SUFFIX} does not match the manifest "
                              f"({len(idx)} offsets for {num_rows} samples)")
+    if index_sha256 is not None and hashlib.sha256(raw).hexdigest() != index_sha256:
+        raise TarFormatError(f"its seek index {rel_path}{INDEX_SUFFIX} does not match the shard's "
+                             f"samples (altered, or another shard's)")
     return idx
 
 
 def read_segment(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
-                 s3_endpoint_url: str = "") -> dict[str, np.ndarray]:
-    """Rows ``[seg.row_start, seg.row_end)`` of a tar shard as columns: one ranged read.
+                 s3_endpoint_url: str = "", verify_sha256: bool = True) -> dict[str, np.ndarray]:
+    """Rows ``[seg.row_start, seg.row_end)`` of a tar shard as columns: one ranged read (after
+    the whole shard's sha256, once per process, unless ``verify_sha256`` is False).
 
     Columns are the manifest's ``extra["fields"]`` (column name -> member extension), decoded by
     extension (npy arrays are stacked, class labels become int64).
     """
-    from raytrain_sys.data.shards import filesystem
-
     shard = manifest.shards[seg.shard]
     fields: dict[str, str] = manifest.extra["fields"]
-    idx = _shard_index(dataset_uri, s3_endpoint_url, shard.path, shard.num_rows, shard.num_bytes)
+    idx = _shard_index(dataset_uri, s3_endpoint_url, shard.path, shard.num_rows, shard.num_bytes,
+                       shard.sha256, verify_sha256)
     lo, hi = int(idx[seg.row_start]), int(idx[seg.row_end])
     fs, root = filesystem(dataset_uri, s3_endpoint_url)
     with fs.open_input_file(f"{root}/{shard.path}") as f:
