@@ -72,11 +72,17 @@ def run_raydata(args, manifest) -> int:
                              args.block_rows)
     rctx = ReadContext(args.dataset, manifest, stream, "", False, ())
 
+    jitter_s = args.read_jitter_ms / 1000.0
+
     def read(batch):
+        import random as r
+
         import numpy as np
 
         out = read_chunk_columns(rctx, {"g": int(batch["g"][0]), "last": int(batch["last"][0]),
                                         "start": 0})
+        if jitter_s:  # reads of uneven length: some end just as the stream closes
+            time.sleep(r.random() * jitter_s)
         return {"n": np.asarray([len(out["sample_id"])])}
 
     windows = 3 * stream.windows_per_epoch
@@ -90,6 +96,8 @@ def run_raydata(args, manifest) -> int:
         it = iter(ds.iter_batches(batch_size=None, prefetch_batches=1))
         for _ in range(rng.choice([1, 1, 2])):
             next(it)
+        if jitter_s:
+            time.sleep(rng.random() * jitter_s)
         it.close()  # stock shutdown: running reads are cancelled
         done += 1
     return done
@@ -109,6 +117,9 @@ def main() -> None:
     p.add_argument("--read-cpus", type=float, default=0.0)
     p.add_argument("--bad-shard", type=int, default=-1)
     p.add_argument("--run-dir", default="")
+    p.add_argument("--read-jitter-ms", type=float, default=0.0,
+                   help="raydata mode: each read sleeps up to this long, and each close waits up "
+                        "to this long after the last batch (reads end around the cancel)")
     args = p.parse_args()
 
     import logging

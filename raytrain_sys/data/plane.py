@@ -428,6 +428,7 @@ class DataPlane:
         self._next_item = 0
         self._submit_pos = -1  # stream position the next submitted chunk starts at
         self._pending: deque[_Pending] = deque()
+        self._abandoned: list = []  # metadata refs of reads a seek left behind, still running
         self._spans: list[_Span] = []
         self._ctx_ref = None
         self._fetched: dict[int, tuple[object, dict]] = {}  # piece first -> (ref, columns), rows()
@@ -577,18 +578,26 @@ class DataPlane:
         self._submit_pos = stop
 
     def _top_up(self) -> None:
-        """Keep the readers ahead of the consumer: at most ``num_readers`` reads running, and
-        chunks read or being read covering ``prefetch`` rows (``num_readers`` chunks at least)."""
+        """Keep the readers ahead of the consumer: at most ``num_readers`` reads running (those
+        of streams left behind by a seek included), and chunks read or being read covering
+        ``prefetch`` rows (``num_readers`` chunks at least). A new stream whose first read finds
+        every slot taken waits for one of the old reads to end (a read is short): reads are never
+        cancelled, so without this, quick seeks would pile up reads and reader processes."""
         import ray
 
         depth = max(self.num_readers, math.ceil(self.prefetch_rows / max(1, self.chunk_rows)))
         while self._next_item < len(self._items) and len(self._pending) < depth:
-            running = [p.meta_ref for p in self._pending]
+            running = [p.meta_ref for p in self._pending] + self._abandoned
             if len(running) >= self.num_readers:
                 _, running = ray.wait(running, num_returns=len(running), timeout=0,
                                       fetch_local=False)
+                left = set(running)
+                self._abandoned = [r for r in self._abandoned if r in left]
                 if len(running) >= self.num_readers:
-                    return
+                    if self._pending or not self._abandoned:
+                        return
+                    ray.wait(self._abandoned, num_returns=1, fetch_local=False)
+                    continue
             self._submit()
 
     def _pull(self, want: int, data_cursor: int) -> None:
@@ -724,12 +733,15 @@ class DataPlane:
 
     def _drop_stream(self) -> None:
         """Forget the stream's reads: no cancel (see ``_open_stream``); their results are freed
-        by Ray when they end, as nothing refers to them."""
+        by Ray when they end, as nothing refers to them. Their metadata references are kept
+        until they end, to count them against ``num_readers``."""
+        self._abandoned += [p.meta_ref for p in self._pending]
         self._pending.clear()
         self._items, self._next_item, self._submit_pos = [], 0, -1
 
     def close(self) -> None:
         self._drop_stream()
+        self._abandoned = []
         self._spans = []
         self._fetched = {}
         self._ctx_ref = None

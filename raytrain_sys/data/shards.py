@@ -169,7 +169,8 @@ def read_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segmen
 
 
 def clear_caches() -> None:
-    """Forget open shards and seek indexes: the next read opens (and checks) them again."""
+    """Forget open shards and seek indexes: the next read opens them again (and checks their
+    size; their sha256 only once per process, see ``storage``)."""
     _open_shard.cache_clear()
     webdataset.clear_caches()
 
