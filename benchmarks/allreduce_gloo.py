@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import sys
@@ -104,6 +105,7 @@ def main() -> int:
     wall = time.perf_counter() - t0
     with open(raw_path) as f:
         raw = {int(k): v for k, v in json.load(f).items()}
+    shutil.rmtree(os.path.dirname(raw_path), ignore_errors=True)
     med = [(size, statistics.median(raw[size])) for size in sizes]
     fit = fit_ring(med, args.procs)
     rows = []
