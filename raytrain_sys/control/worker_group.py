@@ -108,6 +108,11 @@ class Worker:
 
 
 class WorkerGroup:
+    # The Ray actor class each slot runs. A hook for benchmarks/control_plane.py, which puts
+    # stand-ins that answer at once here to time the Supervisor's own step loop; it must offer
+    # TrainWorker's methods (prepare, free_port, ping, setup_group, train_step, ...).
+    actor_class = TrainWorker
+
     def __init__(self, spec: JobSpec, local_cluster: bool, run_key: str = ""):
         self.spec = spec
         self.local_cluster = local_cluster
@@ -147,7 +152,7 @@ class WorkerGroup:
         name = f"{self.name_prefix}{slot}"
         pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=name)
         r = self.spec.resources
-        actor = TrainWorker.options(
+        actor = self.actor_class.options(
             name=name, num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
                                                                  placement_group_bundle_index=0),

@@ -1,0 +1,426 @@
+"""The Supervisor's own cost per step: dispatch, collect, commit and liveness, with no math.
+
+The real ``Supervisor`` runs its real step loop (``run`` -> ``_loop`` -> ``_at_step_boundary``,
+``_dispatch``, ``_may_run_ahead``, ``_collect``, ``_commit``, run-ahead on, the real data plane
+building each global batch and the rows sent to the ranks as task arguments) over N stand-in
+workers that answer every call at once. The stand-ins replace ``TrainWorker`` through the
+documented hook ``WorkerGroup.actor_class``; they are Ray actors of ``--cpus-per-stand-in``
+(0.01) CPU each, so 64 fit on this machine. One local Ray cluster, started here with explicit
+``num_cpus`` and a private temp dir under /tmp, serves every N in turn.
+
+Per N, over the steps after ``--skip-steps`` warm-up steps:
+
+  driver CPU ms/step   CPU time of the whole driver process per committed step (every thread:
+                       the Supervisor's own Python thread, Ray's core-worker threads sending the
+                       tasks and receiving the replies, Ray Data's executor thread). The cost
+                       that one driver process pays, whatever machine the workers are on. The
+                       goal (issue 12: at most 10 ms at N = 64, growing no faster than linearly)
+                       is judged on it.
+  wall ms/step         the interval between two commits: the loop's period with workers that
+                       take no time. On this machine it also holds the N stand-ins' own work
+                       (each receives, runs and answers a task per step) on the same 2 cores,
+                       which real workers do on their own machines.
+  per method           wall and main-thread CPU ms per step in each Supervisor method (a light
+                       wrapper on the instance); ``_collect``'s wall is mostly waiting.
+  liveness             one ping round over every member (``supervisor._ping_all``): what the
+                       Supervisor pays per ``LIVENESS_EVERY_S`` (1 s) of a step longer than that.
+                       Steps that return at once are never pinged.
+
+Then a least-squares line ``a + b*N`` through the medians, the growth exponent (slope of log
+cost over log N) and whether the goal is met.
+
+    .venv/bin/python benchmarks/control_plane.py --quick     # N = 2, 8; 60 steps; ~1.5 min
+    .venv/bin/python benchmarks/control_plane.py             # N = 2, 8, 32, 64; 300 steps; ~6 min
+
+Results go to benchmarks/results/control_plane.json (``"quick": true`` marks a smoke test's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+import _common as common  # noqa: E402
+import yaml  # noqa: E402
+
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+GOAL_MS_AT_64 = 10.0  # issue 12
+GOAL_EXPONENT = 1.1  # "no faster than linearly", with room for noise
+METHODS = ("_at_step_boundary", "_dispatch", "_may_run_ahead", "_collect", "_commit")
+
+log = logging.getLogger("control_plane")
+
+
+# ----------------------------------------------------------------------------- the stand-in
+
+def stand_in_class():
+    """A Ray actor with TrainWorker's interface whose every call returns at once. Built on
+    demand so that importing this module does not need Ray."""
+    import ray
+
+    @ray.remote(concurrency_groups={"control": 2})  # TrainWorker's: pings pass a running step
+    class StandInWorker:
+        def __init__(self, spec_dict: dict):
+            self.step_done = 0
+            self.rank = -1
+
+        @ray.method(concurrency_group="control")
+        def node_info(self) -> dict:
+            import psutil
+
+            return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                    "pid": os.getpid(), "create_time": psutil.Process().create_time(),
+                    "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+
+        def prepare(self) -> dict:
+            return self.node_info()
+
+        @ray.method(concurrency_group="control")
+        def free_port(self) -> int:
+            return 29500  # no process group is formed
+
+        @ray.method(concurrency_group="control")
+        def ping(self) -> int:
+            return self.step_done
+
+        def setup_group(self, rank, world_size, master_addr, master_port, generation) -> dict:
+            self.rank = rank
+            return {"rank": rank, "backend": "none", "device": "cpu", "replicated": True,
+                    "stashed": False}
+
+        def shutdown(self) -> None:
+            pass
+
+        def train_step(self, step, batch, global_units, collective_timeout_s=0.0) -> dict:
+            if self.step_done != step:  # TrainWorker's run-ahead check
+                raise RuntimeError(f"step {step + 1} refused: holds step {self.step_done}")
+            self.step_done = step + 1
+            rows = len(next(iter(batch.values())))
+            return {"loss_sum": 1.0 * rows if self.rank == 0 else 0.0, "rows": float(rows),
+                    "grad_norm": 1.0, "lr": 1e-3, "compute_s": 0.0}
+
+    return StandInWorker
+
+
+# ----------------------------------------------------------------------------- setup
+
+def prepare_data(args: argparse.Namespace, work_dir: str) -> str:
+    if args.data:
+        return args.data
+    from raytrain_sys.data.prepare import prepare_text_dataset
+
+    out = os.path.join(work_dir, "data")
+    prepare_text_dataset(out, row_len=129, rows_per_shard=2048, max_bytes=1_000_000)
+    return out
+
+
+def make_spec(args: argparse.Namespace, n: int, data_dir: str, work_dir: str):
+    from raytrain_sys.spec import from_dict
+
+    with open(REPO / "jobs" / "tinygpt.yaml") as f:
+        raw = yaml.safe_load(f)
+    raw["name"] = f"cp{n}"
+    raw["output_dir"] = os.path.join(work_dir, "runs")
+    raw["data"]["path"] = data_dir
+    raw["train"].update({"max_steps": args.steps, "global_batch_size": args.global_batch})
+    raw["optim"]["warmup_steps"] = min(raw["optim"].get("warmup_steps", 20), args.steps)
+    # Nothing but the step loop: no checkpoint (the stand-ins hold no state), no MLflow.
+    raw["checkpoint"] = {"every_steps": 0, "save_on_exit": False}
+    raw["tracking"] = {"enabled": False}
+    raw["resources"] = {"num_workers": n, "cpus_per_worker": args.cpus_per_stand_in,
+                        "start_timeout_s": 600, "worker_niceness": None}
+    return from_dict(raw)
+
+
+def start_ray(args: argparse.Namespace, work_dir: str) -> None:
+    """A local cluster of ``--num-cpus`` CPUs, its temp dir private (RAY_TMPDIR too: Ray records
+    the current cluster's address there, which must not re-point anybody else's `ray` commands)."""
+    import ray
+
+    ray_tmp = os.path.join(work_dir, "rt")
+    os.makedirs(ray_tmp, exist_ok=True)
+    os.environ["RAY_TMPDIR"] = ray_tmp
+    for var in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        os.environ.pop(var, None)
+    ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False,
+             _temp_dir=os.path.join(work_dir, "r"), log_to_driver=args.verbose)
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def thread_times() -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process, by native id."""
+    import psutil
+
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+
+
+def thread_kind(native_id: int, names: dict[int, str], main_id: int) -> str:
+    if native_id == main_id:
+        return "supervisor (main thread)"
+    name = names.get(native_id)
+    if name is None:
+        return "ray core (C++ threads)"
+    if name.startswith("StreamingExecutor") or "data" in name.lower():
+        return "ray data (python threads)"
+    return "other python threads"
+
+
+def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str) -> dict:
+    from raytrain_sys.control import supervisor as sv
+
+    spec = make_spec(args, n, data_dir, work_dir)
+    skip = args.skip_steps
+    marks: list[tuple[int, float, float]] = []  # (committed step, perf_counter, process_time)
+    snaps: dict[str, dict] = {}
+    calls: list[tuple[str, int, float, float]] = []  # (method, committed step, wall s, thread cpu s)
+    batch_bytes: list[int] = []
+    liveness: list[tuple[float, float, float]] = []
+
+    def on_step(report) -> None:
+        marks.append((report.step, time.perf_counter(), time.process_time()))
+        if report.step in (skip, args.steps):
+            snaps[str(report.step)] = {"threads": thread_times(), "wall": time.perf_counter()}
+
+    sup = sv.Supervisor(spec, on_step=on_step)
+
+    def timed(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*a, **kw):
+            step = sup.committed_step
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                calls.append((name, step, time.perf_counter() - w0, time.thread_time() - c0))
+        return wrapper
+
+    for name in METHODS:
+        setattr(sup, name, timed(name, getattr(sup, name)))
+    dispatch = sup._dispatch
+
+    def dispatch_and_count(*a, **kw):
+        d = dispatch(*a, **kw)
+        batch_bytes.append(sum(v.nbytes for v in d.batch.values()))
+        return d
+    sup._dispatch = dispatch_and_count
+
+    teardown = sup._teardown
+
+    def ping_then_teardown() -> None:
+        # Liveness: ping rounds over every member, as _collect and _survivors_held do.
+        if sup.group is not None and sup.group.workers:
+            for _ in range(args.pings):
+                w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+                held, dead, silent = sv._ping_all(sup.group.workers)
+                liveness.append((time.perf_counter() - w0, time.thread_time() - c0, time.process_time() - p0))
+                assert len(held) == n and not dead and not silent
+        teardown()
+    sup._teardown = ping_then_teardown
+
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    result = sup.run()
+    wall = time.perf_counter() - t0
+    assert result.committed_steps == args.steps, result
+
+    # Per committed step, after the warm-up.
+    steady = [(s, w, c) for s, w, c in marks if s >= skip]
+    wall_ms = [1e3 * (b[1] - a[1]) for a, b in zip(steady, steady[1:])]
+    cpu_ms = [1e3 * (b[2] - a[2]) for a, b in zip(steady, steady[1:])]
+    steps = len(wall_ms)
+    methods = {}
+    for name in METHODS:
+        sel = [(w, c) for m, s, w, c in calls if m == name and skip <= s < args.steps]
+        methods[name.lstrip("_")] = {"calls": len(sel), "wall_ms_per_step": 1e3 * sum(w for w, _ in sel) / steps,
+                                     "main_cpu_ms_per_step": 1e3 * sum(c for _, c in sel) / steps}
+    # Driver CPU by thread over the measured steps.
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main_id = threading.main_thread().native_id
+    a, b = snaps[str(skip)]["threads"], snaps[str(args.steps)]["threads"]
+    by_kind: dict[str, float] = {}
+    for tid, cpu in b.items():
+        kind = thread_kind(tid, names, main_id)
+        by_kind[kind] = by_kind.get(kind, 0.0) + cpu - a.get(tid, 0.0)
+    by_kind = {k: 1e3 * v / steps for k, v in sorted(by_kind.items())}
+    first_step_at = marks[0][1] - t0 if marks else float("nan")
+    return {
+        "workers": n,
+        "steps": args.steps,
+        "measured_steps": steps,
+        "driver_cpu_ms": {"median": statistics.median(cpu_ms), "p90": quantile(cpu_ms, 0.9),
+                          "mean": statistics.fmean(cpu_ms)},
+        "wall_ms": {"median": statistics.median(wall_ms), "p90": quantile(wall_ms, 0.9),
+                    "mean": statistics.fmean(wall_ms)},
+        "methods": methods,
+        "driver_cpu_ms_per_step_by_thread": by_kind,
+        "liveness_ping_round_ms": {
+            "wall_median": 1e3 * statistics.median(x[0] for x in liveness) if liveness else None,
+            "main_cpu_median": 1e3 * statistics.median(x[1] for x in liveness) if liveness else None,
+            "driver_cpu_median": 1e3 * statistics.median(x[2] for x in liveness) if liveness else None},
+        "global_batch_bytes_per_step": statistics.median(batch_bytes) if batch_bytes else 0,
+        "steps_run_ahead": sup.summary.steps_run_ahead,
+        "start_to_first_step_s": first_step_at,
+        "wall_s": wall,
+        "loadavg_1m_before_after": [load0[0], os.getloadavg()[0]],
+        "per_step_driver_cpu_ms": cpu_ms,
+        "per_step_wall_ms": wall_ms,
+    }
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(math.ceil(q * len(xs))) - 1)]
+
+
+def fit_line(ns: list[int], ys: list[float]) -> dict:
+    """Least squares y = a + b*N; R^2; and the growth exponent: slope of log y over log N."""
+    k = len(ns)
+    mx, my = sum(ns) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in ns)
+    b = sum((x - mx) * (y - my) for x, y in zip(ns, ys)) / sxx if sxx else 0.0
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(ns, ys))
+    lx, ly = [math.log(x) for x in ns], [math.log(y) for y in ys]
+    mlx, mly = sum(lx) / k, sum(ly) / k
+    slx = sum((x - mlx) ** 2 for x in lx)
+    exponent = sum((x - mlx) * (y - mly) for x, y in zip(lx, ly)) / slx if slx else 0.0
+    return {"a_ms": a, "b_ms_per_worker": b, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0,
+            "growth_exponent": exponent,
+            "at_512_ms": a + b * 512}
+
+
+# ----------------------------------------------------------------------------- report
+
+def report(runs: list[dict], fits: dict) -> list[str]:
+    lines = [f"{'N':>3}  {'driver CPU ms/step':>18}  {'p90':>6}  {'wall ms/step':>12}  {'p90':>6}  "
+             f"{'dispatch':>8}  {'collect':>7}  {'commit':>6}  {'boundary':>8}  {'ahead?':>6}  "
+             f"{'ping round':>10}  {'batch KiB':>9}"]
+    for r in runs:
+        m = r["methods"]
+        lines.append(
+            f"{r['workers']:>3}  {r['driver_cpu_ms']['median']:>18.2f}  {r['driver_cpu_ms']['p90']:>6.2f}  "
+            f"{r['wall_ms']['median']:>12.2f}  {r['wall_ms']['p90']:>6.2f}  "
+            f"{m['dispatch']['wall_ms_per_step']:>8.2f}  {m['collect']['wall_ms_per_step']:>7.2f}  "
+            f"{m['commit']['wall_ms_per_step']:>6.2f}  {m['at_step_boundary']['wall_ms_per_step']:>8.2f}  "
+            f"{m['may_run_ahead']['wall_ms_per_step']:>6.2f}  "
+            f"{r['liveness_ping_round_ms']['wall_median']:>10.2f}  {r['global_batch_bytes_per_step'] / 1024:>9.1f}")
+    lines.append("(per-method columns: wall ms per step spent in Supervisor._dispatch, _collect, _commit, "
+                 "_at_step_boundary, _may_run_ahead; ping round: one _ping_all over all N)")
+    lines.append("driver CPU ms/step by thread:")
+    for r in runs:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in r["driver_cpu_ms_per_step_by_thread"].items())
+        lines.append(f"  N={r['workers']:>2}: {parts}")
+    for key, label in (("driver_cpu", "driver CPU"), ("wall", "wall")):
+        f = fits[key]
+        lines.append(f"fit {label:>10}: {f['a_ms']:.2f} ms + {f['b_ms_per_worker'] * 1000:.1f} us x N "
+                     f"(R^2 {f['r2']:.3f}; growth exponent {f['growth_exponent']:.2f}; "
+                     f"extrapolated to N=512: {f['at_512_ms']:.1f} ms)")
+    return lines
+
+
+def goal(runs: list[dict], fits: dict) -> dict:
+    at = {r["workers"]: r for r in runs}
+    biggest = max(at)
+    cpu = at[biggest]["driver_cpu_ms"]["median"]
+    exp = fits["driver_cpu"]["growth_exponent"]
+    met = biggest >= 64 and cpu <= GOAL_MS_AT_64 and exp <= GOAL_EXPONENT
+    return {"largest_n": biggest, "driver_cpu_ms_at_largest": cpu,
+            "wall_ms_at_largest": at[biggest]["wall_ms"]["median"], "growth_exponent": exp,
+            "met": met,
+            "text": (f"goal (<= {GOAL_MS_AT_64:g} ms per step at N=64, growth no faster than linear): "
+                     f"driver CPU {cpu:.2f} ms at N={biggest}, exponent {exp:.2f}: "
+                     + ("met" if met else ("not judged: N=64 not run" if biggest < 64 else "NOT met")))}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", default="", help="comma list of N (default 2,8,32,64; --quick 2,8)")
+    p.add_argument("--steps", type=int, default=0, help="steps per N (default 300; --quick 60)")
+    p.add_argument("--skip-steps", type=int, default=0, help="warm-up steps left out (default 30; --quick 10)")
+    p.add_argument("--global-batch", type=int, default=128,
+                   help="rows per step, the same at every N (at least the largest N)")
+    p.add_argument("--cpus-per-stand-in", type=float, default=0.01)
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster")
+    p.add_argument("--pings", type=int, default=20, help="ping rounds timed per N")
+    p.add_argument("--data", default="", help="a prepared token dataset with rows of 129")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=str(HERE / "results" / "control_plane.json"))
+    p.add_argument("--keep-temp", action="store_true")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args()
+    ns = [int(x) for x in (args.workers or ("2,8" if args.quick else "2,8,32,64")).split(",")]
+    args.steps = args.steps or (60 if args.quick else 300)
+    args.skip_steps = args.skip_steps or (10 if args.quick else 30)
+    if max(ns) > args.global_batch:
+        p.error(f"--global-batch {args.global_batch} is smaller than N={max(ns)}")
+    if args.skip_steps + 10 > args.steps:
+        p.error("--steps must exceed --skip-steps by at least 10")
+
+    work_dir = common.start(args.verbose, log, "cp-")
+    try:
+        import ray
+        import torch
+
+        from raytrain_sys.control.worker_group import WorkerGroup
+
+        data_dir = prepare_data(args, work_dir)
+        start_ray(args, work_dir)
+        WorkerGroup.actor_class = stand_in_class()
+        runs = []
+        for n in ns:
+            common.wait_until_quiet(log, max_s=30.0)
+            log.info("N=%d: %d steps", n, args.steps)
+            r = measure(args, n, data_dir, work_dir)
+            log.info("N=%d: driver CPU %.2f ms/step, wall %.2f ms/step, first step after %.1f s", n,
+                     r["driver_cpu_ms"]["median"], r["wall_ms"]["median"], r["start_to_first_step_s"])
+            runs.append(r)
+        fits = {"driver_cpu": fit_line(ns, [r["driver_cpu_ms"]["median"] for r in runs]),
+                "wall": fit_line(ns, [r["wall_ms"]["median"] for r in runs])}
+        verdict = goal(runs, fits)
+        lines = report(runs, fits) + [verdict["text"]]
+        print("\n".join(lines))
+        out = {"benchmark": "control_plane", "quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "args": {k: v for k, v in vars(args).items() if k not in ("out",)},
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+               "versions": {"python": platform.python_version(), "ray": ray.__version__,
+                            "torch": torch.__version__},
+               "runs": runs, "fit": fits, "goal": verdict, "table": lines}
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"results: {args.out}")
+        return 0 if verdict["met"] or args.quick else 1
+    finally:
+        try:
+            import ray
+
+            ray.shutdown()
+        except Exception:
+            pass
+        if not args.keep_temp:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
