@@ -164,7 +164,7 @@ def test_drain_floor_is_one_member_at_least():
 # ------------------------------------------------------------------ the state table
 @pytest.mark.parametrize("start, to, allowed", [
     (State.STARTING, State.DRAINING, False),
-    (State.RESTORING, State.CHECKPOINTING, False),
+    (State.RESTORING, State.DRAINING, False),
     (State.FINISHED, State.RUNNING, False),
     (State.FAILED, State.FAILED, False),
     (State.STOPPED, State.RUNNING, False),
@@ -180,7 +180,7 @@ def test_drain_floor_is_one_member_at_least():
     (State.RUNNING, State.STOPPED, True),
 ], ids=[
     "a run that has not started has nothing to drain",
-    "a restore ends in running before anything is saved",
+    "a restore is not left for a drain",
     "a finished run stays finished",
     "a failed run is not failed twice",
     "a stopped run resumes as a new launch, not by a move",

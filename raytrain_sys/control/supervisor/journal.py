@@ -52,7 +52,9 @@ class State(str, Enum):
 # the run stops and saves first (elastic.max_failures, elastic.below_min_timeout_s).
 _MOVES: dict[State, frozenset[State]] = {
     State.STARTING: frozenset({State.RESTORING, State.RUNNING}),
-    State.RESTORING: frozenset({State.RUNNING}),
+    # A restore inside a rebuild that loses members is retried like the rebuild: waiting for
+    # workers, or saving before the run stops.
+    State.RESTORING: frozenset({State.RUNNING, State.WAITING, State.CHECKPOINTING}),
     State.RUNNING: frozenset({State.CHECKPOINTING, State.REBUILDING, State.RESIZING, State.DRAINING,
                               # a drain that saved first: the leave then re-forms from RUNNING
                               State.WAITING, State.RESTORING,
