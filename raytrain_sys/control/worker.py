@@ -215,12 +215,13 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ the step
     def train_step(self, step: int, batch: "RankShare | dict[str, np.ndarray]", global_units: int,
-                   collective_timeout_s: float = 0.0) -> dict[str, float]:
+                   collective_timeout_s: float = 0.0, *pieces) -> dict[str, float]:
         """One optimizer step on this rank's rows of step ``step``'s global batch.
 
         The rows are this rank's data-parallel slice (TP and PP peers get the same rows): where
-        they lie in the object store (``RankShare``, fetched here, node to node), or the rows
-        themselves (``data.delivery=driver``). The
+        they lie in the object store (``RankShare``) with the pieces' values in ``pieces`` (the
+        Supervisor passes their references as arguments, so Ray pulls them to this node, node to
+        node, while the step before runs), or the rows themselves (``data.delivery=driver``). The
         summed loss of each micro-batch is scaled by data_parallel_size / global_units: data
         parallelism averages gradients over its ranks, so the result is the gradient of the global
         mean loss whatever the shares, equal to the single-process one. ``loss_sum`` is reported
@@ -237,7 +238,10 @@ class TrainWorker:
             self._set_collective_timeout(collective_timeout_s)
         fetch_s = 0.0
         if isinstance(batch, RankShare):
-            batch, fetch_s = batch.fetch()
+            if pieces:
+                batch = batch.assemble(list(pieces))
+            else:
+                batch, fetch_s = batch.fetch()
         t0 = time.perf_counter()
         spec = self.spec
         lr = lr_at(step, spec.optim, spec.train.max_steps, spec.train.global_batch_size)

@@ -47,15 +47,21 @@ class RankShare:
         return [ref for ref, _, _ in self.parts]
 
     def fetch(self) -> tuple[dict[str, np.ndarray], float]:
-        """The rows, fetched from the object store where they lie: (columns, seconds waited).
-
-        Read-only views of the store's buffers where the share lies in one piece; copy before
-        writing (``torch.tensor`` copies anyway)."""
+        """The rows, fetched from the object store where they lie: (columns, seconds waited)."""
         import ray
 
         t0 = time.perf_counter()
         blocks = ray.get(self.refs())
         waited = time.perf_counter() - t0
+        return self.assemble(blocks), waited
+
+    def assemble(self, blocks: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The rows out of the pieces' values (in ``parts`` order). The Supervisor passes the
+        references as the step's own arguments, so Ray pulls them to the rank's node while the
+        step before still runs, and they arrive here as values.
+
+        Read-only views of the store's buffers where the share lies in one piece; copy before
+        writing (``torch.tensor`` copies anyway)."""
         parts = [{k: v[lo:hi] for k, v in block.items()} for block, (_, lo, hi) in zip(blocks, self.parts)]
         if len(parts) == 1:
             columns = parts[0]
@@ -63,7 +69,7 @@ class RankShare:
             columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         if self.width and "tokens" in columns:
             columns["tokens"] = np.ascontiguousarray(columns["tokens"][:, :self.width])
-        return columns, waited
+        return columns
 
 
 @dataclass

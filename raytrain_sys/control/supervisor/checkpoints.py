@@ -1,0 +1,89 @@
+"""Durable checkpoints of the committed step: whether one may be resumed, the members' save
+and load calls, the commit of the manifest, and its record.
+
+Owns: the Checkpointer and its store (the one writer of checkpoints under the checkpoint root;
+the manifest, written last, is what makes one visible), the checkpoint records of summary.json
+(``checkpoints``, ``newest_checkpoint``, ``resumed_from``) and of MLflow. It never rebuilds the
+group and records no state transition: a member lost while saving surfaces as ``WorkerLost``
+from the Supervisor's watch, and the Supervisor decides.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+
+from raytrain_sys import __version__
+from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
+from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.control.worker_group import Worker, WorkerGroup
+from raytrain_sys.errors import CheckpointError
+from raytrain_sys.spec import JobSpec, from_dict
+
+log = logging.getLogger(__name__)
+
+
+def check_compatible(spec: JobSpec, info: CheckpointInfo) -> None:
+    """Refuse to resume a checkpoint written with other training settings, naming them."""
+    meta = info.manifest
+    if meta.get("training_hash") == spec.training_hash():
+        return
+    old = from_dict(meta["spec"]) if "spec" in meta else None
+    diffs = []
+    if old is not None:
+        a, b = old.flat(), spec.flat()
+        diffs = [k for k in a if k.split(".")[0] in ("model", "optim") and a[k] != b.get(k)]
+        diffs += [k for k in ("data.seed", "data.shuffle_window", "data.shuffle_block_rows",
+                              "data.sequences", "train.global_batch_size", "train.precision",
+                              "train.seed") if a.get(k, b.get(k)) != b.get(k)]
+    raise CheckpointError(
+        f"checkpoint {info.uri} was written with different training settings "
+        f"({', '.join(diffs) or 'training hash differs'}); resuming would not continue the same "
+        f"run: restore those fields or start a new run")
+
+
+class Checkpoints:
+    def __init__(self, spec: JobSpec, checkpointer: Checkpointer, checkpoint_root: str, manifest,
+                 summary: RunSummary, tracker):
+        self.spec, self.checkpointer, self.checkpoint_root = spec, checkpointer, checkpoint_root
+        self.manifest, self.summary, self.tracker = manifest, summary, tracker
+
+    def latest(self) -> CheckpointInfo | None:
+        return self.checkpointer.latest()
+
+    def save_call(self, worker: Worker, step: int, everything: bool = False):
+        """Have ``worker`` write the blocks of the state of ``step`` it owns (``everything``:
+        all of it, from a replica); the reference of its file records."""
+        return worker.actor.save_checkpoint.remote(self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url,
+                                                   step, everything=everything)
+
+    def commit(self, step: int, files: list[dict], data_cursor: int, world_size: int) -> CheckpointInfo:
+        """The manifest, written last: the checkpoint becomes visible, and is recorded."""
+        info = self.checkpointer.commit(step, files, self._meta(data_cursor, world_size))
+        self.summary.newest_checkpoint = info.uri
+        self.summary.checkpoints.append({"step": info.step, "uri": info.uri})
+        if self.tracker is not None:
+            try:
+                self.tracker.record_checkpoint(info.step, info.uri, {"data_cursor": data_cursor})
+            except Exception as exc:
+                log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)
+        return info
+
+    def saved(self, step: int) -> bool:
+        return step in [c["step"] for c in self.summary.checkpoints]
+
+    def _meta(self, data_cursor: int, world_size: int) -> dict:
+        return {"data_cursor": data_cursor, "world_size": world_size,
+                "spec_hash": self.spec.spec_hash(), "training_hash": self.spec.training_hash(),
+                "git_commit": self.summary.git_commit, "raytrain_sys_version": __version__,
+                "dataset_hash": self.manifest.content_hash, "spec": self.spec.to_dict(),
+                "mlflow_run_id": self.summary.mlflow_run_id}
+
+    def load(self, group: WorkerGroup, info: CheckpointInfo) -> None:
+        """Load a durable checkpoint into every member (each cuts it for its own layout)."""
+        steps = ray.get([a.load_checkpoint.remote(info.uri, self.spec.checkpoint.s3_endpoint_url)
+                         for a in group.actors()])
+        assert len(set(steps)) == 1 and steps[0] == info.step, f"replicas disagree: {steps}"
+        self.summary.resumed_from.append(info.uri)
+        self.summary.newest_checkpoint = info.uri

@@ -1,0 +1,144 @@
+"""Everything before the first step: pre-flight checks, the previous launch's leftovers, the
+MLflow run, and the data warm-up.
+
+Owns: the run directory's ``latest`` link, the ``Preflight`` values (dataset manifest,
+checkpoint store and checkpointer, task, model FLOPs per token, the checkpoint to resume) and
+the MLflow run's start (tags, run id into summary.json). Everything that can fail on bad input
+is checked here before any Ray resource is taken. Calls no other part of the Supervisor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import ray
+
+from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
+from raytrain_sys.checkpoint.store import open_store
+from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.control.worker_group import clean_up_leftovers, connect_ray
+from raytrain_sys.data.compat import check_spec_against_manifest
+from raytrain_sys.data.plane import DataPlane
+from raytrain_sys.data.shards import read_manifest
+from raytrain_sys.errors import UserError
+from raytrain_sys.spec import JobSpec
+from raytrain_sys.tracking import mlflow_tracker as mt
+from raytrain_sys.train.tasks import task_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Preflight:
+    manifest: object  # the dataset's manifest
+    store: object
+    checkpointer: Checkpointer
+    task: object
+    flops_per_token: float  # 0: not a GPT, no MFU
+    resume_info: CheckpointInfo | None  # the checkpoint the run continues from, if any
+
+
+def resolve_dir(path: str) -> str:
+    return path if path.startswith("s3://") else os.path.abspath(path)
+
+
+def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str,
+              tracking_uri: str) -> Preflight:
+    """Everything that can fail on bad input, checked before any Ray resource is taken."""
+    os.makedirs(run_dir, exist_ok=True)
+    _point_latest(output_dir, run_dir)
+    manifest = read_manifest(spec.data.path, spec.data.s3_endpoint_url)
+    check_spec_against_manifest(spec, manifest)
+    store = open_store(checkpoint_root, spec.checkpoint.s3_endpoint_url)
+    store.check_access()
+    checkpointer = Checkpointer(store, spec.checkpoint.keep_last)
+    task = task_for(spec.model.name)
+    from raytrain_sys.models import model_flops_per_token
+
+    flops_per_token = model_flops_per_token(spec.model) if spec.model.name == "gpt" else 0
+    if spec.tracking.enabled:
+        mt.check_reachable(tracking_uri)
+    found = Preflight(manifest, store, checkpointer, task, flops_per_token, None)
+    resume = spec.checkpoint.resume_from
+    if not resume:
+        return found
+    if resume == "latest":
+        found.resume_info = checkpointer.latest()
+        if found.resume_info is None:
+            log.info("checkpoint.resume_from=latest: no complete checkpoint in %s, starting fresh",
+                     checkpoint_root)
+        return found
+    from raytrain_sys.checkpoint.checkpointer import open_checkpoint
+    _, found.resume_info = open_checkpoint(resume, spec.checkpoint.s3_endpoint_url)
+    return found
+
+
+def clean_up_previous_launch(spec: JobSpec, previous_run_key: str) -> list:
+    """A resumed run first removes whatever its lost driver left on the cluster, and refuses
+    to start while that driver is still alive (see ``clean_up_leftovers``)."""
+    if not previous_run_key:
+        return []
+    if not (ray.is_initialized() or spec.resources.ray_address or os.environ.get("RAY_ADDRESS")):
+        # A local cluster started now holds nothing of an earlier driver; the one that
+        # driver started ended with it.
+        return []
+    connect_ray(spec)
+    try:
+        return clean_up_leftovers(previous_run_key)
+    except UserError:
+        raise
+    except Exception as exc:  # cannot read the cluster's tables: Ray's own clean-up remains
+        log.warning("could not look for leftovers of run %s: %s", previous_run_key, exc)
+        return []
+
+
+def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume_run_id: str,
+                   run_dir: str, output_dir: str, checkpoint_root: str):
+    """The run's MLflow tracker (None with tracking off); its run id goes into ``summary``."""
+    if not spec.tracking.enabled:
+        return None
+    tags = {mt.TAG_GIT_COMMIT: summary.git_commit, mt.TAG_RUN_DIR: run_dir,
+            mt.TAG_CHECKPOINT_ROOT: checkpoint_root}
+    if resume_run_id:
+        tracker = mt.Tracker.resume(tracking_uri, resume_run_id, spec)
+        tracker.set_tags(tags)
+    else:
+        run_name = spec.tracking.run_name or os.path.basename(run_dir)
+        tracker = mt.Tracker.start(
+            tracking_uri, spec.tracking.experiment, run_name, spec, tags,
+            artifact_root=os.path.join(output_dir, "mlartifacts"))
+    summary.mlflow_run_id = tracker.run_id
+    return tracker
+
+
+def warm_data(spec: JobSpec, data: DataPlane, cursor: int):
+    """Read the first global batch in the background (the plane caches it). Only where a
+    read has no side effect: with data.on_bad_shard=skip a bad shard changes the stream's
+    ledger, which belongs to the step loop. An error here is met again, and reported, by
+    the step that needs the batch."""
+    if spec.data.on_bad_shard != "fail":
+        return None
+
+    def read() -> None:
+        try:
+            data.global_batch_refs(cursor)
+        except Exception as exc:
+            log.debug("data warm-up: %s (the first step will report it)", exc)
+
+    thread = threading.Thread(target=read, name="data-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def _point_latest(output_dir: str, run_dir: str) -> None:
+    """<output_dir>/latest -> the newest run dir, for `raytrain-sys sample runs/latest`."""
+    link = os.path.join(output_dir, "latest")
+    try:
+        tmp = f"{link}.{os.getpid()}"
+        os.symlink(os.path.relpath(run_dir, output_dir), tmp)
+        os.replace(tmp, link)
+    except OSError as exc:  # e.g. a filesystem without symlinks: only a convenience is lost
+        log.debug("could not update %s: %s", link, exc)

@@ -1,0 +1,185 @@
+"""Is a member alive, and how did a step go on each member?
+
+Owns: the verdict on members during a step and during a long call outside it
+(``StepOutcome``: how one step went on each member; ``WorkerLost``), and the liveness pings
+of those waits (the pings themselves are ``probe.ping_all``). Writes only the group's membership for what it finds lost
+(``WorkerGroup.reap`` and ``remove``), never a state, a counter or a checkpoint; the timings
+come from ``policy``.
+
+Failure detection (``collect``): Ray reports a dead actor; survivors' collectives fail when a
+peer's socket closes; members still in a step are pinged every LIVENESS_EVERY_S and lost when
+silent for PING_TIMEOUT_S (a stopped process, a vanished machine that closes no socket); a
+step that outlives its deadline (a multiple of recent step times, elastic.hang_floor_s at
+least) is hung even when its members answer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from raytrain_sys.control.supervisor.policy import LIVENESS_EVERY_S, PING_TIMEOUT_S, collective_timeout_s
+from raytrain_sys.control.supervisor.probe import ping_all
+from raytrain_sys.control.worker_group import Worker, WorkerGroup
+
+
+@dataclass
+class StepOutcome:
+    """How one step went on each member, keyed by worker slot."""
+
+    results: dict[int, dict] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)  # dead, hung or unreachable: removed
+    errored: dict[int, str] = field(default_factory=dict)  # alive; its collective failed
+    blocked: dict[int, str] = field(default_factory=dict)
+    failed: bool = False
+    detected_at_unix_s: float = 0.0  # when the first failure of the step was seen
+
+    def note_failures(self) -> None:
+        self.failed = bool(self.lost or self.errored)
+        if self.failed and not self.detected_at_unix_s:
+            self.detected_at_unix_s = time.time()
+
+
+class WorkerLost(Exception):
+    """A member died or stopped answering during a call outside the step."""
+
+    def __init__(self, worker: "Worker", reason: str):
+        super().__init__(reason)
+        self.worker, self.reason = worker, reason
+
+
+def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
+            deadline_s: float) -> StepOutcome:
+    """Wait for a step on every member; classify each as done, errored or lost.
+
+    Lost = dead (Ray reports the actor died), or not answering a ping on its control path
+    (a stopped process or a vanished node). Members still in the step after LIVENESS_EVERY_S
+    are pinged every LIVENESS_EVERY_S; one silent for PING_TIMEOUT_S is lost at once, long
+    before the step deadline (a vanished machine closes no socket: without this its peers
+    would wait in their all-reduce until the deadline). The deadline itself catches members
+    that answer but do not progress. Survivors whose collective failed because a peer
+    vanished report an error quickly; a peer blocked in a collective still answers pings.
+    Members found lost are killed and removed from ``group``.
+    """
+    outcome = StepOutcome()
+    by_ref = dict(zip(refs, members))
+    pending = list(refs)
+    t_start = time.monotonic()
+    deadline = t_start + deadline_s
+    pings: dict[int, tuple[object, float]] = {}  # slot -> (ping ref, sent at)
+    while pending:
+        # Once something failed, the rest finish (or fail) fast: their collective broke.
+        now = time.monotonic()
+        limit = deadline if not outcome.failed else min(deadline, now + 2.0)
+        if now >= limit:
+            break
+        ready, pending = ray.wait(pending, num_returns=1, timeout=min(limit - now, LIVENESS_EVERY_S))
+        for ref in ready:
+            w = by_ref[ref]
+            try:
+                outcome.results[w.slot] = ray.get(ref)
+            except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.RayActorError) as exc:
+                outcome.lost[w.slot] = f"died ({type(exc).__name__})"
+            except ray.exceptions.RayTaskError as exc:
+                outcome.errored[w.slot] = str(exc).strip().splitlines()[-1][:300]
+            outcome.note_failures()
+        if pending and time.monotonic() - t_start >= LIVENESS_EVERY_S:
+            silent = check_liveness([by_ref[r] for r in pending], pings)
+            for w in silent:
+                outcome.lost[w.slot] = (f"hung: no answer on its control path for "
+                                        f"{PING_TIMEOUT_S:g} s (stopped, or its node is unreachable)")
+            if silent:
+                outcome.note_failures()
+                break
+    if pending:
+        stuck = [by_ref[r] for r in pending if by_ref[r].slot not in outcome.lost]
+        # A liveness ping still in flight counts from when it was sent: a worker silent
+        # since before the deadline is not given a fresh PING_TIMEOUT_S.
+        now = time.monotonic()
+        answers, wait_until = {}, now
+        for w in stuck:
+            ref, sent = pings.get(w.slot, (None, 0.0))
+            if ref is None or ray.wait([ref], timeout=0)[0]:
+                ref, sent = w.actor.ping.remote(), now
+            answers[w.slot] = ref
+            wait_until = max(wait_until, sent + PING_TIMEOUT_S)
+        done, _ = ray.wait(list(answers.values()), num_returns=len(answers),
+                           timeout=max(0.0, wait_until - time.monotonic()))
+        for w in stuck:
+            if answers[w.slot] in done:
+                try:
+                    ray.get(answers[w.slot])
+                    outcome.blocked[w.slot] = "alive but blocked in the step"
+                    continue
+                except ray.exceptions.RayError:
+                    pass
+            outcome.lost[w.slot] = (f"hung: no answer within the {deadline_s:.1f} s step deadline"
+                                    if not outcome.lost and not outcome.errored
+                                    else "unreachable (node lost?)")
+        outcome.note_failures()
+        stuck = [by_ref[r] for r in pending]
+        # Kill what is lost so that blocked peers' collectives fail, then wait for them.
+        silent = [w for w in stuck if w.slot in outcome.lost]
+        group.reap(silent)
+        group.remove(silent)
+        still = [r for r in pending if by_ref[r].slot in outcome.blocked]
+        if still:
+            # Their collective fails as soon as the lost members' sockets close, or at the
+            # latest at its timeout (a vanished machine closes none).
+            done, late = ray.wait(still, num_returns=len(still),
+                                  timeout=max(30.0, collective_timeout_s(deadline_s) + PING_TIMEOUT_S))
+            for ref in done:
+                w = by_ref[ref]
+                outcome.blocked.pop(w.slot)
+                try:
+                    outcome.results[w.slot] = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    outcome.lost[w.slot] = "died"
+                except ray.exceptions.RayTaskError as exc:
+                    outcome.errored[w.slot] = str(exc).strip().splitlines()[-1][:300]
+            for ref in late:
+                outcome.lost[by_ref[ref].slot] = "blocked in a collective after its peers were lost"
+            outcome.blocked.clear()
+    outcome.note_failures()
+    return outcome
+
+
+def check_liveness(workers: list[Worker], pings: dict[int, tuple[object, float]]) -> list[Worker]:
+    """Ping each worker (one ping in flight per worker); return those silent too long."""
+    now = time.monotonic()
+    silent = []
+    for w in workers:
+        ref, sent = pings.get(w.slot, (None, 0.0))
+        if ref is not None:
+            answered, _ = ray.wait([ref], timeout=0)
+            if not answered:
+                if now - sent >= PING_TIMEOUT_S:
+                    silent.append(w)
+                continue
+            # Answered (or raised: then the step's own result reports the death).
+        if now - sent >= LIVENESS_EVERY_S:
+            pings[w.slot] = (w.actor.ping.remote(), now)
+    return silent
+
+
+def watch(group: WorkerGroup, worker: Worker, ref, what: str, ping_every_s: float = LIVENESS_EVERY_S):
+    """The result of ``ref`` (a call on ``worker``), waiting as long as the worker stays
+    responsive: a call that may rightly take long (a checkpoint of a big model) gets no
+    deadline, but a worker that stops answering its control path is lost (SIGSTOP, a vanished
+    node): killed, and ``WorkerLost`` raised."""
+    while True:
+        ready, _ = ray.wait([ref], timeout=ping_every_s)
+        if ready:
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLost(worker, f"died during {what} ({type(exc).__name__})") from None
+        _, dead, silent = ping_all([worker])
+        if dead:
+            raise WorkerLost(worker, f"died during {what}")
+        if silent:
+            group.reap([worker])
+            raise WorkerLost(worker, f"hung during {what}: no answer on its control path")

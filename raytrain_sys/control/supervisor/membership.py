@@ -1,0 +1,187 @@
+"""Who is in the group, and how the members come to hold the committed step.
+
+Owns: the group's membership changes that the Supervisor decides (newcomers in, members to
+standby, lost and leaving members out; ``WorkerGroup`` itself owns the actors), forming a
+process group (``layout_replicated``, which only it writes), and equalizing state across a new
+world: a broadcast from a holder in a replicated layout, pieces through Ray's object store in
+a sharded one, including the pieces of members that left a draining node (only it writes
+``departing_pieces``). It records no state transition, saves or loads no checkpoint and calls
+no other part of the Supervisor: ``reform`` returns ``Reformed``, ``NoHolders`` or
+``Uncovered`` (the Supervisor then restores a checkpoint), or raises ``MembersLost``.
+
+State across membership changes: survivors keep their model and optimizer objects; a new
+process group (new generation, new master port) is formed over the members and the ready
+newcomers. In a replicated layout (plain DDP) a newcomer receives the state by broadcast from
+a survivor that holds the committed step; in a sharded one every member of the new world
+assembles its blocks from the holders' pieces. If the holders do not cover the state (the
+only shard of something died), only a durable checkpoint can continue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+import raytrain_sys.control.supervisor.policy as policy
+from raytrain_sys.control.supervisor.probe import ping_all
+from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S
+from raytrain_sys.control.worker_group import Worker, WorkerGroup
+from raytrain_sys.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+class MembersLost(Exception):
+    """Members found dead or silent while the group re-forms."""
+
+    def __init__(self, dead: list["Worker"], silent: list["Worker"]):
+        super().__init__(", ".join([f"worker {w.slot} died" for w in dead]
+                                   + [f"worker {w.slot} silent" for w in silent]) or "no answer")
+        self.dead, self.silent = dead, silent
+
+
+@dataclass(frozen=True)
+class Reformed:
+    """A new process group over ``members``, every one holding the committed step."""
+
+    members: list
+
+
+@dataclass(frozen=True)
+class NoHolders:
+    """Every replica of the committed step is gone (they died during this rebuild)."""
+
+    members: list
+
+
+@dataclass(frozen=True)
+class Uncovered:
+    """The holders of the committed step do not hold all of it (``gaps``: missing tensors)."""
+
+    members: list
+    gaps: list[str]
+
+
+class Membership:
+    def __init__(self, spec: JobSpec, group: WorkerGroup):
+        self.spec, self.group = spec, group
+        # Whether every member holds a whole copy (plain DDP): then any one of them can save it.
+        self.layout_replicated = True
+        self.departing_pieces: list = []  # state of members leaving a draining node
+
+    # ------------------------------------------------------------------ who is in
+    def request_replacements(self) -> None:
+        """Replacements are requested at once; they start in the background."""
+        self.group.drop_stale_pending(self.spec.resources.start_timeout_s)
+        missing = policy.target_size(self.spec) - len(self.group.workers) - len(self.group.pending)
+        for _ in range(max(0, missing)):
+            self.group.request()
+
+    def wait_for(self, need: int, timeout_s: float) -> bool:
+        """Take newcomers in as they come up until there are ``need`` members (True), or
+        nothing is pending any more, or ``timeout_s`` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.group.workers) + len(self.group.pending) and time.monotonic() < deadline:
+            ready = self.group.ready_pending(timeout_s=1.0)
+            self.group.add(ready)
+            if len(self.group.workers) >= need:
+                return True
+            self.request_replacements()
+        return False
+
+    def survivors_held(self) -> dict[int, int]:
+        """Steps held by the members; members that died or stopped answering meanwhile (a
+        second fault during the first one's recovery) are removed as well."""
+        held, dead, silent = ping_all(self.group.workers)
+        if dead or silent:
+            log.warning("lost during the rebuild: %s",
+                        ", ".join(f"worker {w.slot}" for w in dead + silent))
+            self.group.reap(silent)
+            self.group.remove(dead + silent)
+        return held
+
+    def drop(self, lost: MembersLost) -> None:
+        """Lost members out. Nobody lost (a timeout): the same members are tried again; a
+        healthy one is never dropped, it may hold the only copy of the state."""
+        self.group.reap(lost.silent)
+        self.group.remove(lost.dead + lost.silent)
+
+    def take_leavers_pieces(self, leaving: list[Worker], committed_step: int) -> None:
+        """Members about to leave a draining node: in a sharded layout their shards may be the
+        only copy, so their pieces go into the object store first (the node lives until its
+        deadline) for the re-formed group to take; then they leave."""
+        if not self.layout_replicated:
+            held, _, _ = ping_all(leaving)
+            self.departing_pieces = [w.actor.state_pieces.remote() for w in leaving
+                                     if held.get(w.slot) == committed_step]
+        self.group.remove(leaving)
+
+    # ------------------------------------------------------------------ forming the group
+    def form_group(self, timeout_s: float = 120.0) -> list[dict]:
+        results = self.group.form_process_group(timeout_s=timeout_s)
+        self.layout_replicated = all(r["replicated"] for r in results)
+        return results
+
+    def reform(self, newcomers: list[Worker], committed_step: int,
+               source_slot: int | None = None) -> Reformed | NoHolders | Uncovered:
+        """New process group over the members + ``newcomers``; equalize state from a member
+        that holds the committed step (``source_slot`` when it still can). Raises
+        ``MembersLost`` (with what a ping finds) when a member dies or times out meanwhile."""
+        self.group.add(newcomers)
+        members = list(self.group.workers)
+        try:
+            # Members known lost now (e.g. a node gone since the last step) would stall
+            # the rendezvous until its timeout: leave them out from the start.
+            held, dead, silent = ping_all(members)
+            if dead or silent:
+                raise MembersLost(dead, silent)
+            members = self._fit_to_layout(members, held, committed_step)
+            results = self.form_group(timeout_s=RENDEZVOUS_TIMEOUT_S + 30.0)
+            held, dead, silent = ping_all(members)
+            if dead or silent:
+                raise MembersLost(dead, silent)
+            holders = [w.slot for w in members if held[w.slot] == committed_step]
+            if not holders:
+                return NoHolders(members)
+            if any(r["stashed"] for r in results) or not all(r["replicated"] for r in results):
+                gaps = self._share_state_as_pieces(members, held, committed_step)
+                if gaps:
+                    return Uncovered(members, gaps)
+            elif len(set(held.values())) > 1:
+                src_slot = source_slot if source_slot in holders else holders[0]
+                src = next(i for i, w in enumerate(members) if w.slot == src_slot)
+                ray.get([w.actor.sync_state.remote(src) for w in members], timeout=120)
+            held, dead, silent = ping_all(members)
+            if dead or silent:
+                raise MembersLost(dead, silent)
+            assert set(held.values()) == {committed_step}, \
+                f"members hold {held} after the state sync, committed {committed_step}"
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            raise MembersLost(*ping_all(members)[1:]) from None
+        return Reformed(members)
+
+    def _fit_to_layout(self, members: list[Worker], held: dict[int, int], committed_step: int) -> list[Worker]:
+        """The members the parallel degrees can use: the largest usable world, holders of the
+        committed step first; the rest wait on standby for a larger world."""
+        extra = policy.standby_for_layout(members, held, committed_step, self.spec.parallel)
+        if not extra:
+            return members
+        self.group.bench(extra)
+        log.info("%d worker(s) on standby: parallel degrees need a world of %d, not %d",
+                 len(extra), len(members) - len(extra), len(members))
+        return [w for w in self.group.workers]
+
+    def _share_state_as_pieces(self, members: list[Worker], held: dict[int, int], step: int) -> list[str]:
+        """Members re-cut for a new layout take their blocks of the state the holders of the
+        committed step hold (their pieces, passed through Ray's object store; the Supervisor
+        never reads them). Returns what the holders do not cover (empty: all is covered), e.g.
+        the only shard of some layer died."""
+        refs = [w.actor.state_pieces.remote() for w in members if held[w.slot] == step]
+        refs += self.departing_pieces  # members that left a draining node just now
+        missing = ray.get([w.actor.load_pieces.remote(refs, step) for w in members], timeout=300)
+        del refs
+        self.departing_pieces = []
+        return sorted({k for m in missing for k in m})

@@ -1,0 +1,621 @@
+"""The Supervisor: the driver-side owner of a run, and the one that sequences its parts.
+
+It owns the run's state (``journal``: every transition goes through ``_transition``, logged
+with its reason, in summary.json and as an MLflow event) and decides what happens next; the
+parts it calls return outcomes and never call one another: ``launch`` (pre-flight, tracking,
+warm-up), ``steps`` (dispatch, settle, commit; the committed-step counter and data cursor),
+``liveness`` (how a step went, is a member alive), ``membership`` (who is in, re-forming the
+group, sharing state), ``checkpoints`` (save, load, the manifest); with two that decide or
+ask without acting: ``policy`` (pure decisions: step deadline, run-ahead, failure budget,
+layout fit, drain plan) and ``probe`` (which step each member holds). It never touches
+tensors.
+
+States: starting -> running <-> checkpointing -> finished | stopped | failed, with restoring
+between starting and running when a run resumes from a checkpoint. From running, at a failed
+step: rebuilding (survivors re-form the group in place; waiting while below
+elastic.min_workers; restoring only when no replica holds the state); at a step boundary:
+resizing (newcomers join) and draining (members leave nodes marked for preemption). The
+allowed moves are ``journal.State.allowed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+
+from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
+from raytrain_sys.checkpoint.store import open_store
+from raytrain_sys.control.run_record import RunSummary, git_commit
+import raytrain_sys.control.supervisor.launch as launch
+import raytrain_sys.control.supervisor.policy as policy
+from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible
+from raytrain_sys.control.supervisor.journal import State, transition_record
+from raytrain_sys.control.supervisor.liveness import StepOutcome, WorkerLost, collect, watch
+from raytrain_sys.control.supervisor.probe import ping_all
+from raytrain_sys.control.supervisor.membership import (Membership, MembersLost, NoHolders, Reformed,
+                                                        Uncovered)
+from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch
+from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
+from raytrain_sys.data.plane import DataPlane
+from raytrain_sys.errors import CheckpointError, DataError, StorageError, TrainingFailed, find_user_error
+from raytrain_sys.parallel.mesh import is_data_leader_rank
+from raytrain_sys.spec import JobSpec, from_dict
+from raytrain_sys.tracking import mlflow_tracker as mt
+
+log = logging.getLogger(__name__)
+
+# Test hook: crash the driver after a checkpoint's data files are written and before its
+# manifest, at this step. Used to prove that a half-written checkpoint stays invisible.
+FAULT_BEFORE_MANIFEST_ENV = "RAYTRAIN_SYS_FAULT_BEFORE_MANIFEST_STEP"
+
+
+@dataclass
+class RunResult:
+    status: str
+    run_dir: str
+    committed_steps: int
+    losses: list[float]
+    mlflow_run_id: str
+    newest_checkpoint: str
+    summary_path: str
+    reason: str = ""
+
+
+class Supervisor:
+    def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
+                 previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None):
+        self.spec = spec
+        self.resume_run_id = resume_run_id
+        # The run key of the launch this one continues: its leftovers are removed before start.
+        self.previous_run_key = previous_run_key
+        self.on_step = on_step
+        self.state = State.STARTING
+        self.output_dir = os.path.abspath(spec.output_dir)
+        self.run_dir = run_dir or os.path.join(
+            self.output_dir, f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid() % 10000}")
+        # Names this run's actors and placement groups; a resume into the same run dir keeps it.
+        self.run_key = os.path.basename(self.run_dir.rstrip("/"))
+        self.tracking_uri = spec.tracking.uri or mt.default_tracking_uri(self.output_dir)
+        self.checkpoint_root = launch.resolve_dir(spec.checkpoint.uri or os.path.join(self.run_dir, "checkpoints"))
+        self.summary = RunSummary(job=spec.name, run_dir=self.run_dir)
+        self.tracker = None
+        self.group: WorkerGroup | None = None
+        self.data: DataPlane | None = None
+        # The parts, made as the run starts (see ``run``).
+        self.steps: Steps | None = None
+        self.membership: Membership | None = None
+        self.checkpoints: Checkpoints | None = None
+        self._local_cluster = False
+        self._last_drain_poll = 0.0
+        self._failures: list[float] = []  # unix times of recent membership failures
+        self._handover_waits: set[str] = set()  # draining nodes whose members await successors
+
+    @property
+    def committed_step(self) -> int:
+        return self.steps.committed_step if self.steps is not None else 0
+
+    @property
+    def data_cursor(self) -> int:
+        return self.steps.data_cursor if self.steps is not None else 0
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _transition(self, state: State, reason: str, detected_at_unix_s: float = 0.0) -> None:
+        """The one place the state changes: a move ``State`` does not allow raises. Records it;
+        ``detected_at_unix_s``: when the failure that caused it was seen, if earlier (the
+        rebuild decision waits for the rest of the step's members)."""
+        self.state.check_move(state)
+        log.info("supervisor: %s -> %s (%s)", self.state.value, state.value, reason)
+        self.state = state
+        self.summary.status = state.value
+        self.summary.transitions.append(
+            transition_record(state, reason, self.committed_step, time.time(), detected_at_unix_s))
+        if self.tracker is not None:
+            try:
+                self.tracker.log_event(self.committed_step, state.value, reason)
+            except Exception as exc:
+                log.warning("could not record transition in MLflow: %s", exc)
+        self.summary.write()
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> RunResult:
+        spec = self.spec
+        # First, before anything of the run is written: a resume must not touch the record of a
+        # run whose earlier driver is still alive.
+        removed = launch.clean_up_previous_launch(spec, self.previous_run_key)
+        try:
+            found = launch.preflight(spec, self.output_dir, self.run_dir, self.checkpoint_root,
+                                     self.tracking_uri)
+            resume_info = found.resume_info
+            self.summary.spec_hash = spec.spec_hash()
+            self.summary.training_hash = spec.training_hash()
+            self.summary.git_commit = git_commit()
+            self.summary.tracking_uri = self.tracking_uri
+            if resume_info is not None:
+                check_compatible(spec, resume_info)
+                previous = RunSummary.read(self.run_dir)
+                if previous is not None:
+                    previous.truncate_to(resume_info.step)
+                    self.summary = previous
+                    self.summary.reason = ""
+            self.summary.write()
+
+            self._local_cluster = connect_ray(spec)
+            # The first reads (reader processes start, shards are checked) run while the workers
+            # start, from the cursor the run continues at.
+            self.data = DataPlane.for_job(
+                spec, found.manifest, end_position=spec.train.max_steps * spec.train.global_batch_size,
+                run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason),
+                task=found.task)
+            warm = launch.warm_data(spec, self.data,
+                                    int(resume_info.manifest["data_cursor"]) if resume_info else 0)
+            if removed:
+                self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
+                                 f"left by the lost driver of run {self.previous_run_key}")
+            store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled else None
+            self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key)
+            self.group.start(spec.resources.num_workers)
+            if store is not None:
+                store.join()
+            self.tracker = launch.start_tracking(spec, self.summary, self.tracking_uri, self.resume_run_id,
+                                                 self.run_dir, self.output_dir, self.checkpoint_root)
+            self.membership = Membership(spec, self.group)
+            self.steps = Steps(spec, self.data, self.group, found.task, self.summary, self.tracker,
+                               self.on_step, found.flops_per_token)
+            self.checkpoints = Checkpoints(spec, found.checkpointer, self.checkpoint_root, found.manifest,
+                                           self.summary, self.tracker)
+            self._transition(State.STARTING, f"{self.group.world_size} workers placed")
+            self.membership.form_group()
+            if resume_info is not None:
+                self._restore(resume_info)
+            if warm is not None:
+                warm.join()
+                self.data.wait_s = 0.0  # spent while the workers started, not waited for by them
+            self._transition(State.RUNNING, f"training from step {self.committed_step}")
+            self._loop()
+            if spec.checkpoint.save_on_exit and not self.checkpoints.saved(self.committed_step):
+                self._checkpoint(final=True)
+            if self.committed_step < spec.train.max_steps:
+                self._transition(State.STOPPED, f"paused at train.stop_at_step={spec.train.stop_at_step}")
+            else:
+                self._transition(State.FINISHED, f"reached train.max_steps={spec.train.max_steps}")
+            return self._result()
+        except BaseException as exc:
+            user = find_user_error(exc) if not isinstance(exc, KeyboardInterrupt) else None
+            reason = str(user) if user is not None else (
+                "interrupted by the user" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}")
+            self.summary.reason = reason
+            if not self.state.terminal:
+                self._transition(State.FAILED, reason)
+            if user is not None:
+                raise user from None
+            raise
+        finally:
+            self._teardown()
+
+    def _restore(self, info: CheckpointInfo) -> None:
+        """Load a durable checkpoint into every member: the fallback when no replica holds state."""
+        self._transition(State.RESTORING, f"loading checkpoint {info.uri}")
+        self.checkpoints.load(self.group, info)
+        self.steps.rewind(info.step, int(info.manifest["data_cursor"]))
+
+    # ------------------------------------------------------------------ the step loop
+    def _loop(self) -> None:
+        spec = self.spec
+        last = spec.train.max_steps
+        if spec.train.stop_at_step:
+            last = min(last, spec.train.stop_at_step)
+        self.steps.open(self.run_dir)
+        ahead: _Dispatch | None = None
+        try:
+            while self.committed_step < last:
+                if ahead is None:
+                    self._at_step_boundary()
+                    cur = self.steps.dispatch(self.committed_step)
+                else:
+                    cur, ahead = ahead, None
+                if self._may_run_ahead(cur.step + 1, last):
+                    try:
+                        ahead = self.steps.dispatch(cur.step + 1, after=cur)
+                    except DataError:
+                        pass  # raised again, in step order, when the step is sent in turn
+                outcome = collect(self.group, cur.members, cur.refs, cur.step, cur.deadline_s)
+                done_at = time.perf_counter()
+                if ahead is not None:
+                    ahead.t0 = done_at  # its members start it as they finish this one
+                if outcome.failed:
+                    self.steps.keep_for_resend(cur, ahead)
+                    if ahead is not None:
+                        self.steps.settle(ahead, outcome)
+                        ahead = None
+                    self._recover(cur, outcome, done_at - cur.t0)
+                    continue
+                # Committed: every rank finished its optimizer step.
+                results = [outcome.results[w.slot] for w in cur.members]
+                self.summary.steps_run_ahead += cur.sent_ahead
+                self.steps.commit(cur.step, results, cur.units, cur.ids, cur.shares, done_at - cur.t0,
+                                  cur.data_wait)
+                every = spec.checkpoint.every_steps
+                if every and self.committed_step % every == 0 and self.committed_step < last:
+                    self._checkpoint(final=False)
+        finally:
+            self.steps.close()
+
+    def _step_deadline_s(self) -> float:
+        """A step slower than this is hung: a multiple of recent step times, with a floor."""
+        return self.steps._step_deadline_s()
+
+    def _may_run_ahead(self, step: int, last: int) -> bool:
+        """Whether step ``step`` may be sent before the one before it is committed: only when
+        the boundary between them has nothing to do (``policy.run_ahead_hold``) and no member
+        is on a draining node."""
+        if policy.run_ahead_hold(step, last, self.spec, len(self.group.workers), policy.target_size(self.spec)):
+            return False
+        now = time.monotonic()
+        if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
+            # The drain poll, done now while the members compute: a draining member must leave
+            # at the coming boundary, so that boundary is kept.
+            draining = self._draining_nodes()
+            if draining is None:
+                return False
+            everyone = self.group.workers + self.group.pending + self.group.standby
+            if any(w.node_id in draining for w in everyone):
+                return False
+            self._last_drain_poll = now
+        return True
+
+    # ------------------------------------------------------------------ recovery
+    def _count_failure(self, reason: str) -> None:
+        self._failures, decision = policy.failure_budget(self._failures, time.time(), self.spec.elastic, reason)
+        self.summary.failures += 1
+        if isinstance(decision, policy.Stop):
+            self._fail_with_checkpoint(decision.reason)
+        elif not isinstance(decision, policy.Continue):
+            raise TypeError(f"unknown failure decision {decision!r}")
+
+    def _recover(self, sent: _Dispatch, outcome: StepOutcome, step_time_s: float) -> None:
+        """Rebuild in place after a failed step: survivors keep their state; nothing committed is lost.
+
+        ``sent.members`` and ``sent.shares`` are the step's, rank by rank (``collect`` may
+        already have removed hung members from the group)."""
+        step, members, batch, shares = sent.step, sent.members, sent.batch, sent.shares
+        lost = [w for w in members if w.slot in outcome.lost]
+        reason = "; ".join([f"worker {w.slot} on node {w.node_id[:8]} {outcome.lost[w.slot]}" for w in lost]
+                           + [f"worker {s} error: {m}" for s, m in outcome.errored.items()])
+
+        def commit_if_finished(held: dict[int, int]) -> None:
+            # Did the step finish on some replica? Then its update is complete and correct (every
+            # rank's gradient went into the all-reduce): commit it instead of redoing it.
+            if max(held.values()) == step + 1:
+                degrees = self.spec.parallel.degrees(len(members))
+                done = [i for i, w in enumerate(members) if w.slot in outcome.results
+                        and is_data_leader_rank(degrees, i)]  # the ranks whose loss counts
+                units = sum(int(batch.row_units[shares[i]].sum()) for i in done)
+                results = [outcome.results[members[i].slot] for i in done]
+                self.steps.commit(step, results, units, sent.ids, shares, step_time_s, sent.data_wait,
+                                  world_size=len(members))
+                log.info("step %d had finished on a survivor: committed, not redone", step + 1)
+
+        self._rebuild_without(lost, f"step {step + 1} failed: {reason}", commit_if_finished,
+                              detected_at_unix_s=outcome.detected_at_unix_s)
+
+    def _rebuild_without(self, lost: list[Worker], reason: str,
+                         before_reform: Callable[[dict[int, int]], None] | None = None,
+                         detected_at_unix_s: float = 0.0) -> None:
+        """Drop ``lost`` members and re-form the group from the survivor holding the newest step;
+        with no survivor, fall back to the newest durable checkpoint."""
+        self._transition(State.REBUILDING, reason, detected_at_unix_s)
+        self.group.remove(lost)
+        held = self.membership.survivors_held()
+        if held and before_reform is not None:
+            before_reform(held)
+        # After the commit of a step that had finished: should the budget stop the run, the
+        # state it saves is the newest one.
+        self._count_failure(reason)
+        if not self.group.workers:
+            self._restore_all_lost()
+            return
+        self._reform(source_slot=max(held, key=held.get))
+
+    def _reform(self, source_slot: int | None = None, reason: str = "") -> None:
+        """New process group over the members (+ ready newcomers), state equalized
+        (``Membership.reform``); a checkpoint restored when the members cannot hold the state."""
+        for attempt in range(5):
+            self.membership.request_replacements()
+            newcomers = self.group.ready_pending(timeout_s=0.0)
+            self._wait_for_min_workers(extra=len(newcomers))
+            newcomers += self.group.ready_pending(timeout_s=0.0)
+            members = list(self.group.workers) + newcomers
+            try:
+                outcome = self.membership.reform(newcomers, self.committed_step, source_slot)
+                members = outcome.members
+                if isinstance(outcome, NoHolders):
+                    # Every replica of the committed step is gone (they died during this
+                    # rebuild): only a durable checkpoint can continue the run.
+                    self._restore_all_lost()
+                    return
+                if isinstance(outcome, Uncovered):
+                    self._restore_uncovered(outcome)
+                    return
+                if not isinstance(outcome, Reformed):
+                    raise TypeError(f"unknown membership outcome {outcome!r}")
+            except (MembersLost, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                if not isinstance(exc, MembersLost):
+                    exc = MembersLost(*ping_all(members)[1:])
+                log.warning("rebuild attempt %d failed (%s); dropping %d lost workers", attempt + 1,
+                            exc, len(exc.dead + exc.silent))
+                self.membership.drop(exc)
+                if not self.group.workers:
+                    self._restore_all_lost()
+                    return
+                continue
+            self._transition(State.RUNNING, reason or f"rebuilt: world {len(members)}, generation "
+                             f"{self.group.generation}, {len(newcomers)} newcomers")
+            return
+        self._fail_with_checkpoint("could not re-form the process group after 5 attempts")
+
+    def _restore_uncovered(self, outcome: Uncovered) -> None:
+        """The surviving pieces miss part of the state: the newest durable checkpoint, resharded."""
+        step, gaps = self.committed_step, outcome.gaps
+        info = self.checkpoints.latest()
+        reason = (f"the surviving workers do not hold all of the state of step {step} (no copy "
+                  f"of {', '.join(gaps[:2])}{' ...' if len(gaps) > 2 else ''})")
+        if info is None:
+            raise TrainingFailed(f"{reason} and no checkpoint exists in {self.checkpoint_root}; "
+                                 f"set checkpoint.every_steps, or keep replicas (parallel.dp, hsdp)")
+        self._transition(State.RESTORING, f"{reason}: restoring {info.uri}")
+        self._restore(info)
+        self._transition(State.RUNNING, f"restored from {info.uri}, resharded to world {len(outcome.members)}")
+
+    def _wait_for_min_workers(self, extra: int = 0) -> None:
+        e = self.spec.elastic
+        need = policy.min_world(self.spec)
+        if len(self.group.workers) + extra >= need:
+            return
+        self._transition(State.WAITING, f"{len(self.group.workers) + extra} workers, below "
+                         f"{need} (elastic.min_workers={e.min_workers}, parallel degrees): waiting "
+                         f"up to {e.below_min_timeout_s:g} s")
+        if self.membership.wait_for(need, e.below_min_timeout_s):
+            return
+        self._fail_with_checkpoint(f"the group stayed below elastic.min_workers={e.min_workers} for "
+                                   f"elastic.below_min_timeout_s={e.below_min_timeout_s:g} s")
+
+    def _restore_all_lost(self) -> None:
+        """No replica holds the state: new workers, newest durable checkpoint."""
+        info = self.checkpoints.latest()
+        if info is None:
+            raise TrainingFailed(f"every worker was lost at step {self.committed_step} and no "
+                                 f"checkpoint exists in {self.checkpoint_root}; set "
+                                 f"checkpoint.every_steps to survive this")
+        self.membership.request_replacements()
+        self._wait_for_min_workers()
+        self.group.add(self.group.ready_pending(timeout_s=0.0))
+        self.membership.form_group(timeout_s=120.0)
+        self._restore(info)
+        self._transition(State.RUNNING, f"restored from {info.uri} after losing every worker")
+
+    def _fail_with_checkpoint(self, reason: str) -> None:
+        """Stop with a clear error, saving the in-memory state first when a replica holds it."""
+        saved = ""
+        if self.group.workers and not self.checkpoints.saved(self.committed_step):
+            try:
+                saved = self._save_before_failing()
+            except Exception as exc:  # the failure is the news; the save is a courtesy
+                saved = f"; could not save a checkpoint: {exc}"
+        raise TrainingFailed(reason + (saved or f"; newest checkpoint: {self.summary.newest_checkpoint or 'none'}"))
+
+    def _save_before_failing(self) -> str:
+        """The committed state, written by the members that hold it. No rebuild, no retry
+        through the failure path: the run is ending. The process group may be broken; a save
+        needs none. In a replicated layout any one holder has it all (the next one writes it
+        when one fails); in a sharded one every member must still be there (each writes the
+        blocks it owns)."""
+        step = self.committed_step
+        replicated = self.membership.layout_replicated
+        self._transition(State.CHECKPOINTING, f"saving step {step} before stopping")
+        held, dead, silent = ping_all(self.group.workers)
+        holders = [w for w in self.group.workers if held.get(w.slot) == step]
+        if not holders or (not replicated and len(holders) < len(self.group.workers)):
+            return f"; no complete copy of step {step} left among the workers to save it"
+        files = []
+        for w in holders:
+            ref = self.checkpoints.save_call(w, step, everything=replicated)
+            try:
+                files += watch(self.group, w, ref, f"the final checkpoint of step {step}")
+            except (WorkerLost, ray.exceptions.RayError) as exc:
+                log.warning("worker %d could not save step %d: %s", w.slot, step, exc)
+                if not replicated:
+                    return f"; worker {w.slot} was lost while saving step {step}: not saved"
+                continue
+            if replicated:
+                break
+        else:
+            if replicated:
+                return f"; no surviving worker could save step {step}"
+        info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size)
+        return f"; state saved at step {step}: {info.uri}"
+
+    # ------------------------------------------------------------------ membership at step boundaries
+    def _at_step_boundary(self) -> None:
+        """Between steps: leave draining (preempted) nodes, take in ready newcomers."""
+        now = time.monotonic()
+        if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
+            self._last_drain_poll = now
+            self._leave_draining_nodes()
+        if len(self.group.workers) < policy.target_size(self.spec):
+            self.membership.request_replacements()
+            ready = self.group.ready_pending(timeout_s=0.0)
+            if not policy.grows(self.spec.parallel, len(self.group.workers), len(ready)):
+                self.group.standby += ready  # not enough for the next usable world yet
+                ready = []
+            if ready:
+                self._transition(State.RESIZING, f"{len(ready)} worker(s) ready: growing to "
+                                 f"{len(self.group.workers) + len(ready)}")
+                self.group.add(ready)
+                self._reform(source_slot=self.group.workers[0].slot,
+                             reason=f"grown to world {len(self.group.workers)}")
+
+    @staticmethod
+    def _draining_nodes() -> dict | None:
+        """Nodes marked for preemption, by node id; None when the lookup failed."""
+        try:
+            from raytrain_sys.control.drain import draining_nodes
+
+            return draining_nodes()
+        except Exception as exc:  # a GCS hiccup must not stop training
+            log.debug("could not read draining nodes: %s", exc)
+            return None
+
+    def _leave_draining_nodes(self) -> None:
+        """Members on nodes marked for preemption leave at this step boundary, with no step lost
+        (``policy.drain_plan``: leave now; hand the state over to ready newcomers; train on
+        while replacements start; or, when the notice's time runs out, save a checkpoint first)."""
+        draining = self._draining_nodes()
+        if not draining:
+            return
+        self.group.remove([w for w in self.group.pending + self.group.standby if w.node_id in draining])
+        leaving = [w for w in self.group.workers if w.node_id in draining]
+        if not leaving:
+            return
+        deadlines = [d for d in (draining[w.node_id].deadline_unix_s for w in leaving) if d]
+        deadline = min(deadlines) if deadlines else None
+        when = f"deadline in {deadline - time.time():.0f} s" if deadline else "no deadline"
+        staying = [w for w in self.group.workers if w not in leaving]
+        need = policy.drain_floor(self.spec.elastic)
+        ready = ([w for w in self.group.ready_pending(timeout_s=0.0) if w.node_id not in draining]
+                 if len(staying) < need else [])
+        plan = policy.drain_plan(len(staying), len(ready), len(self.group.pending), need, deadline, time.time())
+        what = f"{len(leaving)} worker(s) on draining node(s) ({when})"
+        if isinstance(plan, policy.HandOver):
+            self._transition(State.DRAINING, f"{what}: {len(ready)} newcomer(s) take the state over at "
+                             f"step {self.committed_step}")
+            self.group.add(ready)
+            self._reform(source_slot=leaving[0].slot,
+                         reason=f"{len(ready)} newcomer(s) hold the state of step {self.committed_step}")
+        elif isinstance(plan, policy.TrainOn):
+            for _ in range(plan.request):
+                self.group.request()
+            if not self._handover_waits & {w.node_id for w in leaving}:
+                self._handover_waits |= {w.node_id for w in leaving}
+                self._transition(State.DRAINING, f"{what}: training on until a replacement is up to "
+                                 f"take the state over")
+                self._transition(State.RUNNING, "waiting for replacements of draining workers")
+            return
+        elif isinstance(plan, policy.SaveThenLeave):
+            self._transition(State.DRAINING, f"{what}: no replacement in time, saving a checkpoint at "
+                             f"step {self.committed_step} before leaving")
+            if not self.checkpoints.saved(self.committed_step):
+                self._checkpoint(final=False)
+        elif isinstance(plan, policy.Leave):
+            self._transition(State.DRAINING, f"{what}: leaving at step {self.committed_step}")
+        else:
+            raise TypeError(f"unknown drain plan {plan!r}")
+        self.membership.take_leavers_pieces(leaving, self.committed_step)
+        if not self.group.workers:
+            self.membership.departing_pieces = []
+            self._restore_all_lost()
+            return
+        self._reform(source_slot=self.group.workers[0].slot,
+                     reason=f"left draining node(s): world {len(self.group.workers)}")
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint(self, final: bool) -> None:
+        step = self.committed_step
+        self._transition(State.CHECKPOINTING, f"{'final' if final else 'periodic'} checkpoint at step {step}")
+        try:
+            files = self._save_checkpoint_files(step)
+            if files is None:  # the group fell back to an older checkpoint meanwhile
+                return
+            if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
+                raise RuntimeError(f"injected fault before the manifest of step {step}")
+            info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size)
+        except Exception as exc:
+            user = find_user_error(exc)
+            if user is None or not isinstance(user, StorageError):
+                raise
+            if final:
+                raise StorageError(f"final checkpoint at step {step} could not be saved: {user}") from None
+            # Training state is still in memory: keep going, try again at the next interval.
+            log.warning("checkpoint at step %d failed, training continues: %s", step, user)
+            self._transition(State.RUNNING, f"checkpoint at step {step} failed: {user}")
+            return
+        self._transition(State.RUNNING, f"checkpoint committed: {info.uri}")
+
+    def _save_checkpoint_files(self, step: int) -> list[dict] | None:
+        """Have every member write the blocks of the state of ``step`` it owns (in a replicated
+        layout rank 0 owns all of it). A member lost mid-save: the group is rebuilt without it
+        (its blocks are re-dealt) and the save starts over. None when the group had to fall
+        back to an older checkpoint meanwhile."""
+        for _ in range(3):
+            members = list(self.group.workers)
+            refs = [(w, self.checkpoints.save_call(w, step)) for w in members]
+            try:
+                return [record for w, ref in refs
+                        for record in watch(self.group, w, ref, f"the checkpoint of step {step}")]
+            except WorkerLost as lost:
+                ray.wait([r for _, r in refs], num_returns=len(refs), timeout=policy.PING_TIMEOUT_S)
+                self._rebuild_without([lost.worker], f"worker {lost.worker.slot} on node "
+                                      f"{lost.worker.node_id[:8]} {lost.reason}")
+            if self.committed_step != step:
+                return None
+            self._transition(State.CHECKPOINTING, f"checkpoint at step {step}, retried after a rebuild")
+        raise TrainingFailed(f"checkpoint at step {step}: members were lost during three attempts")
+
+    # ------------------------------------------------------------------ end
+    def _result(self) -> RunResult:
+        s = self.summary
+        return RunResult(s.status, self.run_dir, self.committed_step, list(s.losses), s.mlflow_run_id,
+                         s.newest_checkpoint, s.path, s.reason)
+
+    def _teardown(self) -> None:
+        self.summary.finished_at = time.time()
+        if self.data is not None:
+            self.data.close()
+        if self.group is not None:
+            self.group.shutdown()
+        if self.tracker is not None:
+            status = {State.FINISHED: "FINISHED", State.STOPPED: "KILLED"}.get(self.state, "FAILED")
+            try:
+                self.tracker.finish(status)
+            except Exception as exc:
+                log.warning("could not close the MLflow run: %s", exc)
+        self.summary.write()
+        if self._local_cluster:
+            ray.shutdown()
+
+
+def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = None) -> RunResult:
+    """Run a job to completion on the cluster the spec names (or a local one)."""
+    return Supervisor(spec, on_step=on_step).run()
+
+
+def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
+               output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None) -> RunResult:
+    """Continue the MLflow run ``run_id`` from its newest committed checkpoint, in the same run."""
+    from raytrain_sys.spec import apply_overrides
+
+    uri = tracking_uri or mt.default_tracking_uri(os.path.abspath(output_dir))
+    mt.check_reachable(uri)
+    record = mt.Tracker.lookup(uri, run_id)
+    raw = apply_overrides(record.spec_dict, overrides or [])
+    raw.setdefault("tracking", {})["uri"] = uri
+    checkpoint_root = record.tags.get(mt.TAG_CHECKPOINT_ROOT, "")
+    if checkpoint_root:
+        raw.setdefault("checkpoint", {})["uri"] = checkpoint_root
+    raw["checkpoint"]["resume_from"] = "latest"
+    # A pause point belongs to the invocation that paused; resuming runs on unless told again.
+    if not any(o.startswith("train.stop_at_step=") for o in overrides or []):
+        raw.setdefault("train", {})["stop_at_step"] = 0
+    spec = from_dict(raw)
+    run_dir = record.run_dir if record.run_dir and os.path.isdir(record.run_dir) else ""
+    previous_key = os.path.basename(record.run_dir.rstrip("/")) if record.run_dir else ""
+    sup = Supervisor(spec, resume_run_id=run_id, run_dir=run_dir, previous_run_key=previous_key,
+                     on_step=on_step)
+    if Checkpointer(open_store(sup.checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
+        raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {sup.checkpoint_root}: "
+                              f"nothing to resume; start it again with `raytrain-sys run`")
+    return sup.run()

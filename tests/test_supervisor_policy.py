@@ -1,0 +1,215 @@
+"""The Supervisor's pure parts: its decisions (``policy``) and its state table (``journal``).
+No Ray: each decision is a function of the numbers it is given."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_sys.control.supervisor import policy
+from raytrain_sys.control.supervisor.journal import State, TransitionNotAllowed, transition_record
+from raytrain_sys.errors import TrainingFailed
+from raytrain_sys.spec import ElasticSpec, ParallelSpec, from_dict
+
+
+def job(**sections):
+    raw = {"name": "t", "model": {"name": "gpt"}, "data": {"path": "/nowhere"}}
+    for section, fields in sections.items():
+        raw.setdefault(section, {}).update(fields)
+    return from_dict(raw)
+
+
+class Member:
+    def __init__(self, slot):
+        self.slot = slot
+
+    def __repr__(self):
+        return f"Member({self.slot})"
+
+
+# ------------------------------------------------------------------ step deadline
+@pytest.mark.parametrize("times, expected", [
+    ([], 600.0),
+    ([0.5, 0.5], 600.0),
+    ([0.5, 0.6, 0.7], 30.0),
+    ([5.0, 6.0, 7.0, 100.0], 70.0),
+    ([100.0, 100.0, 100.0], 600.0),
+], ids=[
+    "no step yet: the generous train.step_timeout_s",
+    "fewer than three steps (warm-up): still train.step_timeout_s",
+    "fast steps: the elastic.hang_floor_s floor",
+    "slow steps: hang_factor times the median, one outlier ignored",
+    "very slow steps: capped by train.step_timeout_s",
+])
+def test_step_deadline(times, expected):
+    spec = job(train={"step_timeout_s": 600.0}, elastic={"hang_floor_s": 30.0, "hang_factor": 10.0})
+    assert policy.step_deadline_s(times, spec) == pytest.approx(expected)
+
+
+def test_collective_timeout_is_just_past_the_liveness_verdict():
+    assert policy.collective_timeout_s(30.0) == 30.0 + policy.LIVENESS_EVERY_S + policy.PING_TIMEOUT_S
+
+
+# ------------------------------------------------------------------ run-ahead
+@pytest.mark.parametrize("train, checkpoint, step, last, world, target, held", [
+    ({"run_ahead": True}, {"every_steps": 0}, 5, 20, 2, 2, False),
+    ({"run_ahead": False}, {"every_steps": 0}, 5, 20, 2, 2, True),
+    ({"run_ahead": True}, {"every_steps": 0}, 20, 20, 2, 2, True),
+    ({"run_ahead": True}, {"every_steps": 5}, 10, 20, 2, 2, True),
+    ({"run_ahead": True}, {"every_steps": 5}, 11, 20, 2, 2, False),
+    ({"run_ahead": True}, {"every_steps": 0}, 5, 20, 1, 2, True),
+], ids=[
+    "nothing at the boundary: sent ahead",
+    "train.run_ahead off: never sent ahead",
+    "past the last step: nothing to send",
+    "a checkpoint is due at the boundary: held",
+    "the step after a checkpoint boundary: sent ahead",
+    "below the target world: the boundary may take newcomers, held",
+])
+def test_run_ahead(train, checkpoint, step, last, world, target, held):
+    spec = job(train=train, checkpoint=checkpoint)
+    reason = policy.run_ahead_hold(step, last, spec, world, target)
+    assert bool(reason) is held, reason
+
+
+# ------------------------------------------------------------------ failure budget
+@pytest.mark.parametrize("earlier, now, stops, kept", [
+    ([], 1000.0, False, 1),
+    ([990.0, 995.0], 1000.0, False, 3),
+    ([980.0, 990.0, 995.0], 1000.0, True, 4),
+    ([100.0, 200.0, 990.0], 1000.0, False, 2),
+], ids=[
+    "a first failure is within the budget",
+    "the third failure in the window is still allowed (max_failures=3)",
+    "a fourth failure within the window stops the run",
+    "failures older than the window are forgotten",
+])
+def test_failure_budget(earlier, now, stops, kept):
+    elastic = ElasticSpec(max_failures=3, failure_window_s=60.0)
+    times, decision = policy.failure_budget(earlier, now, elastic, "worker 1 died")
+    assert len(times) == kept and times[-1] == now
+    assert isinstance(decision, policy.Stop if stops else policy.Continue)
+    if stops:
+        assert "elastic.max_failures=3" in decision.reason and decision.reason.endswith("last: worker 1 died")
+
+
+def test_failure_budget_leaves_its_input_alone():
+    earlier = [980.0, 990.0]
+    policy.failure_budget(earlier, 1000.0, ElasticSpec(), "x")
+    assert earlier == [980.0, 990.0]
+
+
+# ------------------------------------------------------------------ fit to layout
+@pytest.mark.parametrize("tp, members, held, standby", [
+    (1, [1, 2, 3], {1: 5, 2: 5, 3: 5}, []),
+    (2, [1, 2, 3, 4], {1: 5, 2: 5, 3: 5, 4: 5}, []),
+    (2, [1, 2, 3], {1: 5, 2: 5, 3: 5}, [3]),
+    (2, [1, 2, 3], {1: 0, 2: 5, 3: 5}, [1]),
+], ids=[
+    "plain DDP uses every member",
+    "tp=2 with four members: a world of four",
+    "tp=2 with three members: the last one waits on standby",
+    "tp=2 with three members: a member without the committed step waits, holders first",
+])
+def test_standby_for_layout(tp, members, held, standby):
+    parallel = ParallelSpec(tp=tp)
+    ms = [Member(s) for s in members]
+    assert [m.slot for m in policy.standby_for_layout(ms, held, 5, parallel)] == standby
+
+
+def test_no_usable_world_is_an_error_that_names_the_field():
+    with pytest.raises(TrainingFailed, match="elastic.min_workers"):
+        policy.standby_for_layout([Member(1)], {1: 5}, 5, ParallelSpec(tp=2))
+
+
+@pytest.mark.parametrize("tp, members, ready, grows", [
+    (1, 2, 1, True),
+    (2, 2, 1, False),
+    (2, 2, 2, True),
+    (1, 2, 0, False),
+], ids=[
+    "one newcomer grows a DDP world",
+    "tp=2: one newcomer is not enough for the next world, it waits",
+    "tp=2: two newcomers make the next world",
+    "no newcomer: no growth",
+])
+def test_grows(tp, members, ready, grows):
+    assert policy.grows(ParallelSpec(tp=tp), members, ready) is grows
+
+
+# ------------------------------------------------------------------ drains
+@pytest.mark.parametrize("staying, ready, pending, need, deadline, plan", [
+    (2, 0, 0, 1, 1100.0, policy.Leave()),
+    (0, 1, 0, 1, 1100.0, policy.HandOver()),
+    (0, 0, 0, 1, 1100.0, policy.TrainOn(request=1)),
+    (0, 0, 1, 1, None, policy.TrainOn(request=0)),
+    (1, 0, 0, 3, 1100.0, policy.TrainOn(request=2)),
+    (0, 0, 1, 1, 1010.0, policy.SaveThenLeave()),
+], ids=[
+    "enough members stay: the draining ones leave now",
+    "too few stay but a newcomer is ready: it takes the state over",
+    "nobody ready and time left: train on, one replacement requested",
+    "no deadline and a replacement already starting: train on, nothing more requested",
+    "min_workers=3 with one staying: two replacements requested",
+    "nobody ready and the deadline within the handover margin: save, then leave",
+])
+def test_drain_plan(staying, ready, pending, need, deadline, plan):
+    assert policy.drain_plan(staying, ready, pending, need, deadline, now_unix_s=1000.0) == plan
+
+
+def test_drain_floor_is_one_member_at_least():
+    assert policy.drain_floor(ElasticSpec(min_workers=0)) == 1
+    assert policy.drain_floor(ElasticSpec(min_workers=3)) == 3
+
+
+# ------------------------------------------------------------------ the state table
+@pytest.mark.parametrize("start, to, allowed", [
+    (State.STARTING, State.DRAINING, False),
+    (State.RESTORING, State.DRAINING, False),
+    (State.FINISHED, State.RUNNING, False),
+    (State.FAILED, State.FAILED, False),
+    (State.STOPPED, State.RUNNING, False),
+    (State.REBUILDING, State.FINISHED, False),
+    (State.STARTING, State.RESTORING, True),
+    (State.RUNNING, State.CHECKPOINTING, True),
+    (State.CHECKPOINTING, State.REBUILDING, True),
+    (State.REBUILDING, State.WAITING, True),
+    (State.WAITING, State.RESTORING, True),
+    (State.DRAINING, State.RUNNING, True),
+    (State.RUNNING, State.RUNNING, True),
+    (State.RESIZING, State.FAILED, True),
+    (State.RUNNING, State.STOPPED, True),
+], ids=[
+    "a run that has not started has nothing to drain",
+    "a restore is not left for a drain",
+    "a finished run stays finished",
+    "a failed run is not failed twice",
+    "a stopped run resumes as a new launch, not by a move",
+    "a run does not finish in the middle of a rebuild",
+    "a resumed run loads its checkpoint first",
+    "a periodic checkpoint",
+    "a member lost while saving",
+    "below elastic.min_workers after a loss",
+    "the newest checkpoint once every worker is gone",
+    "the group re-formed after members left a draining node",
+    "a note in the same state (a skipped bad shard)",
+    "any live state may fail",
+    "paused at train.stop_at_step",
+])
+def test_state_moves(start, to, allowed):
+    """A move the table does not list raises, naming both states."""
+    if allowed:
+        start.check_move(to)
+    else:
+        with pytest.raises(TransitionNotAllowed, match=f"{start.value} cannot move to {to.value}"):
+            start.check_move(to)
+
+
+def test_terminal_states():
+    assert {s for s in State if s.terminal} == {State.FINISHED, State.STOPPED, State.FAILED}
+    assert all(not s.allowed for s in State if s.terminal)
+
+
+def test_transition_record_keeps_when_the_failure_was_seen():
+    assert transition_record(State.REBUILDING, "lost", 7, 100.0, 99.5) == {
+        "time": 100.0, "state": "rebuilding", "reason": "lost", "step": 7, "detected_at": 99.5}
+    assert "detected_at" not in transition_record(State.RUNNING, "ok", 7, 100.0)
