@@ -108,11 +108,12 @@ def stand_in_class():
         def shutdown(self) -> None:
             pass
 
-        def train_step(self, step, batch, global_units, collective_timeout_s=0.0) -> dict:
+        def train_step(self, step, batch, global_units, collective_timeout_s=0.0, *pieces) -> dict:
             if self.step_done != step:  # TrainWorker's run-ahead check
                 raise RuntimeError(f"step {step + 1} refused: holds step {self.step_done}")
             self.step_done = step + 1
-            rows = len(next(iter(batch.values())))
+            # A RankShare (references and ranges; Ray has resolved the pieces) or rows.
+            rows = batch.num_rows if hasattr(batch, "num_rows") else len(next(iter(batch.values())))
             return {"loss_sum": 1.0 * rows if self.rank == 0 else 0.0, "rows": float(rows),
                     "grad_norm": 1.0, "lr": 1e-3, "compute_s": 0.0}
 
@@ -212,15 +213,31 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str) -> d
                 calls.append((name, step, time.perf_counter() - w0, time.thread_time() - c0))
         return wrapper
 
-    for name in METHODS:
-        setattr(sup, name, timed(name, getattr(sup, name)))
-    dispatch = sup._dispatch
+    # The split Supervisor sequences Steps (dispatch, commit) and liveness.collect: time those
+    # where they live, for this run only (restored below).
+    from raytrain_sys.control.supervisor import steps as steps_mod
+    from raytrain_sys.control.supervisor import supervisor as sup_mod
 
-    def dispatch_and_count(*a, **kw):
-        d = dispatch(*a, **kw)
-        batch_bytes.append(sum(v.nbytes for v in d.batch.values()))
-        return d
-    sup._dispatch = dispatch_and_count
+    originals = [(steps_mod.Steps, "dispatch", steps_mod.Steps.dispatch),
+                 (steps_mod.Steps, "commit", steps_mod.Steps.commit),
+                 (sup_mod, "collect", sup_mod.collect)]
+    for owner, attr, fn in originals:
+        setattr(owner, attr, timed("_" + attr, fn))
+    for name in ("_at_step_boundary", "_may_run_ahead"):
+        setattr(sup, name, timed(name, getattr(sup, name)))
+    # What the driver serializes for the members' train_step calls (Ray's own serializer).
+    import ray.actor
+    import ray._private.worker as ray_worker
+
+    remote = ray.actor.ActorMethod._remote
+
+    def measured(method, args=None, kwargs=None, **options):
+        if method._method_name == "train_step":
+            ctx = ray_worker.global_worker.get_serialization_context()
+            batch_bytes.append(ctx.serialize((args, kwargs)).total_bytes)
+        return remote(method, args, kwargs, **options)
+    ray.actor.ActorMethod._remote = measured
+    originals.append((ray.actor.ActorMethod, "_remote", remote))
 
     teardown = sup._teardown
 
@@ -229,15 +246,21 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str) -> d
         if sup.group is not None and sup.group.workers:
             for _ in range(args.pings):
                 w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-                held, dead, silent = sv._ping_all(sup.group.workers)
+                held, dead, silent = ping_all(sup.group.workers)
                 liveness.append((time.perf_counter() - w0, time.thread_time() - c0, time.process_time() - p0))
                 assert len(held) == n and not dead and not silent
         teardown()
     sup._teardown = ping_then_teardown
 
+    from raytrain_sys.control.supervisor.probe import ping_all
+
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    result = sup.run()
+    try:
+        result = sup.run()
+    finally:
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
     wall = time.perf_counter() - t0
     assert result.committed_steps == args.steps, result
 
@@ -275,7 +298,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str) -> d
             "wall_median": 1e3 * statistics.median(x[0] for x in liveness) if liveness else None,
             "main_cpu_median": 1e3 * statistics.median(x[1] for x in liveness) if liveness else None,
             "driver_cpu_median": 1e3 * statistics.median(x[2] for x in liveness) if liveness else None},
-        "global_batch_bytes_per_step": statistics.median(batch_bytes) if batch_bytes else 0,
+        "driver_bytes_per_rank_step": statistics.median(batch_bytes) if batch_bytes else 0,
         "steps_run_ahead": sup.summary.steps_run_ahead,
         "start_to_first_step_s": first_step_at,
         "wall_s": wall,
@@ -313,7 +336,7 @@ def fit_line(ns: list[int], ys: list[float]) -> dict:
 def report(runs: list[dict], fits: dict) -> list[str]:
     lines = [f"{'N':>3}  {'driver CPU ms/step':>18}  {'p90':>6}  {'wall ms/step':>12}  {'p90':>6}  "
              f"{'dispatch':>8}  {'collect':>7}  {'commit':>6}  {'boundary':>8}  {'ahead?':>6}  "
-             f"{'ping round':>10}  {'batch KiB':>9}"]
+             f"{'ping round':>10}  {'B/rank/step':>11}"]
     for r in runs:
         m = r["methods"]
         lines.append(
@@ -322,7 +345,7 @@ def report(runs: list[dict], fits: dict) -> list[str]:
             f"{m['dispatch']['wall_ms_per_step']:>8.2f}  {m['collect']['wall_ms_per_step']:>7.2f}  "
             f"{m['commit']['wall_ms_per_step']:>6.2f}  {m['at_step_boundary']['wall_ms_per_step']:>8.2f}  "
             f"{m['may_run_ahead']['wall_ms_per_step']:>6.2f}  "
-            f"{r['liveness_ping_round_ms']['wall_median']:>10.2f}  {r['global_batch_bytes_per_step'] / 1024:>9.1f}")
+            f"{r['liveness_ping_round_ms']['wall_median']:>10.2f}  {r['driver_bytes_per_rank_step']:>11,.0f}")
     lines.append("(per-method columns: wall ms per step spent in Supervisor._dispatch, _collect, _commit, "
                  "_at_step_boundary, _may_run_ahead; ping round: one _ping_all over all N)")
     lines.append("driver CPU ms/step by thread:")

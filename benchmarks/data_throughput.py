@@ -2,8 +2,9 @@
 
   pyarrow       raw pyarrow: read each Parquet shard, tokens column to numpy, torch.from_numpy per
                 batch of B rows. No shuffle, no Ray: the floor.
-  raytrain-sys  our DataPlane: Ray Data map_batches over plan windows (seek by row group, seeded
-                block + window shuffle), global batches sliced by cursor, torch.from_numpy.
+  raytrain-sys  our DataPlane: read tasks over plan windows into the object store (seek by row
+                group, seeded block + window shuffle, each shard's sha256 checked once per reader
+                process), global batches fetched here and sliced by cursor, torch.from_numpy.
   ray-data      Ray Data's plain path: read_parquet + streaming_split(1) + iter_torch_batches
                 (tokens decoded in collate_fn), no shuffle.
   raytrain-sys pack_masked (with --sequences pack_masked, or pack / bucket): our plane over the
@@ -14,8 +15,8 @@
 ``--epochs`` epochs each (one by default), in one run, on a local Ray cluster this script starts
 (so every Ray process is its descendant). pyarrow reads the files once per epoch; our plane reads
 all epochs through one stream, as a training job does; Ray Data runs one pipeline per epoch. With
-one epoch of the ~10 MB stdlib, Ray Data's fixed costs (starting an execution, up to ~100 ms
-per block) dominate our figures; several epochs show the steady state a training run sees
+one epoch of the ~10 MB stdlib, fixed costs (starting reader processes, the first reads)
+weigh on our figures; several epochs show the steady state a training run sees
 (``--epochs 40`` streams ~400 MB, as one epoch of a 400 MB dataset would; ``--variants
 pyarrow,raytrain-sys`` leaves out plain Ray Data, which takes minutes for that). CPU seconds
 are summed over this process and all its descendants (raylet, Ray workers), from psutil, so other users of a loaded machine do not count. GB = delivered token

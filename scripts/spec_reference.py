@@ -61,6 +61,8 @@ def render() -> str:
                 k -= 1
             text = text or " ".join(above)
             default = ast.get_source_segment(source, node.value) if node.value is not None else ""
+            if default == "field(default_factory=dict)":
+                default = "{}"
             kind = ast.get_source_segment(source, node.annotation)
             lines.append(f"| `{node.target.id}` | {kind} | `{default}` | {text.replace('|', '/')} |")
         lines.append("")

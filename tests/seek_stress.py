@@ -52,6 +52,8 @@ def run_plane(args, manifest) -> int:
             batch = plane.global_batch_refs(cursor + k * B)
             if rng.random() < 0.5:  # fetch as a rank would, from the object store
                 batch.share(slice(0, B)).fetch()
+        if args.read_jitter_ms:  # the next seek comes while this stream's reads run or end
+            time.sleep(rng.random() * args.read_jitter_ms / 1000.0)
         done += 1
     plane.close()
     return done
@@ -118,8 +120,8 @@ def main() -> None:
     p.add_argument("--bad-shard", type=int, default=-1)
     p.add_argument("--run-dir", default="")
     p.add_argument("--read-jitter-ms", type=float, default=0.0,
-                   help="raydata mode: each read sleeps up to this long, and each close waits up "
-                        "to this long after the last batch (reads end around the cancel)")
+                   help="each read sleeps up to this long, and each seek waits up to this long after "
+                        "the last batch (reads end around the seek, or the stock mode's cancel)")
     args = p.parse_args()
 
     import logging
@@ -129,7 +131,13 @@ def main() -> None:
     from raytrain_sys.data.shards import read_manifest
 
     logging.basicConfig(level=logging.WARNING)
-    ray.init(address=args.address, log_to_driver=False, logging_level="WARNING")
+    from raytrain_sys.data.plane import READ_JITTER_ENV
+
+    # The reads of this driver's job sleep a random while (plane mode; raydata mode sleeps in
+    # its own read function): reads end around the seeks, where the race lies.
+    env = {READ_JITTER_ENV: str(args.read_jitter_ms)} if args.read_jitter_ms else {}
+    ray.init(address=args.address, log_to_driver=False, logging_level="WARNING",
+             runtime_env={"env_vars": env} if env else None)
     manifest = read_manifest(args.dataset)
     t0 = time.monotonic()
     done = (run_plane if args.mode == "plane" else run_raydata)(args, manifest)

@@ -46,6 +46,11 @@ class RankShare:
     def refs(self) -> list:
         return [ref for ref, _, _ in self.parts]
 
+    def ranges(self) -> "RankShare":
+        """The same share without its references, to send beside them as the call's own
+        arguments: a reference nested in an argument costs Ray a borrower record per call."""
+        return RankShare(tuple((None, lo, hi) for _, lo, hi in self.parts), self.width)
+
     def fetch(self) -> tuple[dict[str, np.ndarray], float]:
         """The rows, fetched from the object store where they lie: (columns, seconds waited)."""
         import ray

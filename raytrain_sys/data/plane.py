@@ -308,6 +308,9 @@ def read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: i
         clear_caches()
         _READER_STREAM = ctx.stream_id
     out = read_chunk_columns(ctx, item)
+    jitter_ms = float(os.environ.get(READ_JITTER_ENV, "0") or 0)
+    if jitter_ms:
+        time.sleep(np.random.default_rng().random() * jitter_ms / 1000.0)
     if "bad_shard" in out:
         meta = {"g": int(out["g"][0]), "bad_shard": int(out["bad_shard"][0]),
                 "error": str(out["error"][0])}
@@ -353,6 +356,9 @@ class _Span:
 
 _READER = None
 _READER_STREAM = ""  # the stream this process last read for (see read_chunk)
+# Test hook (tests/seek_stress.py): each read sleeps up to this many ms, so that reads end at
+# random moments around the seeks that leave them behind.
+READ_JITTER_ENV = "RAYTRAIN_SYS_TEST_READ_JITTER_MS"
 
 
 def _reader():

@@ -147,7 +147,7 @@ class Steps:
             rows, _ = self.data.rows(batch.start, batch.start + spec.train.global_batch_size)
             args = [({k: v[sl] for k, v in rows.items()},) for sl in shares]
         else:  # references and row ranges: each rank's rows go node to node, never through here
-            args = [(share, *share.refs()) for share in map(batch.share, shares)]
+            args = [(share.ranges(), *share.refs()) for share in map(batch.share, shares)]
         deadline_s = self._step_deadline_s()
         timeout_s = collective_timeout_s(deadline_s)
         refs = [w.actor.train_step.remote(step, arg[0], batch.units, timeout_s, *arg[1:])
