@@ -337,6 +337,7 @@ class _Pending:
     item: dict[str, int]
     first: int
     stop: int
+    piece_rows: int
     bounds: list[int]
     meta_ref: object
     piece_refs: list
@@ -438,6 +439,8 @@ class DataPlane:
         self._spans: list[_Span] = []
         self._ctx_ref = None
         self._fetched: dict[int, tuple[object, dict]] = {}  # piece first -> (ref, columns), rows()
+        # rows()'s fast path: (first, stop, columns, span) of the piece the last batch ended in
+        self._hot: tuple | None = None
         self._load_skips()
 
     @classmethod
@@ -550,6 +553,7 @@ class DataPlane:
         import ray
 
         self._drop_stream()
+        self._hot = None
         self._spans = [s for s in self._spans if s.stop <= position]
         g, offset = self._locate(position)
         self._items = self._chunks(g, self._raw_index(g, offset))
@@ -573,14 +577,15 @@ class DataPlane:
         self._next_item += 1
         first = self._submit_pos
         stop = self._fstart(item["last"]) + self._delivered_len(item["last"])
-        bounds = piece_bounds(first, stop, self._piece_rows())
+        piece_rows = self._piece_rows()
+        bounds = piece_bounds(first, stop, piece_rows)
         options = {"num_returns": len(bounds), "num_cpus": self.read_resources.get("CPU", 0)}
         custom = {k: v for k, v in self.read_resources.items() if k != "CPU"}
         if custom:
             options["resources"] = custom
-        refs = _reader().options(**options).remote(self._ctx_ref, item, first, self._piece_rows(),
+        refs = _reader().options(**options).remote(self._ctx_ref, item, first, piece_rows,
                                                    len(bounds) - 1)
-        self._pending.append(_Pending(item, first, stop, bounds, refs[0], list(refs[1:])))
+        self._pending.append(_Pending(item, first, stop, piece_rows, bounds, refs[0], list(refs[1:])))
         self._submit_pos = stop
 
     def _top_up(self) -> None:
@@ -646,7 +651,7 @@ class DataPlane:
         for g, n in meta["windows"]:
             assert g == expect, f"stream out of order: window {g}, {expect} expected"
             expect = self._next_window(g)
-        bounds = piece_bounds(p.first, stop, self._piece_rows()) if truncated else p.bounds
+        bounds = piece_bounds(p.first, stop, p.piece_rows) if truncated else p.bounds
         pieces = [Piece(lo, hi, ref) for lo, hi, ref in zip(bounds, bounds[1:], p.piece_refs)]
         self._spans.append(_Span(p.first, stop, ids, meta["units"], meta.get("num_tokens"), pieces))
         if truncated:  # the chunk stopped before a bad shard: read on from there with a new stream
@@ -712,6 +717,18 @@ class DataPlane:
         """
         import ray
 
+        hot = self._hot
+        if hot is not None and hot[0] <= start and stop <= hot[1]:
+            # The common case, a batch inside the piece the last one ended in: views, no lookups.
+            first, _, columns, span = hot
+            t0 = time.perf_counter()
+            out = {k: v[start - first:stop - first] for k, v in columns.items()}
+            lo, hi = start - span.first, stop - span.first
+            if span.num_tokens is not None:
+                width = max(2, int(span.num_tokens[lo:hi].max()))
+                out["tokens"] = np.ascontiguousarray(out["tokens"][:, :width])
+            self.wait_s += time.perf_counter() - t0
+            return out, span.ids[lo:hi]
         batch = self.batch_refs(start, stop)
         t0 = time.perf_counter()
         missing = [p for p in batch.pieces if self._fetched.get(p.first, (None,))[0] is not p.ref]
@@ -723,8 +740,11 @@ class DataPlane:
             columns = self._fetched[p.first][1]
             lo, hi = max(start, p.first) - p.first, min(stop, p.stop) - p.first
             parts.append({k: v[lo:hi] for k, v in columns.items()})
-        # Keep the pieces this batch ended in: the next batches start there.
-        self._fetched = {k: v for k, v in self._fetched.items() if k >= batch.pieces[-1].first}
+        # Keep the piece this batch ended in: the next batches start there.
+        last = batch.pieces[-1]
+        self._fetched = {k: v for k, v in self._fetched.items() if k >= last.first}
+        span = self._spans[self._span_index(last.first)]
+        self._hot = (last.first, last.stop, self._fetched[last.first][1], span)
         self.wait_s += time.perf_counter() - t0
         if len(parts) == 1:
             columns = parts[0]
@@ -747,6 +767,7 @@ class DataPlane:
 
     def close(self) -> None:
         self._drop_stream()
+        self._hot = None
         self._abandoned = []
         self._spans = []
         self._fetched = {}
@@ -758,7 +779,7 @@ class DataPlane:
             raise DataError(f"{error} (already skipped from stream position {self.skips[bad]}, "
                             f"yet read again: a bug in the data plane)")
         self.skips[bad] = frm
-        self._fstarts, self._keep = [], {}
+        self._fstarts, self._keep, self._hot = [], {}, None
         shard = self.manifest.shards[bad]
         lo = self.manifest.row_offsets[bad]
         epoch, p = divmod(frm, self.num_rows)

@@ -1,0 +1,51 @@
+"""The driver hands references, the ranks fetch: what a rank assembles from its share is exactly
+its slice of the global batch the driver would have relayed, at any world size, while the world
+(and so the way pieces are cut) changes mid-stream, and after a seek."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raytrain_sys.data.plane import DataPlane
+from raytrain_sys.data.prepare import prepare_text_dataset
+from raytrain_sys.data.shards import read_manifest
+from raytrain_sys.parallel.mesh import rank_data_slices
+from raytrain_sys.spec import ParallelSpec
+from raytrain_sys.train.tasks import NextToken
+
+B = 24
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("refs") / "tokens")
+    prepare_text_dataset(out, row_len=33, rows_per_shard=64, max_bytes=40_000)
+    return out
+
+
+def test_each_ranks_share_equals_its_slice_of_the_relayed_batch(ray_cluster, dataset):
+    m = read_manifest(dataset)
+    steps = 2 * m.num_rows // B
+    kw = dict(end_position=steps * B, prefetch_steps=2, task=NextToken())
+    refs_plane = DataPlane(dataset, m, 3, 128, 16, B, **kw)
+    relay_plane = DataPlane(dataset, m, 3, 128, 16, B, **kw)
+    worlds = [2, 3, 1, 4]
+    try:
+        for step in range(steps):
+            world = worlds[(step // 7) % len(worlds)]  # a resize every 7 steps
+            shares = rank_data_slices(ParallelSpec(), world, B)
+            refs_plane.share_rows = max(s.stop - s.start for s in shares)
+            if step == steps // 2:  # a seek: back to an earlier cursor, then on from there
+                refs_plane.global_batch_refs(B)
+            batch = refs_plane.global_batch_refs(step * B)
+            rows, ids = relay_plane.global_batch(step * B)
+            np.testing.assert_array_equal(batch.ids, ids)
+            assert batch.units == NextToken().units(rows)
+            for sl in shares:
+                got, _ = batch.share(sl).fetch()
+                np.testing.assert_array_equal(got["tokens"], rows["tokens"][sl],
+                                              err_msg=f"step {step}, world {world}, rows {sl}")
+    finally:
+        refs_plane.close()
+        relay_plane.close()
