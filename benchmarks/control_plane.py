@@ -140,6 +140,7 @@ def make_spec(args: argparse.Namespace, n: int, data_dir: str, work_dir: str):
     raw["name"] = f"cp{n}"
     raw["output_dir"] = os.path.join(work_dir, "runs")
     raw["data"]["path"] = data_dir
+    raw["data"]["delivery"] = args.delivery
     raw["train"].update({"max_steps": args.steps, "global_batch_size": args.global_batch})
     raw["optim"]["warmup_steps"] = min(raw["optim"].get("warmup_steps", 20), args.steps)
     # Nothing but the step loop: no checkpoint (the stand-ins hold no state), no MLflow.
@@ -387,6 +388,8 @@ def main() -> int:
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster")
     p.add_argument("--pings", type=int, default=20, help="ping rounds timed per N")
     p.add_argument("--data", default="", help="a prepared token dataset with rows of 129")
+    p.add_argument("--delivery", choices=["refs", "driver"], default="refs",
+                   help="data.delivery: references (default) or the driver's relay of rows")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(HERE / "results" / "control_plane.json"))
     p.add_argument("--keep-temp", action="store_true")
