@@ -264,7 +264,10 @@ def main() -> int:
     p.add_argument("--ib-latency-us", type=float, default=IB_HOP_LATENCY_US)
     p.add_argument("--driver-gbps", type=float, default=1.0,
                    help="bytes/s one driver process can relay (assumed, GB/s)")
-    p.add_argument("--ref-bytes-per-rank", type=float, default=4096, help="issue 12's goal: 4 KiB")
+    p.add_argument("--ref-bytes-per-rank", type=float, default=0,
+                   help="bytes the driver sends a rank per step; 0 = the largest measured by "
+                        "benchmarks/data_path.py (results/data_path.json), else issue 12's goal, 4 KiB")
+    p.add_argument("--data-path", default=str(HERE / "results" / "data_path.json"))
     p.add_argument("--ref-step-s", type=float, default=0.1, help="step time used for data rates")
     p.add_argument("--images-per-gpu-s", type=float, default=2000.0,
                    help="images/s per GPU (issue 12: 64 GPUs at 2,000 images/s each, 150 KB: ~19 GB/s)")
@@ -276,6 +279,13 @@ def main() -> int:
     net = Net(args.nvlink_gbps * 1e9 * eff, args.ib_gbps * 1e9 * eff, args.nvlink_latency_us * 1e-6,
               args.ib_latency_us * 1e-6, GPUS_PER_NODE)
     args.driver_Bps = args.driver_gbps * 1e9
+    if not args.ref_bytes_per_rank:
+        measured = Path(args.data_path)
+        args.ref_bytes_per_rank = 4096.0
+        if measured.exists():
+            table = json.loads(measured.read_text()).get("table", [])
+            if table:
+                args.ref_bytes_per_rank = float(max(r["refs_bytes_per_rank_step"] for r in table))
     cp = control_fit(Path(args.control))
     gloo = gloo_fit(Path(args.gloo))
     rows = model_rows(args, net, cp)
