@@ -44,3 +44,30 @@ def wait_until_quiet(log: logging.Logger, below: float = 0.15, max_s: float = 60
     waited = time.monotonic() - t0
     log.info("quiet after %.1f s", waited)
     return waited
+
+
+class CallArgBytes:
+    """Bytes Ray serializes for the arguments of every call of actor method ``method`` made by
+    this process (Ray's own serializer, so ObjectRefs count as what they cost, not as the
+    objects). Installed on creation; ``close()`` puts Ray's method back."""
+
+    def __init__(self, method: str = "train_step"):
+        import ray._private.worker as ray_worker
+        import ray.actor
+
+        self.sizes: list[int] = []
+        self._orig = remote = ray.actor.ActorMethod._remote
+        sizes = self.sizes
+
+        def measured(actor_method, args=None, kwargs=None, **options):
+            if actor_method._method_name == method:
+                ctx = ray_worker.global_worker.get_serialization_context()
+                sizes.append(ctx.serialize((args, kwargs)).total_bytes)
+            return remote(actor_method, args, kwargs, **options)
+
+        ray.actor.ActorMethod._remote = measured
+
+    def close(self) -> None:
+        import ray.actor
+
+        ray.actor.ActorMethod._remote = self._orig

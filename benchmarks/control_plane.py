@@ -193,7 +193,6 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str) -> d
     marks: list[tuple[int, float, float]] = []  # (committed step, perf_counter, process_time)
     snaps: dict[str, dict] = {}
     calls: list[tuple[str, int, float, float]] = []  # (method, committed step, wall s, thread cpu s)
-    batch_bytes: list[int] = []
     liveness: list[tuple[float, float, float]] = []
 
     def on_step(report) -> None:
@@ -227,18 +226,8 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str) -> d
     for name in ("_at_step_boundary", "_may_run_ahead"):
         setattr(sup, name, timed(name, getattr(sup, name)))
     # What the driver serializes for the members' train_step calls (Ray's own serializer).
-    import ray.actor
-    import ray._private.worker as ray_worker
-
-    remote = ray.actor.ActorMethod._remote
-
-    def measured(method, args=None, kwargs=None, **options):
-        if method._method_name == "train_step":
-            ctx = ray_worker.global_worker.get_serialization_context()
-            batch_bytes.append(ctx.serialize((args, kwargs)).total_bytes)
-        return remote(method, args, kwargs, **options)
-    ray.actor.ActorMethod._remote = measured
-    originals.append((ray.actor.ActorMethod, "_remote", remote))
+    meter = common.CallArgBytes("train_step")
+    batch_bytes = meter.sizes
 
     teardown = sup._teardown
 
@@ -260,6 +249,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str) -> d
     try:
         result = sup.run()
     finally:
+        meter.close()
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)
     wall = time.perf_counter() - t0

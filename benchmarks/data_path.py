@@ -101,32 +101,6 @@ def raw_rows_per_s(dataset: str) -> float:
     return rows / (time.perf_counter() - t0)
 
 
-class ArgBytes:
-    """Bytes Ray serializes for ``train_step``'s arguments in this process, per call."""
-
-    def __init__(self):
-        import ray.actor
-
-        self.sizes: list[int] = []
-        self._orig = ray.actor.ActorMethod._remote
-        sizes, orig = self.sizes, self._orig
-
-        def measured(method, args=None, kwargs=None, **options):
-            if method._method_name == "train_step":
-                import ray._private.worker as w
-
-                ctx = w.global_worker.get_serialization_context()
-                sizes.append(ctx.serialize((args, kwargs)).total_bytes)
-            return orig(method, args, kwargs, **options)
-
-        ray.actor.ActorMethod._remote = measured
-
-    def close(self) -> None:
-        import ray.actor
-
-        ray.actor.ActorMethod._remote = self._orig
-
-
 def register_trivial_model() -> None:
     """A benchmark-only classifier, ``model.name: trivial``: pool each image to 4x4, one linear
     layer. Registered in every process that builds or validates the spec."""
@@ -173,7 +147,7 @@ def run_variant(kind: str, delivery: str, dataset: str, workers: int, steps: int
 
     spec = spec_for(kind, delivery, dataset, workers, steps, out)
     stamps: list[float] = []
-    meter = ArgBytes()
+    meter = common.CallArgBytes("train_step")
     try:
         sup = Supervisor(spec, on_step=lambda r: stamps.append(time.perf_counter()))
         sup.run()

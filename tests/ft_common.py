@@ -61,8 +61,13 @@ def supervisor_with_events(spec, events: dict):
     return sup, seen
 
 
-def kill_soon(pid: int, sig=signal.SIGKILL, delay_s: float = 0.02) -> None:
-    """Signal a worker process a moment into the next step (mid-step, not between steps)."""
+def kill_soon(pid: int, sig=signal.SIGKILL, delay_s: float = 0.002) -> None:
+    """Signal a worker process a moment into the next step (mid-step, not between steps).
+
+    Called from the commit of step k, when step k+1 already runs (sent ahead). The moment must
+    be short against a step: the tiny test job's steps take about 10 ms once the driver no
+    longer relays rows, so the 20 ms used before landed two steps later (or in the checkpoint
+    after them), not in the next step."""
     threading.Timer(delay_s, os.kill, (pid, sig)).start()
 
 
