@@ -1,16 +1,27 @@
-"""The data plane: Ray Data reads and permutes windows; the driver deals global batches.
+"""The data plane: read tasks put windows of the plan in the object store; the driver deals
+references.
 
-Ray Data runs the reading (and preprocessing) as tasks that may land on CPU-only nodes. The order
-never comes from Ray Data's scheduling: each task computes whole windows of the plan in
-``raytrain_sys.data.order``, and the stream is consumed with ``preserve_order``. The driver keeps a
-small cache of windows keyed by their global index ``g = epoch * windows_per_epoch + window`` and
-slices a step's global batch out of it by cursor. Prefetched windows are never "consumed": only
-the Supervisor's committed cursor moves, so a failed step re-reads the same rows and a resume
-seeks straight to the cursor's window (shard + row group / byte offset, never read-and-drop).
+Reading (and decoding) runs in plain Ray tasks (``read_chunk``: ``data.num_readers`` at once, with
+``data.read_resources``, so they may land on CPU-only nodes). The order never comes from task
+timing: each task reads whole windows of the plan in ``raytrain_sys.data.order`` (a chunk of
+consecutive windows), chunks are submitted and consumed in stream order, and a task returns its
+rows as *pieces* (cut at multiples of a rank's share) plus a small metadata object (sample ids,
+each row's loss units, the windows read). The driver keeps the metadata of the chunks around the
+cursor and answers ``global_batch_refs(cursor)`` with references and ranges
+(``raytrain_sys.data.batches``); ranks fetch their rows where they lie, node to node. Nothing is
+ever "consumed": only the Supervisor's committed cursor moves, so a failed step is sent again
+with the same references, and a resume seeks straight to the cursor's window (shard + row group /
+byte offset, never read-and-drop).
 
-Both formats (Parquet token rows, WebDataset tar samples) go through the same
-``map_batches(read_windows)`` over chunks of consecutive windows; ``shards.read_segments`` reads
-segments of either by seeking (token shards once per shard for a whole chunk).
+A seek never cancels a read (``_open_stream``): the reads of the stream left behind run to their
+end and Ray frees their results, as nothing refers to them; they count against
+``data.num_readers`` until then. (Ray Data's streaming executor, which did the reading before,
+force-cancels running reads when a stream closes early, and in Ray 2.60 a cancel that meets the
+reply in flight aborts the driver.)
+
+Both formats (Parquet token rows, WebDataset tar samples) go through the same ``read_chunk``;
+``shards.read_segments`` reads segments of either by seeking (token shards once per shard for a
+whole chunk).
 
 Sequences (``data.sequences``): a documents dataset has no rows of its own. Its windows are
 windows of documents, and the task that reads one makes its rows (``order.DocumentEpoch``):
@@ -65,16 +76,14 @@ SKIP_LOG_FILE = "skipped_samples.jsonl"
 BAD_SHARD_POLICIES = ("fail", "skip")
 # rows: the dataset's stored rows. The others make rows of a documents dataset's documents.
 SEQUENCES = ("rows", "pack", "pack_masked", "bucket")
-# Bytes of rows per Ray Data block (a chunk of windows). Ray Data's executor takes a finished
-# task's block on a loop that waits up to 100 ms, and frees the task's slot only after a metadata
-# fetch on another thread; so each block costs up to ~100 ms of latency and ~17 ms of driver CPU
-# (2 cores), whatever its size. Reading 16 MiB takes about as long: readers stalled half the time
-# (1.0-1.1 M rows/s over 40 epochs of the stdlib, pyarrow 1.4-1.7 M); 32 MiB gave 1.2-1.3 M,
-# 64 MiB no more. The first chunks after a seek are small (a window, then 4x each), so time to
-# first batch does not grow; the driver's cache and the object store hold a few blocks at most.
+# Bytes of rows per read task (a chunk of windows). Measured when Ray Data ran the reads (each of
+# its blocks cost up to ~100 ms of latency): 16 MiB stalled the readers, 32 MiB did not, 64 MiB
+# gave no more. With plain tasks the per-chunk cost is a task submission, and 32 MiB still keeps
+# a few chunks in the object store at most; the first chunk after a seek is one window, then 4x
+# each, so the time to the first batch does not grow.
 CHUNK_BYTES = 32 * 2**20
-# Reading tasks of a stream at most (40 epochs of the stdlib: 2 gave 1.1-1.3 M rows/s, 3 gave
-# 1.5-1.6 M, 4 no more than 3 and the start of another worker process).
+# Reading tasks at once, the default of data.num_readers (40 epochs of the stdlib under Ray Data:
+# 2 gave 1.1-1.3 M rows/s, 3 gave 1.5-1.6 M, 4 no more than 3 and the start of another process).
 READERS = 3
 # A piece (what a rank fetches) is at least this big: Ray keeps objects under 100 KiB in the
 # owner's memory (the driver's), and every object costs bookkeeping; byte-token rows are ~130 B.
@@ -374,7 +383,8 @@ def _reader():
 
 
 class DataPlane:
-    """Serves ``global_batch(data_cursor)`` from a Ray Data stream of plan windows.
+    """Serves ``global_batch_refs(data_cursor)`` (and ``global_batch``, the rows fetched here) from
+    read tasks over the plan's windows.
 
     ``sequences`` and ``row_len`` (model block_size + 1) matter for documents datasets only.
     """
@@ -522,7 +532,7 @@ class DataPlane:
 
         The first item is that window alone, so the first batch after a seek waits for one
         window; later items group consecutive windows into chunks that grow 4x in rows up to
-        ``chunk_rows``, so that Ray Data's per-block cost is paid rarely.
+        ``chunk_rows``, so that the per-task cost is paid rarely.
         """
         last, _ = self._locate(max(self.end_position - 1, 0))
         items = [{"g": g, "last": g, "start": start}]

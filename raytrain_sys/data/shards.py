@@ -8,7 +8,7 @@ A shard is bad when it is missing, or its size, sha256 (checked once per shard p
 ``storage``) or a Parquet page checksum disagrees with what prepare-data wrote: every reader here
 then raises BadShardError naming it, and the data plane applies ``data.on_bad_shard``.
 
-Runs inside Ray Data tasks (possibly on CPU-only nodes) and in tests; no Ray import.
+Runs inside the data plane's read tasks (possibly on CPU-only nodes) and in tests; no Ray import.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def read_token_pool(dataset_uri: str, manifest: DatasetManifest, segs: list[Segm
     One ``read_row_groups`` call per shard for all the row groups its segments span: a shuffle
     window touches a row group in each of many shards, and per-call overhead (~90 us single
     threaded, twice that with pyarrow's thread pool) would otherwise cost more than decompressing
-    the ~33 KB group. Single-threaded because Ray Data already runs several of these tasks at once.
+    the ~33 KB group. Single-threaded because the data plane already runs several of these tasks at once.
     """
     by_shard: dict[int, list[Segment]] = {}
     for seg in segs:

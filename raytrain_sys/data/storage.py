@@ -24,7 +24,7 @@ it once more (plane.py runs READERS of them per stream). Kept on S3 too, deliber
 disk, and the cost is once per process, not per epoch or per seek. If it must go for large S3
 shards, ``verify_sha256=False`` in ``read_columns`` is the page-checksum-only path to extend.
 
-Runs inside Ray Data tasks (possibly on CPU-only nodes) and in tests; no Ray import.
+Runs inside the data plane's read tasks (possibly on CPU-only nodes) and in tests; no Ray import.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ reported as truncated before any byte of it is parsed.
 Why not ``ray.data.read_webdataset``: it reads whole tar files, in file order, with Ray Data
 deciding which block comes out when; a resume mid-shard would read and drop everything before the
 cursor, and the order would not be our plan's. The data plane therefore runs this reader inside its
-own Ray Data ``map_batches`` over window descriptors, exactly like the Parquet path.
+own read tasks over window descriptors, exactly like the Parquet path.
 
-Runs inside Ray Data tasks (possibly on CPU-only nodes) and in tests; no Ray import.
+Runs inside the data plane's read tasks (possibly on CPU-only nodes) and in tests; no Ray import.
 """
 
 from __future__ import annotations
