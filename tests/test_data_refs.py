@@ -49,3 +49,24 @@ def test_each_ranks_share_equals_its_slice_of_the_relayed_batch(ray_cluster, dat
     finally:
         refs_plane.close()
         relay_plane.close()
+
+
+def test_read_resources_place_the_reads_on_the_nodes_that_offer_them(ray_nodes, dataset):
+    """data.read_resources moves reading (and decoding) to the nodes that offer the resource,
+    e.g. CPU-only nodes; the ranks then fetch from there."""
+    node = ray_nodes.add_node(num_cpus=0, resources={"data_reader": 4}, **ray_nodes.node_args)
+    ray_nodes.wait_for_nodes()
+    try:
+        m = read_manifest(dataset)
+        plane = DataPlane(dataset, m, 0, 128, 16, B, end_position=m.num_rows // B * B,
+                          read_resources={"data_reader": 1})
+        try:
+            for step in range(m.num_rows // B):
+                plane.global_batch(step * B)
+        finally:
+            plane.close()
+        assert set(plane.read_nodes) == {node.node_id}, plane.read_nodes
+        assert sum(plane.read_nodes.values()) >= 2  # several chunks, all read there
+    finally:
+        ray_nodes.remove_node(node)
+        ray_nodes.wait_for_nodes()

@@ -329,7 +329,8 @@ def read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: i
     cuts = [0, *(np.flatnonzero(gs[1:] != gs[:-1]) + 1).tolist(), len(gs)]
     meta = {"ids": ids, "units": row_units(ctx.task, out),
             "windows": [(int(gs[lo]), hi - lo) for lo, hi in zip(cuts, cuts[1:])],
-            "bad_window": -1 if bad_window is None else int(bad_window[0])}
+            "bad_window": -1 if bad_window is None else int(bad_window[0]),
+            "node_id": _node_id()}
     if ctx.bucket:
         meta["num_tokens"] = out["num_tokens"]
     bounds = piece_bounds(first, first + len(ids), piece_rows)
@@ -337,6 +338,16 @@ def read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: i
     pieces = [{k: np.ascontiguousarray(v[lo - first:hi - first]) for k, v in out.items()}
               for lo, hi in zip(bounds, bounds[1:])]
     return (meta, *pieces, *([None] * (num_pieces - len(pieces))))
+
+
+def _node_id() -> str:
+    """The Ray node this read ran on ("" outside Ray): where its pieces lie."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # a read outside a Ray task (tests of the functions)
+        return ""
 
 
 @dataclass
@@ -437,6 +448,7 @@ class DataPlane:
         # Rows of a rank's share, which pieces line up with (the Supervisor sets it per world).
         self.share_rows = global_batch_size
         self.wait_s = 0.0  # time the driver waited on reads (metadata, or rows it fetched)
+        self.read_nodes: dict[str, int] = {}  # Ray node id -> chunks read there
         self.skips: dict[int, int] = {}  # shard -> raw stream position its rows leave the stream
         self._fstarts: list[int] = []  # delivered-stream start of windows g0, g0+1, ...
         self._keep: dict[int, np.ndarray] = {}  # window -> kept-row mask, while skips exist
@@ -664,6 +676,7 @@ class DataPlane:
         bounds = piece_bounds(p.first, stop, p.piece_rows) if truncated else p.bounds
         pieces = [Piece(lo, hi, ref) for lo, hi, ref in zip(bounds, bounds[1:], p.piece_refs)]
         self._spans.append(_Span(p.first, stop, ids, meta["units"], meta.get("num_tokens"), pieces))
+        self.read_nodes[meta["node_id"]] = self.read_nodes.get(meta["node_id"], 0) + 1
         if truncated:  # the chunk stopped before a bad shard: read on from there with a new stream
             log.info("data plane: a chunk stopped before a bad shard in window %d; a new stream "
                      "will read on from there", meta["bad_window"])
