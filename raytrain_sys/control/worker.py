@@ -236,12 +236,8 @@ class TrainWorker:
                                f"{self.step_done}, not {step}")
         if collective_timeout_s and abs(collective_timeout_s - self.collective_timeout_s) > 1.0:
             self._set_collective_timeout(collective_timeout_s)
-        fetch_s = 0.0
         if isinstance(batch, RankShare):
-            if pieces:
-                batch = batch.assemble(list(pieces))
-            else:
-                batch, fetch_s = batch.fetch()
+            batch = batch.assemble(list(pieces))
         t0 = time.perf_counter()
         spec = self.spec
         lr = lr_at(step, spec.optim, spec.train.max_steps, spec.train.global_batch_size)
@@ -264,8 +260,7 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done = step + 1
         return {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
-                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0,
-                "fetch_s": fetch_s}
+                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int,

@@ -293,6 +293,11 @@ def row_units(task, columns: dict[str, np.ndarray]) -> np.ndarray:
                       dtype=np.int64)
 
 
+def bucket_width(num_tokens: np.ndarray) -> int:
+    """A bucketed batch is padded to its longest row (2 tokens at least: an input and a target)."""
+    return max(2, int(num_tokens.max()))
+
+
 def piece_bounds(first: int, stop: int, piece_rows: int) -> list[int]:
     """Where rows ``[first, stop)`` of the stream are cut into pieces: at every multiple of
     ``piece_rows``, so that pieces line up with the ranks' shares whatever chunk they came in."""
@@ -358,7 +363,6 @@ class _Pending:
     first: int
     stop: int
     piece_rows: int
-    bounds: list[int]
     meta_ref: object
     piece_refs: list
 
@@ -607,7 +611,7 @@ class DataPlane:
             options["resources"] = custom
         refs = _reader().options(**options).remote(self._ctx_ref, item, first, piece_rows,
                                                    len(bounds) - 1)
-        self._pending.append(_Pending(item, first, stop, piece_rows, bounds, refs[0], list(refs[1:])))
+        self._pending.append(_Pending(item, first, stop, piece_rows, refs[0], list(refs[1:])))
         self._submit_pos = stop
 
     def _top_up(self) -> None:
@@ -673,7 +677,7 @@ class DataPlane:
         for g, n in meta["windows"]:
             assert g == expect, f"stream out of order: window {g}, {expect} expected"
             expect = self._next_window(g)
-        bounds = piece_bounds(p.first, stop, p.piece_rows) if truncated else p.bounds
+        bounds = piece_bounds(p.first, stop, p.piece_rows)  # as the read cut them
         pieces = [Piece(lo, hi, ref) for lo, hi, ref in zip(bounds, bounds[1:], p.piece_refs)]
         self._spans.append(_Span(p.first, stop, ids, meta["units"], meta.get("num_tokens"), pieces))
         self.read_nodes[meta["node_id"]] = self.read_nodes.get(meta["node_id"], 0) + 1
@@ -723,8 +727,7 @@ class DataPlane:
         pieces = [p for s in spans for p in s.pieces if p.first < stop and p.stop > start]
         width = 0
         if self.sequences == "bucket":
-            # Padding per batch: to its longest row (2 tokens at least: an input and a target).
-            width = max(2, int(max(s.num_tokens[lo:hi].max() for s, (lo, hi) in zip(spans, cut))))
+            width = bucket_width(np.concatenate([s.num_tokens[lo:hi] for s, (lo, hi) in zip(spans, cut)]))
         return GlobalBatch(start, pieces, ids, units, width)
 
     def global_batch_refs(self, data_cursor: int) -> GlobalBatch:
@@ -748,8 +751,7 @@ class DataPlane:
             out = {k: v[start - first:stop - first] for k, v in columns.items()}
             lo, hi = start - span.first, stop - span.first
             if span.num_tokens is not None:
-                width = max(2, int(span.num_tokens[lo:hi].max()))
-                out["tokens"] = np.ascontiguousarray(out["tokens"][:, :width])
+                out["tokens"] = np.ascontiguousarray(out["tokens"][:, :bucket_width(span.num_tokens[lo:hi])])
             self.wait_s += time.perf_counter() - t0
             return out, span.ids[lo:hi]
         batch = self.batch_refs(start, stop)
@@ -758,23 +760,15 @@ class DataPlane:
         if missing:
             for p, columns in zip(missing, ray.get([p.ref for p in missing])):
                 self._fetched[p.first] = (p.ref, columns)
-        parts = []
-        for p in batch.pieces:
-            columns = self._fetched[p.first][1]
-            lo, hi = max(start, p.first) - p.first, min(stop, p.stop) - p.first
-            parts.append({k: v[lo:hi] for k, v in columns.items()})
+        # The rows as a rank would assemble its share, here the whole batch.
+        columns = batch.share(slice(0, stop - start)).assemble(
+            [self._fetched[p.first][1] for p in batch.pieces])
         # Keep the piece this batch ended in: the next batches start there.
         last = batch.pieces[-1]
         self._fetched = {k: v for k, v in self._fetched.items() if k >= last.first}
         span = self._spans[self._span_index(last.first)]
         self._hot = (last.first, last.stop, self._fetched[last.first][1], span)
         self.wait_s += time.perf_counter() - t0
-        if len(parts) == 1:
-            columns = parts[0]
-        else:
-            columns = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-        if batch.width:
-            columns["tokens"] = np.ascontiguousarray(columns["tokens"][:, :batch.width])
         return columns, batch.ids
 
     def global_batch(self, data_cursor: int) -> tuple[dict[str, np.ndarray], np.ndarray]:

@@ -81,7 +81,6 @@ class Steps:
         self._step_times: deque[float] = deque(maxlen=50)
         self._sample_log = None
         self._run_t0 = time.perf_counter()
-        self._fetch_wait_s = 0.0  # the slowest rank's fetch of its rows, summed over steps
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -90,7 +89,6 @@ class Steps:
                             if self.spec.data.log_sample_ids else None)
         self._step_times = deque(maxlen=50)
         self._run_t0 = time.perf_counter()
-        self._fetch_wait_s = 0.0
 
     def close(self) -> None:
         if self._sample_log is not None:
@@ -185,11 +183,6 @@ class Steps:
         self.committed_step = step + 1
         self.data_cursor += spec.train.global_batch_size
         self._step_times.append(dt)
-        # The step waited for its rows twice over: the driver for the reads' metadata, and the
-        # slowest rank for a fetch it made itself (none when Ray pulled the pieces beforehand).
-        fetch_wait = max((r.get("fetch_s", 0.0) for r in results), default=0.0)
-        self._fetch_wait_s += fetch_wait
-        data_wait += fetch_wait
         loss = sum(r["loss_sum"] for r in results) / units if units else float("nan")
         self.summary.losses.append(loss)
         self.summary.world_sizes.append(world)
@@ -224,8 +217,7 @@ class Steps:
         if self.committed_step % spec.train.log_every_steps == 0:
             self.summary.throughput = {
                 "tokens_per_s": tokens_per_step / mean_dt, "step_time_s": mean_dt,
-                "data_wait_fraction": (self.data.wait_s + self._fetch_wait_s)
-                / max(time.perf_counter() - self._run_t0, 1e-9)}
+                "data_wait_fraction": self.data.wait_s / max(time.perf_counter() - self._run_t0, 1e-9)}
             self.summary.write()
 
 
