@@ -419,16 +419,19 @@ def prepare_documents_dataset(
 
 def verify_shards(root: str | Path, manifest: DatasetManifest) -> None:
     """Raise DataError naming the first shard that is missing, truncated or altered."""
+    from raytrain_sys.data.storage import ShardChecksumError, check_sha256
+
     for s in manifest.shards:
         path = Path(root) / s.path
         try:
-            blob = path.read_bytes()
+            with open(path, "rb") as f:  # streamed through sha256: a shard is never held whole
+                check_sha256(f, s.num_bytes, s.sha256)
         except OSError as exc:
             raise DataError(f"shard {path} listed in the manifest cannot be read ({exc}); "
                             f"re-create the dataset with `raytrain-sys prepare-data`") from None
-        if len(blob) != s.num_bytes or hashlib.sha256(blob).hexdigest() != s.sha256:
+        except ShardChecksumError:
             raise DataError(f"shard {path} does not match its manifest entry (size or sha256); "
-                            f"re-create the dataset with `raytrain-sys prepare-data`")
+                            f"re-create the dataset with `raytrain-sys prepare-data`") from None
 
 
 # ----------------------------------------------------------------------------- webdataset
