@@ -77,6 +77,10 @@ class TrainSpec:
     step_timeout_s: float = 600.0  # a step slower than this is treated as a hung worker
     stop_at_step: int = 0  # pause: stop after this many committed steps, with a checkpoint; 0 = run on
     run_ahead: bool = True  # send step k+1 while step k runs (boundaries with work excepted); same results
+    # Steps one call to each worker carries (a lease). 0 = auto: one step until step times are
+    # known, then as many as fit in 0.5 s (8 at most), so short steps share the driver's per-call
+    # cost (~0.5 ms per worker) while a boundary (drain, pause, newcomers) is never 0.5 s away.
+    steps_per_call: int = 0
 
 
 @dataclass
@@ -306,7 +310,7 @@ _POSITIVE = [
     "elastic.hang_floor_s", "elastic.hang_factor",
 ]
 _NON_NEGATIVE = [
-    "model.dropout", "train.micro_batch_size", "train.stop_at_step", "optim.min_lr_ratio", "optim.warmup_steps",
+    "model.dropout", "train.micro_batch_size", "train.stop_at_step", "train.steps_per_call", "optim.min_lr_ratio", "optim.warmup_steps",
     "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
     "resources.local_num_cpus", "resources.peak_tflops_per_worker", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",

@@ -21,8 +21,13 @@ from tests.helpers import assert_params_close, final_params, read_summary, tiny_
 
 def ft_spec(tmp_path, dataset, steps: int, **sections):
     """fp64, so that a changing world size (another order of the gradient sums) cannot hide
-    behind rounding noise; sample ids logged for the exactly-once audit."""
-    base = dict(train={"max_steps": steps, "precision": "fp64", "log_every_steps": 4},
+    behind rounding noise; sample ids logged for the exactly-once audit.
+
+    One step a call (``train.steps_per_call: 1``): faults are injected from the driver's commit
+    of step k, and only then does "the next step" name one step (under a lease of several, the
+    members are steps past the commit the driver sees). Faults inside leases: the chaos test
+    and ``test_worker_killed_mid_lease``."""
+    base = dict(train={"max_steps": steps, "precision": "fp64", "log_every_steps": 4, "steps_per_call": 1},
                 data={"log_sample_ids": True},
                 checkpoint={"every_steps": 5, "keep_last": 2},
                 elastic={"hang_floor_s": 4.0, "below_min_timeout_s": 60.0})
@@ -43,16 +48,20 @@ def supervisor_with_events(spec, events: dict):
     Each event fires once: a step committed again after a restore from a checkpoint (steps
     redone) does not inject its fault a second time. An event that returns False is not due
     yet (e.g. no replacement requested so far) and is tried again at the next committed step;
-    at most one event runs per step.
+    at most one event runs per step, and per lease: the steps of a lease (train.steps_per_call)
+    are committed together, and faults due at three of them would otherwise land at once, in
+    the lease after it.
     """
     seen: list[int] = []
     pending = dict(events)
+    fired_in = [-1]  # the lease (its index among the run's committed calls) of the last event
     sup: Supervisor
 
     def on_step(report):
         seen.append(report.step)
         due = [s for s in pending if s <= report.step]
-        if due:
+        if due and sup.summary.leases != fired_in[0]:
+            fired_in[0] = sup.summary.leases
             first = min(due)
             if pending[first](sup) is not False:
                 del pending[first]

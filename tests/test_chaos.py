@@ -37,6 +37,9 @@ DRAIN_DEADLINE_S = 8.0
 def chaos_spec(tmp_path, dataset):
     return ft_spec(tmp_path, dataset, STEPS,
                    checkpoint={"every_steps": 10},
+                   # Leases of three steps, one fault each (one is planned every EVERY_STEPS):
+                   # faults land anywhere inside a lease, and inside a step of it.
+                   train={"steps_per_call": EVERY_STEPS},
                    # Three workers: after a loss two remain, so the next fault need not wait
                    # for a replacement to start (seconds on a loaded machine).
                    resources={"num_workers": 3},

@@ -68,6 +68,28 @@ def test_worker_killed_mid_step(reference, tiny_dataset, tmp_path, ray_cluster):
     assert_no_leftovers(ray_cluster, sup.run_key)
 
 
+def test_worker_killed_mid_lease(reference, tiny_dataset, tmp_path, ray_cluster):
+    """Leases of 5 steps (train.steps_per_call): a worker killed a few steps into one. The steps
+    of the lease that finished on the survivor are committed from the results it kept, not
+    redone; the rest are sent again after the rebuild; the run equals the uninterrupted one."""
+    # No periodic checkpoint: each lease is sent ahead, so it runs as the one before commits.
+    spec = spec_for(tmp_path, tiny_dataset, train={"steps_per_call": 5}, checkpoint={"every_steps": 0})
+
+    def kill_a_few_steps_in(sup):
+        # Step 6 is the first commit of the lease of steps 6..10: the members have just started
+        # the lease of steps 11..15 (sent ahead). Kill about 2.5 of its steps in.
+        kill_soon(worker_pid(sup, 1), delay_s=2.5 * sup.steps._step_times[-1])
+
+    result, sup, seen = run_with_events(spec, {6: kill_a_few_steps_in})
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    rebuild = transitions(summary, "rebuilding")
+    assert len(rebuild) == 1 and rebuild[0]["reason"].startswith("steps 11..15 failed"), rebuild
+    # The rebuild (from the lease's first step) ended with the survivor's finished steps committed.
+    rebuilt = [t for t in summary["transitions"] if t["state"] == "running" and t["time"] > rebuild[0]["time"]]
+    assert rebuild[0]["step"] == 10 and rebuilt[0]["step"] > 10, summary["transitions"]
+    assert summary["failures"] == 1 and summary["leases"] < STEPS
+
+
 def test_hung_worker_mid_step_is_detected_and_replaced(reference, tiny_dataset, tmp_path):
     """SIGSTOP in the middle of a step: its peer blocks in the all-reduce (gloo would wait 30
     minutes); the supervisor's liveness pings catch it, the hung worker is killed and replaced."""

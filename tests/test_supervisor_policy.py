@@ -49,6 +49,49 @@ def test_collective_timeout_is_just_past_the_liveness_verdict():
     assert policy.collective_timeout_s(30.0) == 30.0 + policy.LIVENESS_EVERY_S + policy.PING_TIMEOUT_S
 
 
+@pytest.mark.parametrize("times, steps, expected", [
+    ([], 4, 2400.0),
+    ([0.5, 0.6, 0.7], 4, 30.0),
+    ([5.0, 6.0, 7.0], 4, 240.0),
+], ids=[
+    "a lease before any step time: step_timeout_s for each of its steps",
+    "a lease of fast steps: still the elastic.hang_floor_s floor",
+    "a lease of slow steps: hang_factor times the median, for each of its steps",
+])
+def test_lease_deadline(times, steps, expected):
+    spec = job(train={"step_timeout_s": 600.0}, elastic={"hang_floor_s": 30.0, "hang_factor": 10.0})
+    assert policy.step_deadline_s(times, spec, steps) == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------ leases
+@pytest.mark.parametrize("train, every, step, last, times, expected", [
+    ({}, 0, 0, 100, [], 1),
+    ({}, 0, 2, 100, [0.01, 0.01], 1),
+    ({}, 0, 5, 100, [0.01, 0.01, 0.01], policy.MAX_LEASE_STEPS),
+    ({}, 0, 5, 100, [0.1, 0.1, 0.1], 5),
+    ({}, 0, 5, 100, [0.6, 0.7, 0.8], 1),
+    ({}, 10, 7, 100, [0.01, 0.01, 0.01], 3),
+    ({}, 0, 97, 100, [0.01, 0.01, 0.01], 3),
+    ({"steps_per_call": 4}, 0, 0, 100, [], 4),
+    ({"steps_per_call": 4}, 10, 8, 100, [], 2),
+    ({"steps_per_call": 16}, 0, 0, 100, [0.01, 0.01, 0.01], 16),
+], ids=[
+    "auto, no step time yet: one step a call",
+    "auto, warm-up (fewer than three step times): one step a call",
+    "auto, 10 ms steps: capped at MAX_LEASE_STEPS",
+    "auto, 100 ms steps: as many as fit in LEASE_S",
+    "auto, steps longer than LEASE_S: one step a call",
+    "a lease ends where a checkpoint is due",
+    "a lease ends at the last step",
+    "steps_per_call set: that many from the first step",
+    "steps_per_call set: still cut at a checkpoint",
+    "steps_per_call set above the automatic cap: the user's number",
+])
+def test_lease_steps(train, every, step, last, times, expected):
+    spec = job(train=train, checkpoint={"every_steps": every})
+    assert policy.lease_steps(step, last, spec, times) == expected
+
+
 # ------------------------------------------------------------------ run-ahead
 @pytest.mark.parametrize("train, checkpoint, step, last, world, target, held", [
     ({"run_ahead": True}, {"every_steps": 0}, 5, 20, 2, 2, False),

@@ -91,17 +91,28 @@ def test_straight_run_records(straight_run, tiny_dataset):
     assert seen == expected.tolist() and len(set(seen)) == 160
 
 
-def test_run_ahead_changes_nothing_but_time(straight_run, tiny_dataset, tmp_path):
-    """Step k+1 sent while step k runs (train.run_ahead, the default) gives bitwise the run of
-    one step at a time; the boundary before a checkpoint is the one step not sent ahead."""
-    spec, ahead = straight_run
-    one_by_one = run_job(tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 20, "log_every_steps": 5,
-                                                                  "run_ahead": False},
+@pytest.mark.parametrize("steps_per_call,run_ahead_steps", [(1, 18), (4, 12)],
+                         ids=["one step a call: all sent ahead but step 1 and step 11",
+                              "leases of 4, cut at the checkpoint: all but the leases at steps 1 and 11"])
+def test_run_ahead_changes_nothing_but_time(straight_run, tiny_dataset, tmp_path, steps_per_call,
+                                            run_ahead_steps):
+    """Step k+1 sent while step k runs (train.run_ahead, the default), or several steps sent in
+    one call (train.steps_per_call; the default sizes leases by step time, as the straight run's),
+    gives bitwise the run of one step at a time; the boundary before a checkpoint is never
+    crossed by a lease and never sent ahead."""
+    _, auto = straight_run
+    sized = {"max_steps": 20, "log_every_steps": 5, "steps_per_call": steps_per_call}
+    ahead = run_job(tiny_spec(tmp_path / "ahead", tiny_dataset, train=sized, checkpoint={"every_steps": 10}))
+    one_by_one = run_job(tiny_spec(tmp_path / "one", tiny_dataset, train={**sized, "steps_per_call": 1,
+                                                                           "run_ahead": False},
                                    checkpoint={"every_steps": 10}))
-    assert read_summary(ahead.run_dir)["steps_run_ahead"] == 18  # all but step 1 and step 11
+    assert read_summary(ahead.run_dir)["steps_run_ahead"] == run_ahead_steps
     assert read_summary(one_by_one.run_dir)["steps_run_ahead"] == 0
-    assert one_by_one.losses == ahead.losses
-    assert_params_equal(final_params(one_by_one.newest_checkpoint), final_params(ahead.newest_checkpoint))
+    assert read_summary(ahead.run_dir)["leases"] == {1: 20, 4: 6}[steps_per_call]
+    assert read_summary(auto.run_dir)["leases"] < 20  # short steps: the default shares calls
+    for run in (ahead, auto):
+        assert one_by_one.losses == run.losses
+        assert_params_equal(final_params(one_by_one.newest_checkpoint), final_params(run.newest_checkpoint))
 
 
 def test_resume_equals_uninterrupted(straight_run, tiny_dataset, tmp_path):

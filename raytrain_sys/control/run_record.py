@@ -3,7 +3,7 @@
 summary.json keys (stable): status, reason, job, run_dir, committed_steps, samples_consumed,
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
 mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
-failures, steps_redone, steps_run_ahead.
+failures, steps_redone, steps_run_ahead, leases.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class RunSummary:
     failures: int = 0  # membership failures survived
     steps_redone: int = 0  # committed steps lost to a restore from a durable checkpoint
     steps_run_ahead: int = 0  # committed steps sent while the step before them ran (train.run_ahead)
+    leases: int = 0  # calls to the members with steps committed (train.steps_per_call); a failed one counts
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 

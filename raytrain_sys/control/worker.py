@@ -92,6 +92,9 @@ class TrainWorker:
         # The state held before the layout was rebuilt: (step, pieces), until shared and loaded.
         self.stash: tuple[int, dict] | None = None
         self.collective_timeout_s = 0.0  # of the current process groups (see train_step)
+        # The results of the steps of the newest lease that finished here, by step: after a lease
+        # fails part-way the Supervisor commits its finished steps from them (lease_results).
+        self.recent_results: dict[int, dict[str, float]] = {}
         self.task = task_for(self.spec.model.name)
 
     # ------------------------------------------------------------------ control path
@@ -214,6 +217,28 @@ class TrainWorker:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ the step
+    def train_steps(self, first: int, plans: list, collective_timeout_s: float, *pieces) -> list[dict]:
+        """A lease: steps ``first`` .. ``first + len(plans) - 1`` in order, in one call (the
+        Supervisor sends several when steps are short, sharing its per-call cost out). Each plan
+        is (rows, global loss units, how many of ``pieces`` are that step's); ``pieces`` are every
+        step's piece values in order. One result per step; a step that fails raises, and the
+        results of the steps before it stay in ``recent_results``."""
+        if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
+            self.recent_results = {}  # the failed lease's finished steps stay asked for)
+        results, at = [], 0
+        for i, (batch, global_units, n) in enumerate(plans):
+            result = self.train_step(first + i, batch, global_units, collective_timeout_s, *pieces[at:at + n])
+            at += n
+            self.recent_results[first + i] = result
+            results.append(result)
+        return results
+
+    @ray.method(concurrency_group="control")
+    def lease_results(self, first: int, stop: int) -> list[dict[str, float]]:
+        """The results this worker kept of steps ``first`` .. ``stop - 1`` (all of them, or none)."""
+        kept = [self.recent_results.get(s) for s in range(first, stop)]
+        return kept if all(r is not None for r in kept) else []
+
     def train_step(self, step: int, batch: "RankShare | dict[str, np.ndarray]", global_units: int,
                    collective_timeout_s: float = 0.0, *pieces) -> dict[str, float]:
         """One optimizer step on this rank's rows of step ``step``'s global batch.

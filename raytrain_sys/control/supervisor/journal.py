@@ -24,14 +24,15 @@ class State(str, Enum):
     RESIZING = "resizing"  # newcomers join at a step boundary
     DRAINING = "draining"  # members on a node marked for preemption leave at a step boundary
     WAITING = "waiting"  # below elastic.min_workers, waiting for workers
-    STOPPED = "stopped"  # paused by train.stop_at_step, resumable
+    STOPPED = "stopped"  # paused (train.stop_at_step, or a pause request), resumable
+    CANCELLED = "cancelled"  # stopped at a step boundary on request; checkpoints kept
     FINISHED = "finished"
     FAILED = "failed"
 
     @property
     def terminal(self) -> bool:
         """The run has ended: no move leaves this state."""
-        return self in (State.STOPPED, State.FINISHED, State.FAILED)
+        return self in (State.STOPPED, State.CANCELLED, State.FINISHED, State.FAILED)
 
     @property
     def allowed(self) -> frozenset["State"]:
@@ -58,7 +59,7 @@ _MOVES: dict[State, frozenset[State]] = {
     State.RUNNING: frozenset({State.CHECKPOINTING, State.REBUILDING, State.RESIZING, State.DRAINING,
                               # a drain that saved first: the leave then re-forms from RUNNING
                               State.WAITING, State.RESTORING,
-                              State.STOPPED, State.FINISHED}),
+                              State.STOPPED, State.CANCELLED, State.FINISHED}),
     State.CHECKPOINTING: frozenset({State.RUNNING, State.REBUILDING}),
     State.REBUILDING: frozenset({State.RUNNING, State.WAITING, State.RESTORING, State.CHECKPOINTING}),
     State.RESIZING: frozenset({State.RUNNING, State.WAITING, State.RESTORING, State.CHECKPOINTING}),

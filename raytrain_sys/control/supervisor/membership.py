@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 
@@ -66,8 +67,10 @@ class Uncovered:
 
 
 class Membership:
-    def __init__(self, spec: JobSpec, group: WorkerGroup):
+    def __init__(self, spec: JobSpec, group: WorkerGroup, target_size: Callable[[], int] | None = None):
         self.spec, self.group = spec, group
+        # The world to grow back to (the Supervisor's: the spec's, under a requested ceiling).
+        self.target_size = target_size or (lambda: policy.target_size(spec))
         # Whether every member holds a whole copy (plain DDP): then any one of them can save it.
         self.layout_replicated = True
         self.departing_pieces: list = []  # state of members leaving a draining node
@@ -76,7 +79,7 @@ class Membership:
     def request_replacements(self) -> None:
         """Replacements are requested at once; they start in the background."""
         self.group.drop_stale_pending(self.spec.resources.start_timeout_s)
-        missing = policy.target_size(self.spec) - len(self.group.workers) - len(self.group.pending)
+        missing = self.target_size() - len(self.group.workers) - len(self.group.pending)
         for _ in range(max(0, missing)):
             self.group.request()
 

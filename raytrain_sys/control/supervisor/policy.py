@@ -26,16 +26,45 @@ LIVENESS_EVERY_S = 1.0
 # long before the drain's deadline; then the state goes through a checkpoint instead (a spot
 # notice gives 120 s; a checkpoint of a small model takes well under a second).
 DRAIN_HANDOVER_MARGIN_S = 20.0
+# An automatic lease (train.steps_per_call = 0) carries at most this much work, so that a
+# boundary with work arriving (a drain notice, a pause, newcomers) waits at most this long...
+LEASE_S = 0.5
+# ... and at most this many steps (the data plane reads two leases ahead of the members).
+MAX_LEASE_STEPS = 8
 
 
 # ------------------------------------------------------------------ timing
-def step_deadline_s(step_times: Sequence[float], spec: JobSpec) -> float:
-    """A step slower than this is hung: a multiple of recent step times, with a floor."""
+def step_deadline_s(step_times: Sequence[float], spec: JobSpec, steps: int = 1) -> float:
+    """A call of ``steps`` steps slower than this is hung: a multiple of recent step times,
+    with a floor."""
     e = spec.elastic
     if len(step_times) < 3:  # first steps include warm-up: use the generous limit
-        return spec.train.step_timeout_s
+        return spec.train.step_timeout_s * steps
     times = sorted(step_times)
-    return min(spec.train.step_timeout_s, max(e.hang_floor_s, e.hang_factor * times[len(times) // 2]))
+    return min(spec.train.step_timeout_s * steps,
+               max(e.hang_floor_s, e.hang_factor * times[len(times) // 2] * steps))
+
+
+def lease_steps(step: int, last: int, spec: JobSpec, step_times: Sequence[float]) -> int:
+    """How many steps, from ``step`` on, one call to each member carries (a lease).
+
+    The driver pays about the same for a call of one step as for one of eight (a Ray call per
+    member, sent and collected): leases share that cost out when steps are short. A lease never
+    crosses a boundary with known work (a checkpoint due, the last step), so checkpoints and the
+    end fall where they did; work that arrives unannounced (a drain notice, a pause, newcomers)
+    waits for the lease's end, which is why an automatic lease holds at most LEASE_S of steps.
+    Until three step times are known (warm-up) a lease is one step."""
+    room = last - step
+    every = spec.checkpoint.every_steps
+    if every:
+        room = min(room, every - step % every)
+    if spec.train.steps_per_call:
+        return max(1, min(room, spec.train.steps_per_call))
+    if len(step_times) < 3:
+        return 1
+    times = sorted(step_times)
+    fit = int(LEASE_S / max(times[len(times) // 2], 1e-6))
+    return max(1, min(room, fit, MAX_LEASE_STEPS))
 
 
 def collective_timeout_s(step_deadline_s: float) -> float:
@@ -90,9 +119,19 @@ def failure_budget(failure_times: Sequence[float], now: float, elastic: ElasticS
 
 
 # ------------------------------------------------------------------ world sizes
-def target_size(spec: JobSpec) -> int:
-    """The world the run grows back to."""
-    return spec.elastic.max_workers or spec.resources.num_workers
+def target_size(spec: JobSpec, ceiling: int | None = None) -> int:
+    """The world the run grows back to: the spec's, under a ``ceiling`` asked for from outside
+    (the job service's shrink, ``RunRequests.resize``), never below the minimum world."""
+    target = spec.elastic.max_workers or spec.resources.num_workers
+    if ceiling is not None:
+        target = min(target, max(ceiling, min_world(spec)))
+    return target
+
+
+def shrink_leavers(members: Sequence, target: int) -> list:
+    """The members that leave when the world shrinks to ``target``: the highest ranks, so rank
+    0 (the one that reports for each data shard first) and the order of the rest stay."""
+    return list(members[target:]) if len(members) > target else []
 
 
 def min_world(spec: JobSpec) -> int:

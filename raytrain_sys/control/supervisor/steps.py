@@ -6,12 +6,19 @@ steps kept to be sent again after a rebuild, and the per-step records of summary
 (losses, world sizes, throughput, committed_steps, data_cursor, steps_redone), the step
 metrics sent to MLflow and the sample log. Calls no other part of the Supervisor.
 
-Run-ahead: while step k runs, step k+1 is already sent (``dispatch(k + 1, after=...)``) when
-the boundary between them has nothing to do; the members start it as they finish step k, so
-the driver's dispatch and commit are off the critical path. A step k that fails voids step
-k+1: its members refuse it or fail in its first collective, and ``settle`` waits for that
-before the rebuild. Nothing is committed out of order: step k+1 is collected only after k
-committed.
+Leases: one call to each member carries ``count`` consecutive steps (``policy.lease_steps``:
+one while step times are unknown, more when steps are short), so the driver's cost per call
+(a Ray call per member, sent and collected) is shared by the steps of the lease. Each step is
+committed on its own, in order, as before. A member keeps the results of its recent steps
+(``TrainWorker.lease_results``): when a lease fails part-way, the steps that finished on the
+survivors are committed from them, not redone.
+
+Run-ahead: while lease k runs, the next one is already sent (``dispatch(k + n, after=...)``)
+when the boundary between them has nothing to do; the members start it as they finish lease k,
+so the driver's dispatch and commit are off the critical path. A lease that fails voids the one
+after it: its members refuse it or fail in its first collective, and ``settle`` waits for that
+before the rebuild. Nothing is committed out of order: a lease is collected only after the one
+before it committed.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ import ray
 
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
-from raytrain_sys.control.supervisor.policy import PING_TIMEOUT_S, collective_timeout_s, step_deadline_s
+from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
+                                                    step_deadline_s)
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.data.batches import GlobalBatch
 from raytrain_sys.data.plane import DataPlane
@@ -52,19 +60,26 @@ class StepReport:
 
 @dataclass
 class _Dispatch:
-    """A step sent to the members: what its commit (or its redo after a failure) needs."""
+    """A lease sent to the members (steps ``step`` .. ``end - 1``): what their commits (or their
+    redo after a failure) need."""
 
-    step: int
+    step: int  # the lease's first step
     members: list[Worker]
-    refs: list
-    batch: GlobalBatch  # references, sample ids and loss units; never the rows
-    ids: object
+    refs: list  # one call per member; each returns a list of per-step results
+    batches: list[GlobalBatch]  # one per step: references, sample ids and loss units; never the rows
     shares: list[slice]
-    units: int
-    deadline_s: float
+    deadline_s: float  # of the whole lease
     t0: float  # when the members could start it (perf_counter)
     data_wait: float
-    sent_ahead: bool  # sent while the step before it ran
+    sent_ahead: bool  # sent while the lease before it ran
+
+    @property
+    def count(self) -> int:
+        return len(self.batches)
+
+    @property
+    def end(self) -> int:
+        return self.step + len(self.batches)
 
 
 class Steps:
@@ -77,7 +92,7 @@ class Steps:
         self._flops_per_token = flops_per_token
         self.committed_step = 0
         self.data_cursor = 0
-        self._resend: dict[int, _Dispatch] = {}  # steps sent before a failure, by step
+        self._resend: dict[int, GlobalBatch] = {}  # batches of steps voided by a failure, by step
         self._step_times: deque[float] = deque(maxlen=50)
         self._sample_log = None
         self._run_t0 = time.perf_counter()
@@ -97,10 +112,14 @@ class Steps:
     def keep_for_resend(self, *sent: "_Dispatch | None") -> None:
         """Steps voided by a failure are sent again after the rebuild: their global batches are
         kept (a batch is a function of the cursor; the data plane may have dropped the window)."""
-        self._resend = {d.step: d for d in sent if d is not None}
+        self._resend = {d.step + i: b for d in sent if d is not None for i, b in enumerate(d.batches)}
 
-    def _step_deadline_s(self) -> float:
-        return step_deadline_s(self._step_times, self.spec)
+    def _step_deadline_s(self, steps: int = 1) -> float:
+        return step_deadline_s(self._step_times, self.spec, steps)
+
+    def lease_steps(self, step: int, last: int) -> int:
+        """How many steps the call sending ``step`` carries (``policy.lease_steps``)."""
+        return lease_steps(step, last, self.spec, self._step_times)
 
     def rewind(self, step: int, data_cursor: int) -> None:
         """A durable checkpoint of ``step`` was loaded: the ledger continues from it (steps
@@ -118,45 +137,56 @@ class Steps:
         self.summary.world_sizes += [None] * missing
 
     # ------------------------------------------------------------------ dispatch, settle, commit
-    def dispatch(self, step: int, after: "_Dispatch | None" = None) -> "_Dispatch":
-        """Send step ``step`` to every member: where its rows of the step's global batch lie
-        (object references and row ranges; the driver never holds the rows). The references are
-        the call's own arguments, so Ray pulls each rank's pieces to its node before the step
-        starts there (while the step before it runs, under run-ahead).
+    def dispatch(self, step: int, count: int = 1, after: "_Dispatch | None" = None) -> "_Dispatch":
+        """Send steps ``step`` .. ``step + count - 1`` to every member, in one call each: where
+        its rows of each step's global batch lie (object references and row ranges; the driver
+        never holds the rows). The references are the call's own arguments, so Ray pulls each
+        rank's pieces to its node before the lease starts there (while the one before it runs,
+        under run-ahead).
 
-        ``after``: the step still running before this one (run-ahead); the members queue this
+        ``after``: the lease still running before this one (run-ahead); the members queue this
         one behind it and start it as they finish that one, with no round trip to the driver.
         """
         spec = self.spec
         wait0 = self.data.wait_s
-        kept = self._resend.pop(step, None)
-        self._resend = {k: d for k, d in self._resend.items() if k > step}
+        gbs = spec.train.global_batch_size
         members = list(self.group.workers)
         # Each rank's rows: its data-parallel slice (TP/PP peers share one).
-        shares = rank_data_slices(spec.parallel, len(members), spec.train.global_batch_size)
+        shares = rank_data_slices(spec.parallel, len(members), gbs)
         # Pieces read from now on line up with these shares (a rank then fetches its own rows only).
         self.data.share_rows = max(sl.stop - sl.start for sl in shares)
-        if kept is not None:
-            batch = kept.batch
-        else:
-            cursor = self.data_cursor + (spec.train.global_batch_size if after is not None else 0)
-            batch = self.data.global_batch_refs(cursor)
-        if spec.data.delivery == "driver":  # every row through this process: to measure against
-            rows, _ = self.data.rows(batch.start, batch.start + spec.train.global_batch_size)
-            args = [({k: v[sl] for k, v in rows.items()},) for sl in shares]
-        else:  # references and row ranges: each rank's rows go node to node, never through here
-            args = [(share.ranges(), *share.refs()) for share in map(batch.share, shares)]
-        deadline_s = self._step_deadline_s()
-        timeout_s = collective_timeout_s(deadline_s)
-        refs = [w.actor.train_step.remote(step, arg[0], batch.units, timeout_s, *arg[1:])
-                for w, arg in zip(members, args)]
-        return _Dispatch(step, members, refs, batch, batch.ids, shares, batch.units, deadline_s,
-                         time.perf_counter(), self.data.wait_s - wait0, after is not None)
+        batches = []
+        for s in range(step, step + count):
+            kept = self._resend.pop(s, None)
+            # A batch is a function of the cursor: step s starts (s - committed) batches on.
+            batches.append(kept if kept is not None else
+                           self.data.global_batch_refs(self.data_cursor + (s - self.committed_step) * gbs))
+        self._resend = {k: b for k, b in self._resend.items() if k >= step + count}
+        # Per member: one (rows, loss units, how many of the trailing arguments are its pieces)
+        # per step, then every step's piece references, as the call's own arguments.
+        plans = [[] for _ in members]
+        pieces = [[] for _ in members]
+        for batch in batches:
+            if spec.data.delivery == "driver":  # every row through this process: to measure against
+                rows, _ = self.data.rows(batch.start, batch.start + gbs)
+                for i, sl in enumerate(shares):
+                    plans[i].append(({k: v[sl] for k, v in rows.items()}, batch.units, 0))
+            else:  # references and row ranges: each rank's rows go node to node, never through here
+                for i, share in enumerate(map(batch.share, shares)):
+                    refs = share.refs()
+                    plans[i].append((share.ranges(), batch.units, len(refs)))
+                    pieces[i] += refs
+        deadline_s = self._step_deadline_s(count)
+        timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
+        refs = [w.actor.train_steps.remote(step, plan, timeout_s, *piece)
+                for w, plan, piece in zip(members, plans, pieces)]
+        return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
+                         self.data.wait_s - wait0, after is not None)
 
     def settle(self, ahead: "_Dispatch", outcome: StepOutcome) -> None:
-        """After a failed step: wait for the step sent ahead of it to end on every member still
-        in the group. A member whose step failed refuses the next one at once (it holds the
-        wrong step); one whose step finished runs into its peers' failure in the next step's
+        """After a failed lease: wait for the lease sent ahead of it to end on every member still
+        in the group. A member whose lease failed refuses the next one at once (it holds the
+        wrong step); one whose lease finished runs into its peers' failure in the next lease's
         first collective. Its result is dropped: it was never committed, and the rebuild starts
         from the state the members hold. A member still in it past the collective timeout is lost.
         """
@@ -166,15 +196,59 @@ class Steps:
         if not by_ref:
             return
         _, late = ray.wait(list(by_ref), num_returns=len(by_ref),
-                           timeout=collective_timeout_s(ahead.deadline_s) + PING_TIMEOUT_S)
+                           timeout=collective_timeout_s(self._step_deadline_s()) + PING_TIMEOUT_S)
         if late:
             stuck = [by_ref[r] for r in late]
-            log.warning("worker(s) %s still in step %d after step %d failed: treated as lost",
-                        ", ".join(str(w.slot) for w in stuck), ahead.step + 1, ahead.step)
+            log.warning("worker(s) %s still in step %d after the lease before it failed: treated as lost",
+                        ", ".join(str(w.slot) for w in stuck), ahead.step + 1)
             for w in stuck:
-                outcome.lost[w.slot] = f"blocked in step {ahead.step + 1} after step {ahead.step} failed"
+                outcome.lost[w.slot] = f"blocked in step {ahead.step + 1} after the lease before it failed"
             self.group.reap(stuck)
             self.group.remove(stuck)
+
+    def commit_lease(self, sent: "_Dispatch", results: list[list[dict]], elapsed_s: float) -> None:
+        """Every member finished the lease: commit its steps in order (``results``: per member,
+        one result per step). The lease's time is shared evenly by its steps."""
+        for i, batch in enumerate(sent.batches):
+            self.commit(sent.step + i, [r[i] for r in results], batch.units, batch.ids, sent.shares,
+                        elapsed_s / sent.count, sent.data_wait if i == 0 else 0.0)
+        self.summary.leases += 1
+
+    def commit_finished(self, sent: "_Dispatch", outcome: StepOutcome, finished: int,
+                        is_data_leader: Callable[[int], bool], elapsed_s: float) -> None:
+        """After a failed lease: commit its steps before ``finished`` (the newest step a survivor
+        holds): they finished on some replica, so their updates are complete and correct (every
+        rank's gradient went into the all-reduce). The loss counts the ranks whose results are
+        known: members that returned the lease, and survivors' kept results of the steps they
+        finished before the failure (``TrainWorker.lease_results``)."""
+        if finished <= sent.step:
+            return
+        members = sent.members
+        leaders = [i for i in range(len(members)) if is_data_leader(i)]  # the ranks whose loss counts
+        known: dict[int, list[dict]] = {i: outcome.results[members[i].slot] for i in range(len(members))
+                                        if members[i].slot in outcome.results}
+        asked = {i: members[i].actor.lease_results.remote(sent.step, finished) for i in range(len(members))
+                 if i not in known and members[i].slot not in outcome.lost
+                 and members[i] in self.group.workers}
+        for i, ref in asked.items():
+            try:
+                kept = ray.get(ref, timeout=PING_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue  # lost since: its rows' loss is not counted
+            if len(kept) == finished - sent.step:
+                known[i] = kept
+        world = len(members)
+        for j in range(finished - sent.step):
+            batch = sent.batches[j]
+            done = [i for i in leaders if i in known]
+            units = sum(int(batch.row_units[sent.shares[i]].sum()) for i in done)
+            # With no data leader's result known, another rank's gives the step's lr and grad
+            # norm (the same on every rank); the loss is then unknown (no units: NaN).
+            results = [known[i][j] for i in done] or [known[i][j] for i in list(known)[:1]]
+            self.commit(sent.step + j, results, units, batch.ids, sent.shares,
+                        elapsed_s / sent.count, sent.data_wait if j == 0 else 0.0, world_size=world)
+        self.summary.leases += 1
+        log.info("steps %d..%d had finished on a survivor: committed, not redone", sent.step + 1, finished)
 
     def commit(self, step: int, results: list[dict], units: int, ids, shares: list[slice],
                dt: float, data_wait: float, world_size: int | None = None) -> None:
@@ -197,7 +271,10 @@ class Steps:
         tokens_per_step = units
         steady = list(self._step_times)[min(3, len(self._step_times) - 1):]
         mean_dt = sum(steady) / len(steady)
-        metrics = {"loss": loss, "lr": results[0]["lr"], "grad_norm": results[0]["grad_norm"],
+        # The step's lr and grad norm (the same on every rank); unknown only when a failed lease's
+        # step finished on ranks all lost since (commit_finished).
+        first = results[0] if results else {"lr": float("nan"), "grad_norm": float("nan")}
+        metrics = {"loss": loss, "lr": first["lr"], "grad_norm": first["grad_norm"],
                    "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                    "data_wait_s": data_wait, "world_size": float(world)}
         if self._flops_per_token:
@@ -212,7 +289,7 @@ class Steps:
             self.tracker.log_metrics(self.committed_step, metrics)
         if self.on_step is not None:
             remaining = spec.train.max_steps - self.committed_step
-            self.on_step(StepReport(self.committed_step, spec.train.max_steps, loss, results[0]["lr"],
+            self.on_step(StepReport(self.committed_step, spec.train.max_steps, loss, first["lr"],
                                     tokens_per_step / mean_dt, dt, world, remaining * mean_dt))
         if self.committed_step % spec.train.log_every_steps == 0:
             self.summary.throughput = {

@@ -39,6 +39,7 @@ from raytrain_sys.control.supervisor.liveness import StepOutcome, WorkerLost, co
 from raytrain_sys.control.supervisor.probe import ping_all
 from raytrain_sys.control.supervisor.membership import (Membership, MembersLost, NoHolders, Reformed,
                                                         Uncovered)
+from raytrain_sys.control.supervisor.requests import CANCEL, PAUSE, RunRequests
 from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch
 from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
@@ -68,8 +69,11 @@ class RunResult:
 
 class Supervisor:
     def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
-                 previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None):
+                 previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None,
+                 requests: RunRequests | None = None):
         self.spec = spec
+        # Pause, cancel and resize from outside the run (the job service's runner, a notebook).
+        self.requests = requests or RunRequests()
         self.resume_run_id = resume_run_id
         # The run key of the launch this one continues: its leftovers are removed before start.
         self.previous_run_key = previous_run_key
@@ -163,7 +167,7 @@ class Supervisor:
                 store.join()
             self.tracker = launch.start_tracking(spec, self.summary, self.tracking_uri, self.resume_run_id,
                                                  self.run_dir, self.output_dir, self.checkpoint_root)
-            self.membership = Membership(spec, self.group)
+            self.membership = Membership(spec, self.group, target_size=self._target_size)
             self.steps = Steps(spec, self.data, self.group, found.task, self.summary, self.tracker,
                                self.on_step, found.flops_per_token)
             self.checkpoints = Checkpoints(spec, found.checkpointer, self.checkpoint_root, found.manifest,
@@ -177,9 +181,19 @@ class Supervisor:
                 self.data.wait_s = 0.0  # spent while the workers started, not waited for by them
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._loop()
-            if spec.checkpoint.save_on_exit and not self.checkpoints.saved(self.committed_step):
+            stop = self.requests.stop()
+            save = spec.checkpoint.save_on_exit or (stop is not None and stop.how == PAUSE)
+            while save and not (stop is not None and stop.how == CANCEL) and \
+                    not self.checkpoints.saved(self.committed_step):
                 self._checkpoint(final=True)
-            if self.committed_step < spec.train.max_steps:
+                # Every member lost during the final save: an older checkpoint was restored, and
+                # the steps after it are trained again before the run can end (a stop asked
+                # for meanwhile ends it at the restored step: that one is durable).
+                self._loop()
+            if self.committed_step < spec.train.max_steps and stop is not None:
+                self._transition(State.CANCELLED if stop.how == CANCEL else State.STOPPED,
+                                 f"{stop.describe()} (at step {self.committed_step})")
+            elif self.committed_step < spec.train.max_steps:
                 self._transition(State.STOPPED, f"paused at train.stop_at_step={spec.train.stop_at_step}")
             else:
                 self._transition(State.FINISHED, f"reached train.max_steps={spec.train.max_steps}")
@@ -214,13 +228,16 @@ class Supervisor:
         try:
             while self.committed_step < last:
                 if ahead is None:
+                    if self.requests.stop() is not None:
+                        break  # a pause or cancel: the run ends at this boundary (see ``run``)
                     self._at_step_boundary()
-                    cur = self.steps.dispatch(self.committed_step)
+                    step = self.committed_step
+                    cur = self.steps.dispatch(step, self.steps.lease_steps(step, last))
                 else:
                     cur, ahead = ahead, None
-                if self._may_run_ahead(cur.step + 1, last):
+                if self._may_run_ahead(cur.end, last):
                     try:
-                        ahead = self.steps.dispatch(cur.step + 1, after=cur)
+                        ahead = self.steps.dispatch(cur.end, self.steps.lease_steps(cur.end, last), after=cur)
                     except DataError:
                         pass  # raised again, in step order, when the step is sent in turn
                 outcome = collect(self.group, cur.members, cur.refs, cur.step, cur.deadline_s)
@@ -234,12 +251,12 @@ class Supervisor:
                         ahead = None
                     self._recover(cur, outcome, done_at - cur.t0)
                     continue
-                # Committed: every rank finished its optimizer step.
-                results = [outcome.results[w.slot] for w in cur.members]
-                self.summary.steps_run_ahead += cur.sent_ahead
-                self.steps.commit(cur.step, results, cur.units, cur.ids, cur.shares, done_at - cur.t0,
-                                  cur.data_wait)
+                # Committed: every rank finished its optimizer steps.
+                self.summary.steps_run_ahead += cur.count if cur.sent_ahead else 0
+                self.steps.commit_lease(cur, [outcome.results[w.slot] for w in cur.members],
+                                        done_at - cur.t0)
                 every = spec.checkpoint.every_steps
+                # A lease ends where a checkpoint is due (policy.lease_steps).
                 if every and self.committed_step % every == 0 and self.committed_step < last:
                     self._checkpoint(final=False)
         finally:
@@ -253,8 +270,10 @@ class Supervisor:
         """Whether step ``step`` may be sent before the one before it is committed: only when
         the boundary between them has nothing to do (``policy.run_ahead_hold``) and no member
         is on a draining node."""
-        if policy.run_ahead_hold(step, last, self.spec, len(self.group.workers), policy.target_size(self.spec)):
+        if policy.run_ahead_hold(step, last, self.spec, len(self.group.workers), self._target_size()):
             return False
+        if self.requests.stop() is not None or len(self.group.workers) > self._target_size():
+            return False  # a stop or a shrink asked for: the next boundary is kept for it
         now = time.monotonic()
         if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
             # The drain poll, done now while the members compute: a draining member must leave
@@ -277,30 +296,24 @@ class Supervisor:
         elif not isinstance(decision, policy.Continue):
             raise TypeError(f"unknown failure decision {decision!r}")
 
-    def _recover(self, sent: _Dispatch, outcome: StepOutcome, step_time_s: float) -> None:
-        """Rebuild in place after a failed step: survivors keep their state; nothing committed is lost.
+    def _recover(self, sent: _Dispatch, outcome: StepOutcome, lease_time_s: float) -> None:
+        """Rebuild in place after a failed lease: survivors keep their state; nothing committed is lost.
 
-        ``sent.members`` and ``sent.shares`` are the step's, rank by rank (``collect`` may
+        ``sent.members`` and ``sent.shares`` are the lease's, rank by rank (``collect`` may
         already have removed hung members from the group)."""
-        step, members, batch, shares = sent.step, sent.members, sent.batch, sent.shares
+        members = sent.members
         lost = [w for w in members if w.slot in outcome.lost]
         reason = "; ".join([f"worker {w.slot} on node {w.node_id[:8]} {outcome.lost[w.slot]}" for w in lost]
                            + [f"worker {s} error: {m}" for s, m in outcome.errored.items()])
+        degrees = self.spec.parallel.degrees(len(members))
 
         def commit_if_finished(held: dict[int, int]) -> None:
-            # Did the step finish on some replica? Then its update is complete and correct (every
-            # rank's gradient went into the all-reduce): commit it instead of redoing it.
-            if max(held.values()) == step + 1:
-                degrees = self.spec.parallel.degrees(len(members))
-                done = [i for i, w in enumerate(members) if w.slot in outcome.results
-                        and is_data_leader_rank(degrees, i)]  # the ranks whose loss counts
-                units = sum(int(batch.row_units[shares[i]].sum()) for i in done)
-                results = [outcome.results[members[i].slot] for i in done]
-                self.steps.commit(step, results, units, sent.ids, shares, step_time_s, sent.data_wait,
-                                  world_size=len(members))
-                log.info("step %d had finished on a survivor: committed, not redone", step + 1)
+            # Steps of the lease that finished on some replica are committed, not redone.
+            self.steps.commit_finished(sent, outcome, min(max(held.values()), sent.end),
+                                       lambda i: is_data_leader_rank(degrees, i), lease_time_s)
 
-        self._rebuild_without(lost, f"step {step + 1} failed: {reason}", commit_if_finished,
+        where = f"step {sent.step + 1}" if sent.count == 1 else f"steps {sent.step + 1}..{sent.end}"
+        self._rebuild_without(lost, f"{where} failed: {reason}", commit_if_finished,
                               detected_at_unix_s=outcome.detected_at_unix_s)
 
     def _rebuild_without(self, lost: list[Worker], reason: str,
@@ -440,13 +453,23 @@ class Supervisor:
         return f"; state saved at step {step}: {info.uri}"
 
     # ------------------------------------------------------------------ membership at step boundaries
+    def _target_size(self) -> int:
+        """The world the run grows back to: the spec's, under a ceiling asked for from outside."""
+        return policy.target_size(self.spec, self.requests.max_workers()[0])
+
     def _at_step_boundary(self) -> None:
-        """Between steps: leave draining (preempted) nodes, take in ready newcomers."""
+        """Between steps: leave draining (preempted) nodes, shrink to a requested ceiling, take
+        in ready newcomers."""
         now = time.monotonic()
         if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
             self._last_drain_poll = now
             self._leave_draining_nodes()
-        if len(self.group.workers) < policy.target_size(self.spec):
+        target = self._target_size()
+        if len(self.group.workers) > target:
+            self._shrink_to(target)
+        elif len(self.group.workers) == target and (self.group.pending or self.group.standby):
+            self.group.remove(self.group.pending + self.group.standby)  # asked for before a shrink
+        if len(self.group.workers) < target:
             self.membership.request_replacements()
             ready = self.group.ready_pending(timeout_s=0.0)
             if not policy.grows(self.spec.parallel, len(self.group.workers), len(ready)):
@@ -458,6 +481,18 @@ class Supervisor:
                 self.group.add(ready)
                 self._reform(source_slot=self.group.workers[0].slot,
                              reason=f"grown to world {len(self.group.workers)}")
+
+    def _shrink_to(self, target: int) -> None:
+        """Members above a requested ceiling leave at this boundary, as from a draining node:
+        their state stays with the others (their shards handed over first when sharded), so no
+        step is lost; their workers are released."""
+        leaving = policy.shrink_leavers(self.group.workers, target)
+        _, why = self.requests.max_workers()
+        self._transition(State.RESIZING, f"shrinking to {target} worker(s) at step {self.committed_step}"
+                         + (f": {why}" if why else ""))
+        self.group.remove(self.group.pending + self.group.standby)
+        self.membership.take_leavers_pieces(leaving, self.committed_step)
+        self._reform(source_slot=self.group.workers[0].slot, reason=f"shrunk to world {len(self.group.workers)}")
 
     @staticmethod
     def _draining_nodes() -> dict | None:
@@ -578,7 +613,8 @@ class Supervisor:
         if self.group is not None:
             self.group.shutdown()
         if self.tracker is not None:
-            status = {State.FINISHED: "FINISHED", State.STOPPED: "KILLED"}.get(self.state, "FAILED")
+            status = {State.FINISHED: "FINISHED", State.STOPPED: "KILLED",
+                      State.CANCELLED: "KILLED"}.get(self.state, "FAILED")
             try:
                 self.tracker.finish(status)
             except Exception as exc:
@@ -588,13 +624,16 @@ class Supervisor:
             ray.shutdown()
 
 
-def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = None) -> RunResult:
-    """Run a job to completion on the cluster the spec names (or a local one)."""
-    return Supervisor(spec, on_step=on_step).run()
+def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = None,
+            requests: RunRequests | None = None) -> RunResult:
+    """Run a job to completion on the cluster the spec names (or a local one); ``requests``
+    lets another thread pause, cancel or resize it."""
+    return Supervisor(spec, on_step=on_step, requests=requests).run()
 
 
 def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
-               output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None) -> RunResult:
+               output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
+               requests: RunRequests | None = None) -> RunResult:
     """Continue the MLflow run ``run_id`` from its newest committed checkpoint, in the same run."""
     from raytrain_sys.spec import apply_overrides
 
@@ -614,7 +653,7 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
     run_dir = record.run_dir if record.run_dir and os.path.isdir(record.run_dir) else ""
     previous_key = os.path.basename(record.run_dir.rstrip("/")) if record.run_dir else ""
     sup = Supervisor(spec, resume_run_id=run_id, run_dir=run_dir, previous_run_key=previous_key,
-                     on_step=on_step)
+                     on_step=on_step, requests=requests)
     if Checkpointer(open_store(sup.checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
         raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {sup.checkpoint_root}: "
                               f"nothing to resume; start it again with `raytrain-sys run`")

@@ -1,0 +1,89 @@
+"""Pause, cancel and resize asked of a running job from outside its step loop
+(``RunRequests``: what the job service's runner uses), on the session's multi-node cluster.
+
+What a user would notice: a paused run resumes, in the same MLflow run, to the parameters of an
+uninterrupted one; a cancelled run ends at a step boundary with its resources free; a shrink
+loses no step and the run still equals the uninterrupted one, and it grows back when allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_sys.control.supervisor import RunRequests, resume_job, run_job
+from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, supervisor_with_events,
+                             wait_for_a_ready_newcomer)
+from tests.helpers import assert_params_close, final_params, read_summary
+
+STEPS = 16
+
+
+def spec_for(tmp_path, dataset, **sections):
+    return ft_spec(tmp_path, dataset, STEPS, **sections)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tiny_dataset, tmp_path_factory):
+    result = run_job(spec_for(tmp_path_factory.mktemp("ref"), tiny_dataset))
+    return final_params(result.newest_checkpoint), result
+
+
+def run_with_requests(spec, events: dict):
+    """A Supervisor with ``RunRequests``; ``events[N](requests, supervisor)`` runs at step N's
+    commit (from the step loop's thread; a runner calls the same methods from its own)."""
+    requests = RunRequests()
+    sup, seen = supervisor_with_events(spec, {step: (lambda sup, f=f: f(requests, sup))
+                                               for step, f in events.items()})
+    sup.requests = requests
+    return sup.run(), sup, seen
+
+
+def test_pause_then_resume_equals_an_uninterrupted_run(reference, tiny_dataset, tmp_path, ray_cluster):
+    ref_params, ref = reference
+    spec = spec_for(tmp_path, tiny_dataset)
+    paused, sup, _ = run_with_requests(spec, {6: lambda r, s: r.pause("make room", by="scheduler")})
+    assert paused.status == "stopped", paused
+    step = paused.committed_steps
+    assert 6 <= step < STEPS
+    summary = read_summary(paused.run_dir)
+    # The pause saved the step it stopped at, durable, and said who asked and why.
+    assert summary["checkpoints"][-1]["step"] == step and paused.newest_checkpoint.endswith(f"{step:08d}")
+    assert "paused by scheduler: make room" in summary["transitions"][-1]["reason"]
+    assert_no_leftovers(ray_cluster, sup.run_key)  # every worker released while paused
+
+    resumed = resume_job(paused.mlflow_run_id, tracking_uri=spec.tracking.uri or sup.tracking_uri)
+    assert resumed.status == "finished" and resumed.mlflow_run_id == paused.mlflow_run_id
+    assert resumed.committed_steps == STEPS
+    assert_params_close(final_params(resumed.newest_checkpoint), ref_params, rtol=1e-6, atol=1e-9)
+    assert resumed.losses == pytest.approx(ref.losses, rel=1e-9)
+
+
+def test_cancel_stops_at_a_boundary_and_adds_no_checkpoint(tiny_dataset, tmp_path, ray_cluster):
+    spec = spec_for(tmp_path, tiny_dataset)
+    result, sup, _ = run_with_requests(spec, {7: lambda r, s: r.cancel("no longer needed", by="team-a")})
+    assert result.status == "cancelled", result
+    summary = read_summary(result.run_dir)
+    assert 7 <= result.committed_steps < STEPS
+    # Checkpoints kept (the periodic one at step 5), none added by the cancel.
+    assert [c["step"] for c in summary["checkpoints"]] == [5]
+    assert "cancelled by team-a: no longer needed" in summary["transitions"][-1]["reason"]
+    assert_no_leftovers(ray_cluster, sup.run_key)
+
+
+def test_shrink_then_grow_back_loses_no_step(reference, tiny_dataset, tmp_path, ray_cluster):
+    """Three workers; the service asks for one at step 4 (the others leave at a boundary, as
+    from a draining node), then for three again at step 9."""
+    spec = spec_for(tmp_path, tiny_dataset, resources={"num_workers": 3},
+                    elastic={"min_workers": 1, "max_workers": 3})
+    ref_params, _ = reference
+    result, sup, seen = run_with_requests(spec, {
+        4: lambda r, s: r.resize(1, "team b is owed its quota", by="scheduler"),
+        9: lambda r, s: r.resize(3, "quota free again", by="scheduler"),
+        # Newcomers take seconds to start: hold the loop until they are up (as the fault tests do).
+        10: lambda r, s: wait_for_a_ready_newcomer(s)})
+    summary = assert_like_reference(result, seen, (ref_params, None), spec, tiny_dataset, STEPS)
+    worlds = summary["world_sizes"]
+    assert worlds[:4] == [3] * 4 and 1 in worlds and worlds[-1] == 3, worlds
+    shrink = [t for t in summary["transitions"] if t["reason"].startswith("shrinking to 1")]
+    assert len(shrink) == 1 and "team b is owed its quota (by scheduler)" in shrink[0]["reason"]
+    assert summary["failures"] == 0 and summary["steps_redone"] == 0
+    assert_no_leftovers(ray_cluster, sup.run_key)
