@@ -54,6 +54,11 @@ class ServiceStoreError(UserError):
     password masked)."""
 
 
+class JobStateConflict(UserError):
+    """A job is not in a state the requested change can start from (it moved meanwhile, or the
+    request does not apply to it); nothing was written."""
+
+
 class TrainingFailed(UserError):
     """Training stopped because workers failed and the run could not continue."""
 
@@ -87,8 +92,8 @@ def _our_line(lines: list[str]) -> str:
     # RayTaskError text ends with "<ErrorClass>: <message>"; keep the message only.
     for line in reversed(lines):
         for name in ("StorageError", "DataError", "CheckpointError", "TrackingError", "SpecError",
-                     "ClusterCapacityError", "ServiceInputError", "ServiceStoreError", "TrainingFailed",
-                     "UserError"):
+                     "ClusterCapacityError", "ServiceInputError", "ServiceStoreError", "JobStateConflict",
+                     "TrainingFailed", "UserError"):
             marker = f"{name}: "
             if marker in line:
                 return line.split(marker, 1)[1]
