@@ -40,6 +40,25 @@ class TrackingError(UserError):
     """The MLflow tracking store is unreachable or refuses a write."""
 
 
+class ServiceInputError(UserError):
+    """A request to the job service names an unknown team, a value out of range, or asks for
+    more than the team could ever get; nothing was written."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"field '{field}': {message}")
+
+
+class ServiceStoreError(UserError):
+    """The job service's database is unreachable or refused a write (the URL is shown with its
+    password masked)."""
+
+
+class JobStateConflict(UserError):
+    """A job is not in a state the requested change can start from (it moved meanwhile, or the
+    request does not apply to it); nothing was written."""
+
+
 class TrainingFailed(UserError):
     """Training stopped because workers failed and the run could not continue."""
 
@@ -73,7 +92,8 @@ def _our_line(lines: list[str]) -> str:
     # RayTaskError text ends with "<ErrorClass>: <message>"; keep the message only.
     for line in reversed(lines):
         for name in ("StorageError", "DataError", "CheckpointError", "TrackingError", "SpecError",
-                     "ClusterCapacityError", "TrainingFailed", "UserError"):
+                     "ClusterCapacityError", "ServiceInputError", "ServiceStoreError", "JobStateConflict",
+                     "TrainingFailed", "UserError"):
             marker = f"{name}: "
             if marker in line:
                 return line.split(marker, 1)[1]

@@ -6,6 +6,14 @@ cd "$(dirname "$0")/.."
 
 extra=""
 if [ "${1:-}" = "dev" ]; then extra="[dev]"; fi
+# The service store's tests start a real PostgreSQL server (initdb, pg_ctl) of their own.
+if [ -n "$extra" ] && ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+    if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+    else
+        echo "warning: PostgreSQL's initdb not found; install postgresql for tests/test_service_store.py" >&2
+    fi
+fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi

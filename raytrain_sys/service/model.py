@@ -1,0 +1,350 @@
+"""The service's vocabulary: job states and their edges, teams, the scheduler's input and output.
+
+Owns: ``JobState`` (with ``terminal`` and ``allowed``: a move the table does not list raises
+``TransitionNotAllowed``), ``Team`` (a Kueue-style quota), the stored job as the service sees it
+(``JobRecord``, ``TransitionRecord``, ``AuditRecord``), the scheduler's input (``Snapshot`` of
+``Team`` and ``JobView``) and its output (``Admit``, ``Grow``, ``Shrink``, ``Pause``, ``Wait``).
+Pure: no Ray, no SQL, no clock. Every time here is unix seconds (``_s``), every size a count of
+workers (``_workers``); one priority direction everywhere: a higher number is more important.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional, Union
+
+from raytrain_sys.errors import ServiceInputError
+
+
+class TransitionNotAllowed(RuntimeError):
+    """A job state change the table below does not list: a bug in whoever asked for it."""
+
+
+class JobState(str, Enum):
+    QUEUED = "queued"  # submitted, waiting for admission (never ran)
+    STARTING = "starting"  # admitted: the runner is launching its Supervisor
+    RUNNING = "running"
+    PAUSING = "pausing"  # checkpointing at a step boundary, then releasing its workers
+    PAUSED = "paused"  # holds no workers; resumes from its checkpoint when admitted again
+    RESUMING = "resuming"  # admitted again: the runner is restoring it from its checkpoint
+    CANCELLING = "cancelling"  # stopping its Supervisor, then releasing its workers
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        """The job has ended: no move leaves this state."""
+        return self in (JobState.FINISHED, JobState.FAILED, JobState.CANCELLED)
+
+    @property
+    def allowed(self) -> frozenset["JobState"]:
+        """The states this one may move to. Every live state may also stay (a note in the same
+        state, such as a resize of a running job) and may fail."""
+        if self.terminal:
+            return frozenset()
+        return _MOVES[self] | {self, JobState.FAILED}
+
+    @property
+    def waiting(self) -> bool:
+        """Holds no workers and wants some (unless held by its team)."""
+        return self in (JobState.QUEUED, JobState.PAUSED)
+
+    @property
+    def releasing(self) -> bool:
+        """Still holds workers it is giving back: counted free for quotas, not yet for the
+        cluster."""
+        return self in (JobState.PAUSING, JobState.CANCELLING)
+
+    @property
+    def admitted(self) -> bool:
+        """Holds (or is being given) workers and counts against its team's quota."""
+        return self in (JobState.STARTING, JobState.RUNNING, JobState.RESUMING)
+
+    def check_move(self, to: "JobState") -> None:
+        if to not in self.allowed:
+            raise TransitionNotAllowed(
+                f"job state {self.value} cannot move to {to.value} "
+                f"(allowed: {', '.join(sorted(s.value for s in self.allowed)) or 'none, it has ended'})")
+
+
+# Where each state leads (besides staying and failing). A queued or paused job holds nothing,
+# so cancelling it needs no stop; a starting or resuming job that could not be placed goes back
+# to where it waited, nothing having run since.
+_MOVES: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED}),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.CANCELLING}),
+    JobState.RUNNING: frozenset({JobState.PAUSING, JobState.CANCELLING, JobState.FINISHED}),
+    JobState.PAUSING: frozenset({JobState.PAUSED, JobState.CANCELLING}),
+    JobState.PAUSED: frozenset({JobState.RESUMING, JobState.CANCELLED}),
+    JobState.RESUMING: frozenset({JobState.RUNNING, JobState.PAUSED, JobState.CANCELLING}),
+    JobState.CANCELLING: frozenset({JobState.CANCELLED}),
+}
+
+LIVE_STATES = tuple(s for s in JobState if not s.terminal)
+
+
+# ----------------------------------------------------------------------------- teams
+
+
+@dataclass(frozen=True)
+class Team:
+    """A team's queue and quota, in Kueue's words (one resource: workers).
+
+    ``nominal_workers`` is what the team is guaranteed. Teams in the same ``cohort`` lend each
+    other the part of their nominal quota they do not use: at most ``lending_limit_workers`` of
+    it (None: all of it), and a team borrows at most ``borrowing_limit_workers`` beyond its
+    nominal (None: as much as the cohort lends). A team without a cohort is a cohort of one.
+    ``weight`` scales its fair share: a team of weight 2 may borrow twice as much before it
+    counts as having had its turn.
+    """
+
+    name: str
+    nominal_workers: int
+    cohort: Optional[str] = None
+    borrowing_limit_workers: Optional[int] = None
+    lending_limit_workers: Optional[int] = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ServiceInputError("team.name", f"got {self.name!r}; must be a non-empty string")
+        for name in ("nominal_workers", "borrowing_limit_workers", "lending_limit_workers"):
+            value = getattr(self, name)
+            if value is None and name != "nominal_workers":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ServiceInputError(f"team.{name}", f"got {value!r}; must be an integer >= 0")
+        if self.lending_limit_workers is not None and self.lending_limit_workers > self.nominal_workers:
+            raise ServiceInputError("team.lending_limit_workers",
+                                    f"got {self.lending_limit_workers}; must not exceed "
+                                    f"nominal_workers {self.nominal_workers}")
+        if not (isinstance(self.weight, (int, float)) and math.isfinite(self.weight) and self.weight > 0):
+            raise ServiceInputError("team.weight", f"got {self.weight!r}; must be a number > 0")
+
+    @property
+    def cohort_key(self) -> str:
+        """The cohort this team shares with; its own name when it has none (a cohort of one)."""
+        return self.cohort if self.cohort else f"team:{self.name}"
+
+    @property
+    def lendable_workers(self) -> int:
+        """The part of the nominal quota the cohort may borrow when this team does not use it."""
+        if self.lending_limit_workers is None:
+            return self.nominal_workers
+        return self.lending_limit_workers
+
+    @property
+    def guaranteed_workers(self) -> int:
+        """The part of the nominal quota never lent: always this team's."""
+        return self.nominal_workers - self.lendable_workers
+
+
+# ----------------------------------------------------------------------------- stored records
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One row of the jobs table, as the store returns it."""
+
+    id: int
+    team: str
+    name: str
+    spec: str  # the job spec as submitted (YAML or JSON text)
+    priority: int
+    state: JobState
+    held: bool  # the team paused it: the scheduler leaves it waiting
+    min_workers: int
+    max_workers: int
+    elastic: bool
+    workers: int  # workers it holds now
+    target_workers: int  # workers the runner was last told to have
+    restarts: int
+    mlflow_run_id: Optional[str]
+    last_checkpoint_step: Optional[int]
+    last_checkpoint_at_s: Optional[float]
+    submitted_at_s: float
+    waiting_since_s: float  # since when it waits for admission (submit, or its last pause)
+    started_at_s: Optional[float]  # its last start or resume
+    updated_at_s: float
+    message: str  # the last transition's reason
+
+    def view(self) -> "JobView":
+        """What the scheduler sees of this job."""
+        return JobView(id=self.id, team=self.team, priority=self.priority, state=self.state,
+                       min_workers=self.min_workers, max_workers=self.max_workers,
+                       elastic=self.elastic, workers=self.workers,
+                       target_workers=self.target_workers, submitted_at_s=self.submitted_at_s,
+                       waiting_since_s=self.waiting_since_s, started_at_s=self.started_at_s,
+                       last_checkpoint_at_s=self.last_checkpoint_at_s, held=self.held)
+
+
+@dataclass(frozen=True)
+class TransitionRecord:
+    job_id: int
+    from_state: Optional[JobState]  # None: the submit that created the job
+    to_state: JobState
+    at_s: float
+    actor: str  # a team name, "admin", "scheduler", "reconciler", ...
+    reason: str
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    at_s: float
+    actor: str  # the team whose token was used, or "admin"
+    action: str  # submit, pause, resume, cancel, add_team, issue_token, ...
+    target: str  # what it acted on: "job 12", "team a"
+    result: str  # "ok", or why it was refused
+
+
+# ----------------------------------------------------------------------------- scheduler input
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One live job as the scheduler sees it.
+
+    ``workers`` is what the job holds now; ``target_workers`` what the runner was last told
+    (they differ while a shrink drains or a grow places actors). A job is elastic when its
+    spec lets it run anywhere in ``min_workers..max_workers``.
+    """
+
+    id: int
+    team: str
+    priority: int
+    state: JobState
+    min_workers: int
+    max_workers: int
+    submitted_at_s: float
+    elastic: bool = False
+    workers: int = 0
+    target_workers: int = 0
+    waiting_since_s: Optional[float] = None  # None: since submitted_at_s
+    started_at_s: Optional[float] = None
+    last_checkpoint_at_s: Optional[float] = None  # the last durable checkpoint
+    held: bool = False
+
+    @property
+    def waited_since_s(self) -> float:
+        return self.submitted_at_s if self.waiting_since_s is None else self.waiting_since_s
+
+    @property
+    def changing(self) -> bool:
+        """A resize is in flight: the runner has not yet reached ``target_workers``."""
+        return self.target_workers != self.workers
+
+    def work_at_risk(self, now_s: float) -> float:
+        """Worker-seconds lost if the job stopped now: workers x seconds since its last durable
+        checkpoint (or its start, if it has none since)."""
+        since = self.last_checkpoint_at_s if self.last_checkpoint_at_s is not None else self.started_at_s
+        if since is None:
+            return 0.0
+        return self.workers * max(0.0, now_s - since)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The scheduler's whole input, besides the time: the teams, every live job, and how many
+    worker slots the cluster has for the service's jobs."""
+
+    teams: tuple[Team, ...]
+    jobs: tuple[JobView, ...]
+    cluster_workers: int
+
+    def __post_init__(self) -> None:
+        # Tuples, so that a caller's list cannot change under a decision (and the snapshot hashes).
+        object.__setattr__(self, "teams", tuple(self.teams))
+        object.__setattr__(self, "jobs", tuple(self.jobs))
+
+
+# ----------------------------------------------------------------------------- scheduler output
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Start a queued job (or resume a paused one from its checkpoint) on ``workers``."""
+
+    job_id: int
+    workers: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"admit job {self.job_id} on {self.workers} workers: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Grow:
+    """Add workers to a running elastic job, up to ``to_workers`` in all."""
+
+    job_id: int
+    to_workers: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"grow job {self.job_id} to {self.to_workers} workers: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """Drain a running elastic job down to ``to_workers`` at a step boundary (no work lost)."""
+
+    job_id: int
+    to_workers: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"shrink job {self.job_id} to {self.to_workers} workers: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Pause:
+    """Checkpoint a running job, release its workers, queue it to resume later."""
+
+    job_id: int
+    reason: str
+    work_at_risk_worker_s: float = 0.0  # workers x seconds since its last durable checkpoint
+
+    def __str__(self) -> str:
+        return f"pause job {self.job_id}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Leave a waiting job waiting, and say why."""
+
+    job_id: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} waits: {self.reason}"
+
+
+Action = Union[Admit, Grow, Shrink, Pause, Wait]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The scheduler's knobs, each with its reason."""
+
+    # Waiting ages a job: one priority point per this many seconds waited (10 min), so a job
+    # that waited an hour outranks a fresh one up to 6 points above it.
+    aging_s_per_point: float = 600.0
+    # A job that waited this long (2 h) and is blocked only by free workers keeps the free
+    # workers for itself: jobs behind it in order may not take them, and nothing grows into them.
+    reserve_after_s: float = 7200.0
+
+    def __post_init__(self) -> None:
+        if not self.aging_s_per_point > 0:
+            raise ServiceInputError("policy.aging_s_per_point", f"got {self.aging_s_per_point}; must be > 0")
+        if not self.reserve_after_s >= 0:
+            raise ServiceInputError("policy.reserve_after_s", f"got {self.reserve_after_s}; must be >= 0")
+
+
+DEFAULT_POLICY = Policy()
+
+__all__ = ["JobState", "TransitionNotAllowed", "LIVE_STATES", "Team", "JobRecord", "TransitionRecord",
+           "AuditRecord", "JobView", "Snapshot", "Admit", "Grow", "Shrink", "Pause", "Wait", "Action",
+           "Policy", "DEFAULT_POLICY"]

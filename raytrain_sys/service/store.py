@@ -1,0 +1,452 @@
+"""The job service's state in SQL: a SQLite file by default, PostgreSQL in production.
+
+Owns: every SQL statement of the service (the tables are in ``tables.py``, the schema is made
+and upgraded only by the Alembic migrations, run when the store opens). Rules it keeps:
+
+* **One guarded write per edge.** A job's ``state`` changes only in ``transition``:
+  ``UPDATE jobs ... WHERE id = :id AND state IN (:expected)``; anything but exactly one row
+  changed raises ``JobStateConflict`` and the transaction, with its ``transitions`` row, is
+  rolled back. ``JobState.allowed`` is checked first, so a move the state table does not list
+  never reaches the database.
+* **Claims under a row lock**: ``claim`` picks the next job with ``FOR UPDATE SKIP LOCKED`` on
+  PostgreSQL (two service processes never get the same job); on SQLite every transaction is
+  ``BEGIN IMMEDIATE``, which serializes writers.
+* **Tokens are never stored or logged**: only their HMAC-SHA256 under a per-database key
+  (``store_meta``), looked up by hash. ``issue_token`` returns the token once.
+* **Errors name their cause**: an unreachable database raises ``ServiceStoreError`` naming the
+  URL with its password masked; bad input raises ``ServiceInputError`` naming the field, before
+  anything is written.
+
+It decides nothing: which job starts, grows or pauses is the scheduler's; who may do what is the
+API's. Audit rows are written by whoever acts (``record_audit``), refusals included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from sqlalchemy import create_engine, event, func, insert, select, text, update
+from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
+
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
+from raytrain_sys.service import migrations
+from raytrain_sys.service.model import (LIVE_STATES, AuditRecord, JobRecord, JobState, Snapshot, Team,
+                                        TransitionRecord)
+from raytrain_sys.service.scheduler.quota import never_fits_reason
+from raytrain_sys.service.tables import audit, jobs, store_meta, teams, tokens, transitions
+
+DEFAULT_URL = "sqlite:///raytrain-service.db"
+TOKEN_PREFIX = "rts_"  # makes a leaked token easy to spot (secret scanners, logs)
+CONNECT_TIMEOUT_S = 5  # a PostgreSQL host that does not answer fails the open in 5 s, not minutes
+SQLITE_BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another (BEGIN IMMEDIATE) before failing
+CLAIM_ATTEMPTS = 5  # a claim that loses a race to another writer tries the next job
+
+# The columns ``transition`` may set beside the state (everything else is fixed at submit).
+RUN_FIELDS = frozenset({"held", "workers", "target_workers", "restarts", "mlflow_run_id", "last_checkpoint_step",
+                        "last_checkpoint_at_s", "started_at_s", "waiting_since_s"})
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a token belongs to: a team, or the admin."""
+
+    team: Optional[str]
+    is_admin: bool
+
+    @property
+    def name(self) -> str:
+        """As recorded in the audit and transitions tables."""
+        return "admin" if self.is_admin else str(self.team)
+
+
+def mask_url(url: str) -> str:
+    """The URL with its password hidden, the only form of a URL that goes into a message."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<unparseable database URL>"
+
+
+class Store:
+    """The service's tables behind one SQLAlchemy engine. Open with ``Store.open(url)``."""
+
+    def __init__(self, engine: Engine, url: str):
+        self.engine = engine
+        self.url = mask_url(url)  # never the password
+        self._secret = str(make_url(url).password or "")
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, url: str = DEFAULT_URL) -> "Store":
+        """Connect, migrate the schema to the newest revision (Alembic; the only way tables are
+        made), and return the store. Raises ``ServiceStoreError`` naming the masked URL and the
+        cause when the database cannot be reached or used."""
+        masked = mask_url(url)
+        try:
+            parsed = make_url(url)
+        except ArgumentError as e:
+            raise ServiceStoreError(f"cannot use database URL {masked}: {e}") from None
+        try:
+            engine = _engine(parsed)
+        except (ArgumentError, ImportError) as e:
+            raise ServiceStoreError(f"cannot use database URL {masked}: {e}") from None
+        store = cls(engine, url)
+        try:
+            with store._tx() as conn:
+                if conn.dialect.name == "postgresql":
+                    # Two services opening one fresh database must not both create the tables.
+                    conn.execute(text("SELECT pg_advisory_xact_lock(7242501)"))
+                migrations.upgrade(conn)
+        except BaseException:
+            engine.dispose()
+            raise
+        return store
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def schema_revision(self) -> Optional[str]:
+        """The Alembic revision the database is at."""
+        with self._tx() as conn:
+            return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        """One transaction; a lost or refused connection becomes ``ServiceStoreError``."""
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except (OperationalError, InterfaceError) as e:
+            raise ServiceStoreError(f"cannot reach {self.url}: {self._cause(e)}") from None
+        except DBAPIError as e:
+            if e.connection_invalidated:
+                raise ServiceStoreError(f"cannot reach {self.url}: {self._cause(e)}") from None
+            raise
+
+    def _cause(self, e: DBAPIError) -> str:
+        lines = [ln.strip() for ln in str(e.orig).strip().splitlines() if ln.strip()]
+        cause = "; ".join(lines[:2]) if lines else type(e.orig).__name__
+        if self._secret:
+            cause = cause.replace(self._secret, "***")
+        return cause
+
+    # ------------------------------------------------------------------ teams
+
+    def add_team(self, team: Team, *, now_s: Optional[float] = None) -> Team:
+        """Create a team (its quota); a name taken raises ``ServiceInputError`` on team.name."""
+        now = _now(now_s)
+        try:
+            with self._tx() as conn:
+                conn.execute(insert(teams).values(**_team_row(team), created_at_s=now, updated_at_s=now))
+        except IntegrityError:
+            raise ServiceInputError("team.name", f"team {team.name!r} exists already") from None
+        return team
+
+    def update_team(self, team: Team, *, now_s: Optional[float] = None) -> Team:
+        """Change a team's quota, cohort or weight."""
+        with self._tx() as conn:
+            changed = conn.execute(update(teams).where(teams.c.name == team.name)
+                                   .values(**_team_row(team), updated_at_s=_now(now_s))).rowcount
+        if changed != 1:
+            raise ServiceInputError("team", f"unknown team {team.name!r}")
+        return team
+
+    def teams(self) -> list[Team]:
+        with self._tx() as conn:
+            return [_team(r) for r in conn.execute(select(teams).order_by(teams.c.name))]
+
+    def team(self, name: str) -> Team:
+        with self._tx() as conn:
+            row = conn.execute(select(teams).where(teams.c.name == name)).first()
+        if row is None:
+            raise ServiceInputError("team", f"unknown team {name!r}")
+        return _team(row)
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit(self, *, team: str, name: str, spec: str, min_workers: int, max_workers: Optional[int] = None,
+               priority: int = 0, elastic: Optional[bool] = None, actor: str,
+               idempotency_key: Optional[str] = None, cluster_workers: Optional[int] = None,
+               now_s: Optional[float] = None) -> JobRecord:
+        """Queue a job. Rejects, naming the field and writing nothing: an unknown team, sizes out
+        of range, a min_workers the team could never get (its nominal quota plus borrowing
+        limit, bounded by its cohort and, when given, by ``cluster_workers``). A repeated
+        ``idempotency_key`` of the same team returns the job it created first."""
+        max_workers = min_workers if max_workers is None else max_workers
+        _check_int("elastic.min_workers", min_workers, low=1)
+        _check_int("elastic.max_workers", max_workers, low=min_workers,
+                   low_text=f"at least elastic.min_workers ({min_workers})")
+        _check_int("priority", priority)
+        if not isinstance(name, str) or not name.strip() or len(name) > 200:
+            raise ServiceInputError("name", f"got {name!r}; must be a non-empty string of at most 200 characters")
+        if not isinstance(spec, str):
+            raise ServiceInputError("spec", "must be the job spec's YAML or JSON text")
+        now = _now(now_s)
+        try:
+            with self._tx() as conn:
+                all_teams = [_team(r) for r in conn.execute(select(teams))]
+                if team not in {t.name for t in all_teams}:
+                    raise ServiceInputError("team", never_fits_reason(team, min_workers, all_teams))
+                never = never_fits_reason(team, min_workers, all_teams, cluster_workers)
+                if never:
+                    raise ServiceInputError("elastic.min_workers", never)
+                if idempotency_key is not None:
+                    row = conn.execute(select(jobs).where(jobs.c.team == team,
+                                                          jobs.c.idempotency_key == idempotency_key)).first()
+                    if row is not None:
+                        return _job(row)
+                job_id = conn.execute(insert(jobs).values(
+                    team=team, name=name, spec=spec, priority=priority, state=JobState.QUEUED.value, held=False,
+                    min_workers=min_workers, max_workers=max_workers,
+                    elastic=(max_workers > min_workers) if elastic is None else bool(elastic),
+                    workers=0, target_workers=0, restarts=0, submitted_at_s=now, waiting_since_s=now,
+                    updated_at_s=now, message="submitted", idempotency_key=idempotency_key,
+                ).returning(jobs.c.id)).scalar_one()
+                conn.execute(insert(transitions).values(job_id=job_id, from_state=None, to_state=JobState.QUEUED.value,
+                                                        at_s=now, actor=actor, reason="submitted"))
+                return _job(conn.execute(select(jobs).where(jobs.c.id == job_id)).one())
+        except IntegrityError:  # the same idempotency key, submitted at the same moment elsewhere
+            if idempotency_key is None:
+                raise
+            with self._tx() as conn:
+                return _job(conn.execute(select(jobs).where(jobs.c.team == team,
+                                                            jobs.c.idempotency_key == idempotency_key)).one())
+
+    def job(self, job_id: int) -> JobRecord:
+        with self._tx() as conn:
+            row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+        if row is None:
+            raise ServiceInputError("job_id", f"no job {job_id}")
+        return _job(row)
+
+    def jobs(self, *, states: Optional[Iterable[Union[JobState, str]]] = None,
+             team: Optional[str] = None) -> list[JobRecord]:
+        """Jobs in submit order, optionally only those in ``states`` or of one team."""
+        query = select(jobs).order_by(jobs.c.id)
+        if states is not None:
+            query = query.where(jobs.c.state.in_([JobState(s).value for s in states]))
+        if team is not None:
+            query = query.where(jobs.c.team == team)
+        with self._tx() as conn:
+            return [_job(r) for r in conn.execute(query)]
+
+    def transition(self, job_id: int, expected: Union[JobState, Sequence[JobState]], to: JobState, *,
+                   actor: str, reason: str, now_s: Optional[float] = None, **changes: Any) -> JobRecord:
+        """Move a job from one of the ``expected`` states to ``to`` (one guarded write, and its
+        transitions row, in one transaction), setting the run fields in ``changes`` with it.
+        Raises ``TransitionNotAllowed`` for an edge ``JobState`` does not list and
+        ``JobStateConflict`` when the job is not in an expected state; nothing is written then."""
+        expected_states = _states(expected)
+        for state in expected_states:
+            state.check_move(JobState(to))
+        unknown = set(changes) - RUN_FIELDS
+        if unknown:
+            raise ValueError(f"transition cannot set {sorted(unknown)}; settable: {sorted(RUN_FIELDS)}")
+        with self._tx() as conn:
+            return self._transition(conn, job_id, expected_states, JobState(to), actor, reason, _now(now_s), changes)
+
+    def _transition(self, conn: Connection, job_id: int, expected: tuple[JobState, ...], to: JobState,
+                    actor: str, reason: str, now: float, changes: dict) -> JobRecord:
+        # Lock the row (PostgreSQL) so that the state recorded as "from" is the one replaced.
+        current = conn.execute(select(jobs.c.state).where(jobs.c.id == job_id).with_for_update()).scalar()
+        if current is None:
+            raise ServiceInputError("job_id", f"no job {job_id}")
+        result = conn.execute(
+            update(jobs).where(jobs.c.id == job_id, jobs.c.state.in_([s.value for s in expected]))
+            .values(state=to.value, updated_at_s=now, message=reason, **changes))
+        if result.rowcount != 1:
+            raise JobStateConflict(
+                f"job {job_id} is {current}, not {' or '.join(s.value for s in expected)}: "
+                f"cannot move it to {to.value} (nothing was changed)")
+        conn.execute(insert(transitions).values(job_id=job_id, from_state=current, to_state=to.value, at_s=now,
+                                                actor=actor, reason=reason))
+        return _job(conn.execute(select(jobs).where(jobs.c.id == job_id)).one())
+
+    def claim(self, expected: Union[JobState, Sequence[JobState]], to: JobState, *, actor: str, reason: str,
+              job_ids: Optional[Iterable[int]] = None, now_s: Optional[float] = None,
+              **changes: Any) -> Optional[JobRecord]:
+        """Take the oldest job in ``expected`` (among ``job_ids`` if given) and move it to ``to``,
+        or return None if there is none. On PostgreSQL the candidate row is locked with ``FOR
+        UPDATE SKIP LOCKED``, so concurrent claimers each get a different job."""
+        expected_states = _states(expected)
+        for state in expected_states:
+            state.check_move(JobState(to))
+        ids = None if job_ids is None else list(job_ids)
+        for _ in range(CLAIM_ATTEMPTS):
+            query = (select(jobs.c.id).where(jobs.c.state.in_([s.value for s in expected_states]))
+                     .order_by(jobs.c.id).limit(1).with_for_update(skip_locked=True))
+            if ids is not None:
+                query = query.where(jobs.c.id.in_(ids))
+            try:
+                with self._tx() as conn:
+                    job_id = conn.execute(query).scalar()
+                    if job_id is None:
+                        return None
+                    return self._transition(conn, job_id, expected_states, JobState(to), actor, reason,
+                                            _now(now_s), changes)
+            except JobStateConflict:
+                continue  # another claimer moved it between the select and the update
+        return None
+
+    def record_checkpoint(self, job_id: int, step: int, at_s: float) -> None:
+        """A durable checkpoint of a live job (no state change: no transitions row)."""
+        with self._tx() as conn:
+            changed = conn.execute(update(jobs).where(jobs.c.id == job_id,
+                                                      jobs.c.state.in_([s.value for s in LIVE_STATES]))
+                                   .values(last_checkpoint_step=step, last_checkpoint_at_s=at_s,
+                                           updated_at_s=_now(None))).rowcount
+        if changed != 1:
+            raise JobStateConflict(f"job {job_id} does not exist or has ended: checkpoint not recorded")
+
+    def history(self, job_id: int) -> list[TransitionRecord]:
+        """Every transition of a job, oldest first."""
+        with self._tx() as conn:
+            rows = conn.execute(select(transitions).where(transitions.c.job_id == job_id)
+                                .order_by(transitions.c.id)).all()
+        return [TransitionRecord(job_id=r.job_id, from_state=JobState(r.from_state) if r.from_state else None,
+                                 to_state=JobState(r.to_state), at_s=r.at_s, actor=r.actor, reason=r.reason)
+                for r in rows]
+
+    def snapshot(self, cluster_workers: int) -> Snapshot:
+        """The scheduler's input: every team and every live job, read in one transaction."""
+        with self._tx() as conn:
+            all_teams = [_team(r) for r in conn.execute(select(teams).order_by(teams.c.name))]
+            live = [_job(r).view() for r in conn.execute(
+                select(jobs).where(jobs.c.state.in_([s.value for s in LIVE_STATES])).order_by(jobs.c.id))]
+        return Snapshot(all_teams, live, cluster_workers=cluster_workers)
+
+    # ------------------------------------------------------------------ audit
+
+    def record_audit(self, actor: str, action: str, target: str, result: str, *,
+                     now_s: Optional[float] = None) -> None:
+        """One row of who did what to what, and how it ended (``ok`` or why it was refused)."""
+        with self._tx() as conn:
+            conn.execute(insert(audit).values(at_s=_now(now_s), actor=actor, action=action, target=target,
+                                              result=result))
+
+    def audit_log(self, *, actor: Optional[str] = None, limit: Optional[int] = None) -> list[AuditRecord]:
+        """Audit rows, oldest first (the newest ``limit`` of them if given)."""
+        query = select(audit).order_by(audit.c.id.desc())
+        if actor is not None:
+            query = query.where(audit.c.actor == actor)
+        if limit is not None:
+            query = query.limit(limit)
+        with self._tx() as conn:
+            rows = conn.execute(query).all()
+        return [AuditRecord(at_s=r.at_s, actor=r.actor, action=r.action, target=r.target, result=r.result)
+                for r in reversed(rows)]
+
+    # ------------------------------------------------------------------ tokens
+
+    def issue_token(self, team: Optional[str], *, now_s: Optional[float] = None) -> str:
+        """A new bearer token for ``team`` (None: an admin token). Only its hash is stored; the
+        token itself is returned once and must not be logged."""
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        with self._tx() as conn:
+            if team is not None and conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
+                raise ServiceInputError("team", f"unknown team {team!r}")
+            conn.execute(insert(tokens).values(team=team, is_admin=team is None,
+                                               token_hash=self._hash(conn, token), created_at_s=_now(now_s)))
+        return token
+
+    def authenticate(self, token: str) -> Optional[Principal]:
+        """The team (or admin) a token belongs to, or None for an unknown or revoked token."""
+        if not isinstance(token, str) or not token.startswith(TOKEN_PREFIX):
+            return None
+        with self._tx() as conn:
+            row = conn.execute(select(tokens.c.team, tokens.c.is_admin)
+                               .where(tokens.c.token_hash == self._hash(conn, token),
+                                      tokens.c.revoked_at_s.is_(None))).first()
+        return None if row is None else Principal(team=row.team, is_admin=bool(row.is_admin))
+
+    def revoke_tokens(self, team: Optional[str], *, now_s: Optional[float] = None) -> int:
+        """Revoke every token of ``team`` (None: every admin token); returns how many."""
+        owner = tokens.c.is_admin.is_(True) if team is None else tokens.c.team == team
+        with self._tx() as conn:
+            return conn.execute(update(tokens).where(owner, tokens.c.revoked_at_s.is_(None))
+                                .values(revoked_at_s=_now(now_s))).rowcount
+
+    def _hash(self, conn: Connection, token: str) -> str:
+        key = conn.execute(select(store_meta.c.value).where(store_meta.c.key == "token_hmac_key")).scalar_one()
+        return hmac.new(bytes.fromhex(key), token.encode(), hashlib.sha256).hexdigest()
+
+    # ------------------------------------------------------------------ counts
+
+    def count_jobs(self) -> dict[str, int]:
+        """Jobs per state."""
+        with self._tx() as conn:
+            return {state: n for state, n in conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state))}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _engine(url) -> Engine:
+    if url.get_backend_name() == "sqlite":
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S})
+
+        # pysqlite's own transaction handling begins late and never for a SELECT; take it over so
+        # that every transaction is BEGIN IMMEDIATE: one writer at a time, and a read followed by
+        # a write in one transaction sees no other writer in between.
+        @event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.close()
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    connect_args = {"connect_timeout": CONNECT_TIMEOUT_S} if url.get_backend_name() == "postgresql" else {}
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+
+
+def _now(now_s: Optional[float]) -> float:
+    return time.time() if now_s is None else float(now_s)
+
+
+def _states(expected: Union[JobState, str, Sequence[JobState]]) -> tuple[JobState, ...]:
+    if isinstance(expected, (JobState, str)):
+        return (JobState(expected),)
+    return tuple(JobState(s) for s in expected)
+
+
+def _check_int(field: str, value: Any, low: Optional[int] = None, low_text: str = "") -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ServiceInputError(field, f"got {value!r}; must be an integer")
+    if low is not None and value < low:
+        raise ServiceInputError(field, f"got {value}; must be {low_text or f'at least {low}'}")
+
+
+def _team_row(team: Team) -> dict:
+    return {"name": team.name, "cohort": team.cohort, "nominal_workers": team.nominal_workers,
+            "borrowing_limit_workers": team.borrowing_limit_workers,
+            "lending_limit_workers": team.lending_limit_workers, "weight": float(team.weight)}
+
+
+def _team(row) -> Team:
+    return Team(name=row.name, nominal_workers=row.nominal_workers, cohort=row.cohort,
+                borrowing_limit_workers=row.borrowing_limit_workers,
+                lending_limit_workers=row.lending_limit_workers, weight=row.weight)
+
+
+def _job(row) -> JobRecord:
+    return JobRecord(id=row.id, team=row.team, name=row.name, spec=row.spec, priority=row.priority,
+                     state=JobState(row.state), held=bool(row.held), min_workers=row.min_workers,
+                     max_workers=row.max_workers, elastic=bool(row.elastic), workers=row.workers,
+                     target_workers=row.target_workers, restarts=row.restarts, mlflow_run_id=row.mlflow_run_id,
+                     last_checkpoint_step=row.last_checkpoint_step, last_checkpoint_at_s=row.last_checkpoint_at_s,
+                     submitted_at_s=row.submitted_at_s, waiting_since_s=row.waiting_since_s,
+                     started_at_s=row.started_at_s, updated_at_s=row.updated_at_s, message=row.message)

@@ -1,0 +1,103 @@
+"""The job service's SQL schema as SQLAlchemy Core tables.
+
+Owns: table and column names and types. The schema in a database is made only by the Alembic
+migrations in ``migrations/versions`` (never by ``metadata.create_all``); a test compares this
+metadata with a migrated database, so a column added here without a migration fails CI. Times
+are unix seconds (``_s``, double precision), sizes counts of workers (``_workers``).
+
+Who writes what: ``store.Store`` is the only module that issues SQL. Within it, a job's
+``state`` changes only through the guarded ``Store.transition`` (or ``Store.claim``, which
+uses it), each change with its row in ``transitions``.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (Boolean, Column, Double, ForeignKey, Index, Integer, MetaData, String, Table, Text,
+                        UniqueConstraint)
+
+# Named constraints, so that migrations and reflection agree on every name on every database.
+metadata = MetaData(naming_convention={
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+})
+
+teams = Table(
+    "teams", metadata,
+    Column("name", String(64), primary_key=True),
+    Column("cohort", String(64), nullable=True),
+    Column("nominal_workers", Integer, nullable=False),
+    Column("borrowing_limit_workers", Integer, nullable=True),  # NULL: no limit
+    Column("lending_limit_workers", Integer, nullable=True),  # NULL: lends all of its nominal quota
+    Column("weight", Double, nullable=False),
+    Column("created_at_s", Double, nullable=False),
+    Column("updated_at_s", Double, nullable=False),
+)
+
+jobs = Table(
+    "jobs", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("team", String(64), ForeignKey("teams.name"), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("spec", Text, nullable=False),  # the job spec as submitted, YAML or JSON text
+    Column("priority", Integer, nullable=False),  # higher is more important
+    Column("state", String(16), nullable=False),  # a JobState value
+    Column("held", Boolean, nullable=False),  # paused by its team: the scheduler leaves it waiting
+    Column("min_workers", Integer, nullable=False),
+    Column("max_workers", Integer, nullable=False),
+    Column("elastic", Boolean, nullable=False),
+    Column("workers", Integer, nullable=False),  # held now
+    Column("target_workers", Integer, nullable=False),  # what the runner was last told
+    Column("restarts", Integer, nullable=False),
+    Column("mlflow_run_id", String(64), nullable=True),
+    Column("last_checkpoint_step", Integer, nullable=True),
+    Column("last_checkpoint_at_s", Double, nullable=True),
+    Column("submitted_at_s", Double, nullable=False),
+    Column("waiting_since_s", Double, nullable=False),
+    Column("started_at_s", Double, nullable=True),
+    Column("updated_at_s", Double, nullable=False),
+    Column("message", Text, nullable=False),  # the last transition's reason
+    Column("idempotency_key", String(128), nullable=True),  # a client's retry of a submit
+    UniqueConstraint("team", "idempotency_key"),
+    Index(None, "state"),
+)
+
+transitions = Table(
+    "transitions", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", Integer, ForeignKey("jobs.id"), nullable=False),
+    Column("from_state", String(16), nullable=True),  # NULL: the submit that created the job
+    Column("to_state", String(16), nullable=False),
+    Column("at_s", Double, nullable=False),
+    Column("actor", String(64), nullable=False),
+    Column("reason", Text, nullable=False),
+    Index(None, "job_id"),
+)
+
+audit = Table(
+    "audit", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at_s", Double, nullable=False),
+    Column("actor", String(64), nullable=False),  # a team name or "admin"
+    Column("action", String(64), nullable=False),
+    Column("target", String(200), nullable=False),
+    Column("result", Text, nullable=False),
+    Index(None, "at_s"),
+)
+
+tokens = Table(
+    "tokens", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("team", String(64), ForeignKey("teams.name"), nullable=True),  # NULL for an admin token
+    Column("is_admin", Boolean, nullable=False),
+    Column("token_hash", String(64), nullable=False, unique=True),  # HMAC-SHA256, hex; never the token
+    Column("created_at_s", Double, nullable=False),
+    Column("revoked_at_s", Double, nullable=True),
+)
+
+store_meta = Table(
+    "store_meta", metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)

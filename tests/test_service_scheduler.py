@@ -1,0 +1,383 @@
+"""The service scheduler as a pure function: a table of named cases, multi-pass scenarios that
+feed each pass's actions back as the runner would, and properties over random snapshots.
+
+No Ray, no database: ``decide(snapshot, now_s)`` only.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from raytrain_sys.errors import ServiceInputError
+from raytrain_sys.service.model import (Admit, Grow, JobState, JobView, Pause, Policy, Shrink, Snapshot, Team,
+                                        TransitionNotAllowed, Wait)
+from raytrain_sys.service.scheduler import (Quotas, admission_order, decide, never_fits_reason,
+                                            team_ceiling_workers)
+
+NOW = 10_000.0
+
+
+def team(name, nominal, cohort="c", borrow=None, lend=None, weight=1.0) -> Team:
+    return Team(name, nominal, cohort=cohort, borrowing_limit_workers=borrow, lending_limit_workers=lend,
+                weight=weight)
+
+
+def running(id, team, workers, min=None, max=None, priority=0, checkpoint_age_s=60.0, submitted=0.0,
+            target=None) -> JobView:
+    lo = workers if min is None else min
+    hi = workers if max is None else max
+    return JobView(id=id, team=team, priority=priority, state=JobState.RUNNING, min_workers=lo, max_workers=hi,
+                   elastic=hi > lo, workers=workers, target_workers=workers if target is None else target,
+                   submitted_at_s=submitted, started_at_s=0.0, last_checkpoint_at_s=NOW - checkpoint_age_s)
+
+
+def queued(id, team, min, max=None, priority=0, submitted=NOW - 1, state=JobState.QUEUED, held=False) -> JobView:
+    hi = min if max is None else max
+    return JobView(id=id, team=team, priority=priority, state=state, min_workers=min, max_workers=hi,
+                   elastic=hi > min, submitted_at_s=submitted, held=held)
+
+
+def summary(actions) -> list[tuple]:
+    """What a case compares: kind, job and size of each action (reasons are checked apart)."""
+    out = []
+    for a in actions:
+        size = {Admit: "workers", Grow: "to_workers", Shrink: "to_workers"}.get(type(a))
+        out.append((type(a).__name__, a.job_id) + ((getattr(a, size),) if size else ()))
+    return out
+
+
+AB = [team("a", 2), team("b", 2)]
+
+CASES = [
+    ("an elastic job grows into its cohort's idle quota, borrowing beyond its nominal",
+     Snapshot(AB, [running(1, "a", 2, min=1, max=4)], cluster_workers=4),
+     [("Grow", 1, 4)]),
+    ("a queued elastic job is admitted at its min and grown into idle workers in the same pass",
+     Snapshot(AB, [queued(1, "a", 2, max=3)], cluster_workers=4),
+     [("Admit", 1, 3)]),
+    ("gang admission: a job waits when its min_workers do not fit, and nothing smaller starts in its place",
+     Snapshot([team("a", 4)], [running(1, "a", 3, priority=5), queued(2, "a", 2)], cluster_workers=4),
+     [("Wait", 2)]),
+    ("best-effort FIFO: a smaller job behind a blocked one starts",
+     Snapshot([team("a", 4)], [running(1, "a", 3, priority=5), queued(2, "a", 2, submitted=1.0),
+                               queued(3, "a", 1, submitted=2.0)], cluster_workers=4),
+     [("Admit", 3, 1), ("Wait", 2)]),
+    ("a higher-priority job pauses the lower-priority job with the least work at risk",
+     Snapshot([team("a", 4)], [running(1, "a", 2, checkpoint_age_s=100.0), running(2, "a", 2, checkpoint_age_s=10.0),
+                               queued(3, "a", 2, priority=10)], cluster_workers=4),
+     [("Pause", 2), ("Wait", 3)]),
+    ("work at risk counts workers too: one worker 100 s behind loses less than four workers 30 s behind",
+     Snapshot([team("a", 5)], [running(1, "a", 4, checkpoint_age_s=30.0), running(2, "a", 1, checkpoint_age_s=100.0),
+                               queued(3, "a", 1, priority=10)], cluster_workers=5),
+     [("Pause", 2), ("Wait", 3)]),
+    ("shrinking an elastic job is preferred over pausing, even a job with less work at risk",
+     Snapshot([team("a", 4)], [running(1, "a", 3, min=1, max=4), running(2, "a", 1, checkpoint_age_s=1.0),
+                               queued(3, "a", 2, priority=10)], cluster_workers=4),
+     [("Shrink", 1, 1), ("Wait", 3)]),
+    ("a shrink never goes below the job's min_workers: the rest comes from a pause",
+     Snapshot([team("a", 4)], [running(1, "a", 3, min=2, max=4), running(2, "a", 1),
+                               queued(3, "a", 2, priority=10)], cluster_workers=4),
+     [("Shrink", 1, 2), ("Pause", 2), ("Wait", 3)]),
+    ("an equal-priority running job is never paused for a waiting one",
+     Snapshot([team("a", 4)], [running(1, "a", 2, priority=5), running(2, "a", 2, priority=5),
+                               queued(3, "a", 2, priority=5)], cluster_workers=4),
+     [("Wait", 3)]),
+    ("a higher-priority running job is never paused or shrunk for a lower-priority one",
+     Snapshot([team("a", 4)], [running(1, "a", 4, min=2, max=4, priority=9), queued(2, "a", 2, priority=1)],
+              cluster_workers=4),
+     [("Wait", 2)]),
+    ("a team within its nominal quota takes its quota back: the borrower is paused whatever its priority",
+     Snapshot(AB, [running(1, "a", 4, priority=10), queued(2, "b", 2)], cluster_workers=4),
+     [("Pause", 1), ("Wait", 2)]),
+    ("a high-priority job preempts within its own team, never another team's job within its nominal quota",
+     Snapshot(AB, [running(1, "a", 2), running(2, "b", 2), queued(3, "b", 2, priority=9)], cluster_workers=4),
+     [("Pause", 2), ("Wait", 3)]),
+    ("a team over its nominal quota cannot preempt another team's equal-priority borrowed job",
+     Snapshot([team("a", 2), team("b", 2), team("c", 2)],
+              [running(1, "a", 4), running(2, "b", 2), queued(3, "b", 2)], cluster_workers=6),
+     [("Wait", 3)]),
+    ("the lending limit is respected: a team lends only that much of its unused quota",
+     Snapshot([team("a", 2), team("b", 2, lend=1)], [running(1, "a", 2, min=1, max=4)], cluster_workers=4),
+     [("Grow", 1, 3)]),
+    ("the borrowing limit is respected: a team borrows no more than its limit",
+     Snapshot([team("a", 2, borrow=1), team("b", 2)], [running(1, "a", 2, min=1, max=4)], cluster_workers=4),
+     [("Grow", 1, 3)]),
+    ("a team without a cohort neither borrows nor lends",
+     Snapshot([team("a", 2, cohort=None), team("b", 2, cohort=None)], [running(1, "a", 2, min=1, max=4)],
+              cluster_workers=4),
+     []),
+    ("the cluster's size bounds growth even when quotas would allow more",
+     Snapshot(AB, [running(1, "a", 2, min=1, max=4)], cluster_workers=3),
+     [("Grow", 1, 3)]),
+    ("fair share: of two equal jobs, the team borrowing less is admitted first",
+     Snapshot([team("a", 1), team("b", 1), team("lender", 4)],
+              [running(1, "a", 3), queued(2, "a", 1, submitted=NOW - 2), queued(3, "b", 1, submitted=NOW - 1)],
+              cluster_workers=4),
+     [("Admit", 3, 1), ("Wait", 2)]),
+    ("weighted fair share: a team of weight 3 borrowing 2 goes before a team of weight 1 borrowing 1",
+     Snapshot([team("a", 1, weight=3.0), team("b", 1), team("lender", 6)],
+              [running(1, "a", 3), running(2, "b", 2), queued(3, "b", 1, submitted=NOW - 2),
+               queued(4, "a", 1, submitted=NOW - 1)], cluster_workers=6),
+     [("Admit", 4, 1), ("Wait", 3)]),
+    ("a shrink in flight is waited for, not repeated",
+     Snapshot(AB, [running(1, "a", 4, min=1, max=4, target=2), queued(2, "b", 2)], cluster_workers=4),
+     [("Wait", 2)]),
+    ("a pause in flight is waited for: its workers are claimed, nothing else is preempted",
+     Snapshot([team("a", 4)], [dataclasses.replace(running(1, "a", 2), state=JobState.PAUSING),
+                               running(2, "a", 2), queued(3, "a", 2, priority=9)], cluster_workers=4),
+     [("Wait", 3)]),
+    ("a paused job is admitted again (resumes from its checkpoint) when workers are free",
+     Snapshot([team("a", 4)], [queued(1, "a", 2, state=JobState.PAUSED)], cluster_workers=4),
+     [("Admit", 1, 2)]),
+    ("a job its team holds waits, whatever is free",
+     Snapshot([team("a", 4)], [queued(1, "a", 2, held=True)], cluster_workers=4),
+     [("Wait", 1)]),
+    ("a job larger than its team could ever get waits and says so",
+     Snapshot(AB, [queued(1, "a", 5)], cluster_workers=8),
+     [("Wait", 1)]),
+    ("a job of an unknown team waits and says so",
+     Snapshot(AB, [queued(1, "z", 1)], cluster_workers=4),
+     [("Wait", 1)]),
+    ("a job that waited past reserve_after_s keeps the free workers: nothing behind it starts or grows",
+     Snapshot([team("a", 8)], [running(1, "a", 2, min=1, max=3, priority=5), queued(2, "a", 3, submitted=0.0),
+                               queued(3, "a", 1, submitted=NOW - 1)], cluster_workers=4),
+     [("Wait", 2), ("Wait", 3)]),
+]
+
+
+@pytest.mark.parametrize("snapshot, expected", [(s, e) for _, s, e in CASES], ids=[name for name, _, _ in CASES])
+def test_decide(snapshot, expected):
+    actions = decide(snapshot, NOW)
+    assert summary(actions) == expected, "\n".join(str(a) for a in actions)
+    assert all(a.reason.strip() for a in actions)
+
+
+def test_the_reasons_say_why():
+    actions = decide(CASES[6][1], NOW)  # shrink preferred over pause
+    shrink, wait = actions
+    assert "loses no work" in shrink.reason and "outranks" in shrink.reason
+    assert "shrink of job 1" in wait.reason
+    [wait] = decide(Snapshot(AB, [queued(1, "a", 5)], cluster_workers=8), NOW)
+    assert "can never start" in wait.reason and "could ever get: 4" in wait.reason
+    [pause, _] = decide(CASES[4][1], NOW)
+    assert pause.work_at_risk_worker_s == pytest.approx(20.0) and "least work at risk" in pause.reason
+
+
+def apply(snapshot: Snapshot, actions, *, drained: bool) -> Snapshot:
+    """What the runner does with a pass's actions: admitted jobs run; grows land at once; shrinks
+    and pauses land only once ``drained`` (the next step boundary)."""
+    by_id = {j.id: j for j in snapshot.jobs}
+    for a in actions:
+        job = by_id[a.job_id]
+        if isinstance(a, Admit):
+            by_id[a.job_id] = dataclasses.replace(job, state=JobState.RUNNING, workers=a.workers,
+                                                  target_workers=a.workers, started_at_s=NOW)
+        elif isinstance(a, Grow):
+            by_id[a.job_id] = dataclasses.replace(job, workers=a.to_workers, target_workers=a.to_workers)
+        elif isinstance(a, Shrink):
+            by_id[a.job_id] = dataclasses.replace(job, target_workers=a.to_workers)
+        elif isinstance(a, Pause):
+            by_id[a.job_id] = dataclasses.replace(job, state=JobState.PAUSING, target_workers=0)
+    if drained:
+        for id, job in list(by_id.items()):
+            if job.state is JobState.PAUSING:
+                by_id[id] = dataclasses.replace(job, state=JobState.PAUSED, workers=0, target_workers=0,
+                                                waiting_since_s=NOW)
+            elif job.workers > job.target_workers:
+                by_id[id] = dataclasses.replace(job, workers=job.target_workers)
+    return dataclasses.replace(snapshot, jobs=tuple(by_id.values()))
+
+
+def test_issue_scenario_shrink_then_admit_then_grow_back():
+    """Teams A and B, quota 2 each, cohort capacity 4. A's elastic 1..4 job runs on 4; B submits
+    a 2-worker job: A shrinks to 2 (no work lost), B starts once the drain freed the workers, and
+    when B finishes A grows back to 4."""
+    s = Snapshot(AB, [running(1, "a", 4, min=1, max=4), queued(2, "b", 2)], cluster_workers=4)
+    first = decide(s, NOW)
+    assert summary(first) == [("Shrink", 1, 2), ("Wait", 2)]
+    s = apply(s, first, drained=False)
+    assert summary(decide(s, NOW)) == [("Wait", 2)], "the drain has not landed: wait, ask nothing new"
+    s = apply(s, [], drained=True)
+    second = decide(s, NOW)
+    assert summary(second) == [("Admit", 2, 2)]
+    s = apply(s, second, drained=True)
+    assert summary(decide(s, NOW)) == [], "the cluster is full and fair: nothing to do"
+    s = dataclasses.replace(s, jobs=tuple(j for j in s.jobs if j.id != 2))  # B finished
+    assert summary(decide(s, NOW)) == [("Grow", 1, 4)]
+
+
+def test_aging_eventually_admits_a_starved_low_priority_job():
+    """One worker; a priority-5 job arrives every 100 s and runs 100 s. A priority-0 job queued at
+    t=0 would wait forever without aging; with one point per 600 s it starts after at most about
+    5 x 600 s plus one run."""
+    policy = Policy(aging_s_per_point=600.0, reserve_after_s=1e9)
+    low = JobView(id=1, team="a", priority=0, state=JobState.QUEUED, min_workers=1, max_workers=1,
+                  submitted_at_s=0.0)
+    jobs = [low]
+    started_at = None
+    for tick in range(1, 100):
+        now = tick * 100.0
+        jobs = [j for j in jobs if j.state is not JobState.RUNNING]  # each run lasts one tick
+        jobs.append(JobView(id=tick + 1, team="a", priority=5, state=JobState.QUEUED, min_workers=1,
+                            max_workers=1, submitted_at_s=now))
+        actions = decide(Snapshot([team("a", 1)], jobs, cluster_workers=1), now, policy)
+        [admit] = [a for a in actions if isinstance(a, Admit)]
+        jobs = [dataclasses.replace(j, state=JobState.RUNNING, workers=1, target_workers=1)
+                if j.id == admit.job_id else j for j in jobs]
+        if admit.job_id == low.id:
+            started_at = now
+            break
+    assert started_at is not None and started_at <= 5 * 600.0 + 200.0, started_at
+
+
+def test_decide_leaves_the_snapshot_unchanged():
+    for _, snapshot, _ in CASES:
+        before = copy.deepcopy(snapshot)
+        decide(snapshot, NOW)
+        assert snapshot == before
+
+
+def test_decide_is_deterministic_whatever_the_input_order():
+    snapshot = Snapshot([team("a", 2), team("b", 2), team("c", 0)],
+                        [running(1, "a", 4, min=1, max=4), running(2, "b", 1, priority=2),
+                         queued(3, "b", 2, priority=1), queued(4, "c", 1), queued(5, "a", 1, submitted=1.0),
+                         queued(6, "c", 2, submitted=1.0)], cluster_workers=5)
+    first = decide(snapshot, NOW)
+    reversed_input = dataclasses.replace(snapshot, jobs=tuple(reversed(snapshot.jobs)),
+                                         teams=tuple(reversed(snapshot.teams)))
+    assert decide(snapshot, NOW) == first
+    assert decide(reversed_input, NOW) == first
+
+
+def test_job_state_edges():
+    assert JobState.QUEUED.allowed >= {JobState.STARTING, JobState.CANCELLED, JobState.FAILED}
+    JobState.RUNNING.check_move(JobState.PAUSING)
+    JobState.RUNNING.check_move(JobState.RUNNING)  # a note in the same state (a resize)
+    with pytest.raises(TransitionNotAllowed, match="queued cannot move to running"):
+        JobState.QUEUED.check_move(JobState.RUNNING)
+    with pytest.raises(TransitionNotAllowed, match="it has ended"):
+        JobState.FINISHED.check_move(JobState.QUEUED)
+    assert {s for s in JobState if s.terminal} == {JobState.FINISHED, JobState.FAILED, JobState.CANCELLED}
+    # Nothing is killed without a checkpoint: a running job reaches paused only through pausing.
+    assert JobState.PAUSED not in JobState.RUNNING.allowed
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"nominal_workers": -1}, "team.nominal_workers"),
+    ({"nominal_workers": 2, "lending_limit_workers": 3}, "team.lending_limit_workers"),
+    ({"nominal_workers": 2, "borrowing_limit_workers": 1.5}, "team.borrowing_limit_workers"),
+    ({"nominal_workers": 2, "weight": 0}, "team.weight"),
+], ids=["a negative quota names nominal_workers", "lending more than the quota names lending_limit_workers",
+        "a fractional limit names borrowing_limit_workers", "a zero weight names weight"])
+def test_team_validation_names_the_field(kwargs, field):
+    with pytest.raises(ServiceInputError) as err:
+        Team("a", **kwargs)
+    assert err.value.field == field
+
+
+def test_team_ceiling_and_never_fits():
+    teams = [team("a", 2, borrow=1), team("b", 2, lend=1), team("solo", 3, cohort=None)]
+    assert team_ceiling_workers("a", teams) == 3  # nominal 2 + borrowing limit 1
+    assert team_ceiling_workers("b", teams) == 4  # b borrows a's whole quota
+    assert team_ceiling_workers("solo", teams) == 3
+    assert team_ceiling_workers("b", teams, cluster_workers=2) == 2
+    assert never_fits_reason("a", 3, teams) is None
+    assert "could ever get: 3" in never_fits_reason("a", 4, teams)
+    assert "unknown team 'z'" in never_fits_reason("z", 1, teams)
+    assert "cluster's 2 workers" in never_fits_reason("b", 3, teams, cluster_workers=2)
+
+
+def test_admission_order_criteria():
+    policy = Policy(aging_s_per_point=600.0)
+    old_low = queued(1, "a", 1, priority=0, submitted=NOW - 3000)  # aged 5 points
+    new_high = queued(2, "a", 1, priority=4, submitted=NOW)
+    assert admission_order(old_low, 0.0, NOW, policy) < admission_order(new_high, 0.0, NOW, policy)
+    first, second = queued(3, "a", 1, submitted=NOW - 10), queued(4, "b", 1, submitted=NOW - 5)
+    assert admission_order(second, 0.0, NOW, policy) < admission_order(first, 1.0, NOW, policy)  # share
+    assert admission_order(first, 0.0, NOW, policy) < admission_order(second, 0.0, NOW, policy)  # FIFO
+    twin = dataclasses.replace(first, id=5)
+    assert admission_order(first, 0.0, NOW, policy) < admission_order(twin, 0.0, NOW, policy)  # id
+
+
+# ----------------------------------------------------------------------------- properties
+
+@st.composite
+def snapshots(draw):
+    n_teams = draw(st.integers(1, 4))
+    teams = []
+    for i in range(n_teams):
+        nominal = draw(st.integers(0, 4))
+        teams.append(Team(f"t{i}", nominal, cohort=draw(st.sampled_from(["x", "y", None])),
+                          borrowing_limit_workers=draw(st.one_of(st.none(), st.integers(0, 3))),
+                          lending_limit_workers=draw(st.one_of(st.none(), st.integers(0, nominal))),
+                          weight=draw(st.sampled_from([0.5, 1.0, 2.0]))))
+    jobs = []
+    for job_id in range(draw(st.integers(0, 10))):
+        lo = draw(st.integers(1, 4))
+        hi = draw(st.integers(lo, 6))
+        state = draw(st.sampled_from([JobState.QUEUED, JobState.PAUSED, JobState.RUNNING, JobState.RUNNING,
+                                      JobState.STARTING, JobState.PAUSING]))
+        workers = target = 0
+        if state in (JobState.RUNNING, JobState.STARTING):
+            target = draw(st.integers(lo, hi))
+            workers = draw(st.sampled_from([target, target, lo]))
+        elif state is JobState.PAUSING:
+            workers = draw(st.integers(lo, hi))
+        jobs.append(JobView(id=job_id, team=f"t{draw(st.integers(0, n_teams - 1))}",
+                            priority=draw(st.integers(0, 3)), state=state, min_workers=lo, max_workers=hi,
+                            elastic=hi > lo, workers=workers, target_workers=target,
+                            submitted_at_s=draw(st.floats(0, NOW)), started_at_s=0.0,
+                            last_checkpoint_at_s=draw(st.one_of(st.none(), st.floats(0, NOW))),
+                            held=draw(st.booleans()) and state.waiting))
+    return Snapshot(teams, jobs, cluster_workers=draw(st.integers(0, 16)))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(snapshots())
+def test_no_decision_exceeds_the_cluster_or_admits_below_min(snapshot):
+    before = copy.deepcopy(snapshot)
+    actions = decide(snapshot, NOW)
+    assert snapshot == before
+    jobs = {j.id: j for j in snapshot.jobs}
+    assert len({a.job_id for a in actions}) == len(actions), "one action per job"
+    held = sum(max(j.workers, j.target_workers) if j.state.admitted else j.workers for j in snapshot.jobs)
+    added = 0
+    usage = {t.name: 0 for t in snapshot.teams}
+    for j in snapshot.jobs:
+        if j.state.admitted and j.team in usage:
+            usage[j.team] += j.target_workers
+    usage_before = dict(usage)
+    for a in actions:
+        job = jobs[a.job_id]
+        assert a.reason
+        if isinstance(a, Admit):
+            assert job.state.waiting and not job.held
+            assert job.min_workers <= a.workers <= job.max_workers
+            added += a.workers
+            usage[job.team] += a.workers
+        elif isinstance(a, Grow):
+            assert job.state is JobState.RUNNING and job.elastic
+            assert job.target_workers < a.to_workers <= job.max_workers
+            added += a.to_workers - job.target_workers
+            usage[job.team] += a.to_workers - job.target_workers
+        elif isinstance(a, Shrink):
+            assert job.state is JobState.RUNNING and job.elastic
+            assert job.min_workers <= a.to_workers < job.target_workers
+            usage[job.team] -= job.target_workers - a.to_workers
+        elif isinstance(a, Pause):
+            assert job.state is JobState.RUNNING
+            usage[job.team] -= job.target_workers
+    assert added <= max(0, snapshot.cluster_workers - held), "workers given that the cluster does not have"
+    quotas_after = Quotas(snapshot.teams, usage)
+    quotas_before = Quotas(snapshot.teams, usage_before)
+    for t in snapshot.teams:
+        if usage[t.name] > usage_before[t.name] and t.borrowing_limit_workers is not None:
+            assert usage[t.name] <= t.nominal_workers + t.borrowing_limit_workers, f"team {t.name} over its limit"
+    for cohort, used in quotas_after.pool_used.items():
+        if quotas_before.pool_used[cohort] <= quotas_before.pool_capacity[cohort]:
+            assert used <= quotas_after.pool_capacity[cohort], f"cohort {cohort} lent more than it has"

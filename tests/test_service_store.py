@@ -1,0 +1,338 @@
+"""The service store on a real SQLite file and a real PostgreSQL server: schema made by Alembic
+only, guarded transitions, history, audit, hashed tokens, restart after SIGKILL, unreachable
+database errors, and claims that never hand one job out twice."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, insert, select, update
+
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
+from raytrain_sys.service import migrations
+from raytrain_sys.service.model import Admit, JobState, Team, TransitionNotAllowed
+from raytrain_sys.service.scheduler import decide
+from raytrain_sys.service.store import Store, mask_url
+from raytrain_sys.service.tables import jobs, metadata, transitions
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/service.db"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def store(store_url):
+    s = Store.open(store_url)
+    s.add_team(Team("a", 2, cohort="c"))
+    s.add_team(Team("b", 2, cohort="c", borrowing_limit_workers=1))
+    yield s
+    s.close()
+
+
+def all_rows_text(store: Store) -> str:
+    with store.engine.connect() as conn:
+        return "\n".join(repr(tuple(row)) for table in metadata.sorted_tables
+                         for row in conn.execute(select(table)))
+
+
+def test_a_fresh_database_is_made_by_alembic_and_matches_the_tables(store_url):
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    store = Store.open(store_url)
+    try:
+        assert store.schema_revision() == migrations.head() == "0001"
+        with store.engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), metadata)
+        assert diff == [], f"tables.py and the migrations differ: {diff}"
+    finally:
+        store.close()
+    Store.open(store_url).close()  # opening again is a no-op upgrade
+
+
+def test_submit_and_read_back(store):
+    job = store.submit(team="a", name="tiny", spec="model: {name: gpt}\n", min_workers=1, max_workers=3,
+                       priority=2, actor="a", now_s=100.0)
+    assert (job.state, job.team, job.min_workers, job.max_workers, job.elastic) == (JobState.QUEUED, "a", 1, 3, True)
+    assert (job.submitted_at_s, job.waiting_since_s, job.priority, job.workers) == (100.0, 100.0, 2, 0)
+    assert store.job(job.id) == job
+    assert store.jobs(states=[JobState.QUEUED]) == [job]
+    [record] = store.history(job.id)
+    assert (record.from_state, record.to_state, record.actor, record.reason) == (None, JobState.QUEUED, "a", "submitted")
+    with pytest.raises(ServiceInputError) as err:
+        store.add_team(Team("a", 5))
+    assert err.value.field == "team.name"
+
+
+@pytest.mark.parametrize("kwargs, field, words", [
+    ({"team": "zeta", "min_workers": 1}, "team", "unknown team 'zeta'"),
+    ({"team": "b", "min_workers": 4}, "elastic.min_workers", "could ever get: 3"),
+    ({"team": "a", "min_workers": 2, "max_workers": 1}, "elastic.max_workers", "at least elastic.min_workers"),
+    ({"team": "a", "min_workers": 0}, "elastic.min_workers", "at least 1"),
+    ({"team": "a", "min_workers": 1, "priority": "high"}, "priority", "must be an integer"),
+    ({"team": "a", "min_workers": 3, "cluster_workers": 2}, "elastic.min_workers", "cluster's 2 workers"),
+], ids=["an unknown team names the team", "more than the team could ever get names min_workers",
+        "max below min names max_workers", "zero workers names min_workers", "a priority that is no number",
+        "more than the cluster names min_workers"])
+def test_bad_submit_names_the_field_and_writes_nothing(store, kwargs, field, words):
+    before = all_rows_text(store)
+    with pytest.raises(ServiceInputError) as err:
+        store.submit(name="j", spec="{}", actor="a", **kwargs)
+    assert err.value.field == field and words in str(err.value)
+    assert all_rows_text(store) == before
+
+
+def test_guarded_transitions_and_their_history(store):
+    job = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", now_s=1.0)
+    store.transition(job.id, JobState.QUEUED, JobState.STARTING, actor="scheduler", reason="admitted on 1",
+                     workers=0, target_workers=1, now_s=2.0)
+    running = store.transition(job.id, [JobState.STARTING, JobState.RESUMING], JobState.RUNNING,
+                               actor="reconciler", reason="first step committed", workers=1, started_at_s=3.0,
+                               now_s=3.0)
+    assert (running.state, running.workers, running.target_workers, running.message) == (
+        JobState.RUNNING, 1, 1, "first step committed")
+    before = all_rows_text(store)
+    with pytest.raises(JobStateConflict, match=f"job {job.id} is running, not queued"):
+        store.transition(job.id, JobState.QUEUED, JobState.STARTING, actor="scheduler", reason="admitted again")
+    with pytest.raises(TransitionNotAllowed, match="running cannot move to paused"):
+        store.transition(job.id, JobState.RUNNING, JobState.PAUSED, actor="scheduler", reason="no checkpoint")
+    with pytest.raises(ServiceInputError, match="no job 999"):
+        store.transition(999, JobState.QUEUED, JobState.STARTING, actor="scheduler", reason="x")
+    assert all_rows_text(store) == before, "a refused transition changed something"
+    store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor="scheduler", reason="team b reclaims",
+                     now_s=4.0)
+    store.record_checkpoint(job.id, step=40, at_s=4.5)
+    paused = store.transition(job.id, JobState.PAUSING, JobState.PAUSED, actor="reconciler",
+                              reason="checkpoint at step 40, workers released", workers=0, target_workers=0,
+                              waiting_since_s=5.0, now_s=5.0)
+    assert (paused.last_checkpoint_step, paused.last_checkpoint_at_s, paused.waiting_since_s) == (40, 4.5, 5.0)
+    history = [(r.from_state and r.from_state.value, r.to_state.value, r.at_s, r.actor, r.reason)
+               for r in store.history(job.id)]
+    assert history == [
+        (None, "queued", 1.0, "a", "submitted"),
+        ("queued", "starting", 2.0, "scheduler", "admitted on 1"),
+        ("starting", "running", 3.0, "reconciler", "first step committed"),
+        ("running", "pausing", 4.0, "scheduler", "team b reclaims"),
+        ("pausing", "paused", 5.0, "reconciler", "checkpoint at step 40, workers released"),
+    ]
+    store.transition(job.id, JobState.PAUSED, JobState.CANCELLED, actor="a", reason="cancelled by its team")
+    with pytest.raises(TransitionNotAllowed, match="it has ended"):
+        store.transition(job.id, JobState.CANCELLED, JobState.QUEUED, actor="a", reason="undo")
+
+
+def test_audit_rows(store):
+    store.record_audit("a", "submit", "job 1", "ok", now_s=10.0)
+    store.record_audit("b", "cancel", "job 1", "refused: job 1 belongs to team a", now_s=11.0)
+    store.record_audit("admin", "add_team", "team c", "ok", now_s=12.0)
+    log = store.audit_log()
+    assert [(r.at_s, r.actor, r.action, r.target, r.result) for r in log] == [
+        (10.0, "a", "submit", "job 1", "ok"),
+        (11.0, "b", "cancel", "job 1", "refused: job 1 belongs to team a"),
+        (12.0, "admin", "add_team", "team c", "ok"),
+    ]
+    assert [r.actor for r in store.audit_log(limit=1)] == ["admin"]
+    assert [r.action for r in store.audit_log(actor="b")] == ["cancel"]
+
+
+def test_tokens_are_stored_hashed_and_never_logged(store, caplog):
+    caplog.set_level(logging.DEBUG)
+    logging.getLogger("sqlalchemy.engine").setLevel(logging.INFO)  # every statement and its parameters
+    try:
+        team_token = store.issue_token("a")
+        admin_token = store.issue_token(None)
+        assert store.authenticate(team_token).name == "a"
+        assert store.authenticate(admin_token).is_admin
+        assert store.authenticate(team_token[:-1] + ("A" if team_token[-1] != "A" else "B")) is None
+        assert store.authenticate("not-a-token") is None
+        rows = all_rows_text(store)
+        for token in (team_token, admin_token):
+            assert token not in rows and token[len("rts_"):] not in rows
+            assert token not in caplog.text
+        assert "INSERT INTO tokens" in caplog.text  # the statements were logged, the tokens not
+    finally:
+        logging.getLogger("sqlalchemy.engine").setLevel(logging.WARNING)
+    with pytest.raises(ServiceInputError, match="unknown team 'zeta'"):
+        store.issue_token("zeta")
+    assert store.revoke_tokens("a") == 1
+    assert store.authenticate(team_token) is None
+    assert store.authenticate(admin_token).is_admin
+
+
+def test_idempotent_submit(store):
+    first = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", idempotency_key="k1")
+    again = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", idempotency_key="k1")
+    other = store.submit(team="b", name="j", spec="{}", min_workers=1, actor="b", idempotency_key="k1")
+    assert first.id == again.id != other.id
+    assert len(store.jobs()) == 2
+
+
+_WRITER = r"""
+import json, sys, time
+from sqlalchemy import insert, update
+from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.store import Store
+from raytrain_sys.service.tables import jobs, transitions
+
+s = Store.open(sys.argv[1])
+s.add_team(Team("a", 4, cohort="c", borrowing_limit_workers=2))
+s.add_team(Team("b", 2, cohort="c", lending_limit_workers=1, weight=2.0))
+token = s.issue_token("a")
+ids = [s.submit(team="a", name=f"j{i}", spec="{}", min_workers=1, max_workers=2, actor="a").id for i in range(3)]
+for expected, to in [("queued", "starting"), ("starting", "running"), ("running", "pausing"), ("pausing", "paused")]:
+    s.transition(ids[0], JobState(expected), JobState(to), actor="scheduler", reason=f"to {to}")
+s.record_audit("a", "submit", f"job {ids[0]}", "ok")
+print(json.dumps({"ids": ids, "token": token}), flush=True)
+with s.engine.connect() as conn:  # a transition in flight when the process is killed
+    conn.begin()
+    conn.execute(update(jobs).where(jobs.c.id == ids[1]).values(state="starting"))
+    conn.execute(insert(transitions).values(job_id=ids[1], from_state="queued", to_state="starting", at_s=0.0,
+                                            actor="scheduler", reason="never committed"))
+    print("mid-write", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_everything_survives_a_sigkill_and_an_uncommitted_write_is_gone(store_url):
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, store_url], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "mid-write"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    store = Store.open(store_url)
+    try:
+        ids = first["ids"]
+        assert [t.name for t in store.teams()] == ["a", "b"]
+        assert store.team("b") == Team("b", 2, cohort="c", lending_limit_workers=1, weight=2.0)
+        assert [j.state for j in store.jobs()] == [JobState.PAUSED, JobState.QUEUED, JobState.QUEUED]
+        assert [r.reason for r in store.history(ids[1])] == ["submitted"], "the uncommitted write survived"
+        assert len(store.history(ids[0])) == 5
+        assert store.authenticate(first["token"]).name == "a"
+        assert [(r.actor, r.action) for r in store.audit_log()] == [("a", "submit")]
+        # The restarted service continues: the paused and queued jobs are admitted, once each.
+        snapshot = store.snapshot(cluster_workers=6)
+        admits = [a for a in decide(snapshot, now_s=1e10) if isinstance(a, Admit)]
+        assert sorted(a.job_id for a in admits) == sorted(ids)
+        for a in admits:
+            state = store.job(a.job_id).state
+            to = JobState.RESUMING if state is JobState.PAUSED else JobState.STARTING
+            store.transition(a.job_id, state, to, actor="scheduler", reason=a.reason, target_workers=a.workers)
+            with pytest.raises(JobStateConflict):  # a second service acting on the same pass
+                store.transition(a.job_id, state, to, actor="scheduler", reason=a.reason)
+    finally:
+        store.close()
+
+
+def test_concurrent_claims_never_hand_out_one_job_twice(store_url):
+    setup = Store.open(store_url)
+    setup.add_team(Team("a", 64))
+    ids = {setup.submit(team="a", name=f"j{i}", spec="{}", min_workers=1, actor="a").id for i in range(24)}
+    claimed: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def claimer():
+        store = Store.open(store_url)  # its own engine: its own connections
+        try:
+            while True:
+                job = store.claim(JobState.QUEUED, JobState.STARTING, actor="runner", reason="claimed")
+                if job is None:
+                    return
+                with lock:
+                    claimed.append(job.id)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=claimer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert sorted(claimed) == sorted(ids), "a job was claimed twice or never"
+    assert all(len(setup.history(i)) == 2 for i in ids)
+    setup.close()
+
+
+def test_postgres_claim_skips_a_row_another_connection_holds(postgres_url):
+    store = Store.open(postgres_url)
+    store.add_team(Team("a", 4))
+    first = store.submit(team="a", name="j1", spec="{}", min_workers=1, actor="a")
+    second = store.submit(team="a", name="j2", spec="{}", min_workers=1, actor="a")
+    other = create_engine(postgres_url)
+    try:
+        with other.connect() as conn:
+            tx = conn.begin()
+            conn.execute(select(jobs.c.id).where(jobs.c.id == first.id).with_for_update())  # held, uncommitted
+            claimed = store.claim(JobState.QUEUED, JobState.STARTING, actor="runner", reason="claimed")
+            assert claimed.id == second.id, "the locked job was handed out"
+            assert store.claim(JobState.QUEUED, JobState.STARTING, actor="runner", reason="claimed") is None
+            tx.rollback()
+        assert store.claim(JobState.QUEUED, JobState.STARTING, actor="runner", reason="claimed").id == first.id
+    finally:
+        other.dispose()
+        store.close()
+
+
+def test_an_unreachable_database_is_named_without_its_password():
+    with socketless_port() as port:
+        url = f"postgresql+psycopg://alice:s3cr3t-pw@127.0.0.1:{port}/jobs"
+        with pytest.raises(ServiceStoreError) as err:
+            Store.open(url)
+    message = str(err.value)
+    assert f"cannot reach postgresql+psycopg://alice:***@127.0.0.1:{port}/jobs" in message
+    assert "refused" in message.lower() and "s3cr3t" not in message
+    assert mask_url(url) == f"postgresql+psycopg://alice:***@127.0.0.1:{port}/jobs"
+    with pytest.raises(ServiceStoreError, match="cannot reach sqlite:////nonexistent-dir/x.db: unable to open"):
+        Store.open("sqlite:////nonexistent-dir/x.db")
+    with pytest.raises(ServiceStoreError, match="cannot use database URL"):
+        Store.open("nosuchdb://x")
+
+
+def test_a_store_whose_database_went_away_names_it(tmp_path, postgres_server):
+    url = postgres_server.create_database("going_away")
+    store = Store.open(url)
+    store.add_team(Team("a", 1))
+    import psycopg
+
+    with psycopg.connect(host=postgres_server.host, port=postgres_server.port, user=postgres_server.user,
+                         password=postgres_server.password, dbname="postgres", autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = 'going_away'")
+        admin.execute('DROP DATABASE "going_away"')
+    try:
+        with pytest.raises(ServiceStoreError, match=r"cannot reach postgresql\+psycopg://rts:\*\*\*@") as err:
+            store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a")
+        assert postgres_server.password not in str(err.value)
+    finally:
+        store.close()
+
+
+class socketless_port:
+    """A local port with nothing listening on it (bound, then released)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def __exit__(self, *exc) -> None:
+        return None
