@@ -48,10 +48,10 @@ def wait_until_quiet(log: logging.Logger, below: float = 0.15, max_s: float = 60
 
 class CallArgBytes:
     """Bytes Ray serializes for the arguments of every call of actor method ``method`` made by
-    this process (Ray's own serializer, so ObjectRefs count as what they cost, not as the
+    this process, per step for the members' leases (``train_steps``) (Ray's own serializer, so ObjectRefs count as what they cost, not as the
     objects). Installed on creation; ``close()`` puts Ray's method back."""
 
-    def __init__(self, method: str = "train_step"):
+    def __init__(self, method: str = "train_steps"):
         import ray._private.worker as ray_worker
         import ray.actor
 
@@ -62,7 +62,9 @@ class CallArgBytes:
         def measured(actor_method, args=None, kwargs=None, **options):
             if actor_method._method_name == method:
                 ctx = ray_worker.global_worker.get_serialization_context()
-                sizes.append(ctx.serialize((args, kwargs)).total_bytes)
+                # A lease (train_steps) carries a plan per step: bytes per rank per step.
+                steps = len(args[1]) if method == "train_steps" else 1
+                sizes.append(ctx.serialize((args, kwargs)).total_bytes / steps)
             return remote(actor_method, args, kwargs, **options)
 
         ray.actor.ActorMethod._remote = measured

@@ -147,7 +147,7 @@ def run_variant(kind: str, delivery: str, dataset: str, workers: int, steps: int
 
     spec = spec_for(kind, delivery, dataset, workers, steps, out)
     stamps: list[float] = []
-    meter = common.CallArgBytes("train_step")
+    meter = common.CallArgBytes("train_steps")
     try:
         sup = Supervisor(spec, on_step=lambda r: stamps.append(time.perf_counter()))
         sup.run()

@@ -199,6 +199,27 @@ def test_drain_plan(staying, ready, pending, need, deadline, plan):
     assert policy.drain_plan(staying, ready, pending, need, deadline, now_unix_s=1000.0) == plan
 
 
+@pytest.mark.parametrize("elastic, ceiling, expected", [
+    ({"max_workers": 4}, None, 4),
+    ({"max_workers": 4}, 2, 2),
+    ({"max_workers": 4}, 8, 4),
+    ({"max_workers": 4, "min_workers": 2}, 1, 2),
+], ids=[
+    "no ceiling asked for: the spec's max_workers",
+    "a ceiling below it: the ceiling",
+    "a ceiling above it: still the spec's",
+    "a ceiling below elastic.min_workers: the minimum world",
+])
+def test_target_size_under_a_requested_ceiling(elastic, ceiling, expected):
+    assert policy.target_size(job(elastic=elastic, resources={"num_workers": 4}), ceiling) == expected
+
+
+def test_shrink_leavers_are_the_highest_ranks():
+    members = [Member(s) for s in (7, 3, 9, 4)]
+    assert policy.shrink_leavers(members, 2) == members[2:]
+    assert policy.shrink_leavers(members, 4) == [] and policy.shrink_leavers(members, 5) == []
+
+
 def test_drain_floor_is_one_member_at_least():
     assert policy.drain_floor(ElasticSpec(min_workers=0)) == 1
     assert policy.drain_floor(ElasticSpec(min_workers=3)) == 3
@@ -211,6 +232,9 @@ def test_drain_floor_is_one_member_at_least():
     (State.FINISHED, State.RUNNING, False),
     (State.FAILED, State.FAILED, False),
     (State.STOPPED, State.RUNNING, False),
+    (State.CANCELLED, State.RUNNING, False),
+    (State.REBUILDING, State.CANCELLED, False),
+    (State.RUNNING, State.CANCELLED, True),
     (State.REBUILDING, State.FINISHED, False),
     (State.STARTING, State.RESTORING, True),
     (State.RUNNING, State.CHECKPOINTING, True),
@@ -227,6 +251,9 @@ def test_drain_floor_is_one_member_at_least():
     "a finished run stays finished",
     "a failed run is not failed twice",
     "a stopped run resumes as a new launch, not by a move",
+    "a cancelled run stays cancelled",
+    "a cancel waits for the rebuild to end (at a step boundary)",
+    "cancelled at a step boundary",
     "a run does not finish in the middle of a rebuild",
     "a resumed run loads its checkpoint first",
     "a periodic checkpoint",
@@ -248,7 +275,7 @@ def test_state_moves(start, to, allowed):
 
 
 def test_terminal_states():
-    assert {s for s in State if s.terminal} == {State.FINISHED, State.STOPPED, State.FAILED}
+    assert {s for s in State if s.terminal} == {State.FINISHED, State.STOPPED, State.CANCELLED, State.FAILED}
     assert all(not s.allowed for s in State if s.terminal)
 
 
