@@ -65,7 +65,9 @@ class ServiceRequestError(UserError):
 
     def __init__(self, status: int | None, message: str):
         self.status = status
-        super().__init__(message if status is None else f"HTTP {status}: {message}")
+        # UserError's, not super()'s: in the subclasses below the next class in line is
+        # ServiceInputError or JobStateConflict, whose message is made differently.
+        UserError.__init__(self, message if status is None else f"HTTP {status}: {message}")
 
 
 class ServiceRequestInvalid(ServiceRequestError, ServiceInputError):

@@ -49,7 +49,9 @@ class TokenRedactingFilter(logging.Filter):
 
 
 _FILTER = TokenRedactingFilter()
-REDACTED_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "raytrain_sys.service")
+REDACTED_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "fastapi", "raytrain_sys.service",
+                    "raytrain_sys.service.api", "raytrain_sys.service.auth", "raytrain_sys.service.store",
+                    "raytrain_sys.service.client")
 
 
 def install_log_redaction() -> None:
