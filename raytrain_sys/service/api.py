@@ -421,10 +421,7 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
             if body.name not in (None, name):
                 raise ServiceInputError("team.name", f"a team cannot be renamed ({name} -> {body.name})")
             current = _team_or_404(store, name)
-            given = body.model_dump(include=body.model_fields_set - {"name"})
-            if given.get("nominal_workers", 0) is None or given.get("weight", 1) is None:
-                raise ServiceInputError("team.nominal_workers" if given.get("nominal_workers", 0) is None
-                                        else "team.weight", "cannot be null")
+            given = body.model_dump(include=body.model_fields_set - {"name"})  # a null nominal or weight: Team refuses
             merged = {f: getattr(current, f) for f in TeamOut.model_fields} | given | {"name": name}
             team = store.update_team(Team(**merged))
         return TeamOut.of(team)
