@@ -33,7 +33,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import yaml
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -457,18 +456,9 @@ def _team_or_404(store: Store, name: str) -> Team:
 
 def _validated_spec(raw: Union[dict, str], overrides: list[str]) -> job_spec.JobSpec:
     """The submitted spec (mapping or YAML text) with its overrides, validated: a SpecError names
-    the field."""
+    the field (``spec`` itself for text that is not a YAML mapping)."""
     if isinstance(raw, str):
-        try:
-            raw = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise SpecError("spec", f"not valid YAML{where}: {problem}") from None
-        raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise SpecError("spec", f"must be a mapping of sections, got {type(raw).__name__}")
+        return job_spec.from_text(raw, overrides, field="spec", source="the spec")
     return job_spec.from_dict(job_spec.apply_overrides(raw, overrides))
 
 
