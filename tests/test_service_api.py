@@ -510,6 +510,9 @@ def test_cli_teams_and_init_admin(sqlite_service):
     assert listed.stdout.splitlines()[0].split() == ["TEAM", "NOMINAL", "COHORT", "BORROW", "LEND", "WEIGHT"]
     assert ["vision", "2", "c", "1", "-", "3"] in [r.split() for r in listed.stdout.splitlines()]
     assert cli(svc, "teams", token=admin).stdout == listed.stdout  # list is the default
+    env_free = cli(svc, "teams", "--url", svc.url, "--token", admin, token="rts_not-this-one")
+    assert env_free.stdout == listed.stdout  # the options win over the environment, before the action too
+    assert cli(svc, "teams", "list", "--token", admin, token="rts_not-this-one").stdout == listed.stdout
 
     token = cli(svc, "teams", "token", "vision", token=admin)
     assert token.returncode == 0 and svc.store.authenticate(token.stdout.strip()).team == "vision"

@@ -25,11 +25,15 @@ MESSAGE_WIDTH = 60  # a job's last reason is cut to this in `jobs list`
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the ``jobs``, ``teams`` and ``service`` commands to the CLI's subparsers."""
-    conn = argparse.ArgumentParser(add_help=False)
-    conn.add_argument("--url", default=None, help="the job service, default $RAYTRAIN_SYS_SERVICE_URL")
-    conn.add_argument("--token", default=None, help="a bearer token, default $RAYTRAIN_SYS_TOKEN")
+    # --url/--token go before or after the action (`teams --url U` alone lists): the group's
+    # parser holds the defaults, and an action's copy only sets them when given (SUPPRESS).
+    conn, group_conn = (argparse.ArgumentParser(add_help=False) for _ in range(2))
+    for parser, default in ((conn, argparse.SUPPRESS), (group_conn, None)):
+        parser.add_argument("--url", default=default, help="the job service, default $RAYTRAIN_SYS_SERVICE_URL")
+        parser.add_argument("--token", default=default, help="a bearer token, default $RAYTRAIN_SYS_TOKEN")
 
-    jobs = sub.add_parser("jobs", help="submit, list, follow, pause, resume and cancel service jobs")
+    jobs = sub.add_parser("jobs", parents=[group_conn],
+                          help="submit, list, follow, pause, resume and cancel service jobs")
     js = jobs.add_subparsers(dest="jobs_command", required=True)
     s = js.add_parser("submit", parents=[conn], help="queue a job spec (YAML) with the service")
     s.add_argument("spec")
@@ -60,9 +64,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                            help="delete its checkpoints once it has ended")
         a.set_defaults(func=_request, action=action)
 
-    teams = sub.add_parser("teams", help="list teams; add or change one; issue or revoke its tokens (admin)")
+    teams = sub.add_parser("teams", parents=[group_conn],
+                           help="list teams; add or change one; issue or revoke its tokens (admin)")
     ts = teams.add_subparsers(dest="teams_command")
-    teams.set_defaults(func=_teams_list, url=None, token=None)
+    teams.set_defaults(func=_teams_list)
     ts.add_parser("list", parents=[conn], help="every team's quota").set_defaults(func=_teams_list)
     for verb in ("add", "update"):
         t = ts.add_parser(verb, parents=[conn], help=f"{verb} a team's quota")
