@@ -59,6 +59,32 @@ class JobStateConflict(UserError):
     request does not apply to it); nothing was written."""
 
 
+class ServiceRequestError(UserError):
+    """The job service refused a request: ``status`` is the HTTP status (None when the service
+    could not be reached at all) and the message is the server's."""
+
+    def __init__(self, status: int | None, message: str):
+        self.status = status
+        # UserError's, not super()'s: in the subclasses below the next class in line is
+        # ServiceInputError or JobStateConflict, whose message is made differently.
+        UserError.__init__(self, message if status is None else f"HTTP {status}: {message}")
+
+
+class ServiceRequestInvalid(ServiceRequestError, ServiceInputError):
+    """HTTP 400 from the job service: the field it names is wrong; nothing was written."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        ServiceRequestError.__init__(self, 400, message)
+
+
+class ServiceRequestConflict(ServiceRequestError, JobStateConflict):
+    """HTTP 409 from the job service: the job's state does not allow the request."""
+
+    def __init__(self, message: str):
+        ServiceRequestError.__init__(self, 409, message)
+
+
 class TrainingFailed(UserError):
     """Training stopped because workers failed and the run could not continue."""
 
@@ -93,6 +119,7 @@ def _our_line(lines: list[str]) -> str:
     for line in reversed(lines):
         for name in ("StorageError", "DataError", "CheckpointError", "TrackingError", "SpecError",
                      "ClusterCapacityError", "ServiceInputError", "ServiceStoreError", "JobStateConflict",
+                     "ServiceRequestError", "ServiceRequestInvalid", "ServiceRequestConflict",
                      "TrainingFailed", "UserError"):
             marker = f"{name}: "
             if marker in line:

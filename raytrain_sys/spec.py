@@ -585,18 +585,26 @@ def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> Jo
     path = os.fspath(path)
     if not os.path.exists(path):
         raise SpecError("SPEC", f"file {path!r} does not exist")
+    with open(path) as f:
+        return from_text(f.read(), overrides, field="SPEC", source=path)
+
+
+def from_text(text: str, overrides: list[str] | None = None, *, field: str = "spec",
+              source: str = "the spec") -> JobSpec:
+    """A job spec from its YAML text (a file's, or one sent to the job service), with overrides,
+    validated. Text that is not YAML, or not a mapping, is a SpecError on ``field`` naming
+    ``source`` (and the line and column)."""
     try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError("SPEC", f"{path} is not valid YAML{where}: {problem}") from None
+        raise SpecError(field, f"{source} is not valid YAML{where}: {problem}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise SpecError("SPEC", f"{path} must hold a mapping of sections, got {type(raw).__name__}")
+        raise SpecError(field, f"{source} must hold a mapping of sections, got {type(raw).__name__}")
     return from_dict(apply_overrides(raw, overrides or []))
 
 

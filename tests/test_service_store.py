@@ -54,7 +54,7 @@ def test_a_fresh_database_is_made_by_alembic_and_matches_the_tables(store_url):
 
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0001"
+        assert store.schema_revision() == migrations.head() == "0002"
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), metadata)
         assert diff == [], f"tables.py and the migrations differ: {diff}"
@@ -131,6 +131,22 @@ def test_guarded_transitions_and_their_history(store):
     store.transition(job.id, JobState.PAUSED, JobState.CANCELLED, actor="a", reason="cancelled by its team")
     with pytest.raises(TransitionNotAllowed, match="it has ended"):
         store.transition(job.id, JobState.CANCELLED, JobState.QUEUED, actor="a", reason="undo")
+
+
+def test_a_hold_is_guarded_on_held_too_and_a_cancel_records_its_delete_intent(store):
+    job = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a")
+    held = store.transition(job.id, JobState.QUEUED, JobState.QUEUED, actor="a", reason="held",
+                            expected_held=False, held=True)
+    assert (held.state, held.held) == (JobState.QUEUED, True)
+    before = store.history(job.id)
+    with pytest.raises(JobStateConflict, match=r"is queued \(held\), not queued \(not held\)"):
+        store.transition(job.id, JobState.QUEUED, JobState.QUEUED, actor="a", reason="held again",
+                         expected_held=False, held=True)
+    assert store.history(job.id) == before and store.job(job.id) == held
+    gone = store.transition(job.id, JobState.QUEUED, JobState.CANCELLED, actor="a", reason="cancel",
+                            delete_checkpoints=True)
+    assert (gone.state, gone.delete_checkpoints) == (JobState.CANCELLED, True)
+    assert store.submit(team="a", name="k", spec="{}", min_workers=1, actor="a").delete_checkpoints is False
 
 
 def test_audit_rows(store):

@@ -170,6 +170,7 @@ class JobRecord:
     started_at_s: Optional[float]  # its last start or resume
     updated_at_s: float
     message: str  # the last transition's reason
+    delete_checkpoints: bool = False  # a cancel asked for its checkpoints to go once it has ended
 
     def view(self) -> "JobView":
         """What the scheduler sees of this job."""

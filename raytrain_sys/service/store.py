@@ -50,7 +50,7 @@ SQLITE_BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another (BEGIN IMME
 CLAIM_ATTEMPTS = 5  # a claim that loses a race to another writer tries the next job
 
 # The columns ``transition`` may set beside the state (everything else is fixed at submit).
-RUN_FIELDS = frozenset({"held", "workers", "target_workers", "restarts", "mlflow_run_id", "last_checkpoint_step",
+RUN_FIELDS = frozenset({"held", "delete_checkpoints", "workers", "target_workers", "restarts", "mlflow_run_id", "last_checkpoint_step",
                         "last_checkpoint_at_s", "started_at_s", "waiting_since_s"})
 
 
@@ -240,9 +240,12 @@ class Store:
             return [_job(r) for r in conn.execute(query)]
 
     def transition(self, job_id: int, expected: Union[JobState, Sequence[JobState]], to: JobState, *,
-                   actor: str, reason: str, now_s: Optional[float] = None, **changes: Any) -> JobRecord:
+                   actor: str, reason: str, now_s: Optional[float] = None, expected_held: Optional[bool] = None,
+                   **changes: Any) -> JobRecord:
         """Move a job from one of the ``expected`` states to ``to`` (one guarded write, and its
         transitions row, in one transaction), setting the run fields in ``changes`` with it.
+        ``expected_held`` (when not None) is part of the guard too: a team's hold or release of
+        a waiting job is a move from (state, held) to (state, not held).
         Raises ``TransitionNotAllowed`` for an edge ``JobState`` does not list and
         ``JobStateConflict`` when the job is not in an expected state; nothing is written then."""
         expected_states = _states(expected)
@@ -252,21 +255,31 @@ class Store:
         if unknown:
             raise ValueError(f"transition cannot set {sorted(unknown)}; settable: {sorted(RUN_FIELDS)}")
         with self._tx() as conn:
-            return self._transition(conn, job_id, expected_states, JobState(to), actor, reason, _now(now_s), changes)
+            return self._transition(conn, job_id, expected_states, JobState(to), actor, reason, _now(now_s), changes,
+                                    expected_held)
 
     def _transition(self, conn: Connection, job_id: int, expected: tuple[JobState, ...], to: JobState,
-                    actor: str, reason: str, now: float, changes: dict) -> JobRecord:
+                    actor: str, reason: str, now: float, changes: dict,
+                    expected_held: Optional[bool] = None) -> JobRecord:
         # Lock the row (PostgreSQL) so that the state recorded as "from" is the one replaced.
-        current = conn.execute(select(jobs.c.state).where(jobs.c.id == job_id).with_for_update()).scalar()
-        if current is None:
+        found = conn.execute(select(jobs.c.state, jobs.c.held).where(jobs.c.id == job_id).with_for_update()).first()
+        if found is None:
             raise ServiceInputError("job_id", f"no job {job_id}")
-        result = conn.execute(
-            update(jobs).where(jobs.c.id == job_id, jobs.c.state.in_([s.value for s in expected]))
-            .values(state=to.value, updated_at_s=now, message=reason, **changes))
+        current = found.state
+        guard = [jobs.c.id == job_id, jobs.c.state.in_([s.value for s in expected])]
+        if expected_held is not None:
+            guard.append(jobs.c.held.is_(True) if expected_held else jobs.c.held.is_(False))
+        result = conn.execute(update(jobs).where(*guard).values(state=to.value, updated_at_s=now, message=reason,
+                                                                **changes))
         if result.rowcount != 1:
+            wanted = " or ".join(s.value for s in expected)
+            if expected_held is not None:
+                now_is = f"{current}{' (held)' if found.held else ''}"
+                wanted += " (held)" if expected_held else " (not held)"
+            else:
+                now_is = current
             raise JobStateConflict(
-                f"job {job_id} is {current}, not {' or '.join(s.value for s in expected)}: "
-                f"cannot move it to {to.value} (nothing was changed)")
+                f"job {job_id} is {now_is}, not {wanted}: cannot move it to {to.value} (nothing was changed)")
         conn.execute(insert(transitions).values(job_id=job_id, from_state=current, to_state=to.value, at_s=now,
                                                 actor=actor, reason=reason))
         return _job(conn.execute(select(jobs).where(jobs.c.id == job_id)).one())
@@ -449,4 +462,5 @@ def _job(row) -> JobRecord:
                      target_workers=row.target_workers, restarts=row.restarts, mlflow_run_id=row.mlflow_run_id,
                      last_checkpoint_step=row.last_checkpoint_step, last_checkpoint_at_s=row.last_checkpoint_at_s,
                      submitted_at_s=row.submitted_at_s, waiting_since_s=row.waiting_since_s,
-                     started_at_s=row.started_at_s, updated_at_s=row.updated_at_s, message=row.message)
+                     started_at_s=row.started_at_s, updated_at_s=row.updated_at_s, message=row.message,
+                     delete_checkpoints=bool(row.delete_checkpoints))

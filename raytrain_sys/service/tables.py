@@ -13,7 +13,7 @@ uses it), each change with its row in ``transitions``.
 from __future__ import annotations
 
 from sqlalchemy import (Boolean, Column, Double, ForeignKey, Index, Integer, MetaData, String, Table, Text,
-                        UniqueConstraint)
+                        UniqueConstraint, false)
 
 # Named constraints, so that migrations and reflection agree on every name on every database.
 metadata = MetaData(naming_convention={
@@ -59,6 +59,8 @@ jobs = Table(
     Column("updated_at_s", Double, nullable=False),
     Column("message", Text, nullable=False),  # the last transition's reason
     Column("idempotency_key", String(128), nullable=True),  # a client's retry of a submit
+    # A cancel asked for the job's checkpoints to be deleted once it has ended (migration 0002).
+    Column("delete_checkpoints", Boolean, nullable=False, server_default=false()),
     UniqueConstraint("team", "idempotency_key"),
     Index(None, "state"),
 )

@@ -1,0 +1,300 @@
+"""`raytrain-sys jobs|teams|service`: the job service from a shell.
+
+``jobs`` and ``teams`` talk to a running service through ``raytrain_sys.service.client`` (URL and
+token from ``--url``/``--token`` or ``RAYTRAIN_SYS_SERVICE_URL``/``RAYTRAIN_SYS_TOKEN``);
+``service init-admin`` and ``service serve`` open the store directly (``--db`` or
+``RAYTRAIN_SYS_SERVICE_DB``). Errors are the CLI's: one line, exit 2. A token is printed only
+by the two commands that make one (``teams token``, ``service init-admin``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+DB_ENV = "RAYTRAIN_SYS_SERVICE_DB"
+STATES = ("queued", "starting", "running", "pausing", "paused", "resuming", "cancelling", "finished", "failed",
+          "cancelled")
+MESSAGE_WIDTH = 60  # a job's last reason is cut to this in `jobs list`
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the ``jobs``, ``teams`` and ``service`` commands to the CLI's subparsers."""
+    # --url/--token go before or after the action (`teams --url U` alone lists): the group's
+    # parser holds the defaults, and an action's copy only sets them when given (SUPPRESS).
+    conn, group_conn = (argparse.ArgumentParser(add_help=False) for _ in range(2))
+    for parser, default in ((conn, argparse.SUPPRESS), (group_conn, None)):
+        parser.add_argument("--url", default=default, help="the job service, default $RAYTRAIN_SYS_SERVICE_URL")
+        parser.add_argument("--token", default=default, help="a bearer token, default $RAYTRAIN_SYS_TOKEN")
+
+    jobs = sub.add_parser("jobs", parents=[group_conn],
+                          help="submit, list, follow, pause, resume and cancel service jobs")
+    js = jobs.add_subparsers(dest="jobs_command", required=True)
+    s = js.add_parser("submit", parents=[conn], help="queue a job spec (YAML) with the service")
+    s.add_argument("spec")
+    s.add_argument("--team", default=None, help="default: the token's team (required with an admin token)")
+    s.add_argument("--priority", type=int, default=None, help="higher is more important (default 0)")
+    s.add_argument("--name", default=None, help="default: the spec's name")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    s.set_defaults(func=_submit)
+    ls = js.add_parser("list", parents=[conn], help="jobs of your team (admin: every team)")
+    ls.add_argument("--state", action="append", choices=STATES, default=None, help="repeatable")
+    ls.add_argument("--team", default=None)
+    ls.set_defaults(func=_list)
+    st = js.add_parser("status", parents=[conn], help="one job and its transitions")
+    st.add_argument("job_id", type=int)
+    st.set_defaults(func=_status)
+    lg = js.add_parser("logs", parents=[conn], help="a job's log")
+    lg.add_argument("job_id", type=int)
+    lg.add_argument("--follow", "-f", action="store_true", help="print new lines until the job ends")
+    lg.set_defaults(func=_logs)
+    for action, text in (("pause", "pause a job (running: checkpoint and release; queued: hold)"),
+                         ("resume", "queue a job its team paused again"),
+                         ("cancel", "cancel a job")):
+        a = js.add_parser(action, parents=[conn], help=text)
+        a.add_argument("job_id", type=int)
+        a.add_argument("--reason", default=None)
+        if action == "cancel":
+            a.add_argument("--delete-checkpoints", action="store_true",
+                           help="delete its checkpoints once it has ended")
+        a.set_defaults(func=_request, action=action)
+
+    teams = sub.add_parser("teams", parents=[group_conn],
+                           help="list teams; add or change one; issue or revoke its tokens (admin)")
+    ts = teams.add_subparsers(dest="teams_command")
+    teams.set_defaults(func=_teams_list)
+    ts.add_parser("list", parents=[conn], help="every team's quota").set_defaults(func=_teams_list)
+    for verb in ("add", "update"):
+        t = ts.add_parser(verb, parents=[conn], help=f"{verb} a team's quota")
+        t.add_argument("name")
+        t.add_argument("--nominal", type=int, required=verb == "add", default=None, help="guaranteed workers")
+        t.add_argument("--cohort", default=None, help="teams of a cohort lend each other unused quota")
+        t.add_argument("--borrowing-limit", type=int, default=None, help="workers beyond nominal it may borrow")
+        t.add_argument("--lending-limit", type=int, default=None, help="of its nominal, the most it lends")
+        t.add_argument("--weight", type=float, default=None, help="fair-share weight (default 1)")
+        t.set_defaults(func=_teams_add if verb == "add" else _teams_update)
+    tk = ts.add_parser("token", parents=[conn], help="issue a token for a team (printed once)")
+    tk.add_argument("name")
+    tk.set_defaults(func=_teams_token)
+    rv = ts.add_parser("revoke", parents=[conn], help="revoke every token of a team")
+    rv.add_argument("name")
+    rv.set_defaults(func=_teams_revoke)
+
+    svc = sub.add_parser("service", help="run the job service's API, or make its first admin token")
+    ss = svc.add_subparsers(dest="service_command", required=True)
+    db = argparse.ArgumentParser(add_help=False)
+    db.add_argument("--db", default=None, help="the store's SQLAlchemy URL, default $RAYTRAIN_SYS_SERVICE_DB "
+                                               "or sqlite:///raytrain-service.db")
+    ia = ss.add_parser("init-admin", parents=[db], help="issue an admin token and print it once")
+    ia.add_argument("--rotate", action="store_true", help="revoke every earlier admin token first")
+    ia.set_defaults(func=_init_admin)
+    sv = ss.add_parser("serve", parents=[db], help="serve the HTTP API in the foreground (no scheduler)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--log-dir", default=None, help="where job-<id>.log files are read from")
+    sv.set_defaults(func=_serve)
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def _client(args: argparse.Namespace):
+    from raytrain_sys.service.client import Client
+
+    return Client.from_env(args.url, args.token)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    job = _client(args).submit(Path(args.spec), team=args.team, priority=args.priority, overrides=args.set,
+                               name=args.name)
+    print(f"job {job['id']} queued: {job['name']} for team {job['team']}, {_workers(job)} workers, "
+          f"priority {job['priority']}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    jobs = _client(args).jobs(states=args.state, team=args.team)
+    rows = [(j["id"], j["team"], j["name"], j["state"] + (" (held)" if j["held"] else ""), j["priority"],
+             f"{j['workers']}/{_workers(j)}", _age(j["submitted_at_s"]), _cut(j["message"]))
+            for j in jobs]
+    _table(("ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "MESSAGE"), rows)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    client = _client(args)
+    job = client.job(args.job_id)
+    fields = [("job", job["id"]), ("name", job["name"]), ("team", job["team"]),
+              ("state", job["state"] + (" (held by its team)" if job["held"] else "")),
+              ("priority", job["priority"]), ("workers", f"{job['workers']} (target {job['target_workers']}, "
+                                                         f"range {_workers(job)})"),
+              ("restarts", job["restarts"]), ("checkpoint", "none" if job["last_checkpoint_step"] is None
+                                              else f"step {job['last_checkpoint_step']}"),
+              ("mlflow run", job["mlflow_run_id"] or "-"), ("message", job["message"])]
+    if job["delete_checkpoints"]:
+        fields.append(("on end", "delete checkpoints"))
+    width = max(len(k) for k, _ in fields)
+    for key, value in fields:
+        print(f"{key:<{width}}  {value}")
+    print()
+    _table(("WHEN", "FROM", "TO", "BY", "REASON"),
+           [(_when(t["at_s"]), t["from_state"] or "-", t["to_state"], t["actor"], t["reason"])
+            for t in client.transitions(args.job_id)])
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if not args.follow:
+        sys.stdout.write(client.logs(args.job_id))
+        return 0
+    for text in client.logs(args.job_id, follow=True):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    return 0
+
+
+def _request(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "cancel":
+        job = client.cancel(args.job_id, args.reason, delete_checkpoints=args.delete_checkpoints)
+    else:
+        job = getattr(client, args.action)(args.job_id, args.reason)
+    print(f"job {job['id']}: {job['state']}{' (held)' if job['held'] else ''}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- teams
+
+
+def _team_fields(args: argparse.Namespace) -> dict[str, Any]:
+    given = {"nominal_workers": args.nominal, "cohort": args.cohort, "borrowing_limit_workers": args.borrowing_limit,
+             "lending_limit_workers": args.lending_limit, "weight": args.weight}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _teams_list(args: argparse.Namespace) -> int:
+    teams = _client(args).teams()
+    _table(("TEAM", "NOMINAL", "COHORT", "BORROW", "LEND", "WEIGHT"),
+           [(t["name"], t["nominal_workers"], t["cohort"] or "-", _limit(t["borrowing_limit_workers"]),
+             _limit(t["lending_limit_workers"]), f"{t['weight']:g}") for t in teams])
+    return 0
+
+
+def _teams_add(args: argparse.Namespace) -> int:
+    fields = _team_fields(args)
+    team = _client(args).add_team(args.name, fields.pop("nominal_workers"), **fields)
+    print(f"team {team['name']} added: nominal {team['nominal_workers']} workers")
+    return 0
+
+
+def _teams_update(args: argparse.Namespace) -> int:
+    from raytrain_sys.errors import UserError
+
+    fields = _team_fields(args)
+    if not fields:
+        raise UserError("teams update: give at least one of --nominal, --cohort, --borrowing-limit, "
+                        "--lending-limit, --weight")
+    team = _client(args).update_team(args.name, **fields)
+    print(f"team {team['name']} updated: nominal {team['nominal_workers']}, cohort {team['cohort'] or '-'}, "
+          f"borrowing limit {_limit(team['borrowing_limit_workers'])}, "
+          f"lending limit {_limit(team['lending_limit_workers'])}, weight {team['weight']:g}")
+    return 0
+
+
+def _teams_token(args: argparse.Namespace) -> int:
+    token = _client(args).issue_token(args.name)
+    print(f"# a token for team {args.name}, shown once; keep it secret (export {_token_env()}=...)",
+          file=sys.stderr)
+    print(token)
+    return 0
+
+
+def _teams_revoke(args: argparse.Namespace) -> int:
+    n = _client(args).revoke_tokens(args.name)
+    print(f"revoked {n} token(s) of team {args.name}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- service
+
+
+def _store(args: argparse.Namespace):
+    from raytrain_sys.service.store import DEFAULT_URL, Store
+
+    return Store.open(args.db or os.environ.get(DB_ENV) or DEFAULT_URL)
+
+
+def _init_admin(args: argparse.Namespace) -> int:
+    from raytrain_sys.service.auth import init_admin
+
+    store = _store(args)
+    try:
+        token = init_admin(store, rotate=args.rotate)
+    finally:
+        store.close()
+    print(f"# an admin token for {store.url}, shown once; keep it secret (export {_token_env()}=...)",
+          file=sys.stderr)
+    print(token)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from raytrain_sys.service.api import DEFAULT_LOG_DIR, serve
+
+    store = _store(args)
+    handle = serve(store, args.host, args.port, log_dir=args.log_dir or DEFAULT_LOG_DIR)
+    print(f"job service API at {handle.url} (store {store.url}); Ctrl-C stops it", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        handle.stop()
+        store.close()
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _token_env() -> str:
+    from raytrain_sys.service.client import TOKEN_ENV
+
+    return TOKEN_ENV
+
+
+def _workers(job: dict) -> str:
+    lo, hi = job["min_workers"], job["max_workers"]
+    return str(lo) if lo == hi else f"{lo}..{hi}"
+
+
+def _limit(value: Optional[int]) -> str:
+    return "-" if value is None else str(value)
+
+
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MESSAGE_WIDTH else text[:MESSAGE_WIDTH - 3] + "..."
+
+
+def _when(at_s: float) -> str:
+    return datetime.fromtimestamp(at_s).strftime("%m-%d %H:%M:%S")
+
+
+def _age(since_s: float) -> str:
+    s = max(0, int(time.time() - since_s))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"
+
+
+def _table(header: tuple, rows: list[tuple]) -> None:
+    cells = [tuple(map(str, header))] + [tuple(map(str, r)) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

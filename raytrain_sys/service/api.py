@@ -1,0 +1,531 @@
+"""The job service's HTTP API (``/v1``): submit, list, inspect, pause, resume and cancel jobs;
+manage teams and their tokens.
+
+Owns: the HTTP form of the service (paths, request and response models, status codes) and the
+*requests* a user may write. It writes only through ``Store``: a submitted job, a team's hold
+or release of a job (``held``), a cancel's intent (``delete_checkpoints``), and the request
+edges in ``REQUESTS`` below (queued/paused -> cancelled; starting/running/resuming/pausing ->
+cancelling; running -> pausing), each one guarded write. It never writes a run-time transition
+(starting, running, paused, finished, ...): those are the reconciler's, which also finishes
+every request written here. Every write and every refusal leaves an audit row (``auth``).
+
+Errors are JSON ``{"error": "...", "field": ...}``: 400 a field is wrong (named), 401 no valid
+token, 403 another team's job or an admin-only call, 404 no such job or team, 409 the job's
+state does not allow the request (named; nothing changed), 503 the database is unreachable.
+
+Why FastAPI + uvicorn rather than Ray Serve: the API is one small process that runs beside the
+scheduler loop in the service actor (``serve`` starts it on a thread); Serve would add a
+controller actor and proxy actors on every cluster for an endpoint that handles a few requests a
+minute, and would tie the API's availability to Serve's. FastAPI gives typed request and response
+models (pydantic) and the OpenAPI description (``/openapi.json``, ``/docs``) for free; uvicorn is
+a plain ASGI server with no cluster dependency, so the API and its tests need no Ray at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from raytrain_sys import spec as job_spec
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, SpecError, UserError
+from raytrain_sys.service import auth
+from raytrain_sys.service.model import JobRecord, JobState, Team
+from raytrain_sys.service.store import Principal, Store
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/v1"
+DEFAULT_LOG_DIR = "service-logs"  # where the runner writes job-<id>.log, unless told otherwise
+LOG_CHUNK_BYTES = 1 << 20  # one logs answer at most (1 MiB); a follower asks again from next_offset
+SERVE_START_TIMEOUT_S = 10.0  # uvicorn binds no port itself (we pass the socket); startup is ~0.1 s
+RESERVED_TEAM_NAMES = frozenset({"admin", auth.ANONYMOUS, auth.BOOTSTRAP})  # audit actors
+
+
+# ----------------------------------------------------------------------------- request edges
+
+# What each request does to a job in a given (state, held): the target state and the fields
+# written with it, in one guarded write on the state (and on held where it is listed). A
+# (state, held) not listed for a request is a 409 naming the state. held=None: either.
+Edge = tuple[JobState, dict[str, Any]]
+REQUESTS: dict[str, dict[tuple[JobState, Optional[bool]], Edge]] = {
+    "pause": {
+        (JobState.QUEUED, False): (JobState.QUEUED, {"held": True}),  # never started: just held
+        (JobState.PAUSED, False): (JobState.PAUSED, {"held": True}),  # paused by the scheduler: keep it so
+        # held with it, so that once paused the scheduler does not admit it again by itself
+        (JobState.RUNNING, None): (JobState.PAUSING, {"held": True}),
+    },
+    "resume": {
+        (JobState.QUEUED, True): (JobState.QUEUED, {"held": False}),
+        (JobState.PAUSED, True): (JobState.PAUSED, {"held": False}),  # admitted again = resumed from its checkpoint
+        (JobState.PAUSING, True): (JobState.PAUSING, {"held": False}),  # admitted again once paused
+    },
+    "cancel": {
+        (JobState.QUEUED, None): (JobState.CANCELLED, {}),  # holds no workers: ends now
+        (JobState.PAUSED, None): (JobState.CANCELLED, {}),
+        (JobState.STARTING, None): (JobState.CANCELLING, {}),  # the reconciler stops it, then cancelled
+        (JobState.RUNNING, None): (JobState.CANCELLING, {}),
+        (JobState.RESUMING, None): (JobState.CANCELLING, {}),
+        (JobState.PAUSING, None): (JobState.CANCELLING, {}),
+    },
+}
+_APPLIES_TO = {
+    "pause": "a queued or paused job not held yet, or a running one",
+    "resume": "a job its team paused (queued, paused or pausing and held)",
+    "cancel": "a job that has not ended and is not cancelling already",
+}
+
+
+def request_edge(action: str, job: JobRecord) -> Optional[tuple[Optional[bool], Edge]]:
+    """The edge ``action`` takes from this job's (state, held), and the held guard it needs;
+    None when the request does not apply."""
+    edges = REQUESTS[action]
+    if (job.state, job.held) in edges:
+        return job.held, edges[(job.state, job.held)]
+    if (job.state, None) in edges:
+        return None, edges[(job.state, None)]
+    return None
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class ErrorOut(BaseModel):
+    error: str = Field(description="one line: what was wrong and what to do")
+    field: Optional[str] = Field(None, description="the request or spec field at fault (400)")
+
+
+class SubmitIn(BaseModel):
+    spec: Union[dict[str, Any], str] = Field(description="the job spec: a mapping, or its YAML text")
+    team: Optional[str] = Field(None, description="default: the token's team (required with an admin token)")
+    priority: int = Field(0, description="higher is more important")
+    name: Optional[str] = Field(None, description="default: the spec's name")
+    overrides: list[str] = Field(default_factory=list, description='"dotted.key=value" applied to the spec')
+
+
+class ActionIn(BaseModel):
+    reason: Optional[str] = Field(None, max_length=500, description="recorded with the transition")
+    delete_checkpoints: bool = Field(False, description="cancel only: delete the job's checkpoints once it ended")
+
+
+class JobOut(BaseModel):
+    id: int
+    team: str
+    name: str
+    priority: int
+    state: JobState
+    held: bool = Field(description="paused by its team: the scheduler leaves it waiting until resumed")
+    min_workers: int
+    max_workers: int
+    elastic: bool
+    workers: int = Field(description="workers it holds now")
+    target_workers: int = Field(description="workers the runner was last told to have")
+    restarts: int
+    mlflow_run_id: Optional[str]
+    last_checkpoint_step: Optional[int]
+    last_checkpoint_at_s: Optional[float]
+    submitted_at_s: float
+    waiting_since_s: float
+    started_at_s: Optional[float]
+    updated_at_s: float
+    message: str = Field(description="the last transition's reason")
+    delete_checkpoints: bool
+    spec: Optional[str] = Field(None, description="the validated spec as YAML (GET /v1/jobs/{id} only)")
+
+    @classmethod
+    def of(cls, job: JobRecord, *, with_spec: bool = False) -> "JobOut":
+        fields = {name: getattr(job, name) for name in cls.model_fields if name != "spec"}
+        return cls(**fields, spec=job.spec if with_spec else None)
+
+
+class TransitionOut(BaseModel):
+    from_state: Optional[JobState] = Field(description="null: the submit that created the job")
+    to_state: JobState
+    at_s: float
+    actor: str
+    reason: str
+
+
+class TeamIn(BaseModel):
+    name: Optional[str] = Field(None, description="POST only; PUT takes it from the path")
+    nominal_workers: Optional[int] = Field(None, description="guaranteed workers (required on POST)")
+    cohort: Optional[str] = None
+    borrowing_limit_workers: Optional[int] = Field(None, description="null: as much as the cohort lends")
+    lending_limit_workers: Optional[int] = Field(None, description="null: lends all of its nominal quota")
+    weight: Optional[float] = Field(None, description="fair-share weight, default 1")
+
+
+class TeamOut(BaseModel):
+    name: str
+    nominal_workers: int
+    cohort: Optional[str]
+    borrowing_limit_workers: Optional[int]
+    lending_limit_workers: Optional[int]
+    weight: float
+
+    @classmethod
+    def of(cls, team: Team) -> "TeamOut":
+        return cls(**{name: getattr(team, name) for name in cls.model_fields})
+
+
+class TokenOut(BaseModel):
+    team: str
+    token: str = Field(description="shown once: the service keeps only its hash")
+
+
+class RevokedOut(BaseModel):
+    team: str
+    revoked: int
+
+
+class HealthOut(BaseModel):
+    ok: bool
+    jobs: dict[str, int] = Field(description="jobs per state")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.field = status, field
+
+
+def _status_of(exc: Exception) -> int:
+    if isinstance(exc, ApiError):
+        return exc.status
+    if isinstance(exc, auth.NotAuthenticated):
+        return 401
+    if isinstance(exc, auth.NotAllowed):
+        return 403
+    if isinstance(exc, JobStateConflict):
+        return 409
+    if isinstance(exc, ServiceStoreError):
+        return 503
+    return 400  # ServiceInputError, SpecError, other UserError
+
+
+def _error_response(exc: Exception) -> JSONResponse:
+    status = _status_of(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": auth.redact(str(exc)), "field": getattr(exc, "field", None)},
+                        status_code=status, headers=headers)
+
+
+REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
+               cluster_workers: Union[int, Callable[[], Optional[int]], None] = None) -> FastAPI:
+    """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
+    writes them). ``cluster_workers`` (a number, or a function returning the current one) also
+    rejects a submit whose min_workers the cluster could never hold; None: quotas only."""
+    log_root = Path(log_dir)
+    auth.install_log_redaction()
+    app = FastAPI(title="raytrain-sys job service", version="1",
+                  description=__doc__.split("\n\nWhy FastAPI")[0],
+                  responses={400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 403: {"model": ErrorOut},
+                             404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 503: {"model": ErrorOut}})
+
+    for exc_type in (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError):
+        app.add_exception_handler(exc_type, lambda _request, exc: _error_response(exc))
+
+    @app.exception_handler(RequestValidationError)
+    def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+        field = ".".join(loc) or None
+        return JSONResponse({"error": f"field '{field}': {first.get('msg', 'invalid request')}",
+                             "field": field}, status_code=400)
+
+    def principal(request: Request) -> Principal:
+        try:
+            return auth.authenticate(store, request.headers.get("authorization"))
+        except auth.NotAuthenticated as e:
+            auth.record(store, auth.ANONYMOUS, f"{request.method} {request.url.path}", "-", f"refused (401): {e}")
+            raise
+
+    @contextlib.contextmanager
+    def audited(who: Principal, action: str, target: str, *, record_ok: bool = True) -> Iterator[dict]:
+        """Audit the block: its refusal always, its success when it wrote something. The block
+        may name its target better once it knows it (``note["target"]``)."""
+        note = {"target": target}
+        try:
+            yield note
+        except REFUSALS as e:
+            auth.record(store, who.name, action, note["target"], f"refused ({_status_of(e)}): {e}")
+            raise
+        if record_ok:
+            auth.record(store, who.name, action, note["target"], "ok")
+
+    def job_of(who: Principal, job_id: int) -> JobRecord:
+        """The job, if it exists and the principal's team owns it (refusals raise)."""
+        try:
+            job = store.job(job_id)
+        except ServiceInputError:
+            raise ApiError(404, f"no job {job_id}", "job_id") from None
+        auth.check_team(who, job.team, f"job {job_id}")
+        return job
+
+    # ------------------------------------------------------------------ health
+
+    @app.get("/healthz", response_model=HealthOut, tags=["health"])
+    def healthz() -> HealthOut:
+        """The API is up and its database answers (no token needed)."""
+        return HealthOut(ok=True, jobs=store.count_jobs())
+
+    # ------------------------------------------------------------------ jobs
+
+    @app.post(f"{API_PREFIX}/jobs", response_model=JobOut, status_code=201, tags=["jobs"])
+    def submit(body: SubmitIn, who: Principal = Depends(principal)) -> JobOut:
+        """Queue a job. The spec is validated (a wrong field is a 400 naming it) and so is its
+        size against the team's quota: a min_workers the team could never get is rejected
+        (400, ``elastic.min_workers``, with the team's ceiling). Nothing is written on rejection."""
+        team = body.team if body.team is not None else who.team
+        with audited(who, "submit", f"team {team}") as note:
+            if team is None:
+                raise ServiceInputError("team", "an admin token must name the team to submit for")
+            auth.check_team(who, team, "jobs")
+            spec = _validated_spec(body.spec, body.overrides)
+            max_workers = spec.elastic.max_workers or spec.resources.num_workers
+            job = store.submit(team=team, name=body.name or spec.name, spec=job_spec.to_yaml(spec),
+                               min_workers=spec.elastic.min_workers, max_workers=max_workers,
+                               priority=body.priority, actor=who.name,
+                               cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers)
+            note["target"] = f"job {job.id} (team {team})"
+        log.info("job %d submitted by %s for team %s (%d..%d workers)", job.id, who.name, team,
+                 job.min_workers, job.max_workers)
+        return JobOut.of(job)
+
+    @app.get(f"{API_PREFIX}/jobs", response_model=list[JobOut], tags=["jobs"])
+    def list_jobs(state: Optional[list[JobState]] = Query(None, description="repeatable"),
+                  team: Optional[str] = Query(None, description="admin: one team's jobs; a team token: its own"),
+                  who: Principal = Depends(principal)) -> list[JobOut]:
+        """Jobs in submit order: a team token sees its team's, the admin every team's."""
+        if not who.is_admin:
+            with audited(who, "list_jobs", f"team {team}", record_ok=False):
+                auth.check_team(who, team or who.team, "the jobs")
+            team = who.team
+        return [JobOut.of(j) for j in store.jobs(states=state, team=team)]
+
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}", response_model=JobOut, tags=["jobs"])
+    def get_job(job_id: int, who: Principal = Depends(principal)) -> JobOut:
+        with audited(who, "get_job", f"job {job_id}", record_ok=False):
+            return JobOut.of(job_of(who, job_id), with_spec=True)
+
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/transitions", response_model=list[TransitionOut], tags=["jobs"])
+    def transitions(job_id: int, who: Principal = Depends(principal)) -> list[TransitionOut]:
+        """Every state change of the job, oldest first, with who made it and why."""
+        with audited(who, "get_transitions", f"job {job_id}", record_ok=False):
+            job_of(who, job_id)
+        return [TransitionOut(from_state=t.from_state, to_state=t.to_state, at_s=t.at_s, actor=t.actor,
+                              reason=t.reason) for t in store.history(job_id)]
+
+    @app.get(f"{API_PREFIX}/jobs/{{job_id}}/logs", tags=["jobs"], response_class=Response,
+             responses={200: {"content": {"text/plain": {}},
+                              "description": "log bytes from offset; header X-Next-Offset is where to ask next"}})
+    def logs(job_id: int, offset: int = Query(0, ge=0), limit: int = Query(LOG_CHUNK_BYTES, ge=1, le=LOG_CHUNK_BYTES),
+             who: Principal = Depends(principal)) -> Response:
+        """The job's log from byte ``offset`` (at most ``limit`` bytes). Empty, with
+        X-Next-Offset equal to the offset, when nothing more was written (or the runner has not
+        created the log yet); an offset past the end (a log written anew) reads from its end."""
+        with audited(who, "get_logs", f"job {job_id}", record_ok=False):
+            job_of(who, job_id)
+        data, next_offset = _read_log(log_root / f"job-{job_id}.log", offset, limit)
+        return Response(content=data, media_type="text/plain; charset=utf-8",
+                        headers={"X-Next-Offset": str(next_offset)})
+
+    def request(action: str, job_id: int, body: Optional[ActionIn], who: Principal) -> JobOut:
+        body = body or ActionIn()
+        with audited(who, action, f"job {job_id}"):
+            if body.delete_checkpoints and action != "cancel":
+                raise ServiceInputError("delete_checkpoints", f"applies to cancel only, not {action}")
+            job = job_of(who, job_id)
+            found = request_edge(action, job)
+            if found is None:
+                state = f"{job.state.value}{' and held' if job.held else ''}"
+                raise JobStateConflict(f"job {job_id} is {state}: cannot {action} it ({action} applies to "
+                                       f"{_APPLIES_TO[action]}); nothing was changed")
+            expected_held, (to, changes) = found
+            changes = dict(changes)
+            if action == "resume":
+                changes["waiting_since_s"] = time.time()  # held time does not age a job
+            if action == "cancel" and body.delete_checkpoints:
+                changes["delete_checkpoints"] = True
+            reason = f"{action} requested by {who.name}" + (f": {body.reason}" if body.reason else "")
+            job = store.transition(job_id, job.state, to, actor=who.name, reason=reason,
+                                   expected_held=expected_held, **changes)
+        log.info("job %d: %s by %s -> %s%s", job_id, action, who.name, job.state.value, " (held)" if job.held else "")
+        return JobOut.of(job)
+
+    @app.post(f"{API_PREFIX}/jobs/{{job_id}}/pause", response_model=JobOut, tags=["jobs"])
+    def pause(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
+        """Running: checkpoint and release its workers (-> pausing; the reconciler makes it
+        paused). Queued or paused by the scheduler: held, so the scheduler leaves it waiting."""
+        return request("pause", job_id, body, who)
+
+    @app.post(f"{API_PREFIX}/jobs/{{job_id}}/resume", response_model=JobOut, tags=["jobs"])
+    def resume(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
+        """Release a job its team paused: it waits for admission again (a paused job that is
+        admitted resumes from its checkpoint)."""
+        return request("resume", job_id, body, who)
+
+    @app.post(f"{API_PREFIX}/jobs/{{job_id}}/cancel", response_model=JobOut, tags=["jobs"])
+    def cancel(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
+        """Queued or paused: cancelled now. Starting, running, resuming or pausing: cancelling
+        (the reconciler stops it, then cancelled). ``delete_checkpoints`` is recorded with it."""
+        return request("cancel", job_id, body, who)
+
+    # ------------------------------------------------------------------ teams (admin)
+
+    @app.get(f"{API_PREFIX}/teams", response_model=list[TeamOut], tags=["teams"])
+    def list_teams(who: Principal = Depends(principal)) -> list[TeamOut]:
+        with audited(who, "list_teams", "teams", record_ok=False):
+            auth.check_admin(who, "listing teams")
+        return [TeamOut.of(t) for t in store.teams()]
+
+    @app.post(f"{API_PREFIX}/teams", response_model=TeamOut, status_code=201, tags=["teams"])
+    def add_team(body: TeamIn, who: Principal = Depends(principal)) -> TeamOut:
+        with audited(who, "add_team", f"team {body.name}"):
+            auth.check_admin(who, "adding a team")
+            if body.name in RESERVED_TEAM_NAMES:
+                raise ServiceInputError("team.name", f"{body.name!r} is reserved (it names a principal in the audit)")
+            if body.nominal_workers is None:
+                raise ServiceInputError("team.nominal_workers", "required")
+            fields = body.model_dump(exclude_none=True)
+            team = store.add_team(Team(**fields))
+        return TeamOut.of(team)
+
+    @app.put(f"{API_PREFIX}/teams/{{name}}", response_model=TeamOut, tags=["teams"])
+    def update_team(name: str, body: TeamIn, who: Principal = Depends(principal)) -> TeamOut:
+        """Change the fields given (an explicit null clears a limit or the cohort); the others keep
+        their values."""
+        with audited(who, "update_team", f"team {name}"):
+            auth.check_admin(who, "changing a team")
+            if body.name not in (None, name):
+                raise ServiceInputError("team.name", f"a team cannot be renamed ({name} -> {body.name})")
+            current = _team_or_404(store, name)
+            given = body.model_dump(include=body.model_fields_set - {"name"})  # a null nominal or weight: Team refuses
+            merged = {f: getattr(current, f) for f in TeamOut.model_fields} | given | {"name": name}
+            team = store.update_team(Team(**merged))
+        return TeamOut.of(team)
+
+    @app.post(f"{API_PREFIX}/teams/{{name}}/tokens", response_model=TokenOut, status_code=201, tags=["teams"])
+    def issue_token(name: str, who: Principal = Depends(principal)) -> TokenOut:
+        """A new token for the team, returned once (only its hash is kept)."""
+        with audited(who, "issue_token", f"team {name}"):
+            auth.check_admin(who, "issuing a token")
+            _team_or_404(store, name)
+            token = store.issue_token(name)
+        return TokenOut(team=name, token=token)
+
+    @app.delete(f"{API_PREFIX}/teams/{{name}}/tokens", response_model=RevokedOut, tags=["teams"])
+    def revoke_tokens(name: str, who: Principal = Depends(principal)) -> RevokedOut:
+        """Revoke every token of the team."""
+        with audited(who, "revoke_tokens", f"team {name}"):
+            auth.check_admin(who, "revoking tokens")
+            _team_or_404(store, name)
+            revoked = store.revoke_tokens(name)
+        return RevokedOut(team=name, revoked=revoked)
+
+    return app
+
+
+def _team_or_404(store: Store, name: str) -> Team:
+    try:
+        return store.team(name)
+    except ServiceInputError:
+        known = ", ".join(t.name for t in store.teams()) or "none"
+        raise ApiError(404, f"unknown team {name!r} (known: {known})", "team") from None
+
+
+def _validated_spec(raw: Union[dict, str], overrides: list[str]) -> job_spec.JobSpec:
+    """The submitted spec (mapping or YAML text) with its overrides, validated: a SpecError names
+    the field (``spec`` itself for text that is not a YAML mapping)."""
+    if isinstance(raw, str):
+        return job_spec.from_text(raw, overrides, field="spec", source="the spec")
+    return job_spec.from_dict(job_spec.apply_overrides(raw, overrides))
+
+
+def _read_log(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            start = min(offset, size)
+            f.seek(start)
+            data = f.read(limit)
+    except FileNotFoundError:
+        return b"", offset
+    return data, start + len(data)
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+class ServiceHandle:
+    """A running API: ``url`` to reach it, ``stop()`` to shut it down (waits for the thread)."""
+
+    def __init__(self, server, thread: threading.Thread, sock: socket.socket, url: str):
+        self._server, self._thread, self._sock, self.url = server, thread, sock, url
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> "ServiceHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
+          log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
+          cluster_workers: Union[int, Callable[[], Optional[int]], None] = None) -> ServiceHandle:
+    """Run the API with uvicorn on a background thread (port 0: a free one) and return once it
+    accepts connections. The socket is bound here, so a port in use fails in the caller."""
+    import uvicorn
+
+    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"the job service cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # log_config=None: uvicorn leaves the process's logging as it is (its records propagate).
+    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=True, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="raytrain-sys-api", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + SERVE_START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise UserError(f"the job service did not start on {host}:{port} within {SERVE_START_TIMEOUT_S} s")
+        time.sleep(0.01)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url = f"http://[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"http://{bound_host}:{bound_port}"
+    log.info("job service API at %s (store %s)", url, store.url)
+    return ServiceHandle(server, thread, sock, url)
+
+
+__all__ = ["create_app", "serve", "ServiceHandle", "REQUESTS", "request_edge", "API_PREFIX", "DEFAULT_LOG_DIR"]

@@ -1,0 +1,242 @@
+"""A Python client of the job service's HTTP API, for notebooks and the CLI.
+
+    from raytrain_sys.service.client import Client
+    c = Client("http://head:8265", token)        # or Client.from_env()
+    job = c.submit("jobs/tiny.yaml", overrides=["train.max_steps=50"])
+    for text in c.logs(job["id"], follow=True): print(text, end="")
+
+Owns nothing on the server: every call is one HTTP request (``logs(follow=True)`` polls). It
+speaks with the standard library's ``urllib`` (no extra dependency; the API is small JSON and
+text). Errors say what happened and never carry the token: a refused request raises
+``ServiceRequestError`` with the HTTP status and the server's message (``ServiceRequestInvalid``,
+a ``ServiceInputError`` with ``.field``, for a 400; ``ServiceRequestConflict``, a
+``JobStateConflict``, for a 409); a service that cannot be reached raises one
+``ServiceRequestError`` naming the URL.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from raytrain_sys.errors import (ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, SpecError,
+                                 UserError)
+
+URL_ENV = "RAYTRAIN_SYS_SERVICE_URL"
+TOKEN_ENV = "RAYTRAIN_SYS_TOKEN"
+TERMINAL_STATES = frozenset({"finished", "failed", "cancelled"})
+REQUEST_TIMEOUT_S = 30.0  # one request; a store behind a slow database answers in well under this
+FOLLOW_POLL_S = 1.0  # logs(follow=True) asks for new bytes this often
+WAIT_POLL_S = 1.0
+
+
+class Client:
+    """The job service at ``url`` (e.g. ``http://127.0.0.1:8000``), acting with ``token``."""
+
+    def __init__(self, url: str, token: Optional[str], *, timeout_s: float = REQUEST_TIMEOUT_S):
+        if not url:
+            raise UserError(f"no job service URL: pass --url or set {URL_ENV}")
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"job service URL {url!r} must start with http:// or https://")
+        self.url = url.rstrip("/")
+        self._token = token
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_env(cls, url: Optional[str] = None, token: Optional[str] = None) -> "Client":
+        """``url`` and ``token``, else ``RAYTRAIN_SYS_SERVICE_URL`` and ``RAYTRAIN_SYS_TOKEN``."""
+        return cls(url or os.environ.get(URL_ENV, ""), token or os.environ.get(TOKEN_ENV) or None)
+
+    def __repr__(self) -> str:  # never the token
+        return f"Client({self.url!r})"
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit(self, spec_or_path: Union[str, os.PathLike, dict], team: Optional[str] = None,
+               priority: Optional[int] = None, overrides: Optional[Iterable[str]] = None,
+               name: Optional[str] = None) -> dict:
+        """Queue a job: ``spec_or_path`` is a spec mapping, a path to a YAML spec, or YAML text.
+        Returns the job as stored (state ``queued``)."""
+        body: dict[str, Any] = {"spec": _spec_body(spec_or_path), "overrides": list(overrides or [])}
+        if team is not None:
+            body["team"] = team
+        if priority is not None:
+            body["priority"] = priority
+        if name is not None:
+            body["name"] = name
+        return self._json("POST", "/v1/jobs", body)
+
+    def jobs(self, states: Optional[Iterable[str]] = None, team: Optional[str] = None) -> list[dict]:
+        query = [("state", s) for s in states or ()] + ([("team", team)] if team else [])
+        return self._json("GET", "/v1/jobs", query=query)
+
+    def job(self, job_id: int) -> dict:
+        """The job, with its validated spec (YAML) under ``spec``."""
+        return self._json("GET", f"/v1/jobs/{int(job_id)}")
+
+    def transitions(self, job_id: int) -> list[dict]:
+        return self._json("GET", f"/v1/jobs/{int(job_id)}/transitions")
+
+    def logs(self, job_id: int, follow: bool = False, *, offset: int = 0,
+             poll_s: float = FOLLOW_POLL_S) -> Union[str, Iterator[str]]:
+        """The job's log as text; with ``follow`` a generator of new text as it is written,
+        ending once the job has ended and everything it wrote was read."""
+        if not follow:
+            return self._rest(job_id, offset)
+        return self._follow(job_id, offset, poll_s)
+
+    def log_chunk(self, job_id: int, offset: int = 0) -> tuple[bytes, int]:
+        """One read: the log's bytes from ``offset`` and the offset to ask from next."""
+        _, headers, data = self._request("GET", f"/v1/jobs/{int(job_id)}/logs", query=[("offset", offset)])
+        return data, int(headers.get("X-Next-Offset", offset + len(data)))
+
+    def _rest(self, job_id: int, offset: int) -> str:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        parts = []
+        while True:
+            data, offset = self.log_chunk(job_id, offset)
+            if not data:
+                return "".join(parts) + decoder.decode(b"", final=True)
+            parts.append(decoder.decode(data))
+
+    def _follow(self, job_id: int, offset: int, poll_s: float) -> Iterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while True:
+            # Read the state before the bytes: a job that had ended before this read has
+            # written everything, so an empty read after it means the end.
+            ended = self.job(job_id)["state"] in TERMINAL_STATES
+            data, offset = self.log_chunk(job_id, offset)
+            if data:
+                text = decoder.decode(data)
+                if text:
+                    yield text
+                continue
+            if ended:
+                tail = decoder.decode(b"", final=True)
+                if tail:
+                    yield tail
+                return
+            time.sleep(poll_s)
+
+    def pause(self, job_id: int, reason: Optional[str] = None) -> dict:
+        return self._json("POST", f"/v1/jobs/{int(job_id)}/pause", _action(reason))
+
+    def resume(self, job_id: int, reason: Optional[str] = None) -> dict:
+        return self._json("POST", f"/v1/jobs/{int(job_id)}/resume", _action(reason))
+
+    def cancel(self, job_id: int, reason: Optional[str] = None, delete_checkpoints: bool = False) -> dict:
+        return self._json("POST", f"/v1/jobs/{int(job_id)}/cancel",
+                          _action(reason) | ({"delete_checkpoints": True} if delete_checkpoints else {}))
+
+    def wait(self, job_id: int, states: Iterable[str] = TERMINAL_STATES, timeout_s: float = 3600.0,
+             poll_s: float = WAIT_POLL_S) -> dict:
+        """Poll until the job is in one of ``states`` (default: ended); raises ``TimeoutError``
+        naming the state it is still in."""
+        wanted = {str(getattr(s, "value", s)) for s in states}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.job(job_id)
+            if job["state"] in wanted:
+                return job
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"job {job_id} is still {job['state']} after {timeout_s:g} s "
+                                   f"(waited for {', '.join(sorted(wanted))})")
+            time.sleep(poll_s)
+
+    # ------------------------------------------------------------------ teams (admin token)
+
+    def teams(self) -> list[dict]:
+        return self._json("GET", "/v1/teams")
+
+    def add_team(self, name: str, nominal_workers: int, *, cohort: Optional[str] = None,
+                 borrowing_limit_workers: Optional[int] = None, lending_limit_workers: Optional[int] = None,
+                 weight: Optional[float] = None) -> dict:
+        body = {"name": name, "nominal_workers": nominal_workers, "cohort": cohort,
+                "borrowing_limit_workers": borrowing_limit_workers, "lending_limit_workers": lending_limit_workers,
+                "weight": weight}
+        return self._json("POST", "/v1/teams", {k: v for k, v in body.items() if v is not None})
+
+    def update_team(self, name: str, **fields: Any) -> dict:
+        """Change only the fields given (``None`` clears a limit or the cohort)."""
+        return self._json("PUT", f"/v1/teams/{urllib.parse.quote(name, safe='')}", fields)
+
+    def issue_token(self, team: str) -> str:
+        """A new token for ``team``: the only time it is shown."""
+        return self._json("POST", f"/v1/teams/{urllib.parse.quote(team, safe='')}/tokens")["token"]
+
+    def revoke_tokens(self, team: str) -> int:
+        return self._json("DELETE", f"/v1/teams/{urllib.parse.quote(team, safe='')}/tokens")["revoked"]
+
+    def health(self) -> dict:
+        return self._json("GET", "/healthz")
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _json(self, method: str, path: str, body: Any = None, query: Optional[list] = None) -> Any:
+        _, _, data = self._request(method, path, body, query)
+        return json.loads(data) if data else None
+
+    def _request(self, method: str, path: str, body: Any = None,
+                 query: Optional[list] = None) -> tuple[int, Any, bytes]:
+        url = self.url + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
+        headers = {"Accept": "application/json"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(url, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return resp.status, resp.headers, resp.read()
+        except urllib.error.HTTPError as e:
+            raise _refusal(e.code, e.read()) from None
+        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
+            cause = getattr(e, "reason", None) or e
+            raise ServiceRequestError(None, f"cannot reach the job service at {self.url}: {cause}") from None
+
+
+def _refusal(status: int, raw: bytes) -> ServiceRequestError:
+    try:
+        payload = json.loads(raw)
+        message, field = str(payload.get("error") or payload), payload.get("field")
+    except (ValueError, AttributeError):
+        message, field = raw.decode("utf-8", "replace").strip()[:500] or "no message", None
+    if status == 400:
+        return ServiceRequestInvalid(field or "request", message)
+    if status == 409:
+        return ServiceRequestConflict(message)
+    return ServiceRequestError(status, message)
+
+
+def _action(reason: Optional[str]) -> dict:
+    return {"reason": reason} if reason else {}
+
+
+def _spec_body(spec_or_path: Union[str, os.PathLike, dict]) -> Union[dict, str]:
+    """A mapping as it is; a path's YAML text (read here: the server cannot see the file); any
+    other string as YAML text."""
+    if isinstance(spec_or_path, dict):
+        return spec_or_path
+    text = os.fspath(spec_or_path)
+    looks_like_path = isinstance(spec_or_path, os.PathLike) or (
+        "\n" not in text and (text.endswith((".yaml", ".yml")) or Path(text).is_file()))
+    if looks_like_path:
+        path = Path(text)
+        if not path.is_file():
+            raise SpecError("SPEC", f"file {text!r} does not exist")
+        text = path.read_text()
+    return text  # YAML text: the server parses it and names a bad line and column
+
+
+__all__ = ["Client", "TERMINAL_STATES", "URL_ENV", "TOKEN_ENV"]

@@ -1,0 +1,522 @@
+"""The job service's HTTP API, its auth and audit, the Python client and the CLI, against a real
+uvicorn server on 127.0.0.1 over a real store (a SQLite file; the submit and transition path
+also over a real PostgreSQL server). No Ray: the tests play the reconciler's part through the
+store where a job must be running or paused."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from sqlalchemy import select
+
+from raytrain_sys.errors import (JobStateConflict, ServiceInputError, ServiceRequestConflict, ServiceRequestError,
+                                 ServiceRequestInvalid)
+from raytrain_sys.service.api import serve
+from raytrain_sys.service.auth import init_admin
+from raytrain_sys.service.client import Client
+from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.store import Store
+from raytrain_sys.service.tables import metadata
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A spec that validates quickly and needs nothing on disk: 2 workers, elastic down to 1.
+SPEC = {"name": "tiny", "resources": {"num_workers": 2}, "elastic": {"min_workers": 1},
+        "train": {"max_steps": 50}}
+
+
+@dataclass
+class Service:
+    store: Store
+    url: str
+    admin: str  # tokens
+    a: str
+    b: str
+    log_dir: Path
+    db_url: str
+
+    def client(self, token: str) -> Client:
+        return Client(self.url, token)
+
+
+def _start(db_url: str, root: Path):
+    store = Store.open(db_url)
+    store.add_team(Team("a", 4, cohort="c"))
+    store.add_team(Team("b", 2, cohort="c", borrowing_limit_workers=1, lending_limit_workers=0))
+    admin = init_admin(store)
+    handle = serve(store, "127.0.0.1", 0, log_dir=root / "logs")
+    svc = Service(store, handle.url, admin, store.issue_token("a"), store.issue_token("b"), root / "logs", db_url)
+    return svc, handle
+
+
+@pytest.fixture(scope="module")
+def sqlite_service(tmp_path_factory):
+    root = tmp_path_factory.mktemp("service")
+    svc, handle = _start(f"sqlite:///{root}/service.db", root)
+    yield svc
+    handle.stop()
+    svc.store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def service(request, tmp_path):
+    """The module's SQLite service, or a fresh one over a real PostgreSQL database."""
+    if request.param == "sqlite":
+        yield request.getfixturevalue("sqlite_service")
+        return
+    svc, handle = _start(request.getfixturevalue("postgres_url"), tmp_path)
+    yield svc
+    handle.stop()
+    svc.store.close()
+
+
+def raw(svc: Service, method: str, path: str, token: str | None = None, body=None) -> tuple[int, dict | str]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(svc.url + path, method=method, headers=headers,
+                                 data=None if body is None else json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            status, data = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, data = e.code, e.read()
+    try:
+        return status, json.loads(data)
+    except ValueError:
+        return status, data.decode()
+
+
+def play_reconciler(store: Store, job_id: int, *to: JobState) -> None:
+    """Move a job the way the reconciler would (one guarded transition per edge)."""
+    for state in to:
+        current = store.job(job_id).state
+        workers = {"workers": 2, "target_workers": 2} if state is JobState.RUNNING else {}
+        if state is JobState.PAUSED:
+            workers = {"workers": 0, "target_workers": 0}
+        store.transition(job_id, current, state, actor="reconciler", reason=f"test: {state.value}", **workers)
+
+
+# ----------------------------------------------------------------------------- submit and state changes
+
+
+def test_submit_list_status_and_history(service, tmp_path):
+    a = service.client(service.a)
+    by_mapping = a.submit(SPEC, priority=3)
+    assert (by_mapping["state"], by_mapping["team"], by_mapping["priority"]) == ("queued", "a", 3)
+    assert (by_mapping["min_workers"], by_mapping["max_workers"], by_mapping["elastic"]) == (1, 2, True)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(SPEC))
+    by_path = a.submit(path, overrides=["resources.num_workers=3", "elastic.min_workers=3"], name="sized")
+    assert (by_path["name"], by_path["min_workers"], by_path["max_workers"], by_path["elastic"]) == ("sized", 3, 3, False)
+    by_text = service.client(service.admin).submit(yaml.safe_dump(SPEC), team="b")
+    assert by_text["team"] == "b"
+
+    stored = service.store.job(by_path["id"])
+    assert (stored.state, stored.team, stored.min_workers, stored.held) == (JobState.QUEUED, "a", 3, False)
+    assert yaml.safe_load(stored.spec)["resources"]["num_workers"] == 3  # the validated spec, overrides applied
+    detail = a.job(by_path["id"])
+    assert yaml.safe_load(detail["spec"])["elastic"]["min_workers"] == 3
+    assert [(t["from_state"], t["to_state"], t["actor"]) for t in a.transitions(by_path["id"])] == [
+        (None, "queued", "a")]
+
+    ids_of_a = [j["id"] for j in a.jobs()]
+    assert by_mapping["id"] in ids_of_a and by_path["id"] in ids_of_a and by_text["id"] not in ids_of_a
+    assert {j["team"] for j in service.client(service.admin).jobs()} >= {"a", "b"}
+    of_b = service.client(service.admin).jobs(team="b")
+    assert by_text["id"] in [j["id"] for j in of_b] and {j["team"] for j in of_b} == {"b"}
+    assert by_mapping["id"] in [j["id"] for j in a.jobs(states=["queued"])]
+    assert by_mapping["id"] not in [j["id"] for j in a.jobs(states=["running", "cancelled"])]
+    audit = [r for r in service.store.audit_log() if r.action == "submit"]
+    assert f"job {by_path['id']} (team a)" in [r.target for r in audit if r.actor == "a" and r.result == "ok"]
+
+
+def test_pause_resume_cancel_write_requests_as_guarded_transitions(service):
+    a, store = service.client(service.a), service.store
+    job = a.submit(SPEC)["id"]
+
+    # Queued: pause holds it (the scheduler leaves it waiting), resume releases it.
+    assert (a.pause(job)["state"], store.job(job).held) == ("queued", True)
+    assert (a.resume(job)["state"], store.job(job).held) == ("queued", False)
+
+    # Running: pause asks for pausing (held, so that once paused it is not admitted by itself).
+    play_reconciler(store, job, JobState.STARTING, JobState.RUNNING)
+    paused = a.pause(job, reason="need the nodes")
+    assert (paused["state"], paused["held"]) == ("pausing", True)
+    assert store.job(job).state is JobState.PAUSING
+    play_reconciler(store, job, JobState.PAUSED)
+    resumed = a.resume(job)
+    assert (resumed["state"], resumed["held"]) == ("paused", False)  # waits for admission: admitted = resumed
+
+    # A paused job that is cancelled ends at once; a running one asks the reconciler.
+    assert a.cancel(job)["state"] == "cancelled"
+    other = a.submit(SPEC)["id"]
+    play_reconciler(store, other, JobState.STARTING, JobState.RUNNING)
+    cancelling = a.cancel(other, delete_checkpoints=True)
+    assert (cancelling["state"], cancelling["delete_checkpoints"]) == ("cancelling", True)
+    assert store.job(other).delete_checkpoints is True
+
+    history = [(t["from_state"], t["to_state"], t["actor"]) for t in a.transitions(job)]
+    assert history == [(None, "queued", "a"), ("queued", "queued", "a"), ("queued", "queued", "a"),
+                       ("queued", "starting", "reconciler"), ("starting", "running", "reconciler"),
+                       ("running", "pausing", "a"), ("pausing", "paused", "reconciler"), ("paused", "paused", "a"),
+                       ("paused", "cancelled", "a")]
+    assert a.transitions(job)[5]["reason"] == "pause requested by a: need the nodes"
+
+
+@pytest.mark.parametrize("setup, action, state_named", [
+    ((), "resume", "queued"),
+    ((JobState.STARTING,), "pause", "starting"),
+    ((JobState.STARTING, JobState.RUNNING), "resume", "running"),
+    ((JobState.STARTING, JobState.RUNNING, JobState.CANCELLING), "cancel", "cancelling"),
+    ((JobState.STARTING, JobState.RUNNING, JobState.FINISHED), "pause", "finished"),
+    ((JobState.CANCELLED,), "cancel", "cancelled"),
+], ids=["resume of a queued job not held", "pause of a starting job", "resume of a running job",
+        "cancel of a job already cancelling", "pause of a finished job", "cancel of a cancelled job"])
+def test_a_request_the_state_does_not_allow_is_409_naming_it_and_changes_nothing(sqlite_service, setup, action,
+                                                                                 state_named):
+    a, store = sqlite_service.client(sqlite_service.a), sqlite_service.store
+    job = a.submit(SPEC)["id"]
+    play_reconciler(store, job, *setup)
+    before, history = store.job(job), store.history(job)
+    with pytest.raises(ServiceRequestConflict, match=rf"HTTP 409: job {job} is {state_named}\b.*nothing was changed"):
+        getattr(a, action)(job)
+    assert store.job(job) == before and store.history(job) == history
+    last = store.audit_log(actor="a", limit=1)[0]
+    assert (last.action, last.target) == (action, f"job {job}") and last.result.startswith("refused (409)")
+
+
+def test_pausing_a_held_job_twice_is_409_too(sqlite_service):
+    a = sqlite_service.client(sqlite_service.a)
+    job = a.submit(SPEC)["id"]
+    a.pause(job)
+    with pytest.raises(JobStateConflict, match="is queued and held"):
+        a.pause(job)
+    with pytest.raises(ServiceRequestInvalid) as err:
+        a._json("POST", f"/v1/jobs/{job}/pause", {"delete_checkpoints": True})
+    assert err.value.field == "delete_checkpoints"
+
+
+# ----------------------------------------------------------------------------- auth
+
+
+def test_a_team_cannot_see_or_touch_another_teams_jobs(sqlite_service):
+    svc = sqlite_service
+    a, b = svc.client(svc.a), svc.client(svc.b)
+    job = a.submit(SPEC)["id"]
+    b_job = b.submit(SPEC)["id"]
+    before, history = svc.store.job(job), svc.store.history(job)
+
+    assert job not in [j["id"] for j in b.jobs()] and b_job in [j["id"] for j in b.jobs()]
+    for call in (lambda: b.jobs(team="a"), lambda: b.job(job), lambda: b.transitions(job), lambda: b.logs(job),
+                 lambda: b.pause(job), lambda: b.resume(job), lambda: b.cancel(job),
+                 lambda: b.submit(SPEC, team="a")):
+        with pytest.raises(ServiceRequestError) as err:
+            call()
+        assert err.value.status == 403, err.value
+        assert "team b's token cannot act on" in str(err.value)
+    assert svc.store.job(job) == before and svc.store.history(job) == history
+
+    refusals = [(r.action, r.target) for r in svc.store.audit_log(actor="b") if r.result.startswith("refused (403)")]
+    for action in ("pause", "resume", "cancel", "get_job", "get_logs", "get_transitions"):
+        assert (action, f"job {job}") in refusals
+    assert ("list_jobs", "team a") in refusals and ("submit", "team a") in refusals
+
+
+def test_missing_or_invalid_token_is_401_and_audited(sqlite_service):
+    svc = sqlite_service
+    job = svc.client(svc.a).submit(SPEC)["id"]
+    for token in (None, "rts_not-a-real-token", "garbage"):
+        status, body = raw(svc, "POST", f"/v1/jobs/{job}/cancel", token)
+        assert status == 401 and body["error"] in ("missing token: send 'Authorization: Bearer <token>'",
+                                                   "invalid or revoked token")
+    status, body = raw(svc, "GET", "/v1/jobs", None)
+    assert status == 401
+    assert svc.store.job(job).state is JobState.QUEUED
+    anon = svc.store.audit_log(actor="unauthenticated")
+    assert [r.action for r in anon[-4:]] == [f"POST /v1/jobs/{job}/cancel"] * 3 + ["GET /v1/jobs"]
+    assert all(r.result.startswith("refused (401)") for r in anon[-4:])
+    # A team token is not an admin token.
+    with pytest.raises(ServiceRequestError, match="HTTP 403: adding a team needs an admin token"):
+        svc.client(svc.a).add_team("x", 1)
+    assert raw(svc, "GET", "/healthz")[0] == 200  # health needs no token
+
+
+def test_the_admin_manages_teams_and_tokens(sqlite_service):
+    svc = sqlite_service
+    admin = svc.client(svc.admin)
+    team = admin.add_team("ml", 3, cohort="c", borrowing_limit_workers=1, weight=2)
+    assert team == {"name": "ml", "nominal_workers": 3, "cohort": "c", "borrowing_limit_workers": 1,
+                    "lending_limit_workers": None, "weight": 2.0}
+    assert svc.store.team("ml") == Team("ml", 3, cohort="c", borrowing_limit_workers=1, weight=2.0)
+    changed = admin.update_team("ml", nominal_workers=5, borrowing_limit_workers=None)  # null clears the limit
+    assert (changed["nominal_workers"], changed["borrowing_limit_workers"], changed["cohort"]) == (5, None, "c")
+    assert "ml" in [t["name"] for t in admin.teams()]
+
+    token = admin.issue_token("ml")
+    ml = svc.client(token)
+    assert ml.submit(SPEC)["team"] == "ml"
+    assert admin.revoke_tokens("ml") == 1
+    with pytest.raises(ServiceRequestError) as err:
+        ml.jobs()
+    assert err.value.status == 401
+
+    for call, field in ((lambda: admin.add_team("ml", 1), "team.name"),
+                        (lambda: admin.add_team("admin", 1), "team.name"),
+                        (lambda: admin.add_team("neg", -1), "team.nominal_workers"),
+                        (lambda: admin.update_team("ml", lending_limit_workers=9), "team.lending_limit_workers")):
+        with pytest.raises(ServiceRequestInvalid) as bad:
+            call()
+        assert bad.value.field == field and bad.value.status == 400
+    with pytest.raises(ServiceRequestError, match="HTTP 404: unknown team 'nope'") as missing:
+        admin.issue_token("nope")
+    assert missing.value.status == 404
+    assert svc.store.team("ml").nominal_workers == 5
+    results = [(r.action, r.target, r.result) for r in svc.store.audit_log(actor="admin")]
+    assert ("add_team", "team ml", "ok") in results and ("issue_token", "team ml", "ok") in results
+    assert ("revoke_tokens", "team ml", "ok") in results
+
+
+# ----------------------------------------------------------------------------- rejected submits
+
+
+@pytest.mark.parametrize("spec, overrides, field", [
+    ({"resources": {"num_workers": "two"}}, [], "resources.num_workers"),
+    ({"resources": {"num_wrokers": 2}}, [], "resources.num_wrokers"),
+    ({"elastic": {"min_workers": 3}, "resources": {"num_workers": 2}}, [], "elastic.min_workers"),
+    (SPEC, ["train.max_steps=-4"], "train.max_steps"),
+    ("resources: {num_workers: 2\n", [], "spec"),
+    ("- a list\n", [], "spec"),
+], ids=["a field of the wrong type", "an unknown field", "min_workers above num_workers",
+        "an override out of range", "YAML that does not parse", "YAML that is not a mapping"])
+def test_a_malformed_spec_is_400_naming_the_field_and_writes_nothing(sqlite_service, spec, overrides, field):
+    svc = sqlite_service
+    before = svc.store.count_jobs()
+    with pytest.raises(ServiceRequestInvalid) as err:
+        svc.client(svc.a).submit(spec, overrides=overrides)
+    assert isinstance(err.value, ServiceInputError) and err.value.field == field, err.value
+    assert field in str(err.value) and str(err.value).startswith("HTTP 400: ")
+    assert svc.store.count_jobs() == before
+
+
+def test_an_unknown_team_and_a_min_workers_that_never_fits_are_rejected(service):
+    admin = service.client(service.admin)
+    before = service.store.count_jobs()
+    with pytest.raises(ServiceRequestInvalid, match="unknown team 'zz'") as err:
+        admin.submit(SPEC, team="zz")
+    assert err.value.field == "team"
+    with pytest.raises(ServiceRequestInvalid, match="an admin token must name the team"):
+        admin.submit(SPEC)
+    # Team b: nominal 2 + borrowing limit 1 = 3 at most, however idle the cohort.
+    never = {**SPEC, "resources": {"num_workers": 4}, "elastic": {"min_workers": 4}}
+    with pytest.raises(ServiceRequestInvalid, match=r"min_workers 4 is more than team b could ever get: 3") as err:
+        service.client(service.b).submit(never)
+    assert err.value.field == "elastic.min_workers"
+    assert service.store.count_jobs() == before
+    assert service.client(service.b).submit(never, overrides=["elastic.min_workers=3"])["min_workers"] == 3
+
+
+def test_a_bad_request_body_is_400_naming_the_field(sqlite_service):
+    status, body = raw(sqlite_service, "POST", "/v1/jobs", sqlite_service.a, {"spec": SPEC, "priority": "high"})
+    assert status == 400 and body["field"] == "priority"
+    status, body = raw(sqlite_service, "POST", "/v1/jobs", sqlite_service.a, {"priority": 1})
+    assert status == 400 and body["field"] == "spec"
+
+
+# ----------------------------------------------------------------------------- logs
+
+
+def test_logs_before_and_while_written_and_follow_until_the_job_ends(sqlite_service):
+    svc = sqlite_service
+    a = svc.client(svc.a)
+    job = a.submit(SPEC)["id"]
+    assert a.logs(job) == ""  # the runner has not written it yet: empty, not 404
+    assert a.log_chunk(job, 0) == (b"", 0)
+    svc.log_dir.mkdir(exist_ok=True)
+    log = svc.log_dir / f"job-{job}.log"
+    log.write_bytes("step 1 loss 2.0 \u2713\n".encode())
+    assert a.logs(job) == "step 1 loss 2.0 \u2713\n"
+    first, offset = a.log_chunk(job, 0)
+    assert offset == len(first) == log.stat().st_size
+    with open(log, "ab") as f:
+        f.write(b"step 2 loss 1.5\n")
+    assert a.log_chunk(job, offset) == (b"step 2 loss 1.5\n", offset + 16)
+    assert a.log_chunk(job, 10_000)[0] == b""  # past the end: nothing, from the end
+
+    a.cancel(job)  # ended: follow reads what is there and stops
+    assert "".join(a.logs(job, follow=True, poll_s=0.05)) == "step 1 loss 2.0 \u2713\nstep 2 loss 1.5\n"
+    status, text = raw(svc, "GET", f"/v1/jobs/{job}/logs?offset=5", svc.a)
+    assert (status, text) == (200, "1 loss 2.0 \u2713\nstep 2 loss 1.5\n")
+
+
+# ----------------------------------------------------------------------------- tokens stay secret
+
+
+def test_no_token_in_logs_errors_or_the_audit_table(tmp_path, caplog):
+    caplog.set_level(logging.DEBUG)
+    svc, handle = _start(f"sqlite:///{tmp_path}/secret.db", tmp_path)
+    try:
+        admin, a = svc.client(svc.admin), svc.client(svc.a)
+        new_token = admin.issue_token("b")
+        job = a.submit(SPEC)["id"]
+        a.pause(job)
+        errors = []
+        for call in (lambda: svc.client(new_token).cancel(job), lambda: a.pause(job),
+                     lambda: svc.client(svc.a + "x").jobs(), lambda: a.add_team("t", 1)):
+            with pytest.raises(ServiceRequestError) as err:
+                call()
+            errors.append(str(err.value))
+        # A token put in a URL by mistake: refused (tokens go in the header) and blanked in the access log.
+        status, body = raw(svc, "GET", f"/v1/jobs?token={svc.a}")
+        assert status == 401
+        errors.append(json.dumps(body))
+        logging.getLogger("raytrain_sys.service.api").info("a careless line with %s", svc.a)
+    finally:
+        handle.stop()
+    secrets_ = (svc.admin, svc.a, svc.b, new_token)
+    assert "GET /v1/jobs" in caplog.text  # uvicorn's access log was captured
+    with svc.store.engine.connect() as conn:
+        every_row = "\n".join(repr(tuple(r)) for t in metadata.sorted_tables for r in conn.execute(select(t)))
+    svc.store.close()
+    for secret in secrets_:
+        assert secret not in caplog.text
+        assert secret[4:] not in caplog.text  # not even without its prefix
+        assert secret not in every_row
+        assert not any(secret in e for e in errors)
+    assert "rts_***" in caplog.text
+    assert "Client(" in repr(admin) and svc.admin not in repr(admin)
+
+
+# ----------------------------------------------------------------------------- openapi, client errors
+
+
+def test_openapi_describes_every_endpoint_with_typed_models(sqlite_service):
+    status, doc = raw(sqlite_service, "GET", "/openapi.json")
+    assert status == 200
+    paths = {(method.upper(), path) for path, item in doc["paths"].items() for method in item}
+    assert paths >= {("POST", "/v1/jobs"), ("GET", "/v1/jobs"), ("GET", "/v1/jobs/{job_id}"),
+                     ("GET", "/v1/jobs/{job_id}/transitions"), ("GET", "/v1/jobs/{job_id}/logs"),
+                     ("POST", "/v1/jobs/{job_id}/pause"), ("POST", "/v1/jobs/{job_id}/resume"),
+                     ("POST", "/v1/jobs/{job_id}/cancel"), ("GET", "/v1/teams"), ("POST", "/v1/teams"),
+                     ("PUT", "/v1/teams/{name}"), ("POST", "/v1/teams/{name}/tokens"),
+                     ("DELETE", "/v1/teams/{name}/tokens"), ("GET", "/healthz")}
+    schemas = doc["components"]["schemas"]
+    assert set(schemas["JobState"]["enum"]) == {s.value for s in JobState}
+    assert {"spec", "team", "priority", "overrides"} <= set(schemas["SubmitIn"]["properties"])
+    assert "409" in doc["paths"]["/v1/jobs/{job_id}/pause"]["post"]["responses"]
+
+
+def test_an_unreachable_service_is_one_error_naming_the_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    client = Client(f"http://127.0.0.1:{port}", "rts_x")
+    with pytest.raises(ServiceRequestError) as err:
+        client.jobs()
+    assert err.value.status is None
+    assert str(err.value).startswith(f"cannot reach the job service at http://127.0.0.1:{port}: ")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def cli(svc: Service, *args: str, token: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAYTRAIN_SYS_SERVICE_URL": svc.url,
+           "RAYTRAIN_SYS_TOKEN": token or svc.a}
+    return subprocess.run([sys.executable, "-m", "raytrain_sys.cli.main", *args], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raytrain-sys: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_cli_jobs_commands(sqlite_service, tmp_path):
+    svc = sqlite_service
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(SPEC))
+    out = cli(svc, "jobs", "submit", str(spec), "--priority", "2", "--set", "train.max_steps=90")
+    assert out.returncode == 0, out.stderr
+    job = int(out.stdout.split()[1])
+    assert out.stdout.startswith(f"job {job} queued: tiny for team a, 1..2 workers, priority 2")
+    assert yaml.safe_load(svc.store.job(job).spec)["train"]["max_steps"] == 90
+
+    listed = cli(svc, "jobs", "list", "--state", "queued")
+    assert listed.returncode == 0
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == ["ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "MESSAGE"]
+    assert any(r.split()[:5] == [str(job), "a", "tiny", "queued", "2"] for r in rows)
+
+    assert cli(svc, "jobs", "pause", str(job)).stdout.strip() == f"job {job}: queued (held)"
+    status = cli(svc, "jobs", "status", str(job))
+    assert status.returncode == 0 and "queued (held by its team)" in status.stdout
+    assert "pause requested by a" in status.stdout
+    assert cli(svc, "jobs", "resume", str(job)).stdout.strip() == f"job {job}: queued"
+
+    svc.log_dir.mkdir(exist_ok=True)
+    (svc.log_dir / f"job-{job}.log").write_text("hello from the runner\n")
+    assert cli(svc, "jobs", "cancel", str(job), "--delete-checkpoints").stdout.strip() == f"job {job}: cancelled"
+    assert svc.store.job(job).delete_checkpoints is True
+    followed = cli(svc, "jobs", "logs", str(job), "--follow")
+    assert (followed.returncode, followed.stdout) == (0, "hello from the runner\n")
+
+    # User errors: one line, exit 2.
+    assert "HTTP 409: job" in one_line_error(cli(svc, "jobs", "cancel", str(job)))
+    assert "HTTP 403" in one_line_error(cli(svc, "jobs", "status", str(job), token=svc.b))
+    assert "HTTP 404: no job 999999" in one_line_error(cli(svc, "jobs", "status", "999999"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("resources: {num_workers: two}\n")
+    assert "resources.num_workers" in one_line_error(cli(svc, "jobs", "submit", str(bad)))
+    assert "does not exist" in one_line_error(cli(svc, "jobs", "submit", str(tmp_path / "missing.yaml")))
+    assert "HTTP 401" in one_line_error(cli(svc, "jobs", "list", token="rts_wrong"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert f"cannot reach the job service at http://127.0.0.1:{port}" in one_line_error(
+        cli(svc, "jobs", "list", "--url", f"http://127.0.0.1:{port}"))
+
+
+def test_cli_teams_and_init_admin(sqlite_service):
+    svc = sqlite_service
+    # init-admin opens the store itself (the database URL is the root credential).
+    made = subprocess.run([sys.executable, "-m", "raytrain_sys.cli.main", "service", "init-admin", "--db", svc.db_url],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    admin = made.stdout.strip()
+    assert admin.startswith("rts_") and "shown once" in made.stderr and admin not in made.stderr
+
+    added = cli(svc, "teams", "add", "vision", "--nominal", "2", "--cohort", "c", "--borrowing-limit", "1",
+                token=admin)
+    assert (added.returncode, added.stdout.strip()) == (0, "team vision added: nominal 2 workers")
+    updated = cli(svc, "teams", "update", "vision", "--weight", "3", token=admin)
+    assert updated.returncode == 0 and "weight 3" in updated.stdout
+    listed = cli(svc, "teams", "list", token=admin)
+    assert listed.stdout.splitlines()[0].split() == ["TEAM", "NOMINAL", "COHORT", "BORROW", "LEND", "WEIGHT"]
+    assert ["vision", "2", "c", "1", "-", "3"] in [r.split() for r in listed.stdout.splitlines()]
+    assert cli(svc, "teams", token=admin).stdout == listed.stdout  # list is the default
+    env_free = cli(svc, "teams", "--url", svc.url, "--token", admin, token="rts_not-this-one")
+    assert env_free.stdout == listed.stdout  # the options win over the environment, before the action too
+    assert cli(svc, "teams", "list", "--token", admin, token="rts_not-this-one").stdout == listed.stdout
+
+    token = cli(svc, "teams", "token", "vision", token=admin)
+    assert token.returncode == 0 and svc.store.authenticate(token.stdout.strip()).team == "vision"
+
+    assert "--nominal" in one_line_error(cli(svc, "teams", "update", "vision", token=admin))
+    assert "HTTP 403: listing teams needs an admin token" in one_line_error(cli(svc, "teams", "list"))
+    assert "team.nominal_workers" in one_line_error(cli(svc, "teams", "add", "x", "--nominal", "-1", token=admin))
