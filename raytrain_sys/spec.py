@@ -78,8 +78,8 @@ class TrainSpec:
     stop_at_step: int = 0  # pause: stop after this many committed steps, with a checkpoint; 0 = run on
     run_ahead: bool = True  # send step k+1 while step k runs (boundaries with work excepted); same results
     # Steps one call to each worker carries (a lease). 0 = auto: one step until step times are
-    # known, then as many as fit in 0.5 s (8 at most), so short steps share the driver's per-call
-    # cost (~0.5 ms per worker) while a boundary (drain, pause, newcomers) is never 0.5 s away.
+    # known, then as many as fit in 1 s (8 at most), so short steps share the driver's per-call
+    # cost (~0.5 ms per worker) while a boundary (drain, pause, newcomers) is never 1 s away.
     steps_per_call: int = 0
 
 

@@ -27,8 +27,9 @@ LIVENESS_EVERY_S = 1.0
 # notice gives 120 s; a checkpoint of a small model takes well under a second).
 DRAIN_HANDOVER_MARGIN_S = 20.0
 # An automatic lease (train.steps_per_call = 0) carries at most this much work, so that a
-# boundary with work arriving (a drain notice, a pause, newcomers) waits at most this long...
-LEASE_S = 0.5
+# boundary with work arriving (a drain notice, a pause, newcomers) waits at most this long: well
+# inside a spot notice (30 s on GCP, 120 s on AWS) and the service's pause goal (checkpoint + 2 s)...
+LEASE_S = 1.0
 # ... and at most this many steps (the data plane reads two leases ahead of the members).
 MAX_LEASE_STEPS = 8
 
