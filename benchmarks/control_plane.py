@@ -433,19 +433,21 @@ def main() -> int:
         start_ray(args, work_dir)
         WorkerGroup.actor_class = stand_in_class()
         modes = [int(x) for x in args.steps_per_call.split(",")]
-        by_mode, fits_by_mode, lines = {}, {}, []
-        for mode in modes:
-            runs = []
-            for n in ns:
+        by_mode = {str(mode or "auto"): [] for mode in modes}
+        fits_by_mode, lines = {}, []
+        for n in ns:  # the modes back to back at each N: a shared machine's load drifts
+            for mode in modes:
                 common.wait_until_quiet(log, max_s=30.0)
                 log.info("N=%d, steps_per_call %s: %d steps", n, mode or "auto", args.steps)
                 r = measure(args, n, data_dir, work_dir, mode)
                 log.info("N=%d: driver CPU %.2f ms/step, wall %.2f ms/step, %.1f steps a call", n,
                          r["driver_cpu_ms_per_step"], r["wall_ms_per_step"], args.steps / max(r["leases"], 1))
-                runs.append(r)
+                by_mode[str(mode or "auto")].append(r)
+        for mode in modes:
+            runs = by_mode[str(mode or "auto")]
             fits = {"driver_cpu": fit_line(ns, [r["driver_cpu_ms_per_step"] for r in runs]),
                     "wall": fit_line(ns, [r["wall_ms_per_step"] for r in runs])}
-            by_mode[str(mode or "auto")], fits_by_mode[str(mode or "auto")] = runs, fits
+            fits_by_mode[str(mode or "auto")] = fits
             lines += [f"train.steps_per_call = {mode or 'auto'}:"] + report(runs, fits)
         if len(modes) > 1:
             first, last = by_mode[str(modes[0] or "auto")], by_mode[str(modes[-1] or "auto")]

@@ -22,8 +22,11 @@ whole model, gradients all-reduced in buckets):
               all-reduce as soon as its gradients are ready during backward (2/3 of compute:
               4N of 6N); all of it can hide behind backward except the last bucket:
               step = compute + max(0, all-reduce - backward) + one bucket's all-reduce.
-  control     the Supervisor's own CPU per step with p workers, the linear fit a + b p of
-              benchmarks/results/control_plane.json (measured on this machine, extrapolated).
+  control     the Supervisor's own CPU per call to p workers, the linear fit a + b p of
+              benchmarks/results/control_plane.json's one-step-a-call run (measured on this
+              machine, extrapolated), shared by the steps of a lease: the automatic lease of
+              train.steps_per_call = 0 holds min(MAX_LEASE_STEPS, LEASE_S / step) steps
+              (control/supervisor/policy.py), so control per step = (a + b p) / lease.
               With run-ahead it is off the critical path while it is shorter than a step; the
               goal is that it stays under 2% of one.
   efficiency  compute / step: throughput per GPU against one GPU with no communication
@@ -52,6 +55,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from raytrain_sys.control.supervisor.policy import LEASE_S, MAX_LEASE_STEPS  # noqa: E402
 from raytrain_sys.models.gpt import GPTConfig, flops_per_token, num_params  # noqa: E402
 
 # --------------------------------------------------------------------------- hardware (published)
@@ -123,10 +127,18 @@ def control_fit(path: Path) -> dict | None:
         return None
     with open(path) as f:
         res = json.load(f)
-    fit = res["fit"]["driver_cpu"]
+    # The cost of one call to every member: the one-step-a-call run (a lease shares it out).
+    runs = res.get("runs_by_steps_per_call", {}).get("1", res["runs"])
+    fit = res.get("fits_by_steps_per_call", {}).get("1", res["fit"])["driver_cpu"]
     return {"a_s": fit["a_ms"] / 1e3, "b_s": fit["b_ms_per_worker"] / 1e3, "quick": res.get("quick", False),
-            "measured_n": [r["workers"] for r in res["runs"]],
-            "measured_ms": [r["driver_cpu_ms"]["median"] for r in res["runs"]], "time": res.get("time")}
+            "measured_n": [r["workers"] for r in runs],
+            "measured_ms": [r.get("driver_cpu_ms_per_step", r["driver_cpu_ms"]["median"]) for r in runs],
+            "time": res.get("time")}
+
+
+def auto_lease(step_s: float) -> int:
+    """Steps per call of the automatic lease (policy.lease_steps once step times are known)."""
+    return max(1, min(MAX_LEASE_STEPS, int(LEASE_S / step_s)))
 
 
 def gloo_fit(path: Path) -> dict | None:
@@ -156,14 +168,15 @@ def model_rows(args: argparse.Namespace, net: Net, cp: dict | None) -> list[dict
             exposed = max(0.0, t_ar - backward) + last_bucket
             step_no = compute + t_ar
             step_ov = compute + min(t_ar, exposed)
-            t_cp = cp["a_s"] + cp["b_s"] * p if cp else float("nan")
+            lease = auto_lease(step_ov)
+            t_cp = (cp["a_s"] + cp["b_s"] * p) / lease if cp else float("nan")
             rows.append({
                 "model": name, "params": n_all, "params_non_embedding": n_non_emb, "flops_per_token": fpt,
                 "gpus": p, "tokens_per_gpu": tokens, "compute_s": compute, "grad_bytes": grad,
                 "allreduce_s": ar, "algorithm": best_alg, "allreduce_best_s": t_ar,
                 "step_no_overlap_s": step_no, "step_overlap_s": step_ov,
                 "eff_no_overlap": compute / step_no, "eff_overlap": compute / step_ov,
-                "control_s": t_cp, "control_fraction": t_cp / step_ov,
+                "control_s": t_cp, "control_fraction": t_cp / step_ov, "lease_steps": lease,
                 # Run-ahead hides the supervisor until it is slower than a step: then it sets the pace.
                 "eff_overlap_with_control": compute / max(step_ov, t_cp),
                 "goal": GOALS[p],
@@ -215,18 +228,22 @@ def print_tables(args, net, rows, drows, cp, gloo) -> None:
               f"{r['eff_overlap']:>7.1%} {r['goal']:>5.0%} {r['control_s'] * 1e3:>8.1f} "
               f"{r['control_fraction']:>7.1%} {r['eff_overlap_with_control']:>9.1%} {ok}")
     print("(eff: compute / step; ovl: all-reduce overlapped with backward but the last bucket; ctrl: "
-          "Supervisor CPU per step from the measured fit; 'met' needs eff ovl+ctrl >= goal and ctrl <= 2%)")
+          "Supervisor CPU per step: the measured per-call fit over the automatic lease's steps; "
+          "'met' needs eff ovl+ctrl >= goal and ctrl <= 2%)")
     if cp:
         b = cp["b_s"]
         print()
-        print(f"control plane fit (measured here, N = {', '.join(map(str, cp['measured_n']))}): "
-              f"{cp['a_s'] * 1e3:.2f} ms + {b * 1e6:.0f} us x N" + (" [quick run]" if cp["quick"] else ""))
+        print(f"control plane fit per call (measured here, one step a call, N = "
+              f"{', '.join(map(str, cp['measured_n']))}): {cp['a_s'] * 1e3:.2f} ms + {b * 1e6:.0f} us x N"
+              + (" [quick run]" if cp["quick"] else "") + f"; automatic lease: up to {LEASE_S:g} s of steps, "
+              f"at most {MAX_LEASE_STEPS}")
         for name, cfg in SHAPES.items():
             step = next(r["step_overlap_s"] for r in rows if r["model"] == name and r["gpus"] == 512)
+            lease = auto_lease(step)
             # Largest N with the Supervisor under 2% of a step, and where it equals a step.
-            n2 = max(0.0, (CONTROL_GOAL * step - cp["a_s"]) / b)
-            n1 = max(0.0, (step - cp["a_s"]) / b)
-            print(f"  {name:<28} step {step * 1e3:7.1f} ms: control under 2% up to N = {n2:6.0f}; "
+            n2 = max(0.0, (CONTROL_GOAL * step * lease - cp["a_s"]) / b)
+            n1 = max(0.0, (step * lease - cp["a_s"]) / b)
+            print(f"  {name:<28} step {step * 1e3:7.1f} ms, lease {lease}: control under 2% up to N = {n2:6.0f}; "
                   f"the bottleneck (as long as a step) from N = {n1:6.0f}")
     print()
     print(f"data path (driver capacity assumed {fmt_bytes(args.driver_Bps)}/s for one Python process "

@@ -220,15 +220,15 @@ class TrainWorker:
     def train_steps(self, first: int, plans: list, collective_timeout_s: float, *pieces) -> list[dict]:
         """A lease: steps ``first`` .. ``first + len(plans) - 1`` in order, in one call (the
         Supervisor sends several when steps are short, sharing its per-call cost out). Each plan
-        is (rows, global loss units, how many of ``pieces`` are that step's); ``pieces`` are every
-        step's piece values in order. One result per step; a step that fails raises, and the
-        results of the steps before it stay in ``recent_results``."""
+        is (rows, global loss units, the indices in ``pieces`` of that step's pieces, in order);
+        ``pieces`` are the lease's piece values, each once. One result per step; a step that
+        fails raises, and the results of the steps before it stay in ``recent_results``."""
         if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
             self.recent_results = {}  # the failed lease's finished steps stay asked for)
-        results, at = [], 0
-        for i, (batch, global_units, n) in enumerate(plans):
-            result = self.train_step(first + i, batch, global_units, collective_timeout_s, *pieces[at:at + n])
-            at += n
+        results = []
+        for i, (batch, global_units, which) in enumerate(plans):
+            result = self.train_step(first + i, batch, global_units, collective_timeout_s,
+                                     *(pieces[k] for k in which))
             self.recent_results[first + i] = result
             results.append(result)
         return results

@@ -162,23 +162,24 @@ class Steps:
             batches.append(kept if kept is not None else
                            self.data.global_batch_refs(self.data_cursor + (s - self.committed_step) * gbs))
         self._resend = {k: b for k, b in self._resend.items() if k >= step + count}
-        # Per member: one (rows, loss units, how many of the trailing arguments are its pieces)
-        # per step, then every step's piece references, as the call's own arguments.
+        # Per member: one (rows, loss units, which of the trailing arguments are its pieces) per
+        # step, then the lease's piece references, each once (a piece holds the rows of several
+        # steps; Ray's cost is per reference passed), as the call's own arguments.
         plans = [[] for _ in members]
-        pieces = [[] for _ in members]
+        pieces: list[dict] = [{} for _ in members]  # per member: reference -> its argument index
         for batch in batches:
             if spec.data.delivery == "driver":  # every row through this process: to measure against
                 rows, _ = self.data.rows(batch.start, batch.start + gbs)
                 for i, sl in enumerate(shares):
-                    plans[i].append(({k: v[sl] for k, v in rows.items()}, batch.units, 0))
+                    plans[i].append(({k: v[sl] for k, v in rows.items()}, batch.units, ()))
             else:  # references and row ranges: each rank's rows go node to node, never through here
                 for i, share in enumerate(map(batch.share, shares)):
-                    refs = share.refs()
-                    plans[i].append((share.ranges(), batch.units, len(refs)))
-                    pieces[i] += refs
+                    index = pieces[i]
+                    plans[i].append((share.ranges(), batch.units,
+                                     tuple(index.setdefault(ref, len(index)) for ref in share.refs())))
         deadline_s = self._step_deadline_s(count)
         timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
-        refs = [w.actor.train_steps.remote(step, plan, timeout_s, *piece)
+        refs = [w.actor.train_steps.remote(step, plan, timeout_s, *piece)  # dict order: the indices
                 for w, plan, piece in zip(members, plans, pieces)]
         return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
                          self.data.wait_s - wait0, after is not None)
