@@ -271,3 +271,18 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
     assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
     assert_no_leftovers(ray_cluster, os.path.basename(run_dir_of(tmp_path / "r2")))
     assert_cluster_idle()
+
+
+def test_cli_starts_reports_and_stops_the_service(ray_cluster, tmp_path, capsys, monkeypatch):
+    from raytrain_sys.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["service", "start", "--db", "sqlite:///svc.db", "--cluster-workers", "3"]) == 0
+    started = capsys.readouterr().out
+    assert started.startswith("started:") and str(tmp_path / "svc.db") in started
+    assert main(["service", "status"]) == 0
+    status = capsys.readouterr().out
+    assert '"cluster_workers": 3' in status and "no HTTP API" in status or "HTTP API on" in status
+    assert main(["service", "stop"]) == 0 and capsys.readouterr().out.strip() == "stopped"
+    assert get_service() is None
+    assert main(["service", "status"]) == 1 and capsys.readouterr().out.strip() == "not running"

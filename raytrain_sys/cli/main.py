@@ -1,4 +1,4 @@
-"""`raytrain-sys`: run, resume, prepare-data, sample, export.
+"""`raytrain-sys`: run, resume, prepare-data, sample, export, service.
 
 Exit codes: 0 done; 2 bad input or environment (one line on stderr says what and what to do);
 3 training failed (workers lost, step timeout); 130 interrupted.
@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True)
     ex.add_argument("--s3-endpoint-url", default="")
     ex.set_defaults(func=_cmd_export)
+
+    from raytrain_sys.cli import service as service_cli
+
+    service_cli.add_parser(sub)
     return p
 
 
