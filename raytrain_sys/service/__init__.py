@@ -2,6 +2,8 @@
 
 Floors, each owning one thing (control never imports any of them): ``model`` (states, teams, the
 scheduler's input and output), ``scheduler`` (pure decisions), ``store`` (SQL state through
-SQLAlchemy, schema by Alembic ``migrations``). The reconciler, runner, API and metrics build on
-these.
+SQLAlchemy, schema by Alembic ``migrations``), ``requests`` (what a user writes: submit, pause,
+resume, cancel), ``reconciler`` (the one writer of run-time transitions), ``runner`` (one
+Supervisor per job, in a detached actor), ``service`` (the service actor: store, reconciler loop,
+API). The API and metrics build on these.
 """
