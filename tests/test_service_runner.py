@@ -23,11 +23,14 @@ import pytest
 import ray
 
 from raytrain_sys.control.supervisor import run_job
+from raytrain_sys.service import requests as user_requests
+from raytrain_sys.service.model import JobState
 from raytrain_sys.service.runner import NAMESPACE, runner_name
 from raytrain_sys.service.service import get_service, start_service
+from raytrain_sys.service.store import Store
 from tests.ft_common import assert_no_leftovers, ft_spec, pid_alive, wait_until
 from tests.helpers import assert_params_close, final_params, read_summary
-from tests.service_common import StepGates, running_service
+from tests.service_common import StepGates, runner_actors, running_service
 
 STEPS = 24  # checkpoints every 5 steps (ft_spec)
 WAIT_S = 180.0
@@ -187,6 +190,31 @@ def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, 
             ("cancel", f"job {queued}", "ok"), ("cancel", f"job {running}", "ok")]
 
 
+def test_a_stop_that_does_not_land_in_time_is_made_hard_but_a_pause_never_loses_the_run(
+        ray_cluster, tiny_dataset, tmp_path, gates):
+    """The step loop is held (as a hung step would hold it) before the first checkpoint: a pause
+    past its deadline waits on (killing now would lose every step); a cancel past its deadline
+    kills the runner, and with it the run's workers."""
+    spec = job_spec(tmp_path, tiny_dataset, "s", resources={"num_workers": 1})
+    with running_service(tmp_path / "svc.db", gates, stop_deadline_s=2.0) as svc:
+        ray.get(svc.add_team.remote("a", 1))
+        gates.hold(1, 3)
+        job_id = ray.get(svc.submit.remote("a", spec))["id"]
+        assert wait_until(lambda: gates.reached(job_id, 3), WAIT_S)
+        ray.get(svc.pause.remote(job_id, "a"))
+        service_log = tmp_path / "raytrain-sys-logs" / "service.log"
+        assert wait_until(lambda: "has no committed checkpoint: not killed" in service_log.read_text(), 60)
+        job = state_of(svc, job_id)
+        assert job["state"] == "pausing" and job["last_checkpoint_step"] is None
+        ray.get(svc.cancel.remote(job_id, "a"))
+        job = wait_state(svc, job_id, "cancelled", timeout_s=60)
+        assert "did not stop within 2 s: runner killed" in job["message"], job
+        run_dir = run_dir_of(tmp_path / "s")
+        assert wait_until(lambda: not runner_actors(), 30)
+        assert_no_leftovers(ray_cluster, os.path.basename(run_dir))
+        assert_cluster_idle()
+
+
 def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         ray_cluster, tiny_dataset, tmp_path, gates, reference):
     spec = job_spec(tmp_path, tiny_dataset, "k", resources={"num_workers": 1})
@@ -194,13 +222,16 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
     with running_service(db, gates) as svc:
         ray.get([svc.add_team.remote("a", 1), svc.add_team.remote("b", 1)])
         gates.hold(1, 7)
+        gates.hold(3, 2)
         running = ray.get(svc.submit.remote("a", spec))["id"]
         queued = ray.get(svc.submit.remote("a", spec | {"output_dir": str(tmp_path / "q")}))["id"]
         held = ray.get(svc.submit.remote("b", spec | {"output_dir": str(tmp_path / "h")}, 0, "", "b"))["id"]
         assert wait_until(lambda: gates.reached(running, 7), WAIT_S)
-        # b's job may have started meanwhile: hold it (a user's pause) and wait until it is paused.
+        # b's job runs (b has room): its user pauses it, and it is held paused.
+        assert wait_until(lambda: gates.reached(held, 2), WAIT_S)
         ray.get(svc.pause.remote(held, "b"))
-        wait_for(svc, held, lambda j: j["state"] in ("queued", "paused") and j["held"], "held")
+        gates.go(held, 2)
+        wait_for(svc, held, lambda j: j["state"] == "paused" and j["held"], "held")
         before = {j["id"]: j for j in ray.get(svc.jobs.remote())}
         audit = ray.get(svc.audit_log.remote())
         teams = ray.get(svc.teams.remote())
@@ -208,6 +239,12 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
 
         os.kill(pid, signal.SIGKILL)
         assert wait_until(lambda: get_service() is None, 30), "the killed service is still named"
+        # An admission whose intent was written just before the service died, its runner never made.
+        store = Store.open(f"sqlite:///{db}")
+        intent = user_requests.submit(store, team="b", spec=spec | {"output_dir": str(tmp_path / "i")}, by="b").id
+        store.transition(intent, JobState.QUEUED, JobState.STARTING, actor="scheduler", target_workers=1,
+                         reason="admitted just before the service died")
+        store.close()
         svc = start_service(f"sqlite:///{db}", serve_api=False, step_hook=gates, poll_s=0.2)
         assert ray.get(svc.info.remote())["pid"] != pid
         assert ray.get(svc.teams.remote()) == teams
@@ -216,6 +253,8 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         for job_id in (queued, held):
             assert after[job_id] == before[job_id]
         assert after[running]["state"] == "running"
+        wait_state(svc, intent, "running")  # the recorded intent finished: started once
+        assert states(svc, intent) == ["queued", "starting", "running"]
         gates.go(running, 7)
         job = wait_state(svc, running, "finished")
         assert states(svc, running).count("starting") == 1 and job["restarts"] == 0
@@ -223,9 +262,13 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         wait_for(svc, queued, lambda j: j["state"] != "queued", "admission")
         ray.get([svc.cancel.remote(queued, "a"), svc.cancel.remote(held, "b")])
         wait_state(svc, queued, "cancelled")
+        wait_state(svc, intent, "finished")
+        history = ray.get(svc.history.remote(intent))
+        assert [t["to"] for t in history].count("starting") == 1 and history[-1]["to"] == "finished", history
         assert state_of(svc, held)["state"] == "cancelled"
     service_log = open(tmp_path / "raytrain-sys-logs" / "service.log").read()
     assert f"job {running}: re-attached to its runner" in service_log
+    assert f"job {intent} is starting with no runner: launching it" in service_log
     summary = read_summary(run_dir_of(tmp_path / "k"))  # one run dir
     assert summary["mlflow_run_id"] == job["mlflow_run_id"] and summary["steps_redone"] == 0
     import mlflow

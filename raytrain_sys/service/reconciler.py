@@ -51,7 +51,7 @@ import ray
 from raytrain_sys.errors import JobStateConflict
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
-                                        Shrink, Wait)
+                                        Shrink, TransitionNotAllowed, Wait)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
 
@@ -106,6 +106,8 @@ class Reconciler:
                     self._reconcile(job, seen.get(job.id, _Seen(gone=True)), now)
                 except JobStateConflict as exc:  # a request landed meanwhile: next pass
                     log.info("job %d moved meanwhile, left for the next pass: %s", job.id, exc)
+                except TransitionNotAllowed as exc:  # a bug here must not stop the other jobs
+                    log.error("job %d: %s", job.id, exc)
         for job_id in list(self._handles):
             if job_id not in {j.id for j in jobs}:
                 self._forget(job_id)
@@ -164,7 +166,7 @@ class Reconciler:
         if status["done"]:
             self._finish(job, status)
             return
-        trains = status["state"] not in runners.STARTING_STATES
+        trains = status["state"] not in runners.STARTING_STATES | runners.ENDED_STATES
         if job.state in (JobState.STARTING, JobState.RESUMING) and trains:
             job = self.store.transition(
                 job.id, job.state, JobState.RUNNING, actor=ACTOR,
@@ -181,7 +183,8 @@ class Reconciler:
                        if status["mlflow_run_id"] and status["mlflow_run_id"] != job.mlflow_run_id else {}))
             if job.held:  # a user's pause that arrived while the job was starting
                 job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=ACTOR,
-                                            reason=f"{job.message}: pausing now that it runs")
+                                            reason=f"paused by {self._held_by(job)} while it started, held "
+                                                   f"until resumed: pausing now that it runs")
             elif status["max_workers"] != job.target_workers and job.target_workers > 0:
                 # A resize written (the intent) but not yet heard by the runner.
                 self._handle(job.id).resize.remote(job.target_workers, job.message, SCHEDULER)
@@ -220,9 +223,9 @@ class Reconciler:
         outcome, why = result["status"], result["reason"]
         at = f"at step {status['committed_step']}"
         ids = {"mlflow_run_id": status["mlflow_run_id"]} if status["mlflow_run_id"] else {}
-        if outcome == "finished":
+        if outcome == "finished":  # also from pausing or cancelling: the end came before the stop
             job = self._to_running(job, status, ids)
-            self.store.transition(job.id, JobState.RUNNING, JobState.FINISHED, actor=ACTOR,
+            self.store.transition(job.id, job.state, JobState.FINISHED, actor=ACTOR,
                                   reason=f"finished {at}: {why}", workers=0, target_workers=0, **ids)
         elif outcome == "stopped":
             job = self._to_running(job, status, ids)
@@ -233,13 +236,13 @@ class Reconciler:
                 self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
                                       reason=f"{job.message} (paused {at} first)", workers=0, target_workers=0)
             else:
-                self._to_paused(job, f"{job.message}: stopped {at} with a checkpoint", **ids)
+                self._to_paused(job, f"{job.message}; stopped {at} with a checkpoint", **ids)
         elif outcome == "cancelled":
             if job.state is not JobState.CANCELLING:
                 job = self.store.transition(job.id, job.state, JobState.CANCELLING, actor=ACTOR,
                                             reason=f"the run was cancelled: {why}")
             self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
-                                  reason=f"{why}", workers=0, target_workers=0, **ids)
+                                  reason=f"{job.message}; stopped {at}", workers=0, target_workers=0, **ids)
         elif (result.get("error_type") == "ClusterCapacityError"
               and job.state in (JobState.STARTING, JobState.RESUMING)):
             back = JobState.QUEUED if job.state is JobState.STARTING else JobState.PAUSED
@@ -364,6 +367,13 @@ class Reconciler:
     def _last_actor(self, job: JobRecord) -> str:
         history = self.store.history(job.id)
         return history[-1].actor if history else ""
+
+    def _held_by(self, job: JobRecord) -> str:
+        """Who last held the job (the actor of its newest note that set held)."""
+        for t in reversed(self.store.history(job.id)):
+            if t.reason.startswith("paused by "):
+                return t.actor
+        return "its team"
 
     def _since(self, job: JobRecord) -> float:
         """When the job entered its current state (from its transitions)."""

@@ -51,6 +51,8 @@ RUNNER_PREFIX = "raytrain-sys-job-"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Supervisor states before its first step: the job is still starting (or resuming).
 STARTING_STATES = frozenset({"launching", "starting", "restoring"})
+# Supervisor states of a run that has ended (its workers are being released; done follows).
+ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
 
 
 def runner_name(job_id: int) -> str:
