@@ -1,4 +1,4 @@
-"""`raytrain-sys jobs|teams|service`: the job service from a shell.
+"""`raytrain-sys jobs|teams` (and `service init-admin|serve`): the job service from a shell.
 
 ``jobs`` and ``teams`` talk to a running service through ``raytrain_sys.service.client`` (URL and
 token from ``--url``/``--token`` or ``RAYTRAIN_SYS_SERVICE_URL``/``RAYTRAIN_SYS_TOKEN``);
@@ -24,7 +24,7 @@ MESSAGE_WIDTH = 60  # a job's last reason is cut to this in `jobs list`
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Add the ``jobs``, ``teams`` and ``service`` commands to the CLI's subparsers."""
+    """Add the ``jobs`` and ``teams`` commands to the CLI's subparsers."""
     # --url/--token go before or after the action (`teams --url U` alone lists): the group's
     # parser holds the defaults, and an action's copy only sets them when given (SUPPRESS).
     conn, group_conn = (argparse.ArgumentParser(add_help=False) for _ in range(2))
@@ -85,19 +85,30 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rv.add_argument("name")
     rv.set_defaults(func=_teams_revoke)
 
-    svc = sub.add_parser("service", help="run the job service's API, or make its first admin token")
-    ss = svc.add_subparsers(dest="service_command", required=True)
+
+
+def add_admin_commands(cmds) -> None:
+    """``service init-admin`` and ``service serve`` (the store opened here, no Ray), added to the
+    ``service`` command's subparsers (``cli/service.py`` owns that command)."""
     db = argparse.ArgumentParser(add_help=False)
-    db.add_argument("--db", default=None, help="the store's SQLAlchemy URL, default $RAYTRAIN_SYS_SERVICE_DB "
+    db.add_argument("--db", default=None, help=f"the store's SQLAlchemy URL, default ${DB_ENV} "
                                                "or sqlite:///raytrain-service.db")
-    ia = ss.add_parser("init-admin", parents=[db], help="issue an admin token and print it once")
+    ia = cmds.add_parser("init-admin", parents=[db], help="issue an admin token and print it once")
     ia.add_argument("--rotate", action="store_true", help="revoke every earlier admin token first")
     ia.set_defaults(func=_init_admin)
-    sv = ss.add_parser("serve", parents=[db], help="serve the HTTP API in the foreground (no scheduler)")
+    sv = cmds.add_parser("serve", parents=[db], help="serve the HTTP API in the foreground (no scheduler)")
     sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--port", type=int, default=8470)
     sv.add_argument("--log-dir", default=None, help="where job-<id>.log files are read from")
     sv.set_defaults(func=_serve)
+
+
+def store_url(db: str | None) -> str:
+    """The store a ``service`` command opens: ``--db``, else $RAYTRAIN_SYS_SERVICE_DB, else the
+    SQLite file beside here."""
+    from raytrain_sys.service.store import DEFAULT_URL
+
+    return db or os.environ.get(DB_ENV) or DEFAULT_URL
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -225,9 +236,9 @@ def _teams_revoke(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace):
-    from raytrain_sys.service.store import DEFAULT_URL, Store
+    from raytrain_sys.service.store import Store
 
-    return Store.open(args.db or os.environ.get(DB_ENV) or DEFAULT_URL)
+    return Store.open(store_url(args.db))
 
 
 def _init_admin(args: argparse.Namespace) -> int:

@@ -170,8 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=_cmd_export)
 
     from raytrain_sys.cli import jobs
+    from raytrain_sys.cli import service as service_cli
 
     jobs.add_parsers(sub)
+    service_cli.add_parser(sub)
     return p
 
 

@@ -77,10 +77,11 @@ _MOVES: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED}),
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.CANCELLING}),
     JobState.RUNNING: frozenset({JobState.PAUSING, JobState.CANCELLING, JobState.FINISHED}),
-    JobState.PAUSING: frozenset({JobState.PAUSED, JobState.CANCELLING}),
+    # A run that reached its last step before the stop landed at a boundary has finished.
+    JobState.PAUSING: frozenset({JobState.PAUSED, JobState.CANCELLING, JobState.FINISHED}),
     JobState.PAUSED: frozenset({JobState.RESUMING, JobState.CANCELLED}),
     JobState.RESUMING: frozenset({JobState.RUNNING, JobState.PAUSED, JobState.CANCELLING}),
-    JobState.CANCELLING: frozenset({JobState.CANCELLED}),
+    JobState.CANCELLING: frozenset({JobState.CANCELLED, JobState.FINISHED}),
 }
 
 LIVE_STATES = tuple(s for s in JobState if not s.terminal)

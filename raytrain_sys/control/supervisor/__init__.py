@@ -11,7 +11,7 @@ from raytrain_sys.control.supervisor.policy import LIVENESS_EVERY_S, PING_TIMEOU
 from raytrain_sys.control.supervisor.requests import RunRequests
 from raytrain_sys.control.supervisor.steps import StepReport
 from raytrain_sys.control.supervisor.supervisor import (FAULT_BEFORE_MANIFEST_ENV, RunResult, Supervisor,
-                                                        resume_job, run_job)
+                                                        resume_job, resume_supervisor, run_job)
 
 __all__ = ["FAULT_BEFORE_MANIFEST_ENV", "LIVENESS_EVERY_S", "PING_TIMEOUT_S", "RunRequests", "RunResult", "State",
-           "StepReport", "Supervisor", "resume_job", "run_job"]
+           "StepReport", "Supervisor", "resume_job", "resume_supervisor", "run_job"]

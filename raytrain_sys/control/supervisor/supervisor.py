@@ -635,6 +635,16 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
                output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
                requests: RunRequests | None = None) -> RunResult:
     """Continue the MLflow run ``run_id`` from its newest committed checkpoint, in the same run."""
+    return resume_supervisor(run_id, tracking_uri=tracking_uri, overrides=overrides, output_dir=output_dir,
+                             on_step=on_step, requests=requests).run()
+
+
+def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
+                      output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
+                      requests: RunRequests | None = None) -> Supervisor:
+    """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
+    state while it runs (the job service's runner). Raises ``CheckpointError`` when the run has
+    no complete checkpoint."""
     from raytrain_sys.spec import apply_overrides
 
     uri = tracking_uri or mt.default_tracking_uri(os.path.abspath(output_dir))
@@ -657,4 +667,4 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
     if Checkpointer(open_store(sup.checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
         raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {sup.checkpoint_root}: "
                               f"nothing to resume; start it again with `raytrain-sys run`")
-    return sup.run()
+    return sup

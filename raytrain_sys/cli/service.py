@@ -1,0 +1,92 @@
+"""`raytrain-sys service start|stop|status`: the job service's actor on a running Ray cluster.
+
+The service runs in the cluster (a detached actor), not in this process: `start` returns once it
+runs, and the jobs go on when the shell closes. The cluster is the one RAY_ADDRESS names, or
+the one running on this machine (`ray start --head`). Ray is imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from raytrain_sys.errors import UserError
+
+
+def add_parser(sub) -> None:
+    from raytrain_sys.cli.jobs import DB_ENV, add_admin_commands
+
+    svc = sub.add_parser("service", help="the job service: start, stop, status; init-admin, serve")
+    cmds = svc.add_subparsers(dest="service_command", required=True)
+    start = cmds.add_parser("start", help="start the service actor on the Ray cluster (or show the running one)")
+    start.add_argument("--db", default=None,
+                       help=f"SQLite file (relative to here) or postgresql+psycopg://user:pass@host/db; "
+                            f"default ${DB_ENV} or sqlite:///raytrain-service.db")
+    start.add_argument("--host", default="127.0.0.1", help="the HTTP API's address")
+    start.add_argument("--port", type=int, default=8470)
+    start.add_argument("--cluster-workers", type=int, default=None,
+                       help="worker slots the scheduler may give out; default: the cluster's CPUs / "
+                            "--cpus-per-worker (or GPUs / --gpus-per-worker)")
+    start.add_argument("--cpus-per-worker", type=float, default=1.0)
+    start.add_argument("--gpus-per-worker", type=float, default=0.0)
+    start.add_argument("--log-dir", default="", help="job logs; default: raytrain-sys-logs beside the SQLite file")
+    start.add_argument("--max-restarts", type=int, default=3, help="runner losses a job survives")
+    start.set_defaults(func=_cmd_start)
+    stop = cmds.add_parser("stop", help="stop the service (running jobs train on; the next start re-attaches)")
+    stop.set_defaults(func=_cmd_stop)
+    status = cmds.add_parser("status", help="the service's store, API, log dir and job counts")
+    status.set_defaults(func=_cmd_status)
+    add_admin_commands(cmds)
+
+
+def _connect() -> None:
+    import ray
+
+    if ray.is_initialized():  # called from a notebook or a test already connected
+        return
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    except ConnectionError as exc:
+        raise UserError(f"no Ray cluster at {address} ({exc}); start one with `ray start --head` or set "
+                        f"RAY_ADDRESS") from None
+
+
+def _cmd_start(args: argparse.Namespace) -> int:
+    _connect()
+    import ray
+
+    from raytrain_sys.service.service import get_service, start_service
+
+    running = get_service() is not None
+    from raytrain_sys.cli.jobs import store_url
+
+    handle = start_service(store_url(args.db), args.host, args.port, log_dir=args.log_dir,
+                           cluster_workers=args.cluster_workers, cpus_per_worker=args.cpus_per_worker,
+                           gpus_per_worker=args.gpus_per_worker, max_restarts=args.max_restarts)
+    info = ray.get(handle.info.remote())
+    print(("already running: " if running else "started: ") + json.dumps(info, indent=1))
+    return 0
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    _connect()
+    from raytrain_sys.service.service import stop_service
+
+    print("stopped" if stop_service() else "no service was running")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    _connect()
+    import ray
+
+    from raytrain_sys.service.service import get_service
+
+    handle = get_service()
+    if handle is None:
+        print("not running")
+        return 1
+    print(json.dumps(ray.get(handle.info.remote()), indent=1))
+    return 0

@@ -1,0 +1,390 @@
+"""The reconciler: the one writer of run-time transitions.
+
+Owns: every job state change that follows from what runs (starting, running, pausing, paused,
+resuming, finished, failed, cancelled, and the same-state notes: world size, resize targets,
+restarts), the runners' lifecycle (create, re-attach, kill), and carrying out the scheduler's
+actions. It decides nothing itself: which job starts, grows, shrinks or pauses is
+``scheduler.decide``'s; who may ask for what is the API's; the requests the API writes
+(``service/requests.py``: pausing, cancelling, held) are read here and carried out.
+
+One pass (``run_once``), in order:
+
+1. **Observe**: every live job that should have a runner is looked up (a cached handle, or by
+   name with ``ray.get_actor`` after a service restart) and asked for its ``status``.
+2. **Record**: checkpoints (``store.record_checkpoint``, so the scheduler's work-at-risk is
+   right), world sizes (a same-state note), starting/resuming -> running once the Supervisor
+   trains, and outcomes: finished, failed, paused, cancelled (then the runner is killed: it is
+   detached and would otherwise outlive its job).
+3. **Requests**: pausing -> ``runner.pause``; cancelling -> ``runner.cancel``; a running job a
+   user holds -> pausing. A stop that does not land within ``stop_deadline_s`` is made hard by
+   killing the runner (its workers and placement groups die with it), but a pause never kills
+   a job that has no committed checkpoint: it keeps waiting, and says so.
+4. **Decide and act**: ``decide(store.snapshot(cluster_workers), now)``; each action is logged
+   with its reason and carried out as **intent first, then act**: Admit writes starting (or
+   resuming) before the runner is created; Shrink/Grow write the new target before
+   ``runner.resize``; Pause writes pausing before ``runner.pause``. A pass that dies between
+   the two leaves the intent, and the next pass (of this service or a restarted one) finishes
+   it: a starting job with no runner gets one (``get_if_exists``: an existing runner is
+   adopted, never a second), a target the runner has not heard of is sent again.
+
+Runner death (the actor gone while its job is live): a job that was starting, running or
+resuming is restarted from its newest committed checkpoint (a fresh start if it has none) as
+long as its ``restarts`` are within ``max_restarts``; past the budget it fails with the reason.
+A job pausing or cancelling whose runner died has stopped: paused (from its newest checkpoint)
+or cancelled. The restart count is written (the intent) before the new runner is created, so
+a service that dies in between costs the job one restart of its budget, never a second runner.
+
+Every write is a guarded transition from the state this pass read; a job that moved meanwhile
+(a user's request landed) raises ``JobStateConflict``, and the job is left for the next pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import ray
+
+from raytrain_sys.errors import JobStateConflict
+from raytrain_sys.service import runner as runners
+from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
+                                        Shrink, TransitionNotAllowed, Wait)
+from raytrain_sys.service.scheduler import decide
+from raytrain_sys.service.store import Store
+
+log = logging.getLogger(__name__)
+
+ACTOR = "reconciler"
+SCHEDULER = "scheduler"
+# States whose job has (or is being given) a runner.
+WITH_RUNNER = (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING, JobState.CANCELLING)
+
+
+@dataclass
+class ReconcilerConfig:
+    log_dir: str  # job-<id>.log files
+    max_restarts: int = 3  # runner deaths a job survives (each restart from its newest checkpoint)
+    # A pause or cancel not done by then is made hard (the runner killed). Generous: a pause
+    # first finishes the step in flight and writes a checkpoint.
+    stop_deadline_s: float = 120.0
+    status_timeout_s: float = 10.0  # a runner that does not answer is asked again next pass, not declared dead
+
+
+@dataclass
+class _Seen:
+    """One runner's answer this pass: its status, or that it is gone, or that it did not answer."""
+
+    status: Optional[dict] = None
+    gone: bool = False
+    error: str = ""
+
+
+class Reconciler:
+    def __init__(self, store: Store, config: ReconcilerConfig, cluster_workers: Callable[[], int],
+                 step_hook: Optional[Callable] = None, clock: Callable[[], float] = time.time):
+        self.store = store
+        self.config = config
+        self.cluster_workers = cluster_workers
+        self.step_hook = step_hook
+        self.clock = clock
+        self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
+        self._created: set[int] = set()  # jobs whose runner this process created or found alive
+        self._waits: dict[int, str] = {}  # the last Wait reason logged per job
+        self.passes = 0
+
+    # ------------------------------------------------------------------ one pass
+    def run_once(self) -> list[Action]:
+        now = self.clock()
+        jobs = self.store.jobs(states=LIVE_STATES)
+        seen = self._observe([j for j in jobs if j.state in WITH_RUNNER])
+        for job in jobs:
+            if job.state in WITH_RUNNER:
+                try:
+                    self._reconcile(job, seen.get(job.id, _Seen(gone=True)), now)
+                except JobStateConflict as exc:  # a request landed meanwhile: next pass
+                    log.info("job %d moved meanwhile, left for the next pass: %s", job.id, exc)
+                except TransitionNotAllowed as exc:  # a bug here must not stop the other jobs
+                    log.error("job %d: %s", job.id, exc)
+        for job_id in list(self._handles):
+            if job_id not in {j.id for j in jobs}:
+                self._forget(job_id)
+        actions = decide(self.store.snapshot(self.cluster_workers()), self.clock())
+        for action in actions:
+            try:
+                self._carry_out(action)
+            except JobStateConflict as exc:
+                log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
+        self.passes += 1
+        return actions
+
+    # ------------------------------------------------------------------ observe
+    def _observe(self, jobs: list[JobRecord]) -> dict[int, _Seen]:
+        seen: dict[int, _Seen] = {}
+        refs = {}
+        for job in jobs:
+            handle = self._handles.get(job.id)
+            if handle is None:
+                handle = runners.find_runner(job.id)
+                if handle is None:
+                    seen[job.id] = _Seen(gone=True)
+                    continue
+                log.info("job %d: re-attached to its runner %s", job.id, runners.runner_name(job.id))
+                self._handles[job.id] = handle
+                self._created.add(job.id)
+            refs[job.id] = handle.status.remote()
+        if refs:
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.status_timeout_s)
+            ready_set = set(ready)
+            for job_id, ref in refs.items():
+                if ref not in ready_set:
+                    seen[job_id] = _Seen(error="no answer")
+                    continue
+                try:
+                    seen[job_id] = _Seen(status=ray.get(ref))
+                except ray.exceptions.RayActorError as exc:
+                    seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
+                    self._handles.pop(job_id, None)
+                except ray.exceptions.RayError as exc:
+                    seen[job_id] = _Seen(error=str(exc).splitlines()[0])
+        return seen
+
+    # ------------------------------------------------------------------ record and carry out requests
+    def _reconcile(self, job: JobRecord, seen: _Seen, now: float) -> None:
+        if seen.error and not seen.gone:
+            log.warning("job %d: runner did not answer (%s); asked again next pass", job.id, seen.error)
+            return
+        if seen.gone:
+            self._runner_gone(job, seen)
+            return
+        status = seen.status
+        if status["checkpoint_step"] is not None and status["checkpoint_step"] != job.last_checkpoint_step:
+            self.store.record_checkpoint(job.id, status["checkpoint_step"], status["checkpoint_at_s"])
+            job = self.store.job(job.id)
+        if status["done"]:
+            self._finish(job, status)
+            return
+        trains = status["state"] not in runners.STARTING_STATES | runners.ENDED_STATES
+        if job.state in (JobState.STARTING, JobState.RESUMING) and trains:
+            job = self.store.transition(
+                job.id, job.state, JobState.RUNNING, actor=ACTOR,
+                reason=f"training at step {status['committed_step']} on {status['world_size']} workers "
+                       f"(MLflow run {status['mlflow_run_id']}, {status['run_dir']})",
+                workers=status["world_size"], mlflow_run_id=status["mlflow_run_id"] or None, started_at_s=now)
+        if job.state is JobState.RUNNING:
+            if trains and status["world_size"] != job.workers:
+                job = self.store.transition(
+                    job.id, JobState.RUNNING, JobState.RUNNING, actor=ACTOR,
+                    reason=f"world size {job.workers} -> {status['world_size']} at step {status['committed_step']}",
+                    workers=status["world_size"],
+                    **({"mlflow_run_id": status["mlflow_run_id"]}
+                       if status["mlflow_run_id"] and status["mlflow_run_id"] != job.mlflow_run_id else {}))
+            if job.held:  # a user's pause that arrived while the job was starting
+                job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=ACTOR,
+                                            reason=f"paused by {self._held_by(job)} while it started, held "
+                                                   f"until resumed: pausing now that it runs")
+            elif status["max_workers"] != job.target_workers and job.target_workers > 0:
+                # A resize written (the intent) but not yet heard by the runner.
+                self._handle(job.id).resize.remote(job.target_workers, job.message, SCHEDULER)
+        if job.state in (JobState.PAUSING, JobState.CANCELLING):
+            self._stop(job, status, now)
+
+    def _stop(self, job: JobRecord, status: dict, now: float) -> None:
+        """Ask the runner to stop (again: the request is idempotent), and make the stop hard
+        once its deadline has passed."""
+        handle = self._handle(job.id)
+        by = self._last_actor(job)
+        if job.state is JobState.PAUSING:
+            handle.pause.remote(job.message, by)
+        else:
+            handle.cancel.remote(job.message, by)
+        since = self._since(job)
+        if now - since < self.config.stop_deadline_s:
+            return
+        waited = f"did not stop within {self.config.stop_deadline_s:g} s"
+        if job.state is JobState.PAUSING:
+            if job.last_checkpoint_step is None:
+                log.warning("job %d %s, but it has no committed checkpoint: not killed (a pause never "
+                            "loses the whole run); still waiting", job.id, waited)
+                return
+            self._kill(job.id, f"pause {waited}")
+            self._to_paused(job, f"{job.message}; {waited}: runner killed, resumes from its checkpoint at "
+                                 f"step {job.last_checkpoint_step}")
+        else:
+            self._kill(job.id, f"cancel {waited}")
+            self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
+                                  reason=f"{job.message}; {waited}: runner killed", workers=0, target_workers=0)
+
+    def _finish(self, job: JobRecord, status: dict) -> None:
+        """The Supervisor returned: record its outcome, then end the runner."""
+        result = status["result"] or {"status": "failed", "reason": "the runner ended without a result"}
+        outcome, why = result["status"], result["reason"]
+        at = f"at step {status['committed_step']}"
+        ids = {"mlflow_run_id": status["mlflow_run_id"]} if status["mlflow_run_id"] else {}
+        if outcome == "finished":  # also from pausing or cancelling: the end came before the stop
+            job = self._to_running(job, status, ids)
+            self.store.transition(job.id, job.state, JobState.FINISHED, actor=ACTOR,
+                                  reason=f"finished {at}: {why}", workers=0, target_workers=0, **ids)
+        elif outcome == "stopped":
+            job = self._to_running(job, status, ids)
+            if job.state is JobState.RUNNING:
+                job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=ACTOR,
+                                            reason=f"stopped {at}: {why}", held=True)
+            if job.state is JobState.CANCELLING:  # a cancel that came after the pause had landed
+                self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
+                                      reason=f"{job.message} (paused {at} first)", workers=0, target_workers=0)
+            else:
+                self._to_paused(job, f"{job.message}; stopped {at} with a checkpoint", **ids)
+        elif outcome == "cancelled":
+            if job.state is not JobState.CANCELLING:
+                job = self.store.transition(job.id, job.state, JobState.CANCELLING, actor=ACTOR,
+                                            reason=f"the run was cancelled: {why}")
+            self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
+                                  reason=f"{job.message}; stopped {at}", workers=0, target_workers=0, **ids)
+        elif (result.get("error_type") == "ClusterCapacityError"
+              and job.state in (JobState.STARTING, JobState.RESUMING)):
+            back = JobState.QUEUED if job.state is JobState.STARTING else JobState.PAUSED
+            self.store.transition(job.id, job.state, back, actor=ACTOR, workers=0, target_workers=0,
+                                  reason=f"could not be placed, waits again: {why}")
+        elif job.state is JobState.CANCELLING:
+            self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
+                                  reason=f"{job.message}; the run ended {outcome}: {why}", workers=0, target_workers=0)
+        else:
+            self.store.transition(job.id, job.state, JobState.FAILED, actor=ACTOR, reason=f"failed {at}: {why}",
+                                  workers=0, target_workers=0, **ids)
+        self._kill(job.id, f"its run ended {outcome}")
+
+    def _to_running(self, job: JobRecord, status: dict, ids: dict) -> JobRecord:
+        if job.state in (JobState.STARTING, JobState.RESUMING):
+            return self.store.transition(job.id, job.state, JobState.RUNNING, actor=ACTOR,
+                                         reason="its run trained to its end before it was seen running",
+                                         started_at_s=status["started_at_s"], **ids)
+        return job
+
+    def _to_paused(self, job: JobRecord, reason: str, **ids: Any) -> None:
+        self.store.transition(job.id, JobState.PAUSING, JobState.PAUSED, actor=ACTOR, reason=reason,
+                              workers=0, target_workers=0, waiting_since_s=self.clock(), **ids)
+
+    def _runner_gone(self, job: JobRecord, seen: _Seen) -> None:
+        """No live runner for a job that should have one."""
+        created = job.id in self._created
+        self._forget(job.id)
+        if job.state is JobState.PAUSING:
+            where = (f"resumes from its checkpoint at step {job.last_checkpoint_step}"
+                     if job.last_checkpoint_step is not None else "no checkpoint: it starts over when resumed")
+            self._to_paused(job, f"{job.message}; the runner is gone ({seen.error or 'not found'}): {where}")
+            return
+        if job.state is JobState.CANCELLING:
+            self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR, workers=0, target_workers=0,
+                                  reason=f"{job.message}; the runner is gone ({seen.error or 'not found'})")
+            return
+        if job.state in (JobState.STARTING, JobState.RESUMING) and not created:
+            # The intent was written, the runner never made (or made by a service that died
+            # before it was seen): finish the start.
+            log.info("job %d is %s with no runner: launching it (finishing the recorded intent)",
+                     job.id, job.state.value)
+            self._launch(job, job.target_workers, job.message, resume=job.state is JobState.RESUMING)
+            return
+        # Lost while it ran (or while it started): restart it within its budget.
+        lost = f"its runner was lost ({seen.error or 'actor not found'})"
+        if job.restarts >= self.config.max_restarts:
+            self.store.transition(job.id, job.state, JobState.FAILED, actor=ACTOR, workers=0, target_workers=0,
+                                  reason=f"{lost}; restart budget used up ({job.restarts} of "
+                                         f"{self.config.max_restarts} restarts)")
+            log.error("job %d failed: %s; restart budget used up", job.id, lost)
+            return
+        workers = max(job.target_workers, job.min_workers)
+        where = (f"from its checkpoint at step {job.last_checkpoint_step}" if job.last_checkpoint_step is not None
+                 else "from the start (no checkpoint)")
+        job = self.store.transition(job.id, job.state, job.state, actor=ACTOR, restarts=job.restarts + 1,
+                                    workers=0, target_workers=workers,
+                                    reason=f"{lost}; restarting {where} on {workers} workers (restart "
+                                           f"{job.restarts + 1} of {self.config.max_restarts})")
+        log.warning("job %d: %s", job.id, job.message)
+        self._launch(job, workers, job.message, resume=True)
+
+    # ------------------------------------------------------------------ the scheduler's actions
+    def _carry_out(self, action: Action) -> None:
+        if isinstance(action, Wait):
+            if self._waits.get(action.job_id) != action.reason:
+                self._waits[action.job_id] = action.reason
+                log.info("%s", action)
+            return
+        log.info("%s", action)
+        self._waits.pop(action.job_id, None)
+        job = self.store.job(action.job_id)
+        if isinstance(action, Admit):
+            resume = job.state is JobState.PAUSED
+            to = JobState.RESUMING if resume else JobState.STARTING
+            job = self.store.transition(job.id, job.state, to, actor=SCHEDULER, reason=action.reason,
+                                        workers=0, target_workers=action.workers)
+            self._launch(job, action.workers, action.reason, resume=resume)
+        elif isinstance(action, (Grow, Shrink)):
+            verb = "grow" if isinstance(action, Grow) else "shrink"
+            job = self.store.transition(job.id, JobState.RUNNING, JobState.RUNNING, actor=SCHEDULER,
+                                        reason=f"{verb} to {action.to_workers}: {action.reason}",
+                                        target_workers=action.to_workers)
+            self._handle(job.id).resize.remote(action.to_workers, action.reason, SCHEDULER)
+        elif isinstance(action, Pause):
+            job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=SCHEDULER,
+                                        reason=f"paused by the scheduler: {action.reason}", held=False)
+            self._handle(job.id).pause.remote(job.message, SCHEDULER)
+        else:
+            raise TypeError(f"unknown scheduler action {action!r}")
+
+    # ------------------------------------------------------------------ runners
+    def _launch(self, job: JobRecord, workers: int, reason: str, resume: bool) -> None:
+        """Create the job's runner (or adopt the live one under its name)."""
+        spec = json.loads(job.spec)
+        run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
+        launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
+                                resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason)
+        self._handles[job.id] = runners.launch_runner(launch, self.step_hook)
+        self._created.add(job.id)
+        log.info("job %d: runner %s launched (%s on %d workers)", job.id, runners.runner_name(job.id),
+                 f"resume of MLflow run {run_id}" if run_id else "start", workers)
+
+    def _handle(self, job_id: int):
+        handle = self._handles.get(job_id) or runners.find_runner(job_id)
+        if handle is None:
+            raise JobStateConflict(f"job {job_id} has no runner (yet)")
+        self._handles[job_id] = handle
+        return handle
+
+    def _kill(self, job_id: int, why: str) -> None:
+        handle = self._handles.get(job_id) or runners.find_runner(job_id)
+        self._forget(job_id)
+        if handle is not None:
+            log.info("job %d: ending runner %s: %s", job_id, runners.runner_name(job_id), why)
+            ray.kill(handle, no_restart=True)
+
+    def _forget(self, job_id: int) -> None:
+        self._handles.pop(job_id, None)
+        self._created.discard(job_id)
+
+    def _last_actor(self, job: JobRecord) -> str:
+        history = self.store.history(job.id)
+        return history[-1].actor if history else ""
+
+    def _held_by(self, job: JobRecord) -> str:
+        """Who last held the job (the actor of its newest note that set held)."""
+        for t in reversed(self.store.history(job.id)):
+            if t.reason.startswith("paused by "):
+                return t.actor
+        return "its team"
+
+    def _since(self, job: JobRecord) -> float:
+        """When the job entered its current state (from its transitions)."""
+        for t in reversed(self.store.history(job.id)):
+            if t.from_state is not job.state:
+                return t.at_s
+        return job.updated_at_s
+
+
+def _tracking_uri(spec: dict) -> str:
+    from raytrain_sys.tracking.mlflow_tracker import default_tracking_uri
+
+    uri = (spec.get("tracking") or {}).get("uri") or ""
+    return uri or default_tracking_uri(spec.get("output_dir") or "runs")

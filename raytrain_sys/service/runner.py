@@ -1,0 +1,227 @@
+"""One job's run inside the cluster: ``JobRunner``, a detached named Ray actor per job.
+
+Owns: one Supervisor (run in a thread of the actor, so that ``status`` and the requests are
+answered while it trains), its ``RunRequests`` (pause, cancel, resize at the next step
+boundary), and the job's log file ``<log_dir>/job-<id>.log`` (the ``raytrain_sys`` loggers of
+this process: the Supervisor's transitions with their reasons; the API serves the file).
+Writes nothing of the service's store: the reconciler reads ``status()`` and is the one writer
+of the job's transitions.
+
+Why an actor of its own, and why so configured:
+
+* **Detached and named** (``raytrain-sys-job-<id>`` in namespace ``raytrain-sys``): the job
+  lives neither in a client nor in the service's process. A service that restarts finds it
+  again by name (``find_runner``) instead of starting the job twice; creating it uses
+  ``get_if_exists``, so a second create adopts the first.
+* **num_cpus=0**: it sequences, it does not train; its workers take the job's CPU slots.
+* **max_restarts=0**: Ray never restarts it on its own. A restart is the reconciler's decision
+  (from the newest committed checkpoint, within the job's restart budget), recorded in the
+  store like every other run-time transition.
+* Its TrainWorkers and placement groups are created by this process: when it dies (killed,
+  its node lost), Ray removes them (a non-detached actor dies with its owner; a placement
+  group with the detached actor that created it). Killing the runner is therefore the hard
+  stop of a job.
+
+A start runs the job's spec at the admitted number of workers; a resume continues its MLflow
+run from the newest committed checkpoint (``resume_supervisor``). Either way the admitted
+number is also the ceiling (``RunRequests.resize``): the job grows past it only when the
+reconciler resizes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+import ray
+
+from raytrain_sys.control.supervisor import RunRequests, Supervisor, resume_supervisor
+from raytrain_sys.errors import find_user_error
+from raytrain_sys.spec import apply_overrides, from_dict
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "raytrain-sys"
+RUNNER_PREFIX = "raytrain-sys-job-"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# Supervisor states before its first step: the job is still starting (or resuming).
+STARTING_STATES = frozenset({"launching", "starting", "restoring"})
+# Supervisor states of a run that has ended (its workers are being released; done follows).
+ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
+
+
+def runner_name(job_id: int) -> str:
+    return f"{RUNNER_PREFIX}{int(job_id)}"
+
+
+def job_log_path(log_dir: str, job_id: int) -> str:
+    """Where a job's log lines go (one file a job, appended to across its starts and resumes)."""
+    return os.path.join(log_dir, f"job-{int(job_id)}.log")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the reconciler asks of a new runner."""
+
+    job_id: int
+    spec: dict  # the job's spec as stored (paths made absolute at submit)
+    workers: int  # admitted: the run starts on this many, and grows past it only when resized
+    log_dir: str
+    resume_run_id: str = ""  # continue this MLflow run from its newest committed checkpoint
+    tracking_uri: str = ""  # where that run is recorded
+    reason: str = ""  # why it was admitted (the scheduler's words)
+
+
+def start_spec(spec: dict, workers: int) -> dict:
+    """The spec a start runs: the job's, on the admitted number of workers."""
+    return apply_overrides(spec, [f"resources.num_workers={int(workers)}"])
+
+
+class JobRunner:
+    """One Supervisor in a thread; see the module docstring. Create with ``launch_runner``."""
+
+    def __init__(self, launch: Launch, step_hook: Optional[Callable[[int, Supervisor, Any], None]] = None):
+        self.launch = launch
+        self.job_id = launch.job_id
+        self._log_handler = log_to_file(job_log_path(launch.log_dir, launch.job_id))
+        self.requests = RunRequests()
+        self.requests.resize(launch.workers, launch.reason or f"admitted on {launch.workers} workers",
+                             by="scheduler")
+        self._step_hook = step_hook  # tests and notebooks: called at each committed step, in this process
+        self._sup: Optional[Supervisor] = None
+        self._result: Optional[dict] = None
+        self._done = threading.Event()
+        self._checkpoint_seen_at: dict[int, float] = {}  # step -> when this runner first saw it committed
+        self._started_at_s = time.time()
+        self._thread = threading.Thread(target=self._run, name=f"job-{launch.job_id}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the run
+    def _run(self) -> None:
+        launch = self.launch
+        how = (f"resuming MLflow run {launch.resume_run_id} from its newest checkpoint"
+               if launch.resume_run_id else "starting")
+        log.info("job %d: %s on %d workers (%s)", launch.job_id, how, launch.workers, launch.reason)
+        try:
+            if launch.resume_run_id:
+                self._sup = resume_supervisor(
+                    launch.resume_run_id, tracking_uri=launch.tracking_uri,
+                    overrides=[f"resources.num_workers={int(launch.workers)}"],
+                    on_step=self._on_step, requests=self.requests)
+            else:
+                self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers)),
+                                       on_step=self._on_step, requests=self.requests)
+            result = self._sup.run()
+            reason = result.reason or self._last_reason()
+            self._result = {"status": result.status, "reason": reason, "error_type": ""}
+        except BaseException as exc:  # the run failed: the reconciler records why
+            user = find_user_error(exc)
+            reason = str(user) if user is not None else f"{type(exc).__name__}: {exc}"
+            self._result = {"status": "failed", "reason": reason,
+                            "error_type": type(user if user is not None else exc).__name__}
+            log.error("job %d failed: %s", launch.job_id, reason, exc_info=user is None)
+        finally:
+            log.info("job %d: runner done: %s", launch.job_id, json.dumps(self._result))
+            self._log_handler.flush()
+            self._done.set()
+
+    def _on_step(self, report) -> None:
+        if self._step_hook is not None and self._sup is not None:
+            self._step_hook(self.job_id, self._sup, report)
+
+    def _last_reason(self) -> str:
+        sup = self._sup
+        if sup is None or not sup.summary.transitions:
+            return ""
+        return sup.summary.transitions[-1]["reason"]
+
+    # ------------------------------------------------------------------ what the reconciler calls
+    def status(self) -> dict:
+        """The run as it is now: the Supervisor's state, committed step, world size, MLflow run
+        id, newest checkpoint (step and when this runner saw it committed), run dir; ``done``
+        and ``result`` once the Supervisor has returned."""
+        sup = self._sup
+        state = sup.state.value if sup is not None else "launching"
+        checkpoint_step, checkpoint_at_s = None, None
+        world_size, committed, run_dir, run_id = 0, 0, "", ""
+        if sup is not None:
+            committed = sup.committed_step
+            run_dir = sup.run_dir
+            run_id = sup.summary.mlflow_run_id
+            group = sup.group
+            world_size = len(group.workers) if group is not None and not self._done.is_set() else 0
+            checkpoints = list(sup.summary.checkpoints)
+            if checkpoints:
+                checkpoint_step = int(checkpoints[-1]["step"])
+                checkpoint_at_s = self._checkpoint_seen_at.setdefault(checkpoint_step, time.time())
+        ceiling, _ = self.requests.max_workers()
+        return {"job_id": self.job_id, "state": state, "committed_step": committed, "world_size": world_size,
+                "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
+                "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
+                "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
+                "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
+
+    def pause(self, reason: str, by: str = "") -> None:
+        """Stop at the next step boundary with a checkpoint (result status ``stopped``)."""
+        if self.requests.stop() is None:
+            log.info("job %d: pause asked by %s: %s", self.job_id, by or "?", reason)
+        self.requests.pause(reason, by)
+
+    def cancel(self, reason: str, by: str = "") -> None:
+        """Stop at the next step boundary, no checkpoint added (result status ``cancelled``)."""
+        stop = self.requests.stop()
+        if stop is None or stop.how != "cancel":
+            log.info("job %d: cancel asked by %s: %s", self.job_id, by or "?", reason)
+        self.requests.cancel(reason, by)
+
+    def resize(self, workers: int, reason: str = "", by: str = "") -> None:
+        """Train on at most ``workers`` from the next boundary (members above it leave with no
+        step lost); grow back up to it, within the spec's max, when workers are free."""
+        if self.requests.max_workers()[0] != workers:
+            log.info("job %d: resize to %d asked by %s: %s", self.job_id, workers, by or "?", reason)
+        self.requests.resize(workers, reason, by)
+
+    def result(self, timeout_s: Optional[float] = None) -> Optional[dict]:
+        """The run's outcome ({status, reason, error_type}), waiting up to ``timeout_s``; None
+        while it runs."""
+        self._done.wait(timeout_s)
+        return self._result
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+# The actor: see the module docstring for each option. Threads, so that status() is answered
+# while result() waits.
+RemoteJobRunner = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(JobRunner)
+
+
+def launch_runner(launch: Launch, step_hook: Optional[Callable] = None):
+    """Create the job's runner, or adopt the one that exists under its name (never two)."""
+    return RemoteJobRunner.options(name=runner_name(launch.job_id), namespace=NAMESPACE, lifetime="detached",
+                                   get_if_exists=True).remote(launch, step_hook)
+
+
+def find_runner(job_id: int):
+    """The job's live runner by name (after a service restart too), or None."""
+    try:
+        return ray.get_actor(runner_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def log_to_file(path: str) -> logging.Handler:
+    """This process's ``raytrain_sys`` log lines, at INFO, into the job's file as well."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("raytrain_sys")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    return handler

@@ -1,0 +1,250 @@
+"""The job service's process: ``ServiceActor``, a detached named Ray actor, and its helpers.
+
+Owns: the store it opens (SQLite file by default, a ``postgresql://`` URL allowed), the
+reconciler loop (a thread, one pass every ``poll_s``), the HTTP API when
+``raytrain_sys/service/api.py`` is installed (imported lazily; ``api.serve(store, host, port)``
+in a thread; without it the service runs and says so), and the cluster's capacity in workers for
+the scheduler (CPU slots / ``cpus_per_worker``, or GPUs / ``gpus_per_worker``, read each pass,
+unless ``cluster_workers`` is configured).
+
+Why an actor: it lives in the cluster, not in the shell that started it (``raytrain-sys service
+start`` returns; the service runs on). Detached and named (``raytrain-sys-service`` in namespace
+``raytrain-sys``), num_cpus=0, never restarted by Ray: a service started again (after a crash,
+or ``service stop`` then ``start``) opens the same database and its reconciler reads back what
+was recorded, re-attaches to the runners by name and finishes the intents it finds. The jobs
+themselves live in their runners (detached too): stopping the service stops no training.
+
+The actor's Python methods (submit, pause, resume, cancel, jobs, job, history, audit_log,
+add_team, info) do what the API does, through the same functions (``service/requests.py``), for
+tests and notebooks; the API adds authentication and HTTP.
+
+Relative paths given to ``start_service`` (the SQLite file, the log dir, a spec's output_dir,
+data path and checkpoint dir) are made absolute against the caller's working directory: the
+actor's own working directory is Ray's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Optional, Union
+
+import ray
+
+from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
+from raytrain_sys.service import requests as user_requests
+from raytrain_sys.service.model import Team
+from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
+from raytrain_sys.service.runner import NAMESPACE, log_to_file
+from raytrain_sys.service.store import DEFAULT_URL, Store, mask_url
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "raytrain-sys-service"
+DEFAULT_HOST = "127.0.0.1"  # the API listens on loopback unless told otherwise
+DEFAULT_PORT = 8470
+DEFAULT_POLL_S = 0.5  # a reconciler pass: a request is acted on within about this long
+API_MODULE = "raytrain_sys.service.api"
+
+
+def cluster_capacity_workers(cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0) -> int:
+    """Worker slots of the whole cluster: GPUs / gpus_per_worker when workers take GPUs, else
+    CPUs / cpus_per_worker."""
+    total = ray.cluster_resources()
+    if gpus_per_worker > 0:
+        return int(total.get("GPU", 0) // gpus_per_worker)
+    return int(total.get("CPU", 0) // max(cpus_per_worker, 1e-9))
+
+
+class ServiceActor:
+    """See the module docstring. Start with ``start_service``."""
+
+    def __init__(self, db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
+                 log_dir: str, base_dir: str, poll_s: float = DEFAULT_POLL_S,
+                 cluster_workers: Optional[int] = None, cpus_per_worker: float = 1.0,
+                 gpus_per_worker: float = 0.0, max_restarts: int = 3, stop_deadline_s: float = 120.0,
+                 serve_api: bool = True, step_hook: Optional[Callable] = None):
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.base_dir = base_dir
+        self._handler = log_to_file(os.path.join(log_dir, "service.log"))
+        self.store = Store.open(db_url)
+        self.host, self.port, self.poll_s = host, port, poll_s
+        self._cluster_workers = cluster_workers
+        self._cpus_per_worker, self._gpus_per_worker = cpus_per_worker, gpus_per_worker
+        self.reconciler = Reconciler(self.store, ReconcilerConfig(log_dir=log_dir, max_restarts=max_restarts,
+                                                                  stop_deadline_s=stop_deadline_s),
+                                     cluster_workers=self.cluster_workers, step_hook=step_hook)
+        self.last_error = ""
+        self._stop = threading.Event()
+        self.api = "not served"
+        if serve_api:
+            self._serve_api()
+        self._loop_thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
+        self._loop_thread.start()
+        log.info("service started: store %s, %s, logs in %s, pid %d", self.store.url, self.api, log_dir,
+                 os.getpid())
+
+    # ------------------------------------------------------------------ threads
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.reconciler.run_once()
+                self.last_error = ""
+            except Exception as exc:  # a pass that fails is retried; the service must not die of it
+                if str(exc) != self.last_error:
+                    log.exception("reconciler pass failed: %s", exc)
+                self.last_error = str(exc)
+            self._stop.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
+
+    def _serve_api(self) -> None:
+        try:
+            api = importlib.import_module(API_MODULE)
+        except ModuleNotFoundError as exc:
+            if exc.name != API_MODULE:
+                raise
+            self.api = f"no HTTP API ({API_MODULE} is not installed)"
+            log.warning("%s", self.api)
+            return
+        kwargs = {"log_dir": self.log_dir} if "log_dir" in inspect.signature(api.serve).parameters else {}
+        thread = threading.Thread(target=api.serve, args=(self.store, self.host, self.port), kwargs=kwargs,
+                                  name="api", daemon=True)
+        thread.start()
+        self.api = f"HTTP API on http://{self.host}:{self.port}"
+
+    def cluster_workers(self) -> int:
+        if self._cluster_workers is not None:
+            return self._cluster_workers
+        return cluster_capacity_workers(self._cpus_per_worker, self._gpus_per_worker)
+
+    # ------------------------------------------------------------------ what the API does, as methods
+    def submit(self, team: str, spec: Union[dict, str], priority: int = 0, name: str = "", by: str = "",
+               idempotency_key: Optional[str] = None) -> dict:
+        job = user_requests.submit(self.store, team=team, spec=spec, by=by or team, priority=priority, name=name,
+                                   cluster_workers=self.cluster_workers(), idempotency_key=idempotency_key,
+                                   base_dir=self.base_dir)
+        return user_requests.job_dict(job)
+
+    def pause(self, job_id: int, by: str, reason: str = "") -> dict:
+        return user_requests.job_dict(user_requests.pause(self.store, job_id, by=by, reason=reason))
+
+    def resume(self, job_id: int, by: str) -> dict:
+        return user_requests.job_dict(user_requests.resume(self.store, job_id, by=by))
+
+    def cancel(self, job_id: int, by: str, reason: str = "") -> dict:
+        return user_requests.job_dict(user_requests.cancel(self.store, job_id, by=by, reason=reason))
+
+    def jobs(self, team: Optional[str] = None) -> list[dict]:
+        return [user_requests.job_dict(j) for j in self.store.jobs(team=team)]
+
+    def job(self, job_id: int) -> dict:
+        return user_requests.job_dict(self.store.job(job_id))
+
+    def history(self, job_id: int) -> list[dict]:
+        return [{"from": t.from_state.value if t.from_state else None, "to": t.to_state.value, "at_s": t.at_s,
+                 "actor": t.actor, "reason": t.reason} for t in self.store.history(job_id)]
+
+    def audit_log(self) -> list[dict]:
+        return [asdict(a) for a in self.store.audit_log()]
+
+    def add_team(self, name: str, nominal_workers: int, cohort: Optional[str] = None, by: str = "admin",
+                 **limits: Any) -> dict:
+        try:
+            team = self.store.add_team(Team(name=name, nominal_workers=nominal_workers, cohort=cohort, **limits))
+        except ServiceInputError as exc:
+            self.store.record_audit(by, "add_team", f"team {name}", f"refused: {exc}")
+            raise
+        self.store.record_audit(by, "add_team", f"team {name}", "ok")
+        return asdict(team)
+
+    def teams(self) -> list[dict]:
+        return [asdict(t) for t in self.store.teams()]
+
+    def job_log_path(self, job_id: int) -> str:
+        from raytrain_sys.service.runner import job_log_path
+
+        return job_log_path(self.log_dir, job_id)
+
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "db": self.store.url, "api": self.api, "host": self.host, "port": self.port,
+                "log_dir": self.log_dir, "poll_s": self.poll_s, "passes": self.reconciler.passes,
+                "last_error": self.last_error, "cluster_workers": self.cluster_workers(),
+                "jobs": self.store.count_jobs()}
+
+    def shutdown(self) -> None:
+        """Stop the reconciler loop (the runners train on) and close the store."""
+        self._stop.set()
+        self._loop_thread.join(timeout=30)
+        self.store.close()
+        self._handler.flush()
+
+
+RemoteServiceActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(ServiceActor)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def absolute_db_url(db_url: str, base_dir: str) -> str:
+    """A SQLite URL with a relative file path made absolute against ``base_dir``."""
+    prefix = "sqlite:///"
+    if db_url.startswith(prefix) and not db_url.startswith(prefix + "/") and db_url != prefix + ":memory:":
+        return prefix + os.path.join(base_dir, db_url[len(prefix):])
+    return db_url
+
+
+def start_service(db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
+                  log_dir: str = "", base_dir: str = "", **config: Any):
+    """Start the service actor on the connected cluster and wait until it runs (or return the
+    one that runs already). ``config``: ``poll_s``, ``cluster_workers``, ``cpus_per_worker``,
+    ``gpus_per_worker``, ``max_restarts``, ``stop_deadline_s``, ``serve_api``, ``step_hook``."""
+    existing = get_service()
+    if existing is not None:
+        return existing
+    base_dir = os.path.abspath(base_dir or os.getcwd())
+    db_url = absolute_db_url(db_url, base_dir)
+    if not log_dir:
+        if db_url.startswith("sqlite:///") and db_url != "sqlite:///:memory:":
+            log_dir = os.path.join(os.path.dirname(db_url[len("sqlite:///"):]), "raytrain-sys-logs")
+        else:
+            log_dir = os.path.join(base_dir, "raytrain-sys-logs")
+    handle = RemoteServiceActor.options(name=SERVICE_NAME, namespace=NAMESPACE, lifetime="detached").remote(
+        db_url, host, port, log_dir=os.path.abspath(os.path.join(base_dir, log_dir)), base_dir=base_dir, **config)
+    try:
+        ray.get(handle.info.remote())
+    except ray.exceptions.RayActorError as exc:
+        cause = find_user_error(exc)
+        raise (cause if cause is not None else UserError(
+            f"the job service did not start on {mask_url(db_url)}: {str(exc).splitlines()[0]}")) from None
+    return handle
+
+
+def get_service():
+    """The running service actor, or None."""
+    try:
+        return ray.get_actor(SERVICE_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def stop_service() -> bool:
+    """Stop the service (its reconciler and API; the jobs' runners train on and are re-attached
+    by the next start). False when none runs."""
+    handle = get_service()
+    if handle is None:
+        return False
+    try:
+        ray.get(handle.shutdown.remote(), timeout=60)
+    except ray.exceptions.RayError as exc:
+        log.warning("the service did not shut down cleanly (%s); killing it", str(exc).splitlines()[0])
+    ray.kill(handle, no_restart=True)
+    return True
+
+
+

@@ -1,0 +1,77 @@
+"""Shared by the job service tests: step gates that hold a runner's step loop at a chosen step
+until the test says go (so that an event lands mid-run whatever the machine's speed), and the
+service's start and clean-up on the session cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import ray
+
+from raytrain_sys.service.runner import NAMESPACE, RUNNER_PREFIX
+
+
+class StepGates:
+    """A runner step hook (``step_hook``), run in the runner's process at each committed step.
+
+    Files in ``root`` drive it: with ``hold-<job>-<step>`` present, the job's step loop stops at
+    the commit of that step, writes ``at-<job>-<step>`` and waits for ``go-<job>-<step>``
+    (a step redone after a restore passes once go exists). With ``newcomer-<job>`` present,
+    the loop waits (once) for a requested worker to be ready, so a grow lands before the end."""
+
+    def __init__(self, root: str, timeout_s: float = 240.0):
+        self.root = root
+        self.timeout_s = timeout_s
+
+    def __call__(self, job_id, sup, report) -> None:
+        step = report.step
+        if os.path.exists(self._path("hold", job_id, step)):
+            open(self._path("at", job_id, step), "w").close()
+            deadline = time.monotonic() + self.timeout_s
+            while not os.path.exists(self._path("go", job_id, step)):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"job {job_id}: no go for step {step} within {self.timeout_s:g} s")
+                time.sleep(0.05)
+        newcomer = os.path.join(self.root, f"newcomer-{job_id}")
+        if os.path.exists(newcomer) and sup.group.pending:
+            ray.wait([w.ready_ref for w in sup.group.pending], num_returns=1, timeout=self.timeout_s)
+            os.remove(newcomer)
+
+    def _path(self, kind, job_id, step) -> str:
+        return os.path.join(self.root, f"{kind}-{job_id}-{step}")
+
+    # the test's side
+    def hold(self, job_id: int, step: int) -> None:
+        open(self._path("hold", job_id, step), "w").close()
+
+    def reached(self, job_id: int, step: int) -> bool:
+        return os.path.exists(self._path("at", job_id, step))
+
+    def go(self, job_id: int, step: int) -> None:
+        open(self._path("go", job_id, step), "w").close()
+
+    def wait_for_newcomer(self, job_id: int) -> None:
+        open(os.path.join(self.root, f"newcomer-{job_id}"), "w").close()
+
+
+def runner_actors() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(RUNNER_PREFIX)]
+
+
+@contextlib.contextmanager
+def running_service(db_path, gates: StepGates, **config):
+    """The service on the session cluster; on exit it is stopped and every runner ended."""
+    from raytrain_sys.service.service import start_service, stop_service
+
+    config.setdefault("poll_s", 0.2)
+    handle = start_service(f"sqlite:///{db_path}", serve_api=False, step_hook=gates, **config)
+    try:
+        yield handle
+    finally:
+        stop_service()
+        for name in runner_actors():
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

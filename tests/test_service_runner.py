@@ -1,0 +1,331 @@
+"""The job service in the cluster: the service actor, its reconciler and one runner per job, on the
+session's cluster (four 1-CPU worker nodes).
+
+What a user would notice: a job that borrowed idle workers gives them back at a step boundary
+when another team is owed its quota, losing no step, and grows back when they are free; a paused
+job frees its workers and resumes into the same MLflow run; cancelled jobs end and release their
+workers; a service killed mid-run comes back with its queue, teams and audit intact and finishes
+the running job once; a runner killed mid-run restarts from its newest checkpoint within the
+job's restart budget, and fails with the reason past it. Every finished job's parameters equal
+an uninterrupted run's.
+
+Events are made to land mid-run with step gates (``tests/service_common.StepGates``): the
+runner's step loop holds at a chosen step until the test says go.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+
+import pytest
+import ray
+
+from raytrain_sys.control.supervisor import run_job
+from raytrain_sys.service import requests as user_requests
+from raytrain_sys.service.model import JobState
+from raytrain_sys.service.runner import NAMESPACE, runner_name
+from raytrain_sys.service.service import get_service, start_service
+from raytrain_sys.service.store import Store
+from tests.ft_common import assert_no_leftovers, ft_spec, pid_alive, wait_until
+from tests.helpers import assert_params_close, final_params, read_summary
+from tests.service_common import StepGates, runner_actors, running_service
+
+STEPS = 24  # checkpoints every 5 steps (ft_spec)
+WAIT_S = 180.0
+
+
+def job_spec(tmp_path, dataset, name: str, steps: int = STEPS, **sections) -> dict:
+    """A tiny fp64 job (ft_spec) with its own output dir: one MLflow store a job."""
+    return ft_spec(tmp_path / name, dataset, steps, **sections).to_dict() | {"name": name}
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tiny_dataset, tmp_path_factory):
+    """The uninterrupted run every service job is compared with (world size does not change it)."""
+    spec = ft_spec(tmp_path_factory.mktemp("ref"), tiny_dataset, STEPS)
+    return final_params(run_job(spec).newest_checkpoint)
+
+
+@pytest.fixture
+def gates(tmp_path):
+    root = tmp_path / "gates"
+    root.mkdir()
+    return StepGates(str(root))
+
+
+def state_of(svc, job_id: int) -> dict:
+    return ray.get(svc.job.remote(job_id))
+
+
+def wait_for(svc, job_id: int, pred, what: str, timeout_s: float = WAIT_S) -> dict:
+    job = wait_until(lambda: (lambda j: j if pred(j) else None)(state_of(svc, job_id)), timeout_s, 0.1)
+    assert job, f"job {job_id}: {what} not within {timeout_s:g} s; now {state_of(svc, job_id)}"
+    return job
+
+
+def wait_state(svc, job_id: int, state: str, timeout_s: float = WAIT_S) -> dict:
+    return wait_for(svc, job_id, lambda j: j["state"] == state, state, timeout_s)
+
+
+def run_dir_of(output_dir) -> str:
+    """The job's run dir (the one with a summary.json); asserts there is exactly one."""
+    runs = [os.path.dirname(p) for p in glob.glob(os.path.join(str(output_dir), "runs", "*", "summary.json"))
+            if not os.path.islink(os.path.dirname(p))]
+    assert len(runs) == 1, f"expected one run dir, found {runs}"
+    return runs[0]
+
+
+def states(svc, job_id: int) -> list[str]:
+    return [t["to"] for t in ray.get(svc.history.remote(job_id))]
+
+
+def assert_cluster_idle(timeout_s: float = 30.0) -> None:
+    total = ray.cluster_resources().get("CPU", 0)
+    assert wait_until(lambda: ray.available_resources().get("CPU", 0) >= total, timeout_s), \
+        f"CPUs still held: {ray.available_resources()}"
+
+
+def test_borrowed_workers_are_given_back_at_a_boundary_and_grown_into_again(
+        ray_cluster, tiny_dataset, tmp_path, gates, reference):
+    """Teams a and b, 2 workers each in one cohort. A's elastic 1..4 job borrows b's idle quota
+    and runs on 4; b's 2-worker job makes it shrink to 2 at a step boundary (nothing redone) and
+    starts; when it ends, A grows back to 4 and finishes equal to an uninterrupted run."""
+    a_spec = job_spec(tmp_path, tiny_dataset, "a-elastic", resources={"num_workers": 4},
+                      elastic={"min_workers": 1, "max_workers": 4})
+    b_spec = job_spec(tmp_path, tiny_dataset, "b-fixed", steps=8, resources={"num_workers": 2})
+    with running_service(tmp_path / "svc.db", gates) as svc:
+        ray.get([svc.add_team.remote("a", 2, cohort="research"), svc.add_team.remote("b", 2, cohort="research")])
+        gates.hold(1, 6)
+        gates.hold(1, 14)
+        a = ray.get(svc.submit.remote("a", a_spec))["id"]
+        assert wait_until(lambda: gates.reached(a, 6), WAIT_S), state_of(svc, a)
+        job = wait_for(svc, a, lambda j: j["workers"] == 4, "running on 4 workers")
+        assert job["state"] == "running" and job["target_workers"] == 4
+
+        b = ray.get(svc.submit.remote("b", b_spec))["id"]
+        wait_for(svc, a, lambda j: j["target_workers"] == 2, "the shrink to 2")
+        assert state_of(svc, b)["state"] == "queued"  # admitted only once A's workers are free
+        gates.go(a, 6)
+        wait_for(svc, a, lambda j: j["workers"] == 2, "the drain to 2")
+        wait_state(svc, b, "finished")
+        assert wait_until(lambda: gates.reached(a, 14), WAIT_S)
+        wait_for(svc, a, lambda j: j["target_workers"] == 4, "the grow back to 4")
+        gates.wait_for_newcomer(a)
+        gates.go(a, 14)
+        job = wait_state(svc, a, "finished")
+
+        assert states(svc, b) == ["queued", "starting", "running", "finished"]
+        history = ray.get(svc.history.remote(a))
+        shrink = [t for t in history if t["reason"].startswith("shrink to 2")]
+        assert len(shrink) == 1 and "job 2 (team b" in shrink[0]["reason"], history
+        assert any(t["reason"].startswith("grow to 4") for t in history), history
+        with open(ray.get(svc.job_log_path.remote(a))) as f:
+            log_text = f.read()  # the job's log: the Supervisor's transitions with their reasons
+        assert "shrinking to 2 worker(s)" in log_text and "reached train.max_steps" in log_text
+
+    summary = read_summary(run_dir_of(tmp_path / "a-elastic"))
+    worlds = summary["world_sizes"]
+    assert worlds[:6] == [4] * 6 and 2 in worlds and worlds[-1] == 4, worlds
+    assert summary["steps_redone"] == 0 and summary["failures"] == 0
+    assert summary["mlflow_run_id"] == job["mlflow_run_id"]
+    assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
+
+
+def test_pause_frees_the_workers_and_resume_continues_the_same_run(
+        ray_cluster, tiny_dataset, tmp_path, gates, reference):
+    spec = job_spec(tmp_path, tiny_dataset, "p", resources={"num_workers": 2})
+    with running_service(tmp_path / "svc.db", gates) as svc:
+        ray.get(svc.add_team.remote("a", 4))
+        gates.hold(1, 8)
+        job_id = ray.get(svc.submit.remote("a", spec))["id"]
+        assert wait_until(lambda: gates.reached(job_id, 8), WAIT_S), state_of(svc, job_id)
+        first = wait_state(svc, job_id, "running")
+        ray.get(svc.pause.remote(job_id, "a", "the weekend"))
+        gates.go(job_id, 8)
+        paused = wait_state(svc, job_id, "paused")
+        assert paused["held"] and paused["workers"] == 0
+        assert paused["last_checkpoint_step"] is not None and paused["last_checkpoint_step"] >= 8
+        run_dir = run_dir_of(tmp_path / "p")
+        assert_no_leftovers(ray_cluster, os.path.basename(run_dir))
+        assert_cluster_idle()
+        # Held: the scheduler leaves it paused, pass after pass.
+        passes = ray.get(svc.info.remote())["passes"]
+        assert wait_until(lambda: ray.get(svc.info.remote())["passes"] >= passes + 5, 30)
+        assert state_of(svc, job_id)["state"] == "paused"
+
+        ray.get(svc.resume.remote(job_id, "a"))
+        done = wait_state(svc, job_id, "finished")
+        assert states(svc, job_id) == ["queued", "starting", "running", "pausing", "paused", "paused",
+                                       "resuming", "running", "finished"]
+    assert done["mlflow_run_id"] == first["mlflow_run_id"]
+    summary = read_summary(run_dir_of(tmp_path / "p"))  # one run dir: the resume continued it
+    assert summary["mlflow_run_id"] == first["mlflow_run_id"] and summary["committed_steps"] == STEPS
+    assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
+
+
+def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, gates):
+    spec = job_spec(tmp_path, tiny_dataset, "c", resources={"num_workers": 1})
+    with running_service(tmp_path / "svc.db", gates) as svc:
+        ray.get(svc.add_team.remote("a", 1))  # room for one job: the second waits
+        gates.hold(1, 3)
+        running = ray.get(svc.submit.remote("a", spec))["id"]
+        queued = ray.get(svc.submit.remote("a", spec | {"output_dir": str(tmp_path / "c2")}))["id"]
+        assert wait_until(lambda: gates.reached(running, 3), WAIT_S)
+        assert state_of(svc, queued)["state"] == "queued"
+        assert ray.get(svc.cancel.remote(queued, "a"))["state"] == "cancelled"  # at once: it holds nothing
+        assert ray.get(svc.cancel.remote(running, "a", "wrong data"))["state"] == "cancelling"
+        gates.go(running, 3)
+        job = wait_state(svc, running, "cancelled")
+        assert "cancelled by a: wrong data" in job["message"] and job["workers"] == 0
+        assert states(svc, queued) == ["queued", "cancelled"]
+        run_dir = run_dir_of(tmp_path / "c")
+        assert read_summary(run_dir)["status"] == "cancelled"
+        assert_no_leftovers(ray_cluster, os.path.basename(run_dir))
+        assert_cluster_idle()
+        assert not os.path.exists(tmp_path / "c2" / "runs")  # the queued one never ran
+        audit = ray.get(svc.audit_log.remote())
+        assert [(r["action"], r["target"], r["result"]) for r in audit if r["action"] == "cancel"] == [
+            ("cancel", f"job {queued}", "ok"), ("cancel", f"job {running}", "ok")]
+
+
+def test_a_stop_that_does_not_land_in_time_is_made_hard_but_a_pause_never_loses_the_run(
+        ray_cluster, tiny_dataset, tmp_path, gates):
+    """The step loop is held (as a hung step would hold it) before the first checkpoint: a pause
+    past its deadline waits on (killing now would lose every step); a cancel past its deadline
+    kills the runner, and with it the run's workers."""
+    spec = job_spec(tmp_path, tiny_dataset, "s", resources={"num_workers": 1})
+    with running_service(tmp_path / "svc.db", gates, stop_deadline_s=2.0) as svc:
+        ray.get(svc.add_team.remote("a", 1))
+        gates.hold(1, 3)
+        job_id = ray.get(svc.submit.remote("a", spec))["id"]
+        assert wait_until(lambda: gates.reached(job_id, 3), WAIT_S)
+        ray.get(svc.pause.remote(job_id, "a"))
+        service_log = tmp_path / "raytrain-sys-logs" / "service.log"
+        assert wait_until(lambda: "has no committed checkpoint: not killed" in service_log.read_text(), 60)
+        job = state_of(svc, job_id)
+        assert job["state"] == "pausing" and job["last_checkpoint_step"] is None
+        ray.get(svc.cancel.remote(job_id, "a"))
+        job = wait_state(svc, job_id, "cancelled", timeout_s=60)
+        assert "did not stop within 2 s: runner killed" in job["message"], job
+        run_dir = run_dir_of(tmp_path / "s")
+        assert wait_until(lambda: not runner_actors(), 30)
+        assert_no_leftovers(ray_cluster, os.path.basename(run_dir))
+        assert_cluster_idle()
+
+
+def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
+        ray_cluster, tiny_dataset, tmp_path, gates, reference):
+    spec = job_spec(tmp_path, tiny_dataset, "k", resources={"num_workers": 1})
+    db = tmp_path / "svc.db"
+    with running_service(db, gates) as svc:
+        ray.get([svc.add_team.remote("a", 1), svc.add_team.remote("b", 1)])
+        gates.hold(1, 7)
+        gates.hold(3, 2)
+        running = ray.get(svc.submit.remote("a", spec))["id"]
+        queued = ray.get(svc.submit.remote("a", spec | {"output_dir": str(tmp_path / "q")}))["id"]
+        held = ray.get(svc.submit.remote("b", spec | {"output_dir": str(tmp_path / "h")}, 0, "", "b"))["id"]
+        assert wait_until(lambda: gates.reached(running, 7), WAIT_S)
+        # b's job runs (b has room): its user pauses it, and it is held paused.
+        assert wait_until(lambda: gates.reached(held, 2), WAIT_S)
+        ray.get(svc.pause.remote(held, "b"))
+        gates.go(held, 2)
+        wait_for(svc, held, lambda j: j["state"] == "paused" and j["held"], "held")
+        before = {j["id"]: j for j in ray.get(svc.jobs.remote())}
+        audit = ray.get(svc.audit_log.remote())
+        teams = ray.get(svc.teams.remote())
+        pid = ray.get(svc.info.remote())["pid"]
+
+        os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: get_service() is None, 30), "the killed service is still named"
+        # An admission whose intent was written just before the service died, its runner never made.
+        store = Store.open(f"sqlite:///{db}")
+        intent = user_requests.submit(store, team="b", spec=spec | {"output_dir": str(tmp_path / "i")}, by="b").id
+        store.transition(intent, JobState.QUEUED, JobState.STARTING, actor="scheduler", target_workers=1,
+                         reason="admitted just before the service died")
+        store.close()
+        svc = start_service(f"sqlite:///{db}", serve_api=False, step_hook=gates, poll_s=0.2)
+        assert ray.get(svc.info.remote())["pid"] != pid
+        assert ray.get(svc.teams.remote()) == teams
+        assert ray.get(svc.audit_log.remote())[:len(audit)] == audit
+        after = {j["id"]: j for j in ray.get(svc.jobs.remote())}
+        for job_id in (queued, held):
+            assert after[job_id] == before[job_id]
+        assert after[running]["state"] == "running"
+        wait_state(svc, intent, "running")  # the recorded intent finished: started once
+        assert states(svc, intent) == ["queued", "starting", "running"]
+        gates.go(running, 7)
+        job = wait_state(svc, running, "finished")
+        assert states(svc, running).count("starting") == 1 and job["restarts"] == 0
+        # The queue moves on: the queued job is admitted once the running one has finished.
+        wait_for(svc, queued, lambda j: j["state"] != "queued", "admission")
+        ray.get([svc.cancel.remote(queued, "a"), svc.cancel.remote(held, "b")])
+        wait_state(svc, queued, "cancelled")
+        wait_state(svc, intent, "finished")
+        history = ray.get(svc.history.remote(intent))
+        assert [t["to"] for t in history].count("starting") == 1 and history[-1]["to"] == "finished", history
+        assert state_of(svc, held)["state"] == "cancelled"
+    service_log = open(tmp_path / "raytrain-sys-logs" / "service.log").read()
+    assert f"job {running}: re-attached to its runner" in service_log
+    assert f"job {intent} is starting with no runner: launching it" in service_log
+    summary = read_summary(run_dir_of(tmp_path / "k"))  # one run dir
+    assert summary["mlflow_run_id"] == job["mlflow_run_id"] and summary["steps_redone"] == 0
+    import mlflow
+
+    runs = mlflow.MlflowClient(summary["tracking_uri"]).search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(summary["tracking_uri"]).search_experiments()])
+    assert [r.info.run_id for r in runs] == [job["mlflow_run_id"]]  # one MLflow run
+    assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
+
+
+def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
+        ray_cluster, tiny_dataset, tmp_path, gates, reference):
+    """Budget 1: one job's runner is killed once (restarted from step 5's checkpoint, finishes
+    equal to an uninterrupted run); another's twice (fails, saying the budget is used up)."""
+    spec = job_spec(tmp_path, tiny_dataset, "r1", resources={"num_workers": 1})
+    spec2 = job_spec(tmp_path, tiny_dataset, "r2", resources={"num_workers": 1})
+    with running_service(tmp_path / "svc.db", gates, max_restarts=1) as svc:
+        ray.get(svc.add_team.remote("a", 4))
+        gates.hold(1, 8)
+        gates.hold(2, 7)
+        gates.hold(2, 12)
+        survivor = ray.get(svc.submit.remote("a", spec))["id"]
+        doomed = ray.get(svc.submit.remote("a", spec2))["id"]
+
+        def kill_runner_at(job_id, step):
+            assert wait_until(lambda: gates.reached(job_id, step), WAIT_S), state_of(svc, job_id)
+            wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
+            pid = ray.get(ray.get_actor(runner_name(job_id), namespace=NAMESPACE).ping.remote())
+            os.kill(pid, signal.SIGKILL)
+            assert wait_until(lambda: not pid_alive(pid), 30)
+            gates.go(job_id, step)  # for the restarted run, which passes this step again
+
+        kill_runner_at(survivor, 8)
+        kill_runner_at(doomed, 7)
+        job = wait_state(svc, survivor, "finished")
+        assert job["restarts"] == 1
+        kill_runner_at(doomed, 12)
+        failed = wait_state(svc, doomed, "failed")
+        assert "restart budget used up (1 of 1 restarts)" in failed["message"], failed
+    summary = read_summary(run_dir_of(tmp_path / "r1"))  # the restart resumed the same run
+    assert summary["mlflow_run_id"] == job["mlflow_run_id"] and summary["committed_steps"] == STEPS
+    assert summary["resumed_from"][-1].rstrip("/").endswith("00000005"), summary["resumed_from"]
+    assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
+    assert_no_leftovers(ray_cluster, os.path.basename(run_dir_of(tmp_path / "r2")))
+    assert_cluster_idle()
+
+
+def test_cli_starts_reports_and_stops_the_service(ray_cluster, tmp_path, capsys, monkeypatch):
+    from raytrain_sys.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["service", "start", "--db", "sqlite:///svc.db", "--cluster-workers", "3"]) == 0
+    started = capsys.readouterr().out
+    assert started.startswith("started:") and str(tmp_path / "svc.db") in started
+    assert main(["service", "status"]) == 0
+    status = capsys.readouterr().out
+    assert '"cluster_workers": 3' in status and "no HTTP API" in status or "HTTP API on" in status
+    assert main(["service", "stop"]) == 0 and capsys.readouterr().out.strip() == "stopped"
+    assert get_service() is None
+    assert main(["service", "status"]) == 1 and capsys.readouterr().out.strip() == "not running"
