@@ -98,3 +98,40 @@ def test_block_size_must_match_the_dataset(tiny_dataset, tmp_path):
     proc = run_cli("run", write_spec(tmp_path, f"data: {{path: {tiny_dataset}}}\n"), cwd=tmp_path)
     assert proc.returncode == 2
     assert "'model.block_size': got 128; dataset" in error_lines(proc)[0]
+
+
+@pytest.mark.parametrize("auth_env, expected", [
+    ({}, "requires its auth token and this process sends none: set RAY_AUTH_MODE=token"),
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-cluster-token-0123456789abcdef"},
+     "refused this process's auth token"),
+], ids=["a client without RAY_AUTH_MODE=token (a new user after `ray start --head`)",
+        "a client sending another cluster's token"])
+@pytest.mark.parametrize("command", ["run", "service status"])
+def test_a_cluster_that_wants_rays_auth_token(ray_head, tiny_dataset, tmp_path, auth_env, expected, command):
+    """`ray start --head` turns token auth on when a token exists; `ray.init(address=...)` then
+    retries for about 20 s and raises a bare ConnectionError. Ours: exit 2 within seconds, one
+    line naming RAY_AUTH_MODE=token and where the token is read from."""
+    import time
+
+    from tests.fixtures.ray_head import clean_client_env
+
+    spec = write_spec(tmp_path, f"""
+        model: {{block_size: 32, n_layer: 1, n_embd: 32, n_head: 2}}
+        data: {{path: {tiny_dataset}}}
+        train: {{global_batch_size: 8, max_steps: 2}}
+        optim: {{warmup_steps: 0}}
+        """)
+    # A home with no ~/.ray/auth_token: what a new user's laptop has.
+    env = clean_client_env({"RAY_ADDRESS": ray_head.address, "HOME": str(tmp_path), "PYTHONWARNINGS": "ignore",
+                            **auth_env})
+    args = ["run", spec] if command == "run" else command.split()
+    t0 = time.monotonic()
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    took = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = error_lines(proc)
+    assert expected in line and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "RAY_AUTH_TOKEN" in line and "~/.ray/auth_token" in line
+    if not auth_env:
+        assert f"{tmp_path}/.ray/auth_token does not exist here" in line
+    assert took < 15, f"took {took:.1f} s"

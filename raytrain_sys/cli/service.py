@@ -45,7 +45,10 @@ def _connect() -> None:
 
     if ray.is_initialized():  # called from a notebook or a test already connected
         return
+    from raytrain_sys.control.worker_group import check_ray_auth
+
     address = os.environ.get("RAY_ADDRESS", "auto")
+    check_ray_auth(address)
     try:
         ray.init(address=address, log_to_driver=False, logging_level="WARNING")
     except ConnectionError as exc:

@@ -53,6 +53,7 @@ def connect_ray(spec: JobSpec) -> bool:
         return False
     address = spec.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
     if address:
+        check_ray_auth(address)
         # No runtime_env here: under `ray job submit` it would replace the job's own (its
         # working_dir); workers set their thread count themselves.
         ray.init(address=address, log_to_driver=True)
@@ -65,6 +66,57 @@ def connect_ray(spec: JobSpec) -> bool:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
              runtime_env=runtime_env, log_to_driver=True)
     return True
+
+
+RAY_TOKEN_SOURCES = "$RAY_AUTH_TOKEN, else the file $RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token"
+
+
+def check_ray_auth(address: str, timeout_s: float = 5.0) -> None:
+    """Fail at once, in one line, when the cluster at ``address`` wants Ray's auth token and
+    this process does not send it (or sends another). Ray 2.60 turns token authentication on for
+    clusters started with ``ray start --head`` when a token exists, but ``ray.init(address=...)``
+    sends the token only under RAY_AUTH_MODE=token; without it Ray retries for about 20 s and
+    raises a bare ``ConnectionError``. The probe is one key-value read from the cluster's GCS
+    (``ray._raylet.GcsClient``, what Ray's own CLI uses; not a public API: tests/test_bad_input.py
+    fails if it stops answering this way). An unreachable address is left to ``ray.init``."""
+    import socket
+    import threading
+
+    if "://" in address or address in ("auto", "local"):
+        return  # Ray Client, or "the cluster on this machine": ray.init resolves it
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=2.0).close()
+    except (OSError, ValueError):
+        return  # nothing listens there: ray.init says so
+    outcome: dict = {}
+
+    def probe() -> None:
+        try:
+            from ray._raylet import GcsClient
+
+            GcsClient(address=address).internal_kv_get(b"raytrain-sys:auth-probe", None, timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001: only an authentication refusal matters here
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=probe, daemon=True, name="ray-auth-probe")
+    thread.start()
+    thread.join(timeout_s + 1.0)
+    error = outcome.get("error")
+    if error is None or type(error).__name__ != "AuthenticationError":
+        return
+    mode = os.environ.get("RAY_AUTH_MODE", "")
+    if mode != "token":
+        default = os.path.expanduser("~/.ray/auth_token")
+        here = ("$RAY_AUTH_TOKEN is set here" if os.environ.get("RAY_AUTH_TOKEN") else
+                f"$RAY_AUTH_TOKEN_PATH names {os.environ['RAY_AUTH_TOKEN_PATH']}"
+                if os.environ.get("RAY_AUTH_TOKEN_PATH") else
+                f"{default} exists here" if os.path.exists(default) else
+                f"{default} does not exist here: copy the head's")
+        raise UserError(f"the Ray cluster at {address} requires its auth token and this process sends none: "
+                        f"set RAY_AUTH_MODE=token (the token is read from {RAY_TOKEN_SOURCES}; {here})")
+    raise UserError(f"the Ray cluster at {address} refused this process's auth token (RAY_AUTH_MODE=token, "
+                    f"read from {RAY_TOKEN_SOURCES}): use the cluster's own (`ray get-auth-token` on its head)")
 
 
 def _local_capacity_error(res: str, have: float, num_workers: int, per_worker: float) -> ClusterCapacityError:
