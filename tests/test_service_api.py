@@ -31,8 +31,9 @@ from raytrain_sys.service.tables import metadata
 
 REPO = Path(__file__).resolve().parent.parent
 
-# A spec that validates quickly and needs nothing on disk: 2 workers, elastic down to 1.
-SPEC = {"name": "tiny", "resources": {"num_workers": 2}, "elastic": {"min_workers": 1},
+# A spec that validates quickly and needs nothing on disk: 2 workers, elastic 1..2 (a spec
+# without elastic.max_workers is a gang of resources.num_workers: requests.job_size).
+SPEC = {"name": "tiny", "resources": {"num_workers": 2}, "elastic": {"min_workers": 1, "max_workers": 2},
         "train": {"max_steps": 50}}
 
 
@@ -118,14 +119,16 @@ def test_submit_list_status_and_history(service, tmp_path):
     assert (by_mapping["min_workers"], by_mapping["max_workers"], by_mapping["elastic"]) == (1, 2, True)
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(SPEC))
-    by_path = a.submit(path, overrides=["resources.num_workers=3", "elastic.min_workers=3"], name="sized")
+    by_path = a.submit(path, overrides=["resources.num_workers=3", "elastic.min_workers=3", "elastic.max_workers=0"],
+                       name="sized")
     assert (by_path["name"], by_path["min_workers"], by_path["max_workers"], by_path["elastic"]) == ("sized", 3, 3, False)
     by_text = service.client(service.admin).submit(yaml.safe_dump(SPEC), team="b")
     assert by_text["team"] == "b"
 
     stored = service.store.job(by_path["id"])
     assert (stored.state, stored.team, stored.min_workers, stored.held) == (JobState.QUEUED, "a", 3, False)
-    assert yaml.safe_load(stored.spec)["resources"]["num_workers"] == 3  # the validated spec, overrides applied
+    assert (stored.max_workers, stored.elastic) == (3, False)  # no elastic.max_workers: a gang of num_workers
+    assert json.loads(stored.spec)["resources"]["num_workers"] == 3  # the validated spec, overrides applied
     detail = a.job(by_path["id"])
     assert yaml.safe_load(detail["spec"])["elastic"]["min_workers"] == 3
     assert [(t["from_state"], t["to_state"], t["actor"]) for t in a.transitions(by_path["id"])] == [
@@ -172,17 +175,17 @@ def test_pause_resume_cancel_write_requests_as_guarded_transitions(service):
                        ("queued", "starting", "reconciler"), ("starting", "running", "reconciler"),
                        ("running", "pausing", "a"), ("pausing", "paused", "reconciler"), ("paused", "paused", "a"),
                        ("paused", "cancelled", "a")]
-    assert a.transitions(job)[5]["reason"] == "pause requested by a: need the nodes"
+    assert a.transitions(job)[5]["reason"] == "paused by a: need the nodes; held until resumed"
 
 
 @pytest.mark.parametrize("setup, action, state_named", [
     ((), "resume", "queued"),
-    ((JobState.STARTING,), "pause", "starting"),
+    ((JobState.STARTING, JobState.RUNNING, JobState.CANCELLING), "pause", "cancelling"),
     ((JobState.STARTING, JobState.RUNNING), "resume", "running"),
     ((JobState.STARTING, JobState.RUNNING, JobState.CANCELLING), "cancel", "cancelling"),
     ((JobState.STARTING, JobState.RUNNING, JobState.FINISHED), "pause", "finished"),
     ((JobState.CANCELLED,), "cancel", "cancelled"),
-], ids=["resume of a queued job not held", "pause of a starting job", "resume of a running job",
+], ids=["resume of a queued job not held", "pause of a cancelling job", "resume of a running job",
         "cancel of a job already cancelling", "pause of a finished job", "cancel of a cancelled job"])
 def test_a_request_the_state_does_not_allow_is_409_naming_it_and_changes_nothing(sqlite_service, setup, action,
                                                                                  state_named):
@@ -206,6 +209,42 @@ def test_pausing_a_held_job_twice_is_409_too(sqlite_service):
     with pytest.raises(ServiceRequestInvalid) as err:
         a._json("POST", f"/v1/jobs/{job}/pause", {"delete_checkpoints": True})
     assert err.value.field == "delete_checkpoints"
+
+
+def test_a_pause_that_meets_a_starting_job_holds_it_for_the_reconciler(sqlite_service):
+    """A job being started: the pause holds it (the reconciler pauses it once it runs) rather
+    than a 409 the user would have to retry; a resume before then drops the hold."""
+    a, store = sqlite_service.client(sqlite_service.a), sqlite_service.store
+    job = a.submit(SPEC)["id"]
+    play_reconciler(store, job, JobState.STARTING)
+    held = a.pause(job, reason="not now")
+    assert (held["state"], held["held"]) == ("starting", True)
+    assert held["message"] == "paused by a: not now; held until resumed"
+    assert (a.resume(job)["state"], store.job(job).held) == ("starting", False)
+    # One audit row a request, written once (by requests.py, not again by the API).
+    rows = [(r.action, r.result) for r in store.audit_log(actor="a") if r.target == f"job {job}"]
+    assert rows == [("pause", "ok"), ("resume", "ok")]
+
+
+def test_a_submitted_spec_is_stored_as_the_runner_reads_it_with_absolute_paths(tmp_path):
+    """The store holds what the reconciler launches: ``json.loads(job.spec)``, run at the
+    admitted size by ``runner.start_spec``; relative local paths point into the API's base dir."""
+    from raytrain_sys.service.runner import start_spec
+    from raytrain_sys.spec import from_dict
+
+    store = Store.open(f"sqlite:///{tmp_path}/service.db")
+    store.add_team(Team("a", 4))
+    base = tmp_path / "base"
+    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", base_dir=str(base)) as handle:
+        spec = {**SPEC, "output_dir": "runs", "data": {"path": "data/tiny"},
+                "checkpoint": {"uri": "ckpt"}}
+        job = Client(handle.url, store.issue_token("a")).submit(yaml.safe_dump(spec))["id"]
+    stored = json.loads(store.job(job).spec)  # the reconciler's read (JSON; YAML would raise here)
+    runnable = from_dict(start_spec(stored, 1))
+    assert runnable.data.path == str(base / "data" / "tiny")
+    assert (runnable.output_dir, runnable.checkpoint.uri) == (str(base / "runs"), str(base / "ckpt"))
+    assert (runnable.resources.num_workers, runnable.elastic.max_workers) == (1, 2)
+    store.close()
 
 
 # ----------------------------------------------------------------------------- auth
@@ -292,14 +331,17 @@ def test_the_admin_manages_teams_and_tokens(sqlite_service):
 
 
 @pytest.mark.parametrize("spec, overrides, field", [
-    ({"resources": {"num_workers": "two"}}, [], "resources.num_workers"),
-    ({"resources": {"num_wrokers": 2}}, [], "resources.num_wrokers"),
-    ({"elastic": {"min_workers": 3}, "resources": {"num_workers": 2}}, [], "elastic.min_workers"),
-    (SPEC, ["train.max_steps=-4"], "train.max_steps"),
+    ({"resources": {"num_workers": "two"}}, [], "spec.resources.num_workers"),
+    ({"resources": {"num_wrokers": 2}}, [], "spec.resources.num_wrokers"),
+    ({"elastic": {"min_workers": 3}, "resources": {"num_workers": 2}}, [], "spec.elastic.min_workers"),
+    (SPEC, ["train.max_steps=-4"], "spec.train.max_steps"),
+    ({"train": {"stop_at_step": 5}}, [], "spec.train.stop_at_step"),
+    (SPEC, ["not-an-override"], "overrides"),
     ("resources: {num_workers: 2\n", [], "spec"),
     ("- a list\n", [], "spec"),
 ], ids=["a field of the wrong type", "an unknown field", "min_workers above num_workers",
-        "an override out of range", "YAML that does not parse", "YAML that is not a mapping"])
+        "an override out of range", "a stop step (a service job is paused instead)", "a malformed override",
+        "YAML that does not parse", "YAML that is not a mapping"])
 def test_a_malformed_spec_is_400_naming_the_field_and_writes_nothing(sqlite_service, spec, overrides, field):
     svc = sqlite_service
     before = svc.store.count_jobs()
@@ -319,10 +361,14 @@ def test_an_unknown_team_and_a_min_workers_that_never_fits_are_rejected(service)
     with pytest.raises(ServiceRequestInvalid, match="an admin token must name the team"):
         admin.submit(SPEC)
     # Team b: nominal 2 + borrowing limit 1 = 3 at most, however idle the cohort.
-    never = {**SPEC, "resources": {"num_workers": 4}, "elastic": {"min_workers": 4}}
+    never = {**SPEC, "resources": {"num_workers": 4}, "elastic": {"min_workers": 4, "max_workers": 4}}
     with pytest.raises(ServiceRequestInvalid, match=r"min_workers 4 is more than team b could ever get: 3") as err:
         service.client(service.b).submit(never)
-    assert err.value.field == "elastic.min_workers"
+    assert err.value.field == "spec.elastic.min_workers"
+    gang = {**SPEC, "resources": {"num_workers": 4}, "elastic": {"min_workers": 1}}  # no max: a gang of 4
+    with pytest.raises(ServiceRequestInvalid, match=r"min_workers 4 .* team b .*a gang of resources.num_workers") as err:
+        service.client(service.b).submit(gang)
+    assert err.value.field == "spec.resources.num_workers"
     assert service.store.count_jobs() == before
     assert service.client(service.b).submit(never, overrides=["elastic.min_workers=3"])["min_workers"] == 3
 
@@ -455,7 +501,7 @@ def test_cli_jobs_commands(sqlite_service, tmp_path):
     assert out.returncode == 0, out.stderr
     job = int(out.stdout.split()[1])
     assert out.stdout.startswith(f"job {job} queued: tiny for team a, 1..2 workers, priority 2")
-    assert yaml.safe_load(svc.store.job(job).spec)["train"]["max_steps"] == 90
+    assert json.loads(svc.store.job(job).spec)["train"]["max_steps"] == 90
 
     listed = cli(svc, "jobs", "list", "--state", "queued")
     assert listed.returncode == 0
@@ -466,7 +512,7 @@ def test_cli_jobs_commands(sqlite_service, tmp_path):
     assert cli(svc, "jobs", "pause", str(job)).stdout.strip() == f"job {job}: queued (held)"
     status = cli(svc, "jobs", "status", str(job))
     assert status.returncode == 0 and "queued (held by its team)" in status.stdout
-    assert "pause requested by a" in status.stdout
+    assert "paused by a" in status.stdout
     assert cli(svc, "jobs", "resume", str(job)).stdout.strip() == f"job {job}: queued"
 
     svc.log_dir.mkdir(exist_ok=True)

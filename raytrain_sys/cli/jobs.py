@@ -53,8 +53,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     lg.add_argument("job_id", type=int)
     lg.add_argument("--follow", "-f", action="store_true", help="print new lines until the job ends")
     lg.set_defaults(func=_logs)
-    for action, text in (("pause", "pause a job (running: checkpoint and release; queued: hold)"),
-                         ("resume", "queue a job its team paused again"),
+    for action, text in (("pause", "pause a job and hold it (running: checkpoint and release; "
+                                    "queued, paused or starting: held, paused once it runs)"),
+                         ("resume", "release a job its team paused: it waits for admission again"),
                          ("cancel", "cancel a job")):
         a = js.add_parser(action, parents=[conn], help=text)
         a.add_argument("job_id", type=int)

@@ -1,13 +1,15 @@
 """The job service's HTTP API (``/v1``): submit, list, inspect, pause, resume and cancel jobs;
 manage teams and their tokens.
 
-Owns: the HTTP form of the service (paths, request and response models, status codes) and the
-*requests* a user may write. It writes only through ``Store``: a submitted job, a team's hold
-or release of a job (``held``), a cancel's intent (``delete_checkpoints``), and the request
-edges in ``REQUESTS`` below (queued/paused -> cancelled; starting/running/resuming/pausing ->
-cancelling; running -> pausing), each one guarded write. It never writes a run-time transition
-(starting, running, paused, finished, ...): those are the reconciler's, which also finishes
-every request written here. Every write and every refusal leaves an audit row (``auth``).
+Owns: the HTTP form of the service (paths, request and response models, status codes), who may
+ask (authentication; a team acts on its own jobs only, the admin on every team's) and the
+teams' admin calls. The requests themselves (submit, pause, resume, cancel: what each writes, in
+which states, the spec's validation and stored form) are ``service/requests.py``'s, the one
+implementation the service actor's methods use too; this module calls it once a request passed
+its checks. It never writes a run-time transition (starting, running, paused, finished, ...):
+those are the reconciler's, which also finishes every request. Every write and every refusal
+leaves an audit row: the refusals only the API sees (401, 403, 404, a wrong body) here
+(``auth``), the requests' outcomes (ok, 400 on the spec, 409) in ``requests``.
 
 Errors are JSON ``{"error": "...", "field": ...}``: 400 a field is wrong (named), 401 no valid
 token, 403 another team's job or an admin-only call, 404 no such job or team, 409 the job's
@@ -38,9 +40,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from raytrain_sys import spec as job_spec
-from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, SpecError, UserError
-from raytrain_sys.service import auth
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError
+from raytrain_sys.service import auth, requests
 from raytrain_sys.service.model import JobRecord, JobState, Team
 from raytrain_sys.service.store import Principal, Store
 
@@ -51,51 +52,6 @@ DEFAULT_LOG_DIR = "service-logs"  # where the runner writes job-<id>.log, unless
 LOG_CHUNK_BYTES = 1 << 20  # one logs answer at most (1 MiB); a follower asks again from next_offset
 SERVE_START_TIMEOUT_S = 10.0  # uvicorn binds no port itself (we pass the socket); startup is ~0.1 s
 RESERVED_TEAM_NAMES = frozenset({"admin", auth.ANONYMOUS, auth.BOOTSTRAP})  # audit actors
-
-
-# ----------------------------------------------------------------------------- request edges
-
-# What each request does to a job in a given (state, held): the target state and the fields
-# written with it, in one guarded write on the state (and on held where it is listed). A
-# (state, held) not listed for a request is a 409 naming the state. held=None: either.
-Edge = tuple[JobState, dict[str, Any]]
-REQUESTS: dict[str, dict[tuple[JobState, Optional[bool]], Edge]] = {
-    "pause": {
-        (JobState.QUEUED, False): (JobState.QUEUED, {"held": True}),  # never started: just held
-        (JobState.PAUSED, False): (JobState.PAUSED, {"held": True}),  # paused by the scheduler: keep it so
-        # held with it, so that once paused the scheduler does not admit it again by itself
-        (JobState.RUNNING, None): (JobState.PAUSING, {"held": True}),
-    },
-    "resume": {
-        (JobState.QUEUED, True): (JobState.QUEUED, {"held": False}),
-        (JobState.PAUSED, True): (JobState.PAUSED, {"held": False}),  # admitted again = resumed from its checkpoint
-        (JobState.PAUSING, True): (JobState.PAUSING, {"held": False}),  # admitted again once paused
-    },
-    "cancel": {
-        (JobState.QUEUED, None): (JobState.CANCELLED, {}),  # holds no workers: ends now
-        (JobState.PAUSED, None): (JobState.CANCELLED, {}),
-        (JobState.STARTING, None): (JobState.CANCELLING, {}),  # the reconciler stops it, then cancelled
-        (JobState.RUNNING, None): (JobState.CANCELLING, {}),
-        (JobState.RESUMING, None): (JobState.CANCELLING, {}),
-        (JobState.PAUSING, None): (JobState.CANCELLING, {}),
-    },
-}
-_APPLIES_TO = {
-    "pause": "a queued or paused job not held yet, or a running one",
-    "resume": "a job its team paused (queued, paused or pausing and held)",
-    "cancel": "a job that has not ended and is not cancelling already",
-}
-
-
-def request_edge(action: str, job: JobRecord) -> Optional[tuple[Optional[bool], Edge]]:
-    """The edge ``action`` takes from this job's (state, held), and the held guard it needs;
-    None when the request does not apply."""
-    edges = REQUESTS[action]
-    if (job.state, job.held) in edges:
-        return job.held, edges[(job.state, job.held)]
-    if (job.state, None) in edges:
-        return None, edges[(job.state, None)]
-    return None
 
 
 # ----------------------------------------------------------------------------- models
@@ -141,7 +97,7 @@ class JobOut(BaseModel):
     updated_at_s: float
     message: str = Field(description="the last transition's reason")
     delete_checkpoints: bool
-    spec: Optional[str] = Field(None, description="the validated spec as YAML (GET /v1/jobs/{id} only)")
+    spec: Optional[str] = Field(None, description="the validated spec as stored: JSON text, local paths absolute (GET /v1/jobs/{id} only)")
 
     @classmethod
     def of(cls, job: JobRecord, *, with_spec: bool = False) -> "JobOut":
@@ -231,10 +187,13 @@ REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
 
 
 def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
-               cluster_workers: Union[int, Callable[[], Optional[int]], None] = None) -> FastAPI:
+               cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
+               base_dir: Optional[str] = None) -> FastAPI:
     """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
     writes them). ``cluster_workers`` (a number, or a function returning the current one) also
-    rejects a submit whose min_workers the cluster could never hold; None: quotas only."""
+    rejects a submit whose min_workers the cluster could never hold; None: quotas only.
+    ``base_dir``: where a submitted spec's relative paths point (default: this process's working
+    directory; the runner runs elsewhere, so they are stored absolute)."""
     log_root = Path(log_dir)
     auth.install_log_redaction()
     app = FastAPI(title="raytrain-sys job service", version="1",
@@ -293,21 +252,19 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
 
     @app.post(f"{API_PREFIX}/jobs", response_model=JobOut, status_code=201, tags=["jobs"])
     def submit(body: SubmitIn, who: Principal = Depends(principal)) -> JobOut:
-        """Queue a job. The spec is validated (a wrong field is a 400 naming it) and so is its
-        size against the team's quota: a min_workers the team could never get is rejected
-        (400, ``elastic.min_workers``, with the team's ceiling). Nothing is written on rejection."""
+        """Queue a job (``requests.submit``). The spec is validated (a wrong field is a 400
+        naming it, ``spec.<field>``) and so is its size against the team's quota: a size the team
+        could never get is rejected (400, ``spec.elastic.min_workers``, or
+        ``spec.resources.num_workers`` for a gang, with the team's ceiling). Nothing is written
+        on rejection."""
         team = body.team if body.team is not None else who.team
-        with audited(who, "submit", f"team {team}") as note:
+        with audited(who, "submit", f"team {team}", record_ok=False):  # refusals only the API sees
             if team is None:
                 raise ServiceInputError("team", "an admin token must name the team to submit for")
             auth.check_team(who, team, "jobs")
-            spec = _validated_spec(body.spec, body.overrides)
-            max_workers = spec.elastic.max_workers or spec.resources.num_workers
-            job = store.submit(team=team, name=body.name or spec.name, spec=job_spec.to_yaml(spec),
-                               min_workers=spec.elastic.min_workers, max_workers=max_workers,
-                               priority=body.priority, actor=who.name,
-                               cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers)
-            note["target"] = f"job {job.id} (team {team})"
+        job = requests.submit(store, team=team, spec=body.spec, overrides=body.overrides, by=who.name,
+                              priority=body.priority, name=body.name or "", base_dir=base_dir,
+                              cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers)
         log.info("job %d submitted by %s for team %s (%d..%d workers)", job.id, who.name, team,
                  job.min_workers, job.max_workers)
         return JobOut.of(job)
@@ -351,38 +308,33 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
                         headers={"X-Next-Offset": str(next_offset)})
 
     def request(action: str, job_id: int, body: Optional[ActionIn], who: Principal) -> JobOut:
+        """Check what only the API knows (the body, the job's existence and owner: 400, 404, 403,
+        audited here), then write the request through ``requests`` (which audits it: ok or 409)."""
         body = body or ActionIn()
-        with audited(who, action, f"job {job_id}"):
+        with audited(who, action, f"job {job_id}", record_ok=False):
             if body.delete_checkpoints and action != "cancel":
                 raise ServiceInputError("delete_checkpoints", f"applies to cancel only, not {action}")
-            job = job_of(who, job_id)
-            found = request_edge(action, job)
-            if found is None:
-                state = f"{job.state.value}{' and held' if job.held else ''}"
-                raise JobStateConflict(f"job {job_id} is {state}: cannot {action} it ({action} applies to "
-                                       f"{_APPLIES_TO[action]}); nothing was changed")
-            expected_held, (to, changes) = found
-            changes = dict(changes)
-            if action == "resume":
-                changes["waiting_since_s"] = time.time()  # held time does not age a job
-            if action == "cancel" and body.delete_checkpoints:
-                changes["delete_checkpoints"] = True
-            reason = f"{action} requested by {who.name}" + (f": {body.reason}" if body.reason else "")
-            job = store.transition(job_id, job.state, to, actor=who.name, reason=reason,
-                                   expected_held=expected_held, **changes)
+            job_of(who, job_id)
+        reason = body.reason or ""
+        if action == "cancel":
+            job = requests.cancel(store, job_id, by=who.name, reason=reason,
+                                  delete_checkpoints=body.delete_checkpoints)
+        else:
+            job = getattr(requests, action)(store, job_id, by=who.name, reason=reason)
         log.info("job %d: %s by %s -> %s%s", job_id, action, who.name, job.state.value, " (held)" if job.held else "")
         return JobOut.of(job)
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/pause", response_model=JobOut, tags=["jobs"])
     def pause(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
-        """Running: checkpoint and release its workers (-> pausing; the reconciler makes it
-        paused). Queued or paused by the scheduler: held, so the scheduler leaves it waiting."""
+        """Running: checkpoint and release its workers (-> pausing, held; the reconciler makes
+        it paused). Queued, paused, starting, resuming or pausing: held, so the scheduler leaves it
+        waiting and the reconciler pauses it once it runs. 409 when it is held already or ended."""
         return request("pause", job_id, body, who)
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/resume", response_model=JobOut, tags=["jobs"])
     def resume(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
-        """Release a job its team paused: it waits for admission again (a paused job that is
-        admitted resumes from its checkpoint)."""
+        """Release a job its team paused (held): it waits for admission again (a paused job that
+        is admitted resumes from its checkpoint); a hold not carried out yet is dropped."""
         return request("resume", job_id, body, who)
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/cancel", response_model=JobOut, tags=["jobs"])
@@ -454,14 +406,6 @@ def _team_or_404(store: Store, name: str) -> Team:
         raise ApiError(404, f"unknown team {name!r} (known: {known})", "team") from None
 
 
-def _validated_spec(raw: Union[dict, str], overrides: list[str]) -> job_spec.JobSpec:
-    """The submitted spec (mapping or YAML text) with its overrides, validated: a SpecError names
-    the field (``spec`` itself for text that is not a YAML mapping)."""
-    if isinstance(raw, str):
-        return job_spec.from_text(raw, overrides, field="spec", source="the spec")
-    return job_spec.from_dict(job_spec.apply_overrides(raw, overrides))
-
-
 def _read_log(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
     try:
         with open(path, "rb") as f:
@@ -497,12 +441,13 @@ class ServiceHandle:
 
 def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
           log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
-          cluster_workers: Union[int, Callable[[], Optional[int]], None] = None) -> ServiceHandle:
+          cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
+          base_dir: Optional[str] = None) -> ServiceHandle:
     """Run the API with uvicorn on a background thread (port 0: a free one) and return once it
     accepts connections. The socket is bound here, so a port in use fails in the caller."""
     import uvicorn
 
-    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers)
+    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers, base_dir=base_dir)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -528,4 +473,4 @@ def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
     return ServiceHandle(server, thread, sock, url)
 
 
-__all__ = ["create_app", "serve", "ServiceHandle", "REQUESTS", "request_edge", "API_PREFIX", "DEFAULT_LOG_DIR"]
+__all__ = ["create_app", "serve", "ServiceHandle", "API_PREFIX", "DEFAULT_LOG_DIR"]

@@ -80,7 +80,7 @@ class Client:
         return self._json("GET", "/v1/jobs", query=query)
 
     def job(self, job_id: int) -> dict:
-        """The job, with its validated spec (YAML) under ``spec``."""
+        """The job, with its validated spec as stored (JSON text) under ``spec``."""
         return self._json("GET", f"/v1/jobs/{int(job_id)}")
 
     def transitions(self, job_id: int) -> list[dict]:

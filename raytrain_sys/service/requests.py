@@ -1,72 +1,103 @@
 """What a user (through the API, the CLI or the service actor's methods) writes: requests, never
-run-time outcomes.
+run-time outcomes. The one implementation of submit, pause, resume and cancel: the HTTP API
+(``api.py``) adds authentication, ownership (403), its status codes and models, and calls these.
 
 Owns the conventions between a request and the reconciler that carries it out. Every function
 takes the store and who asks (``by``: a team name or "admin"; whether that principal may touch
-the job is the API's check, not this module's), makes one guarded write (``Store.transition``),
-and records an audit row, ``ok`` or why it was refused. A request that meets a job which moved
+the job is the API's check, not this module's), makes one guarded write (``Store.transition``,
+guarded on the state read and on ``held``), and records an audit row: ``ok``, or
+``refused (409): ...`` / ``refused (400): ...`` (the status the API answers with, so the audit
+reads the same whichever way a request came). A request that meets a job which moved
 meanwhile reads it again and retries (a few times), so a user's pause racing the scheduler's is
 not lost.
 
 The conventions (``model.JobState`` lists the edges):
 
-* **submit** validates the spec with ``raytrain_sys.spec`` (a refusal names the field,
-  ``spec.<field>``, and writes no job), makes its local paths absolute against ``base_dir`` (the
-  runner's process has another working directory), and derives the job's size: a spec with
+* **submit** validates the spec with ``raytrain_sys.spec`` after its ``overrides``
+  ("dotted.key=value"); a refusal names the request field, ``spec.<field>`` (``spec`` itself
+  for text that is not a YAML mapping, ``overrides`` for a malformed override), and writes no
+  job. Its local paths (output_dir, data.path, checkpoint.uri and resume_from) are made absolute
+  against ``base_dir`` (the runner's process has another working directory; the API's and the
+  service actor's base dir is the directory the service was started from). ``train.stop_at_step``
+  is refused: a service job stops with a pause request. The job's size: a spec with
   ``elastic.max_workers`` set is elastic in ``elastic.min_workers..elastic.max_workers``; one
-  without is a gang of ``resources.num_workers``.
+  without is a gang of ``resources.num_workers`` (the runner starts a run on the admitted count
+  and the Supervisor grows only up to ``elastic.max_workers or resources.num_workers``, so a
+  spec without a max could never grow back past its admission). A size the team could never
+  get is refused on the field that sets it (``spec.elastic.min_workers`` or
+  ``spec.resources.num_workers``). **The store holds the validated spec as JSON**
+  (``json.dumps(spec.to_dict())``), the one format: the reconciler reads it with ``json.loads``.
 * **pause** by a user holds the job (``held``) until the user resumes it: a running job moves to
   pausing (held), the reconciler asks its runner to stop with a checkpoint and records paused;
-  a queued, paused, starting or resuming job is marked held (the reconciler pauses a held job
-  once it runs). A scheduler's pause (written by the reconciler) leaves ``held`` false: the job
-  waits for admission again.
-* **resume** clears ``held``; the scheduler admits the job when it fits, and the reconciler
-  resumes it from its newest checkpoint.
-* **cancel** ends a queued or paused job at once (it holds nothing); a live run moves to
-  cancelling and the reconciler stops it at the next step boundary (no checkpoint added).
+  a queued, paused, starting, resuming or pausing (the scheduler's) job not held yet is marked
+  held (the reconciler pauses a held job once it runs; the scheduler leaves a held job waiting).
+  A scheduler's pause (written by the reconciler) leaves ``held`` false: the job waits for
+  admission again. The transition's reason is ``paused by <by>[: reason]; held until resumed``
+  (the reconciler names the holder from it).
+* **resume** clears ``held`` of a job that has not ended and is not cancelling; a waiting job's
+  ``waiting_since_s`` starts again (held time does not age a job). The scheduler admits it when
+  it fits, and the reconciler resumes it from its newest checkpoint; a hold that had not been
+  carried out yet (starting, resuming, running) is simply dropped.
+* **cancel** ends a queued or paused job at once (it holds nothing); a live run (starting,
+  running, resuming, pausing) moves to cancelling and the reconciler stops it at the next step
+  boundary (no checkpoint added). ``delete_checkpoints`` is recorded with it.
+* A request that would change nothing (a pause of a job already held, a resume of one not held,
+  a cancel of a job cancelling or ended) is refused with ``JobStateConflict`` naming the state
+  and what the request applies to; nothing is written but the audit row.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional, Union
+import time
+from dataclasses import asdict
+from typing import Any, Callable, Optional, Union
 
 import yaml
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, SpecError
+from raytrain_sys.service import auth
 from raytrain_sys.service.model import JobRecord, JobState
 from raytrain_sys.service.store import Store
-from raytrain_sys.spec import JobSpec, from_dict
+from raytrain_sys.spec import JobSpec, apply_overrides, from_dict, from_text
 
 RETRIES = 3  # a request that meets a job moving under it reads it again this many times
 
+# What each request applies to (the 409's words; the edges are in pause/resume/cancel below).
+APPLIES_TO = {
+    "pause": "a queued, paused, starting, resuming or pausing job not held yet, or a running one",
+    "resume": "a job its team paused (held) that has not ended and is not cancelling",
+    "cancel": "a job that has not ended and is not cancelling already",
+}
+_LIVE_RUN = (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING)
 
-def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None) -> JobSpec:
-    """A submitted spec (a mapping, or YAML / JSON text) as a validated ``JobSpec`` with its
-    local paths absolute. Raises ``ServiceInputError`` on ``spec.<field>``."""
+
+def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
+               overrides: Optional[list[str]] = None) -> JobSpec:
+    """A submitted spec (a mapping, or YAML / JSON text) with its overrides, as a validated
+    ``JobSpec`` with its local paths absolute. Raises ``ServiceInputError`` on ``spec.<field>``
+    (``spec`` for text that is not a mapping, ``overrides`` for a malformed override)."""
+    raw = spec
     if isinstance(spec, str):
         try:
-            spec = yaml.safe_load(spec)
-        except yaml.YAMLError as exc:
-            raise ServiceInputError("spec", f"is not YAML or JSON: {exc}") from None
-    if not isinstance(spec, dict):
-        raise ServiceInputError("spec", f"must be a mapping of spec sections, got {type(spec).__name__}")
-    raw = json.loads(json.dumps(spec))
-    base = os.path.abspath(base_dir or os.getcwd())
-
-    def absolute(section: str, key: str, default: str = "") -> None:
-        value = (raw.get(section) or {}).get(key, default) if section else raw.get(key, default)
-        if value and "://" not in value and not os.path.isabs(value):
-            if section:
-                raw.setdefault(section, {})[key] = os.path.join(base, value)
-            else:
-                raw[key] = os.path.join(base, value)
-
+            raw = yaml.safe_load(spec)
+        except yaml.YAMLError:
+            raw = None
+        else:
+            raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            try:  # its error names the line and column, or what the text holds instead of a mapping
+                from_text(spec, field="spec", source="the spec")
+            except SpecError as exc:
+                raise ServiceInputError("spec", str(exc).split(": ", 1)[-1]) from None
+    if not isinstance(raw, dict):
+        raise ServiceInputError("spec", f"must be a mapping of spec sections, got {type(raw).__name__}")
     try:
-        absolute("", "output_dir", JobSpec.output_dir)
-        absolute("data", "path", "")
-        absolute("checkpoint", "uri", "")
+        raw = apply_overrides(raw, list(overrides or []))
+    except SpecError as exc:
+        raise ServiceInputError("overrides", str(exc)) from None
+    try:
         parsed = from_dict(raw)
     except SpecError as exc:
         raise ServiceInputError(f"spec.{exc.field}", str(exc).split(": ", 1)[-1]) from None
@@ -74,6 +105,17 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None) -> JobSpe
         raise ServiceInputError("spec.train.stop_at_step",
                                 f"got {parsed.train.stop_at_step}; a service job is paused with a pause "
                                 f"request, not a step in its spec: leave it 0")
+    base = os.path.abspath(base_dir or os.getcwd())
+
+    def absolute(value: str) -> str:
+        if value and value != "latest" and "://" not in value and not os.path.isabs(value):
+            return os.path.join(base, value)
+        return value
+
+    parsed.output_dir = absolute(parsed.output_dir)
+    parsed.data.path = absolute(parsed.data.path)
+    parsed.checkpoint.uri = absolute(parsed.checkpoint.uri)
+    parsed.checkpoint.resume_from = absolute(parsed.checkpoint.resume_from)
     return parsed
 
 
@@ -85,21 +127,34 @@ def job_size(spec: JobSpec) -> tuple[int, int, bool]:
     return spec.resources.num_workers, spec.resources.num_workers, False
 
 
+def stored_spec(spec: JobSpec) -> str:
+    """The spec as the store holds it and the reconciler reads it (``json.loads``)."""
+    return json.dumps(spec.to_dict())
+
+
 def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority: int = 0, name: str = "",
-           cluster_workers: Optional[int] = None, idempotency_key: Optional[str] = None,
-           base_dir: Optional[str] = None) -> JobRecord:
+           overrides: Optional[list[str]] = None, cluster_workers: Optional[int] = None,
+           idempotency_key: Optional[str] = None, base_dir: Optional[str] = None) -> JobRecord:
     """Queue a job (see the module docstring). A refusal raises ``ServiceInputError`` naming the
     field; nothing but the audit row is written."""
     try:
-        parsed = parse_spec(spec, base_dir)
+        parsed = parse_spec(spec, base_dir, overrides)
         low, high, elastic = job_size(parsed)
-        job = store.submit(team=team, name=name or parsed.name, spec=json.dumps(parsed.to_dict()),
-                           min_workers=low, max_workers=high, elastic=elastic, priority=priority, actor=by,
-                           idempotency_key=idempotency_key, cluster_workers=cluster_workers)
+        try:
+            job = store.submit(team=team, name=name or parsed.name, spec=stored_spec(parsed),
+                               min_workers=low, max_workers=high, elastic=elastic, priority=priority, actor=by,
+                               idempotency_key=idempotency_key, cluster_workers=cluster_workers)
+        except ServiceInputError as exc:
+            if exc.field not in ("elastic.min_workers", "elastic.max_workers"):
+                raise
+            field = "spec.elastic.min_workers" if parsed.elastic.max_workers else "spec.resources.num_workers"
+            gang = "" if parsed.elastic.max_workers else (" (a spec without elastic.max_workers is a gang of "
+                                                          "resources.num_workers)")
+            raise ServiceInputError(field, str(exc).split(": ", 1)[-1] + gang) from None
     except ServiceInputError as exc:
-        store.record_audit(by, "submit", f"team {team}", f"refused: {exc}")
+        auth.record(store, by, "submit", f"team {team}", f"refused (400): {exc}")
         raise
-    store.record_audit(by, "submit", f"job {job.id}", "ok")
+    auth.record(store, by, "submit", f"job {job.id} (team {team})", "ok")
     return job
 
 
@@ -107,72 +162,80 @@ def pause(store: Store, job_id: int, *, by: str, reason: str = "") -> JobRecord:
     """Pause a job and hold it until resumed (see the module docstring)."""
     why = f"paused by {by}" + (f": {reason}" if reason else "") + "; held until resumed"
 
-    def write(job: JobRecord) -> JobRecord:
+    def write(job: JobRecord) -> Optional[JobRecord]:
         if job.state is JobState.RUNNING:
-            return store.transition(job.id, job.state, JobState.PAUSING, actor=by, reason=why, held=True)
+            return store.transition(job.id, job.state, JobState.PAUSING, actor=by, reason=why, held=True,
+                                    expected_held=job.held)
         if job.state in (JobState.QUEUED, JobState.PAUSED, JobState.STARTING, JobState.RESUMING,
-                         JobState.PAUSING):
-            return store.transition(job.id, job.state, job.state, actor=by, reason=why, held=True)
-        raise JobStateConflict(f"job {job.id} is {job.state.value}: it cannot be paused")
+                         JobState.PAUSING) and not job.held:
+            return store.transition(job.id, job.state, job.state, actor=by, reason=why, held=True,
+                                    expected_held=False)
+        return None
 
     return _request(store, job_id, by, "pause", write)
 
 
-def resume(store: Store, job_id: int, *, by: str) -> JobRecord:
+def resume(store: Store, job_id: int, *, by: str, reason: str = "") -> JobRecord:
     """Let a held job be admitted again (resumed from its checkpoint when it had run)."""
+    why = f"resumed by {by}" + (f": {reason}" if reason else "")
 
-    def write(job: JobRecord) -> JobRecord:
-        if job.state.terminal or job.state is JobState.CANCELLING:
-            raise JobStateConflict(f"job {job.id} is {job.state.value}: it cannot be resumed")
-        if not job.held:
-            raise JobStateConflict(f"job {job.id} is {job.state.value} and not held: nothing to resume")
-        return store.transition(job.id, job.state, job.state, actor=by, held=False,
-                                reason=f"resumed by {by}: waits for admission" if job.state.waiting
-                                else f"resumed by {by}")
+    def write(job: JobRecord) -> Optional[JobRecord]:
+        if job.state.terminal or job.state is JobState.CANCELLING or not job.held:
+            return None
+        changes: dict[str, Any] = {"waiting_since_s": time.time()} if job.state.waiting else {}
+        return store.transition(job.id, job.state, job.state, actor=by, held=False, expected_held=True,
+                                reason=f"{why}; waits for admission" if job.state.waiting else why, **changes)
 
     return _request(store, job_id, by, "resume", write)
 
 
-def cancel(store: Store, job_id: int, *, by: str, reason: str = "") -> JobRecord:
+def cancel(store: Store, job_id: int, *, by: str, reason: str = "", delete_checkpoints: bool = False) -> JobRecord:
     """End a job: at once if it holds nothing, else at its run's next step boundary."""
     why = f"cancelled by {by}" + (f": {reason}" if reason else "")
+    intent = {"delete_checkpoints": True} if delete_checkpoints else {}
 
-    def write(job: JobRecord) -> JobRecord:
+    def write(job: JobRecord) -> Optional[JobRecord]:
         if job.state.waiting:
             return store.transition(job.id, job.state, JobState.CANCELLED, actor=by, reason=why,
-                                    workers=0, target_workers=0)
-        if job.state in (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING):
-            return store.transition(job.id, job.state, JobState.CANCELLING, actor=by, reason=why)
-        if job.state is JobState.CANCELLING:
-            return job
-        raise JobStateConflict(f"job {job.id} is {job.state.value}: it has ended")
+                                    workers=0, target_workers=0, **intent)
+        if job.state in _LIVE_RUN:
+            return store.transition(job.id, job.state, JobState.CANCELLING, actor=by, reason=why, **intent)
+        return None
 
     return _request(store, job_id, by, "cancel", write)
 
 
-def _request(store: Store, job_id: int, by: str, action: str, write) -> JobRecord:
+def _request(store: Store, job_id: int, by: str, action: str,
+             write: Callable[[JobRecord], Optional[JobRecord]]) -> JobRecord:
+    """Read the job, write the request's edge (None: it does not apply, a 409 naming the state);
+    a guarded write that meets a job which moved is tried again on a fresh read."""
     target = f"job {job_id}"
     try:
         for attempt in range(RETRIES):
+            job = store.job(job_id)
             try:
-                job = write(store.job(job_id))
-                break
-            except JobStateConflict:
+                done = write(job)
+            except JobStateConflict:  # moved between the read and the guarded write
                 if attempt == RETRIES - 1:
                     raise
-                if store.job(job_id).state.terminal:
-                    raise
-    except (JobStateConflict, ServiceInputError) as exc:
-        store.record_audit(by, action, target, f"refused: {exc}")
+                continue
+            if done is None:
+                state = f"{job.state.value}{' and held' if job.held else ''}"
+                raise JobStateConflict(f"job {job_id} is {state}: cannot {action} it ({action} applies to "
+                                       f"{APPLIES_TO[action]}); nothing was changed")
+            break
+    except JobStateConflict as exc:
+        auth.record(store, by, action, target, f"refused (409): {exc}")
         raise
-    store.record_audit(by, action, target, "ok")
-    return job
+    except ServiceInputError as exc:  # no such job
+        auth.record(store, by, action, target, f"refused (400): {exc}")
+        raise
+    auth.record(store, by, action, target, "ok")
+    return done
 
 
 def job_dict(job: JobRecord) -> dict[str, Any]:
     """A job as plain data (the API's and the service actor's answer)."""
-    from dataclasses import asdict
-
     out = asdict(job)
     out["state"] = job.state.value
     return out

@@ -112,7 +112,9 @@ class ServiceActor:
             self.api = f"no HTTP API ({API_MODULE} is not installed)"
             log.warning("%s", self.api)
             return
-        kwargs = {"log_dir": self.log_dir} if "log_dir" in inspect.signature(api.serve).parameters else {}
+        offered = {"log_dir": self.log_dir, "base_dir": self.base_dir, "cluster_workers": self.cluster_workers}
+        accepted = inspect.signature(api.serve).parameters
+        kwargs = {k: v for k, v in offered.items() if k in accepted}
         thread = threading.Thread(target=api.serve, args=(self.store, self.host, self.port), kwargs=kwargs,
                                   name="api", daemon=True)
         thread.start()
@@ -134,11 +136,12 @@ class ServiceActor:
     def pause(self, job_id: int, by: str, reason: str = "") -> dict:
         return user_requests.job_dict(user_requests.pause(self.store, job_id, by=by, reason=reason))
 
-    def resume(self, job_id: int, by: str) -> dict:
-        return user_requests.job_dict(user_requests.resume(self.store, job_id, by=by))
+    def resume(self, job_id: int, by: str, reason: str = "") -> dict:
+        return user_requests.job_dict(user_requests.resume(self.store, job_id, by=by, reason=reason))
 
-    def cancel(self, job_id: int, by: str, reason: str = "") -> dict:
-        return user_requests.job_dict(user_requests.cancel(self.store, job_id, by=by, reason=reason))
+    def cancel(self, job_id: int, by: str, reason: str = "", delete_checkpoints: bool = False) -> dict:
+        return user_requests.job_dict(user_requests.cancel(self.store, job_id, by=by, reason=reason,
+                                                           delete_checkpoints=delete_checkpoints))
 
     def jobs(self, team: Optional[str] = None) -> list[dict]:
         return [user_requests.job_dict(j) for j in self.store.jobs(team=team)]
