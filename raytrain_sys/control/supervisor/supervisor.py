@@ -95,6 +95,7 @@ class Supervisor:
         self.membership: Membership | None = None
         self.checkpoints: Checkpoints | None = None
         self._local_cluster = False
+        self._warm = None  # the data warm-up thread (launch.warm_data), joined before teardown
         self._last_drain_poll = 0.0
         self._failures: list[float] = []  # unix times of recent membership failures
         self._handover_waits: set[str] = set()  # draining nodes whose members await successors
@@ -155,7 +156,7 @@ class Supervisor:
                 spec, found.manifest, end_position=spec.train.max_steps * spec.train.global_batch_size,
                 run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason),
                 task=found.task)
-            warm = launch.warm_data(spec, self.data,
+            warm = self._warm = launch.warm_data(spec, self.data,
                                     int(resume_info.manifest["data_cursor"]) if resume_info else 0)
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
@@ -608,6 +609,11 @@ class Supervisor:
 
     def _teardown(self) -> None:
         self.summary.finished_at = time.time()
+        if self._warm is not None:
+            # A run that failed while the workers started: the warm-up read may still hold (or
+            # be about to take) object references. Closed under it, the plane would get them
+            # back, and Ray aborts a process (exit 1) whose references outlive its shutdown.
+            self._warm.join(timeout=30.0)
         if self.data is not None:
             self.data.close()
         if self.group is not None:
