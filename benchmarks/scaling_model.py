@@ -55,8 +55,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from raytrain_sys.control.supervisor.policy import LEASE_S, MAX_LEASE_STEPS  # noqa: E402
+from raytrain_sys.control.supervisor.policy import LEASE_S, MAX_LEASE_STEPS, lease_steps  # noqa: E402
 from raytrain_sys.models.gpt import GPTConfig, flops_per_token, num_params  # noqa: E402
+from raytrain_sys.spec import from_dict  # noqa: E402
 
 # --------------------------------------------------------------------------- hardware (published)
 H100_BF16_DENSE_TFLOPS = 989.0  # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense (1979 with sparsity)
@@ -137,8 +138,11 @@ def control_fit(path: Path) -> dict | None:
 
 
 def auto_lease(step_s: float) -> int:
-    """Steps per call of the automatic lease (policy.lease_steps once step times are known)."""
-    return max(1, min(MAX_LEASE_STEPS, int(LEASE_S / step_s)))
+    """Steps per call of the automatic lease, once step times are known: ``policy.lease_steps``
+    itself, away from checkpoints and the last step."""
+    spec = from_dict({"name": "model", "model": {"name": "gpt"}, "data": {"path": "-"},
+                      "checkpoint": {"every_steps": 0}})
+    return lease_steps(0, 10**9, spec, [step_s] * 3)
 
 
 def gloo_fit(path: Path) -> dict | None:

@@ -102,8 +102,7 @@ def check_ray_auth(address: str, timeout_s: float = 5.0) -> None:
     thread = threading.Thread(target=probe, daemon=True, name="ray-auth-probe")
     thread.start()
     thread.join(timeout_s + 1.0)
-    error = outcome.get("error")
-    if error is None or type(error).__name__ != "AuthenticationError":
+    if not isinstance(outcome.get("error"), ray.exceptions.AuthenticationError):
         return
     mode = os.environ.get("RAY_AUTH_MODE", "")
     if mode != "token":

@@ -39,7 +39,7 @@ from raytrain_sys.control.supervisor.liveness import StepOutcome, WorkerLost, co
 from raytrain_sys.control.supervisor.probe import ping_all
 from raytrain_sys.control.supervisor.membership import (Membership, MembersLost, NoHolders, Reformed,
                                                         Uncovered)
-from raytrain_sys.control.supervisor.requests import CANCEL, PAUSE, RunRequests
+from raytrain_sys.control.supervisor.requests import CANCEL, RunRequests
 from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch
 from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
@@ -183,16 +183,16 @@ class Supervisor:
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._loop()
             stop = self.requests.stop()
-            save = spec.checkpoint.save_on_exit or (stop is not None and stop.how == PAUSE)
-            while save and not (stop is not None and stop.how == CANCEL) and \
-                    not self.checkpoints.saved(self.committed_step):
+            cancelled = stop is not None and stop.how == CANCEL
+            save = not cancelled and (spec.checkpoint.save_on_exit or stop is not None)  # a pause saves
+            while save and not self.checkpoints.saved(self.committed_step):
                 self._checkpoint(final=True)
                 # Every member lost during the final save: an older checkpoint was restored, and
                 # the steps after it are trained again before the run can end (a stop asked
                 # for meanwhile ends it at the restored step: that one is durable).
                 self._loop()
             if self.committed_step < spec.train.max_steps and stop is not None:
-                self._transition(State.CANCELLED if stop.how == CANCEL else State.STOPPED,
+                self._transition(State.CANCELLED if cancelled else State.STOPPED,
                                  f"{stop.describe()} (at step {self.committed_step})")
             elif self.committed_step < spec.train.max_steps:
                 self._transition(State.STOPPED, f"paused at train.stop_at_step={spec.train.stop_at_step}")
