@@ -178,6 +178,19 @@ def assert_like_reference(result, seen, reference, spec, dataset, steps: int,
     return summary
 
 
+def _idle_spare(name: str) -> bool:
+    """A warm spare that no job has claimed (raytrain_sys.control.spares): the pool's, not a
+    run's. A claimed one is a run's worker like any other, and counts."""
+    from raytrain_sys.control.spares import NAMESPACE, SPARE_PREFIX
+
+    if not name.startswith(SPARE_PREFIX):
+        return False
+    try:
+        return not ray.get(ray.get_actor(name, namespace=NAMESPACE).spare_state.remote(), timeout=10)["claimed"]
+    except Exception:  # gone meanwhile, or still starting (a spare being made is no run's either)
+        return True
+
+
 def assert_no_leftovers(cluster_address: str, run_key: str) -> None:
     """No actor alive and no placement group left of the run (and no TrainWorker of any run),
     read from the GCS tables (what Ray's state API serves), and through Ray's state API itself
@@ -188,7 +201,8 @@ def assert_no_leftovers(cluster_address: str, run_key: str) -> None:
     prefix = run_name_prefix(run_key)
     actors = [(a.get("Name"), a["ActorClassName"], a["State"]) for a in state.actors().values()
               if a["State"] != "DEAD" and ((a.get("Name") or "").startswith(prefix)
-                                           or a["ActorClassName"] == "TrainWorker")]
+                                           or a["ActorClassName"] == "TrainWorker")
+              and not _idle_spare(a.get("Name") or "")]
     groups = [(g["name"], g["state"]) for g in ray.util.placement_group_table().values()
               if g["name"].startswith(prefix) and g["state"] != "REMOVED"]
     assert not actors, f"actors left alive: {actors}"
@@ -205,7 +219,7 @@ def assert_no_leftovers(cluster_address: str, run_key: str) -> None:
         print(f"Ray state API unavailable ({exc}); checked the GCS tables only")
         return
     actors = [(a.name, a.state) for a in api_actors
-              if (a.name or "").startswith(prefix) or a.class_name == "TrainWorker"]
+              if ((a.name or "").startswith(prefix) or a.class_name == "TrainWorker") and not _idle_spare(a.name or "")]
     groups = [(g.name, g.state) for g in api_groups
               if (g.name or "").startswith(prefix) and g.state != "REMOVED"]
     assert not actors, f"actors left alive (state API): {actors}"

@@ -67,6 +67,7 @@ def running_service(db_path, gates: StepGates, **config):
     from raytrain_sys.service.service import start_service, stop_service
 
     config.setdefault("poll_s", 0.2)
+    config.setdefault("warm_workers_per_node", 1)  # spares exercised, at a quarter of the imports
     handle = start_service(f"sqlite:///{db_path}", serve_api=False, step_hook=gates, **config)
     try:
         yield handle

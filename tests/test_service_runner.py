@@ -25,7 +25,7 @@ import ray
 from raytrain_sys.control.supervisor import run_job
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.model import JobState
-from raytrain_sys.service.runner import NAMESPACE, runner_name
+from raytrain_sys.service.runner import find_runner
 from raytrain_sys.service.service import get_service, start_service
 from raytrain_sys.service.store import Store
 from tests.ft_common import assert_no_leftovers, ft_spec, pid_alive, wait_until
@@ -296,7 +296,7 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
         def kill_runner_at(job_id, step):
             assert wait_until(lambda: gates.reached(job_id, step), WAIT_S), state_of(svc, job_id)
             wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
-            pid = ray.get(ray.get_actor(runner_name(job_id), namespace=NAMESPACE).ping.remote())
+            pid = ray.get(find_runner(job_id).ping.remote())  # named after the job, or a spare
             os.kill(pid, signal.SIGKILL)
             assert wait_until(lambda: not pid_alive(pid), 30)
             gates.go(job_id, step)  # for the restarted run, which passes this step again

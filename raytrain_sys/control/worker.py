@@ -73,10 +73,38 @@ def set_niceness(nice: int | None) -> None:
                     os.getpriority(os.PRIO_PROCESS, 0))
 
 
+def _end_with(owner, poll_s: float) -> None:
+    """End this process once ``owner`` (an actor with a ``ping`` method) is dead: a claimed
+    spare outlives no job. Any other outcome (an answer, an error of the call, a slow or
+    momentarily unavailable actor) means it lives."""
+    while True:
+        try:
+            ray.get(owner.ping.remote(), timeout=max(5.0, 5 * poll_s))
+        except ray.exceptions.ActorDiedError:
+            log.warning("the actor that claimed this spare is gone: ending its worker process")
+            os._exit(1)
+        except Exception:  # a slow answer (GetTimeoutError), or an error of the call itself
+            pass
+        time.sleep(poll_s)
+
+
 @ray.remote(concurrency_groups={"control": 2})
 class TrainWorker:
-    def __init__(self, spec_dict: dict[str, Any]):
-        self.spec: JobSpec = from_dict(spec_dict)
+    def __init__(self, spec_dict: dict[str, Any] | None):
+        """A worker of the job ``spec_dict``; with None, a warm spare (torch and this module
+        imported, nothing else) that becomes a job's worker by ``adopt`` (see
+        raytrain_sys.control.spares)."""
+        self.spec: JobSpec | None = None
+        self.owner = None  # a spare's: the actor whose death ends this process (claim)
+        if spec_dict is not None:
+            self._configure(spec_dict)
+        else:  # a spare: the imports any job's prepare() would make, made while no one waits
+            from raytrain_sys.parallel.parallelize import import_for_any
+
+            import_for_any()
+
+    def _configure(self, spec_dict: dict[str, Any]) -> None:
+        self.spec = from_dict(spec_dict)
         set_niceness(self.spec.resources.worker_niceness)
         threads = max(1, int(self.spec.resources.cpus_per_worker))
         torch.set_num_threads(threads)
@@ -96,6 +124,33 @@ class TrainWorker:
         # fails part-way the Supervisor commits its finished steps from them (lease_results).
         self.recent_results: dict[int, dict[str, float]] = {}
         self.task = task_for(self.spec.model.name)
+
+    # ------------------------------------------------------------------ a spare's start
+    @ray.method(concurrency_group="control")
+    def claim(self, owner, poll_s: float = 1.0) -> dict[str, Any]:
+        """Bind this spare to ``owner`` (the actor that will adopt it): from now on the process
+        ends itself within about ``poll_s`` of that actor's death, whether or not it was adopted
+        yet (a spare is detached: nothing else would end it). Returns ``node_info()``."""
+        if self.owner is not None or self.spec is not None:
+            raise RuntimeError("this spare was claimed already")
+        self.owner = owner
+        import threading
+
+        threading.Thread(target=_end_with, args=(owner, poll_s), name="owner-watch", daemon=True).start()
+        return self.node_info()
+
+    @ray.method(concurrency_group="control")
+    def spare_state(self) -> dict[str, Any]:
+        """Whether this spare is claimed (or a job's worker), and its node."""
+        return {"claimed": self.owner is not None or self.spec is not None,
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def adopt(self, spec_dict: dict[str, Any]) -> dict[str, Any]:
+        """Become a worker of the job ``spec_dict`` (after ``claim``); returns ``prepare()``."""
+        if self.owner is None or self.spec is not None:
+            raise RuntimeError("adopt needs a claimed spare that no job has adopted yet")
+        self._configure(spec_dict)
+        return self.prepare()
 
     # ------------------------------------------------------------------ control path
     @ray.method(concurrency_group="control")

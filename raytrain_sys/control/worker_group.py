@@ -30,6 +30,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
+from raytrain_sys.control.spares import SpareSource, takes_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
@@ -164,9 +165,13 @@ class WorkerGroup:
     # TrainWorker's methods (prepare, free_port, ping, setup_group, train_step, ...).
     actor_class = TrainWorker
 
-    def __init__(self, spec: JobSpec, local_cluster: bool, run_key: str = ""):
+    def __init__(self, spec: JobSpec, local_cluster: bool, run_key: str = "", spares: SpareSource | None = None):
         self.spec = spec
         self.local_cluster = local_cluster
+        # Warm spares for the first gang (raytrain_sys.control.spares): CPU slots only.
+        usable = self.actor_class is TrainWorker and takes_spares(spec.resources.gpus_per_worker, True)
+        self.spares = spares if usable else None
+        self.spares_used = 0
         # Names: run key (shared by every launch of the run, so a resume finds its predecessor's
         # leftovers), then a launch id (two launches never reuse a name), then the slot.
         self.run_key = run_key or spec.name
@@ -197,20 +202,40 @@ class WorkerGroup:
             if need > have:
                 raise _local_capacity_error(res, have, num_workers, per_worker)
 
-    def request(self) -> Worker:
-        """Ask for one more worker; it starts in the background (see ``ready_pending``)."""
+    def request(self, start_actor: bool = True) -> Worker:
+        """Ask for one more worker; it starts in the background (see ``ready_pending``). With
+        ``start_actor`` False only its placement group is asked for (``_start_actors``)."""
         slot = next(self._slots)
-        name = f"{self.name_prefix}{slot}"
-        pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=name)
-        r = self.spec.resources
-        actor = self.actor_class.options(
-            name=name, num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                 placement_group_bundle_index=0),
-        ).remote(self.spec.to_dict())
-        worker = Worker(slot, actor, pg, ready_ref=actor.prepare.remote())
+        pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=f"{self.name_prefix}{slot}")
+        worker = Worker(slot, None, pg)
+        if start_actor:
+            self._start_fresh(worker)
         self.pending.append(worker)
         return worker
+
+    def _start_fresh(self, w: Worker) -> None:
+        """A new worker process in the slot's placement group."""
+        r = self.spec.resources
+        w.actor = self.actor_class.options(
+            name=f"{self.name_prefix}{w.slot}", num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=w.pg,
+                                                                 placement_group_bundle_index=0),
+        ).remote(self.spec.to_dict())
+        w.ready_ref = w.actor.prepare.remote()
+
+    def _start_actors(self, workers: list[Worker]) -> None:
+        """Each placed slot's worker: a warm spare taken on the bundle's node, else a fresh
+        process. A spare works in the slot's bundle; it holds no resource of its own."""
+        tables = [ray.util.placement_group_table(w.pg) for w in workers]
+        node_ids = [t["bundles_to_node_id"][0] for t in tables]
+        spec_dict = self.spec.to_dict()
+        for w, spare in zip(workers, self.spares.take(node_ids)):
+            if spare is None:
+                self._start_fresh(w)
+                continue
+            w.actor = spare
+            w.ready_ref = spare.adopt.remote(spec_dict)
+            self.spares_used += 1
 
     def ready_pending(self, timeout_s: float = 0.0) -> list[Worker]:
         """Workers that are up and not members: standby ones, then pending ones whose actor
@@ -248,7 +273,7 @@ class WorkerGroup:
         """The first gang: all ``num_workers`` up within the start timeout, or none."""
         self._check_capacity(num_workers)
         for _ in range(num_workers):
-            self.request()
+            self.request(start_actor=self.spares is None)
         timeout = self.spec.resources.start_timeout_s
         pgs = [w.pg.ready() for w in self.pending]
         ready, _ = ray.wait(pgs, num_returns=len(pgs), timeout=timeout)
@@ -260,6 +285,8 @@ class WorkerGroup:
                 f"{timeout:g} s (resources.start_timeout_s); cluster total CPU={total.get('CPU', 0):g} "
                 f"GPU={total.get('GPU', 0):g}, available CPU={avail.get('CPU', 0):g}: lower "
                 f"resources.num_workers or add nodes")
+        if self.spares is not None:
+            self._start_actors(self.pending)
         started = self.ready_pending(timeout_s=timeout + 60)
         if len(started) < num_workers:
             self.shutdown()
@@ -304,7 +331,8 @@ class WorkerGroup:
 
     def _release(self, w: Worker) -> None:
         try:
-            ray.kill(w.actor, no_restart=True)
+            if w.actor is not None:
+                ray.kill(w.actor, no_restart=True)
         except Exception:  # already dead
             pass
         try:

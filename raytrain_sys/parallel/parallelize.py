@@ -347,6 +347,16 @@ def import_for(parallel_spec: ParallelSpec) -> None:
         import torch.distributed.fsdp  # noqa: F401
 
 
+def import_for_any() -> None:
+    """``import_for`` every layout: a warm spare (raytrain_sys.control.spares) does it while it
+    waits for a job, whatever that job's layout will be."""
+    import torch.distributed.fsdp  # noqa: F401
+    import torch._dynamo  # noqa: F401
+
+    from raytrain_sys.models import build_model  # noqa: F401
+    from raytrain_sys.parallel import pp, tp  # noqa: F401
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec, device: str,
                 task=None, precision: str = "fp32") -> ParallelModel:
     """Cut ``model`` (built and initialized identically on every rank) by ``mesh``.

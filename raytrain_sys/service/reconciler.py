@@ -9,8 +9,9 @@ actions. It decides nothing itself: which job starts, grows, shrinks or pauses i
 
 One pass (``run_once``), in order:
 
-1. **Observe**: every live job that should have a runner is looked up (a cached handle, or by
-   name with ``ray.get_actor`` after a service restart) and asked for its ``status``.
+1. **Observe**: every live job that should have a runner is looked up (a cached handle, or
+   ``runner.find_runner`` after a service restart: by its name, or among the spare runners)
+   and asked for its ``status``.
 2. **Record**: checkpoints (``store.record_checkpoint``, so the scheduler's work-at-risk is
    right), world sizes (a same-state note), starting/resuming -> running once the Supervisor
    trains, and outcomes: finished, failed, paused, cancelled (then the runner is killed: it is
@@ -24,8 +25,10 @@ One pass (``run_once``), in order:
    resuming) before the runner is created; Shrink/Grow write the new target before
    ``runner.resize``; Pause writes pausing before ``runner.pause``. A pass that dies between
    the two leaves the intent, and the next pass (of this service or a restarted one) finishes
-   it: a starting job with no runner gets one (``get_if_exists``: an existing runner is
-   adopted, never a second), a target the runner has not heard of is sent again.
+   it: a starting job with no runner gets one (only when ``find_runner`` finds none; a named
+   create uses ``get_if_exists``: an existing runner is adopted, never a second), a target the
+   runner has not heard of is sent again. After the actions, a spare runner is started ahead if
+   none waits (``_keep_spare_runner``): the next launch takes it instead of a process start.
 
 Runner death (the actor gone while its job is live): a job that was starting, running or
 resuming is restarted from its newest committed checkpoint (a fresh start if it has none) as
@@ -48,6 +51,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from raytrain_sys.control.spares import end_spares_of
 from raytrain_sys.errors import JobStateConflict
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
@@ -71,6 +75,7 @@ class ReconcilerConfig:
     # first finishes the step in flight and writes a checkpoint.
     stop_deadline_s: float = 120.0
     status_timeout_s: float = 10.0  # a runner that does not answer is asked again next pass, not declared dead
+    spare_runner: bool = True  # keep one runner started ahead for the next launch (runner.new_spare_runner)
 
 
 @dataclass
@@ -93,6 +98,9 @@ class Reconciler:
         self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
         self._created: set[int] = set()  # jobs whose runner this process created or found alive
         self._waits: dict[int, str] = {}  # the last Wait reason logged per job
+        self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
+        self._spare: Optional[tuple[Any, Any]] = None  # a spare runner and its ready ref
+        self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self.passes = 0
 
     # ------------------------------------------------------------------ one pass
@@ -117,8 +125,39 @@ class Reconciler:
                 self._carry_out(action)
             except JobStateConflict as exc:
                 log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
+        self._keep_spare_runner()
         self.passes += 1
         return actions
+
+    # ------------------------------------------------------------------ the spare runner
+    def _keep_spare_runner(self) -> None:
+        """One runner started ahead, for the next launch (after a restart: an idle spare of the
+        previous service, the others ended)."""
+        if not self.config.spare_runner or self._spare is not None:
+            return
+        idle = [] if self._spares_adopted else runners.idle_spare_runners()
+        self._spares_adopted = True
+        for extra in idle[1:]:
+            ray.kill(extra, no_restart=True)
+        handle = idle[0] if idle else runners.new_spare_runner()
+        self._spare = (handle, handle.job.remote())
+
+    def _take_spare_runner(self):
+        """The spare runner if it is up (its imports done), else None (the launch starts a new one)."""
+        if self._spare is None:
+            return None
+        handle, ready = self._spare
+        done, _ = ray.wait([ready], timeout=0)
+        if not done:
+            return None
+        self._spare = None
+        return handle
+
+    def close(self) -> None:
+        """End the idle spare runner (the jobs' runners train on)."""
+        if self._spare is not None:
+            ray.kill(self._spare[0], no_restart=True)
+            self._spare = None
 
     # ------------------------------------------------------------------ observe
     def _observe(self, jobs: list[JobRecord]) -> dict[int, _Seen]:
@@ -131,7 +170,7 @@ class Reconciler:
                 if handle is None:
                     seen[job.id] = _Seen(gone=True)
                     continue
-                log.info("job %d: re-attached to its runner %s", job.id, runners.runner_name(job.id))
+                log.info("job %d: re-attached to its runner", job.id)
                 self._handles[job.id] = handle
                 self._created.add(job.id)
             refs[job.id] = handle.status.remote()
@@ -144,6 +183,7 @@ class Reconciler:
                     continue
                 try:
                     seen[job_id] = _Seen(status=ray.get(ref))
+                    self._runner_ids[job_id] = seen[job_id].status.get("actor_id", "")
                 except ray.exceptions.RayActorError as exc:
                     seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
                     self._handles.pop(job_id, None)
@@ -341,9 +381,11 @@ class Reconciler:
         run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
                                 resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason)
-        self._handles[job.id] = runners.launch_runner(launch, self.step_hook)
+        spare = self._take_spare_runner()
+        self._handles[job.id] = runners.launch_runner(launch, self.step_hook, spare=spare)
         self._created.add(job.id)
-        log.info("job %d: runner %s launched (%s on %d workers)", job.id, runners.runner_name(job.id),
+        log.info("job %d: runner %s launched (%s on %d workers)", job.id,
+                 "(a spare)" if spare is not None else runners.runner_name(job.id),
                  f"resume of MLflow run {run_id}" if run_id else "start", workers)
 
     def _handle(self, job_id: int):
@@ -355,14 +397,19 @@ class Reconciler:
 
     def _kill(self, job_id: int, why: str) -> None:
         handle = self._handles.get(job_id) or runners.find_runner(job_id)
+        runner_id = self._runner_ids.get(job_id, "")
         self._forget(job_id)
         if handle is not None:
-            log.info("job %d: ending runner %s: %s", job_id, runners.runner_name(job_id), why)
+            log.info("job %d: ending its runner: %s", job_id, why)
             ray.kill(handle, no_restart=True)
+        end_spares_of(runner_id)
 
     def _forget(self, job_id: int) -> None:
+        """The job's runner is gone or being ended: its warm spares (workers a killed runner
+        cannot end) are ended now rather than when they notice."""
         self._handles.pop(job_id, None)
         self._created.discard(job_id)
+        end_spares_of(self._runner_ids.pop(job_id, ""))
 
     def _last_actor(self, job: JobRecord) -> str:
         history = self.store.history(job.id)

@@ -22,6 +22,11 @@ Why an actor of its own, and why so configured:
   group with the detached actor that created it). Killing the runner is therefore the hard
   stop of a job.
 
+Spare runners (``new_spare_runner``, named ``raytrain-sys-runner-spare-<id>``): the reconciler
+keeps one started ahead, imports done, and a launch starts the job on it (``start``) rather than
+waiting about 2 s for a process to start and import torch and MLflow. Once started it is the
+job's runner in every respect; ``find_runner`` finds it by asking the spares which job they run.
+
 A start runs the job's spec at the admitted number of workers; a resume continues its MLflow
 run from the newest committed checkpoint (``resume_supervisor``). Either way the admitted
 number is also the ceiling (``RunRequests.resize``): the job grows past it only when the
@@ -35,19 +40,22 @@ import logging
 import os
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import ray
 
+from raytrain_sys.control.spares import NAMESPACE, SpareSource
 from raytrain_sys.control.supervisor import RunRequests, Supervisor, resume_supervisor
 from raytrain_sys.errors import find_user_error
 from raytrain_sys.spec import apply_overrides, from_dict
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "raytrain-sys"
 RUNNER_PREFIX = "raytrain-sys-job-"
+SPARE_RUNNER_PREFIX = "raytrain-sys-runner-spare-"
+SPARE_START_TIMEOUT_S = 10.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Supervisor states before its first step: the job is still starting (or resuming).
 STARTING_STATES = frozenset({"launching", "starting", "restoring"})
@@ -83,10 +91,28 @@ def start_spec(spec: dict, workers: int) -> dict:
 
 
 class JobRunner:
-    """One Supervisor in a thread; see the module docstring. Create with ``launch_runner``."""
+    """One Supervisor in a thread; see the module docstring. Create with ``launch_runner``;
+    with no launch, a spare that ``start`` gives one later (``new_spare_runner``)."""
 
-    def __init__(self, launch: Launch, step_hook: Optional[Callable[[int, Supervisor, Any], None]] = None):
-        self.launch = launch
+    def __init__(self, launch: Optional[Launch] = None,
+                 step_hook: Optional[Callable[[int, Supervisor, Any], None]] = None):
+        self.launch: Optional[Launch] = None
+        self.job_id: Optional[int] = None
+        self._lock = threading.Lock()
+        self._sup: Optional[Supervisor] = None
+        self._result: Optional[dict] = None
+        self._done = threading.Event()
+        if launch is None:  # a spare: what a start would import and open first, done now
+            import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+            return
+        self.start(launch, step_hook)
+
+    def start(self, launch: Launch, step_hook: Optional[Callable[[int, Supervisor, Any], None]] = None) -> int:
+        """Run ``launch`` (once: a runner runs one job). Returns this process's pid."""
+        with self._lock:
+            if self.launch is not None:
+                raise RuntimeError(f"this runner runs job {self.job_id} already")
+            self.launch = launch
         self.job_id = launch.job_id
         self._log_handler = log_to_file(job_log_path(launch.log_dir, launch.job_id))
         self.requests = RunRequests()
@@ -100,6 +126,11 @@ class JobRunner:
         self._started_at_s = time.time()
         self._thread = threading.Thread(target=self._run, name=f"job-{launch.job_id}", daemon=True)
         self._thread.start()
+        return os.getpid()
+
+    def job(self) -> Optional[int]:
+        """The job this runner runs; None for a spare."""
+        return self.job_id
 
     # ------------------------------------------------------------------ the run
     def _run(self) -> None:
@@ -112,10 +143,11 @@ class JobRunner:
                 self._sup = resume_supervisor(
                     launch.resume_run_id, tracking_uri=launch.tracking_uri,
                     overrides=[f"resources.num_workers={int(launch.workers)}"],
-                    on_step=self._on_step, requests=self.requests)
+                    on_step=self._on_step, requests=self.requests, spares=SpareSource.here())
             else:
                 self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers)),
-                                       on_step=self._on_step, requests=self.requests)
+                                       on_step=self._on_step, requests=self.requests,
+                                       spares=SpareSource.here())
             result = self._sup.run()
             reason = result.reason or self._last_reason()
             self._result = {"status": result.status, "reason": reason, "error_type": ""}
@@ -164,6 +196,7 @@ class JobRunner:
                 "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
                 "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
                 "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
+                "actor_id": ray.get_runtime_context().get_actor_id(),
                 "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
 
     def pause(self, reason: str, by: str = "") -> None:
@@ -201,18 +234,62 @@ class JobRunner:
 RemoteJobRunner = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(JobRunner)
 
 
-def launch_runner(launch: Launch, step_hook: Optional[Callable] = None):
-    """Create the job's runner, or adopt the one that exists under its name (never two)."""
+def launch_runner(launch: Launch, step_hook: Optional[Callable] = None, spare=None):
+    """Start the job on ``spare`` (a spare runner, see ``new_spare_runner``) when given and it
+    takes it; else create the job's runner, or adopt the one that exists under its name (never
+    two: the caller, the reconciler, gives a job a spare only when ``find_runner`` found none)."""
+    if spare is not None:
+        try:
+            ray.get(spare.start.remote(launch, step_hook), timeout=SPARE_START_TIMEOUT_S)
+            return spare
+        except Exception as exc:  # noqa: BLE001: a dead or stuck spare costs a fresh start, not the job
+            log.warning("job %d: the spare runner did not take it (%s); starting a new one", launch.job_id,
+                        str(exc).splitlines()[0])
+            ray.kill(spare, no_restart=True)
     return RemoteJobRunner.options(name=runner_name(launch.job_id), namespace=NAMESPACE, lifetime="detached",
                                    get_if_exists=True).remote(launch, step_hook)
 
 
+def new_spare_runner():
+    """A runner process started ahead of any job, its imports done: the next launch takes it
+    (``launch_runner(..., spare=)``) instead of waiting for a process to start and import torch
+    and MLflow (about 2 s). Detached like every runner: once started it is the job's runner."""
+    return RemoteJobRunner.options(name=f"{SPARE_RUNNER_PREFIX}{uuid.uuid4().hex[:12]}", namespace=NAMESPACE,
+                                   lifetime="detached").remote(None)
+
+
+def _spare_runner_names() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(SPARE_RUNNER_PREFIX)]
+
+
 def find_runner(job_id: int):
-    """The job's live runner by name (after a service restart too), or None."""
+    """The job's live runner (after a service restart too), or None: the one named after the
+    job, else the spare runner that started it."""
     try:
         return ray.get_actor(runner_name(job_id), namespace=NAMESPACE)
     except ValueError:
-        return None
+        pass
+    for name, handle, job in _spare_runners():
+        if job == job_id:
+            return handle
+    return None
+
+
+def idle_spare_runners() -> list:
+    """Spare runners that run no job (after a service restart: the previous service's)."""
+    return [handle for _, handle, job in _spare_runners() if job is None]
+
+
+def _spare_runners() -> list[tuple[str, Any, Optional[int]]]:
+    found = []
+    for name in _spare_runner_names():
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            found.append((name, handle, ray.get(handle.job.remote(), timeout=SPARE_START_TIMEOUT_S)))
+        except Exception:  # noqa: BLE001: gone or not answering: not a runner to re-attach to
+            continue
+    return found
 
 
 def log_to_file(path: str) -> logging.Handler:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Union
 
 import ray
 
+from raytrain_sys.control.spares import find_pool, start_pool, stop_pool
 from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.model import Team
@@ -49,6 +50,9 @@ SERVICE_NAME = "raytrain-sys-service"
 DEFAULT_HOST = "127.0.0.1"  # the API listens on loopback unless told otherwise
 DEFAULT_PORT = 8470
 DEFAULT_POLL_S = 0.5  # a reconciler pass: a request is acted on within about this long
+# Idle worker processes kept per node (about 0.3 GB of memory each: torch imported). Two cover a
+# small job's first gang on one node; 0 turns the pool off.
+DEFAULT_WARM_WORKERS = 2
 API_MODULE = "raytrain_sys.service.api"
 
 
@@ -68,7 +72,8 @@ class ServiceActor:
                  log_dir: str, base_dir: str, poll_s: float = DEFAULT_POLL_S,
                  cluster_workers: Optional[int] = None, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float = 0.0, max_restarts: int = 3, stop_deadline_s: float = 120.0,
-                 serve_api: bool = True, step_hook: Optional[Callable] = None):
+                 serve_api: bool = True, step_hook: Optional[Callable] = None,
+                 warm_workers_per_node: int = DEFAULT_WARM_WORKERS):
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.base_dir = base_dir
@@ -78,10 +83,16 @@ class ServiceActor:
         self._cluster_workers = cluster_workers
         self._cpus_per_worker, self._gpus_per_worker = cpus_per_worker, gpus_per_worker
         self.reconciler = Reconciler(self.store, ReconcilerConfig(log_dir=log_dir, max_restarts=max_restarts,
-                                                                  stop_deadline_s=stop_deadline_s),
+                                                                  stop_deadline_s=stop_deadline_s,
+                                                                  spare_runner=warm_workers_per_node > 0),
                                      cluster_workers=self.cluster_workers, step_hook=step_hook)
         self.last_error = ""
         self._stop = threading.Event()
+        # Warm spares: worker processes with torch imported on every node, for the jobs' first
+        # gangs (raytrain_sys.control.spares); a pool left by an earlier start is adopted.
+        self.warm_workers_per_node = warm_workers_per_node
+        if warm_workers_per_node > 0:
+            start_pool(warm_workers_per_node)
         self.api = "not served"
         if serve_api:
             self._serve_api()
@@ -178,12 +189,25 @@ class ServiceActor:
         return {"pid": os.getpid(), "db": self.store.url, "api": self.api, "host": self.host, "port": self.port,
                 "log_dir": self.log_dir, "poll_s": self.poll_s, "passes": self.reconciler.passes,
                 "last_error": self.last_error, "cluster_workers": self.cluster_workers(),
-                "jobs": self.store.count_jobs()}
+                "jobs": self.store.count_jobs(), "warm_spares": self.warm_spares()}
+
+    def warm_spares(self) -> dict:
+        """The pool's counts (idle and starting spares by node, taken, missed), or why none."""
+        pool = find_pool() if self.warm_workers_per_node > 0 else None
+        if pool is None:
+            return {"per_node": 0}
+        try:
+            return ray.get(pool.status.remote(), timeout=5.0)
+        except Exception as exc:  # noqa: BLE001: a report, not a failure of the service
+            return {"per_node": self.warm_workers_per_node, "error": str(exc).splitlines()[0]}
 
     def shutdown(self) -> None:
-        """Stop the reconciler loop (the runners train on) and close the store."""
+        """Stop the reconciler loop (the runners train on), the warm spares' pool (claimed spares
+        stay with their jobs) and close the store."""
         self._stop.set()
         self._loop_thread.join(timeout=30)
+        self.reconciler.close()
+        stop_pool()
         self.store.close()
         self._handler.flush()
 
@@ -206,7 +230,8 @@ def start_service(db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int
                   log_dir: str = "", base_dir: str = "", **config: Any):
     """Start the service actor on the connected cluster and wait until it runs (or return the
     one that runs already). ``config``: ``poll_s``, ``cluster_workers``, ``cpus_per_worker``,
-    ``gpus_per_worker``, ``max_restarts``, ``stop_deadline_s``, ``serve_api``, ``step_hook``."""
+    ``gpus_per_worker``, ``max_restarts``, ``stop_deadline_s``, ``serve_api``, ``step_hook``,
+    ``warm_workers_per_node``."""
     existing = get_service()
     if existing is not None:
         return existing

@@ -31,6 +31,7 @@ import ray
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.control.run_record import RunSummary, git_commit
+from raytrain_sys.control.spares import SpareSource
 import raytrain_sys.control.supervisor.launch as launch
 import raytrain_sys.control.supervisor.policy as policy
 from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible
@@ -70,8 +71,9 @@ class RunResult:
 class Supervisor:
     def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
                  previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None,
-                 requests: RunRequests | None = None):
+                 requests: RunRequests | None = None, spares: SpareSource | None = None):
         self.spec = spec
+        self.spares = spares  # warm worker processes for the first gang (control.spares)
         # Pause, cancel and resize from outside the run (the job service's runner, a notebook).
         self.requests = requests or RunRequests()
         self.resume_run_id = resume_run_id
@@ -162,7 +164,7 @@ class Supervisor:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
                                  f"left by the lost driver of run {self.previous_run_key}")
             store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled else None
-            self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key)
+            self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key, spares=self.spares)
             self.group.start(spec.resources.num_workers)
             if store is not None:
                 store.join()
@@ -173,7 +175,8 @@ class Supervisor:
                                self.on_step, found.flops_per_token)
             self.checkpoints = Checkpoints(spec, found.checkpointer, self.checkpoint_root, found.manifest,
                                            self.summary, self.tracker)
-            self._transition(State.STARTING, f"{self.group.world_size} workers placed")
+            spares = f" ({self.group.spares_used} warm spares)" if self.group.spares_used else ""
+            self._transition(State.STARTING, f"{self.group.world_size} workers placed{spares}")
             self.membership.form_group()
             if resume_info is not None:
                 self._restore(resume_info)
@@ -647,7 +650,7 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
 
 def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                       output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
-                      requests: RunRequests | None = None) -> Supervisor:
+                      requests: RunRequests | None = None, spares: SpareSource | None = None) -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
     state while it runs (the job service's runner). Raises ``CheckpointError`` when the run has
     no complete checkpoint."""
@@ -669,7 +672,7 @@ def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[st
     run_dir = record.run_dir if record.run_dir and os.path.isdir(record.run_dir) else ""
     previous_key = os.path.basename(record.run_dir.rstrip("/")) if record.run_dir else ""
     sup = Supervisor(spec, resume_run_id=run_id, run_dir=run_dir, previous_run_key=previous_key,
-                     on_step=on_step, requests=requests)
+                     on_step=on_step, requests=requests, spares=spares)
     if Checkpointer(open_store(sup.checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
         raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {sup.checkpoint_root}: "
                               f"nothing to resume; start it again with `raytrain-sys run`")

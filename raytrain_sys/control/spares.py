@@ -1,0 +1,314 @@
+"""Warm spares: worker processes started ahead of any job, torch imported, waiting on each node.
+
+A job's first gang otherwise waits for each worker process to start and import torch and our
+code (about 2 s a worker on a 2-core machine, more under load), on top of its runner's own
+start. A spare is a ``TrainWorker`` created with no job (``TrainWorker(None)``): one process,
+imports done, nothing built. A gang start takes one per placed slot from the pool and makes it
+the slot's worker (``claim``, then ``adopt(spec)``), so its first step waits only for the model
+build and the process group.
+
+Ownership, because a spare must outlive its pool but never its job:
+
+* Spares are **detached** and named ``raytrain-sys-spare-<id>`` (namespace ``raytrain-sys``):
+  a pool that restarts finds its idle spares again by name, and a pool that dies takes no
+  running job's workers with it.
+* A spare is **claimed** by the actor that will adopt it (a job's runner) before it is handed
+  out: from then on a thread in the spare pings that actor and ends the process when it is
+  dead. A runner killed mid-start or mid-run therefore leaves no worker behind, as a worker
+  it created itself would not (Ray ends a non-detached actor with its owner).
+* **0 logical CPUs**: an idle spare holds no slot. The slot a spare works in is the job's
+  one-bundle placement group, as for any worker; the spare is taken on that bundle's node. The
+  scheduler's accounting does not change: idle spares are spare processes, not capacity.
+* **Single use**: a worker that leaves its job (the job ended, it was drained or replaced) is
+  killed, as before; the pool starts another in the background. A used process carries a
+  job's process groups, threads and heap; starting a fresh spare costs the same seconds, taken
+  while no one waits.
+
+Only gang starts inside an actor use spares (the service's runners): replacements and
+newcomers start in the background while the group trains, where a process's start costs no
+step. Only CPU slots: Ray binds GPUs to a process when it is created (CUDA_VISIBLE_DEVICES),
+so a spare made before the job cannot be handed the GPU its bundle reserved; GPU slots start
+fresh processes (``takes_spares``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "raytrain-sys"
+POOL_NAME = "raytrain-sys-spares"
+SPARE_PREFIX = "raytrain-sys-spare-"
+CLAIM_TIMEOUT_S = 10.0
+
+
+def takes_spares(gpus_per_worker: float, in_actor: bool) -> bool:
+    """Whether a gang start may use warm spares: CPU slots, started by an actor (the claim's
+    owner; a driver process has no handle a spare could watch)."""
+    return in_actor and not gpus_per_worker
+
+
+@dataclass(frozen=True)
+class SpareSource:
+    """Where a gang start takes spares from (``pool``) and who claims them (``owner``, an actor
+    handle with a ``ping`` method: the spares end with it)."""
+
+    pool: Any
+    owner: Any
+    owner_id: str = ""  # the owner's actor id: ``end_spares_of`` ends its spares at once
+
+    @classmethod
+    def here(cls) -> Optional["SpareSource"]:
+        """The running pool and this actor as the owner; None outside an actor or without a pool."""
+        if not ray.is_initialized():
+            return None
+        try:
+            owner = ray.get_runtime_context().current_actor
+        except RuntimeError:  # a driver, not an actor
+            return None
+        pool = find_pool()
+        return cls(pool, owner, ray.get_runtime_context().get_actor_id()) if pool is not None else None
+
+    def take(self, node_ids: list[str], timeout_s: float = CLAIM_TIMEOUT_S) -> list[Any]:
+        """One claimed spare per entry of ``node_ids`` (on that node), or None where the pool
+        has none; all None when the pool does not answer (the start then makes fresh workers)."""
+        try:
+            return ray.get(self.pool.take.remote(node_ids, self.owner, self.owner_id), timeout=timeout_s)
+        except Exception as exc:  # noqa: BLE001: a pool that is gone or slow costs seconds, not the job
+            log.warning("warm spares: the pool did not answer (%s); starting fresh workers", exc)
+            return [None] * len(node_ids)
+
+
+class SparePool:
+    """Keeps ``per_node`` idle spares on every alive node with CPUs; hands them out claimed.
+    A detached named actor (``start_pool``); see the module docstring."""
+
+    def __init__(self, per_node: int, poll_s: float = 1.0):
+        self.per_node = int(per_node)
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[Any]] = {}  # node id -> spares up and unclaimed
+        self._starting: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, node_info ref)
+        self._counts = {"started": 0, "taken": 0, "missed": 0, "lost": 0}
+        # owner actor id -> the spares it claimed, until its end is reported (end_claimed_by)
+        self._claimed: dict[str, list[Any]] = {}
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._find_existing()
+        self._thread = threading.Thread(target=self._loop, name="spares", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ what gang starts call
+    def take(self, node_ids: list[str], owner, owner_id: str = "") -> list[Any]:
+        out = []
+        for node_id in node_ids:
+            out.append(self._take_one(node_id, owner))
+        taken = [s for s in out if s is not None]
+        if owner_id and taken:
+            with self._lock:
+                self._claimed.setdefault(owner_id, []).extend(taken)
+        self._wake.set()
+        return out
+
+    def end_claimed_by(self, owner_id: str) -> int:
+        """End the spares ``owner_id`` claimed (its actor was just killed: they would end by
+        themselves within seconds, and hold their peers' collectives until then)."""
+        with self._lock:
+            spares = self._claimed.pop(owner_id, [])
+        for s in spares:
+            _kill(s)
+        return len(spares)
+
+    def _take_one(self, node_id: str, owner):
+        while True:
+            with self._lock:
+                idle = self._idle.get(node_id) or []
+                spare = idle.pop() if idle else None
+            if spare is None:
+                self._counts["missed"] += 1
+                return None
+            try:
+                ray.get(spare.claim.remote(owner), timeout=CLAIM_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001: died while idle; try the node's next one
+                log.warning("warm spare on node %s lost: %s", node_id[:8], exc)
+                self._counts["lost"] += 1
+                _kill(spare)
+                continue
+            self._counts["taken"] += 1
+            return spare
+
+    # ------------------------------------------------------------------ reports and control
+    def status(self) -> dict:
+        with self._lock:
+            return {"per_node": self.per_node,
+                    "idle": {n: len(s) for n, s in self._idle.items() if s},
+                    "starting": {n: len(s) for n, s in self._starting.items() if s},
+                    **self._counts}
+
+    def set_per_node(self, per_node: int) -> None:
+        self.per_node = int(per_node)
+        self._wake.set()
+
+    def wait_full(self, timeout_s: float) -> bool:
+        """Whether every alive node has ``per_node`` idle spares within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            nodes = _worker_nodes()
+            with self._lock:
+                if all(len(self._idle.get(n, [])) >= self.per_node for n in nodes):
+                    return True
+            self._wake.set()
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> int:
+        """End the refill loop and every idle or starting spare; returns how many were ended."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10.0)
+        with self._lock:
+            spares = [s for idle in self._idle.values() for s in idle]
+            spares += [s for starting in self._starting.values() for s, _ in starting]
+            self._idle, self._starting = {}, {}
+        for s in spares:
+            _kill(s)
+        return len(spares)
+
+    def ping(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ the refill loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._refill()
+            except Exception as exc:  # noqa: BLE001: e.g. the GCS briefly unreachable; try again
+                log.warning("warm spares: refill failed: %s", exc)
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+
+    def _refill(self) -> None:
+        nodes = set(_worker_nodes())
+        with self._lock:
+            self._settle_starting()
+            for node_id in list(self._idle) + list(self._starting):
+                if node_id not in nodes:  # node gone: its spares with it
+                    self._counts["lost"] += len(self._idle.pop(node_id, []))
+                    self._counts["lost"] += len(self._starting.pop(node_id, []))
+            if self._stop.is_set():
+                return
+            for node_id in nodes:
+                have = len(self._idle.get(node_id, [])) + len(self._starting.get(node_id, []))
+                for _ in range(max(0, self.per_node - have)):
+                    spare = _new_spare(node_id)
+                    self._starting.setdefault(node_id, []).append((spare, spare.node_info.remote()))
+                    self._counts["started"] += 1
+                for spare in self._idle.get(node_id, [])[self.per_node:]:  # per_node lowered
+                    self._idle[node_id].remove(spare)
+                    _kill(spare)
+
+    def _settle_starting(self) -> None:
+        for node_id, starting in self._starting.items():
+            if not starting:
+                continue
+            refs = [ref for _, ref in starting]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for spare, ref in list(starting):
+                if ref not in done:
+                    continue
+                starting.remove((spare, ref))
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    log.warning("warm spare on node %s failed to start: %s", node_id[:8], exc)
+                    self._counts["lost"] += 1
+                    continue
+                self._idle.setdefault(node_id, []).append(spare)
+
+    def _find_existing(self) -> None:
+        """After a restart of the pool: its spares are still there (detached); keep the idle
+        ones, leave the claimed ones to their owners."""
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == NAMESPACE and a["name"].startswith(SPARE_PREFIX)]
+        for name in names:
+            try:
+                spare = ray.get_actor(name, namespace=NAMESPACE)
+                info = ray.get(spare.spare_state.remote(), timeout=CLAIM_TIMEOUT_S)
+            except Exception:  # noqa: BLE001: gone, or not answering: not ours to keep
+                continue
+            if info["claimed"]:
+                continue
+            self._idle.setdefault(info["node_id"], []).append(spare)
+
+
+def _worker_nodes() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+
+
+def _new_spare(node_id: str):
+    from raytrain_sys.control.worker import TrainWorker
+
+    return TrainWorker.options(
+        name=f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}", namespace=NAMESPACE, lifetime="detached",
+        num_cpus=0, max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(None)
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001: already gone
+        pass
+
+
+RemoteSparePool = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(SparePool)
+
+
+def start_pool(per_node: int):
+    """The cluster's pool (started now, or the running one set to ``per_node``)."""
+    pool = RemoteSparePool.options(name=POOL_NAME, namespace=NAMESPACE, lifetime="detached",
+                                   get_if_exists=True).remote(per_node)
+    ray.get(pool.set_per_node.remote(per_node))
+    return pool
+
+
+def find_pool():
+    try:
+        return ray.get_actor(POOL_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def end_spares_of(owner_id: str) -> int:
+    """End at once the spares that the actor ``owner_id`` claimed (see
+    ``SparePool.end_claimed_by``); 0 when no pool runs or it does not answer."""
+    pool = find_pool()
+    if pool is None or not owner_id:
+        return 0
+    try:
+        return ray.get(pool.end_claimed_by.remote(owner_id), timeout=CLAIM_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001: they end by themselves within seconds anyway
+        log.warning("warm spares: could not end the spares of %s: %s", owner_id[:8], exc)
+        return 0
+
+
+def stop_pool(timeout_s: float = 30.0) -> int:
+    """End the pool and its idle spares (claimed ones end with their jobs). Returns how many
+    spares were ended (0 when no pool runs)."""
+    pool = find_pool()
+    if pool is None:
+        return 0
+    try:
+        ended = ray.get(pool.stop.remote(), timeout=timeout_s)
+    finally:
+        _kill(pool)
+    return ended

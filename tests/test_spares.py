@@ -1,0 +1,97 @@
+"""Warm spares (raytrain_sys.control.spares) on the session cluster (four 1-CPU worker nodes).
+
+What a user would notice: a job whose first gang is made of warm spares trains exactly as one
+whose workers started fresh (same final parameters); a spare never outlives the job that took it
+(its owner killed, its process ends); a pool that restarts keeps its idle spares instead of
+starting more; GPU slots and plain drivers never take spares.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import ray
+
+from raytrain_sys.control.spares import SpareSource, find_pool, start_pool, stop_pool, takes_spares
+from raytrain_sys.control.supervisor import Supervisor, run_job
+from raytrain_sys.spec import from_dict
+from tests.ft_common import ft_spec, wait_until
+from tests.helpers import assert_params_equal, final_params
+
+STEPS = 6
+
+
+@ray.remote(num_cpus=0)
+class Owner:
+    """Stands where a job's runner stands: an actor that runs a Supervisor with spares."""
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def run(self, spec_dict: dict) -> tuple[str, str]:
+        sup = Supervisor(from_dict(spec_dict), spares=SpareSource.here())
+        result = sup.run()
+        return result.newest_checkpoint, sup.summary.transitions[0]["reason"]
+
+    def claim(self, node_ids: list[str]) -> list[int]:
+        """Take spares without a job: the pids of those taken."""
+        self.taken = SpareSource.here().take(node_ids)
+        return [ray.get(s.node_info.remote())["pid"] for s in self.taken if s is not None]
+
+
+@pytest.fixture
+def pool(ray_cluster):
+    handle = start_pool(1)
+    assert ray.get(handle.wait_full.remote(120.0)), ray.get(handle.status.remote())
+    yield handle
+    stop_pool()
+
+
+def worker_nodes() -> list[str]:
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+
+
+def test_who_takes_spares():
+    assert takes_spares(0.0, in_actor=True)
+    assert not takes_spares(1.0, in_actor=True)  # a GPU is bound to a process when it is created
+    assert not takes_spares(0.0, in_actor=False)  # a driver has no handle a spare could watch
+
+
+def test_a_gang_of_spares_trains_like_fresh_workers(pool, ray_cluster, tiny_dataset, tmp_path):
+    spec = ft_spec(tmp_path / "spares", tiny_dataset, STEPS, checkpoint={"every_steps": 0})
+    owner = Owner.remote()
+    newest, placed = ray.get(owner.run.remote(spec.to_dict()))
+    assert placed == "2 workers placed (2 warm spares)"
+    status = ray.get(pool.status.remote())
+    assert status["taken"] == 2 and status["missed"] == 0, status
+    # Fresh workers (a driver never takes spares): the same parameters, bit for bit.
+    reference = run_job(ft_spec(tmp_path / "fresh", tiny_dataset, STEPS, checkpoint={"every_steps": 0}))
+    assert_params_equal(final_params(newest), final_params(reference.newest_checkpoint))
+    # The pool makes up for what was taken.
+    assert ray.get(pool.wait_full.remote(120.0)), ray.get(pool.status.remote())
+    ray.kill(owner)
+
+
+def test_a_claimed_spare_ends_with_its_owner(pool, ray_cluster):
+    owner = Owner.remote()
+    pids = ray.get(owner.claim.remote(worker_nodes()[:2]))
+    assert len(pids) == 2
+    assert all(psutil.pid_exists(p) for p in pids)
+    ray.kill(owner)
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 20), \
+        f"spares {pids} outlived the actor that claimed them"
+
+
+def test_a_restarted_pool_keeps_its_idle_spares(pool, ray_cluster):
+    before = ray.get(pool.status.remote())
+    ray.kill(pool)  # the pool's process dies; its spares are detached and stay
+    assert wait_until(lambda: find_pool() is None, 20)
+    again = start_pool(1)
+    status = ray.get(again.status.remote())
+    assert status["idle"] == before["idle"] and status["started"] == 0, (before, status)
+    assert ray.get(again.wait_full.remote(5.0))
+    time.sleep(1.5)  # a refill pass: still nothing started
+    assert ray.get(again.status.remote())["started"] == 0
