@@ -137,9 +137,267 @@ def report_pass(r: dict) -> list[str]:
             "  " + r["goal"]["text"]]
 
 
+# ----------------------------------------------------------------------------- the service sections
+# These run the job service on a local Ray cluster of --cluster-cpus CPU slots started by this
+# process (one cluster for all of them), jobs of the tiny GPT (2-layer, 33-token rows).
+
+GOAL_FIRST_STEP_S = 5.0  # issue 13: submit to first committed step on a warm cluster
+GOAL_RECLAIM_S = 10.0  # issue 13: a high-priority submit into a full cluster, to its first step
+GOAL_PAUSE_SLACK_S = 2.0  # issue 13: pause to resources free within checkpoint time + 2 s
+
+
+class StepTimes:
+    """A runner step hook (defined in __main__, so Ray ships it by value): the wall time of each
+    job's first committed step, written once to ``<root>/first-<job>``."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def __call__(self, job_id, sup, report) -> None:
+        path = os.path.join(self.root, f"first-{job_id}")
+        if not os.path.exists(path):
+            with open(path + ".tmp", "w") as f:
+                f.write(repr(time.time()))
+            os.replace(path + ".tmp", path)
+
+
+class ServiceBench:
+    """One local cluster, a dataset, and the service started (and stopped) on it per variant."""
+
+    def __init__(self, args: argparse.Namespace):
+        import ray
+
+        self.args = args
+        self.work = common.start(args.verbose, log, "rts-sched-")
+        ray.init(address="local", num_cpus=args.cluster_cpus, include_dashboard=False,
+                 _temp_dir=os.path.join(self.work, "ray"), log_to_driver=args.verbose,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}})
+        from raytrain_sys.data.prepare import prepare_text_dataset
+
+        self.dataset = os.path.join(self.work, "data")
+        prepare_text_dataset(self.dataset, row_len=33, rows_per_shard=512, max_bytes=400_000)
+        self.hooks = os.path.join(self.work, "hooks")
+        os.makedirs(self.hooks)
+        self.jobs = 0
+
+    def spec(self, name: str, workers: int, steps: int, **sections) -> dict:
+        raw = {"name": name, "output_dir": os.path.join(self.work, "runs", name),
+               "model": {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32},
+               "data": {"path": self.dataset, "shuffle_window": 256},
+               "train": {"max_steps": steps, "global_batch_size": 8, "log_every_steps": 50},
+               "optim": {"lr": 1e-2, "warmup_steps": 2},
+               "checkpoint": {"every_steps": 0, "keep_last": 2},
+               "resources": {"num_workers": workers, "cpus_per_worker": 1, "start_timeout_s": 120},
+               # One MLflow store for every job, as a team shares its tracking server.
+               "tracking": {"experiment": "bench", "uri": f"sqlite:///{self.work}/mlflow.db"}}
+        for section, fields in sections.items():
+            raw.setdefault(section, {}).update(fields)
+        return raw
+
+    def start_service(self, warm: int, teams: list[tuple[str, int]]):
+        from raytrain_sys.control.spares import find_pool
+        from raytrain_sys.service.service import start_service
+
+        import ray
+
+        for f in os.listdir(self.hooks):  # job ids start again at 1 in the new service's store
+            os.remove(os.path.join(self.hooks, f))
+        svc = start_service(f"sqlite:///{self.work}/svc-{time.monotonic_ns()}.db", serve_api=False, poll_s=0.2,
+                            step_hook=StepTimes(self.hooks), warm_workers_per_node=warm,
+                            log_dir=os.path.join(self.work, "logs"))
+        for name, nominal in teams:
+            ray.get(svc.add_team.remote(name, nominal, cohort="all"))
+        if warm:
+            ray.get(find_pool().wait_full.remote(120.0))
+        return svc
+
+    def stop_service(self) -> None:
+        from raytrain_sys.service.service import stop_service
+
+        stop_service()
+
+    def submit(self, svc, team: str, spec: dict, priority: int = 0) -> tuple[int, float]:
+        import ray
+
+        t0 = time.time()
+        return ray.get(svc.submit.remote(team, spec, priority)).get("id"), t0
+
+    def first_step_at(self, job_id: int, timeout_s: float = 180.0) -> float:
+        path = os.path.join(self.hooks, f"first-{job_id}")
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id}: no first step within {timeout_s:g} s")
+            time.sleep(0.02)
+        with open(path) as f:
+            return float(f.read())
+
+    def wait_job(self, svc, job_id: int, states=("finished",), timeout_s: float = 300.0) -> dict:
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = ray.get(svc.job.remote(job_id))
+            if job["state"] in states:
+                return job
+            if job["state"] in ("failed", "cancelled", "finished") or time.monotonic() > deadline:
+                raise RuntimeError(f"job {job_id} is {job['state']} ({job.get('message')}), waited for {states}")
+            time.sleep(0.05)
+
+    def summary(self, name: str) -> dict:
+        import glob
+
+        paths = [p for p in glob.glob(os.path.join(self.work, "runs", name, "*", "summary.json"))
+                 if not os.path.islink(os.path.dirname(p))]
+        with open(paths[0]) as f:
+            return json.load(f)
+
+    def close(self) -> None:
+        import ray
+
+        self.stop_service()
+        ray.shutdown()
+
+
+def _bench(args: argparse.Namespace) -> ServiceBench:
+    if getattr(args, "_bench", None) is None:
+        args._bench = ServiceBench(args)
+    return args._bench
+
+
+def section_first_step(args: argparse.Namespace) -> dict:
+    """Submit to first committed step of a 2-worker job on an idle cluster, without warm spares
+    (every process started for the job) and with them, --rounds jobs each after one untimed."""
+    bench = _bench(args)
+    out = {}
+    for variant, warm in (("fresh", 0), ("warm", args.warm_workers)):
+        svc = bench.start_service(warm, [("a", args.cluster_cpus)])
+        times = []
+        for i in range(args.rounds + 1):
+            common.wait_until_quiet(log, max_s=30)
+            name = f"first-{variant}-{i}"
+            job_id, t0 = bench.submit(svc, "a", bench.spec(name, 2, 10))
+            first = bench.first_step_at(job_id) - t0
+            bench.wait_job(svc, job_id)
+            if i:  # the first one opens the MLflow store and starts the service's own pieces
+                times.append(first)
+            log.info("%s: submit to first step %.2f s", name, first)
+        bench.stop_service()
+        out[variant] = {"submit_to_first_step_s": [round(t, 3) for t in times],
+                        "median_s": round(statistics.median(times), 3)}
+    warm_s, fresh_s = out["warm"]["median_s"], out["fresh"]["median_s"]
+    out["ratio_warm_to_fresh"] = round(warm_s / fresh_s, 3)
+    out["goal"] = {"met": warm_s <= GOAL_FIRST_STEP_S,
+                   "text": f"goal (warm cluster, submit to first committed step at most {GOAL_FIRST_STEP_S:g} s): "
+                           f"{'met' if warm_s <= GOAL_FIRST_STEP_S else 'NOT met'}"}
+    return out
+
+
+def report_first_step(r: dict) -> list[str]:
+    return ["| submit to first step (2 workers) | median s | rounds |", "|---|---|---|",
+            f"| every process started for the job | {r['fresh']['median_s']:.2f} | {r['fresh']['submit_to_first_step_s']} |",
+            f"| warm spares and a spare runner | {r['warm']['median_s']:.2f} | {r['warm']['submit_to_first_step_s']} |",
+            f"ratio warm/fresh: {r['ratio_warm_to_fresh']:.2f}x; {r['goal']['text']}", ""]
+
+
+def section_reclaim(args: argparse.Namespace) -> dict:
+    """Teams a and b, nominal half the cluster each, one cohort. A's elastic 1..N job borrows the
+    whole cluster; then b submits a high-priority 2-worker job: a shrinks at a step boundary
+    and b's job starts. Timed: b's submit to its first committed step; counted: a's steps
+    redone (work lost by the shrink)."""
+    import ray
+
+    bench = _bench(args)
+    n = args.cluster_cpus
+    out = {"rounds": []}
+    svc = bench.start_service(args.warm_workers, [("a", n // 2), ("b", n - n // 2)])
+    for i in range(args.rounds):
+        a_name, b_name = f"borrower-{i}", f"urgent-{i}"
+        a_spec = bench.spec(a_name, n, 1_000_000, elastic={"min_workers": 1, "max_workers": n},
+                            checkpoint={"every_steps": 200})
+        a_id, _ = bench.submit(svc, "a", a_spec)
+        deadline = time.monotonic() + 120
+        while ray.get(svc.job.remote(a_id))["workers"] < n:  # a borrows the whole cluster
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"job {a_id} never ran on {n} workers: {ray.get(svc.job.remote(a_id))}")
+            time.sleep(0.1)
+        bench.first_step_at(a_id)
+        time.sleep(2.0)  # a few hundred steps on the whole cluster
+        b_id, t0 = bench.submit(svc, "b", bench.spec(b_name, 2, 20), priority=10)
+        first = bench.first_step_at(b_id) - t0
+        bench.wait_job(svc, b_id)
+        ray.get(svc.cancel.remote(a_id, "bench"))
+        bench.wait_job(svc, a_id, states=("cancelled",))
+        a_sum = bench.summary(a_name)
+        out["rounds"].append({"submit_to_first_step_s": round(first, 3), "steps_redone": a_sum["steps_redone"],
+                              "borrower_world_sizes": sorted(set(a_sum["world_sizes"]))})
+        log.info("reclaim round %d: %.2f s, %d steps redone", i, first, a_sum["steps_redone"])
+    bench.stop_service()
+    times = [r["submit_to_first_step_s"] for r in out["rounds"]]
+    lost = sum(r["steps_redone"] for r in out["rounds"])
+    out["median_s"] = round(statistics.median(times), 3)
+    out["steps_redone_total"] = lost
+    met = out["median_s"] <= GOAL_RECLAIM_S and lost == 0
+    out["goal"] = {"met": met, "text": f"goal (at most {GOAL_RECLAIM_S:g} s, 0 steps lost): {'met' if met else 'NOT met'}"}
+    return out
+
+
+def report_reclaim(r: dict) -> list[str]:
+    return ["| high-priority submit into a full cluster | median s to first step | steps redone by the shrunk job |",
+            "|---|---|---|",
+            f"| {len(r['rounds'])} rounds: {[x['submit_to_first_step_s'] for x in r['rounds']]} | {r['median_s']:.2f} | "
+            f"{r['steps_redone_total']} |", r["goal"]["text"], ""]
+
+
+def section_pause(args: argparse.Namespace) -> dict:
+    """Pause a running 2-worker job: from the pause request to every CPU of the cluster free
+    again, against the pause checkpoint's own time (its save, from the run's transitions)."""
+    import ray
+
+    bench = _bench(args)
+    out = {"rounds": []}
+    svc = bench.start_service(args.warm_workers, [("a", args.cluster_cpus)])
+    for i in range(args.rounds):
+        name = f"paused-{i}"
+        job_id, _ = bench.submit(svc, "a", bench.spec(name, 2, 1_000_000))
+        bench.first_step_at(job_id)
+        time.sleep(1.0)
+        total = ray.cluster_resources()["CPU"]
+        t0 = time.time()
+        ray.get(svc.pause.remote(job_id, "bench"))
+        while ray.available_resources().get("CPU", 0) < total:
+            time.sleep(0.02)
+        freed = time.time() - t0
+        bench.wait_job(svc, job_id, states=("paused",))
+        transitions = bench.summary(name)["transitions"]
+        saving = [t for t in transitions if t["state"] == "checkpointing"][-1]
+        after = transitions[transitions.index(saving) + 1]
+        checkpoint_s = after["time"] - saving["time"]
+        out["rounds"].append({"pause_to_free_s": round(freed, 3), "checkpoint_s": round(checkpoint_s, 3),
+                              "slack_s": round(freed - checkpoint_s, 3)})
+        ray.get(svc.cancel.remote(job_id, "bench"))
+        bench.wait_job(svc, job_id, states=("cancelled",))
+        log.info("pause round %d: free after %.2f s (checkpoint %.2f s)", i, freed, checkpoint_s)
+    bench.stop_service()
+    slack = statistics.median(r["slack_s"] for r in out["rounds"])
+    out["median_pause_to_free_s"] = round(statistics.median(r["pause_to_free_s"] for r in out["rounds"]), 3)
+    out["median_slack_s"] = round(slack, 3)
+    met = slack <= GOAL_PAUSE_SLACK_S
+    out["goal"] = {"met": met, "text": f"goal (resources free within the checkpoint's time + {GOAL_PAUSE_SLACK_S:g} s): "
+                                       f"{'met' if met else 'NOT met'}"}
+    return out
+
+
+def report_pause(r: dict) -> list[str]:
+    return ["| pause to resources free | median s | of which beyond the checkpoint |", "|---|---|---|",
+            f"| {len(r['rounds'])} rounds | {r['median_pause_to_free_s']:.2f} | {r['median_slack_s']:.2f} |",
+            r["goal"]["text"], ""]
+
+
 # ----------------------------------------------------------------------------- main
 
-SECTIONS = {"pass": (section_pass, report_pass)}
+SECTIONS = {"pass": (section_pass, report_pass), "first_step": (section_first_step, report_first_step),
+            "reclaim": (section_reclaim, report_reclaim), "pause": (section_pause, report_pause)}
 
 
 def main() -> int:
@@ -150,6 +408,9 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=0, help="timed passes (default 200; --quick 50)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=3, help="jobs timed per service section and variant")
+    p.add_argument("--cluster-cpus", type=int, default=4, help="CPU slots of the service sections' local cluster")
+    p.add_argument("--warm-workers", type=int, default=2, help="warm spares per node (service sections)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(HERE / "results" / "scheduler.json"))
     p.add_argument("--verbose", action="store_true")
@@ -164,10 +425,12 @@ def main() -> int:
         log.info("section %s", name)
         results[name] = run(args)
         lines += report(results[name])
+    if getattr(args, "_bench", None) is not None:
+        args._bench.close()
     print("\n".join(lines))
     met = all(r["goal"]["met"] for r in results.values())
     out = {"benchmark": "scheduler", "quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "args": {k: v for k, v in vars(args).items() if k not in ("out",)},
+           "args": {k: v for k, v in vars(args).items() if k not in ("out", "_bench")},
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "versions": {"python": platform.python_version()},
            "sections": results, "table": lines}

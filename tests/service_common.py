@@ -62,13 +62,16 @@ def runner_actors() -> list[str]:
 
 
 @contextlib.contextmanager
-def running_service(db_path, gates: StepGates, **config):
-    """The service on the session cluster; on exit it is stopped and every runner ended."""
+def running_service(db, gates: StepGates, **config):
+    """The service on the session cluster, its store a SQLite file at path ``db`` or the
+    database URL ``db``; on exit it is stopped and every runner ended."""
     from raytrain_sys.service.service import start_service, stop_service
 
     config.setdefault("poll_s", 0.2)
     config.setdefault("warm_workers_per_node", 1)  # spares exercised, at a quarter of the imports
-    handle = start_service(f"sqlite:///{db_path}", serve_api=False, step_hook=gates, **config)
+    url = str(db) if "://" in str(db) else f"sqlite:///{db}"
+    logs = os.path.join(os.path.dirname(gates.root), "raytrain-sys-logs")  # beside the gates: the test's dir
+    handle = start_service(url, serve_api=False, step_hook=gates, log_dir=logs, **config)
     try:
         yield handle
     finally:

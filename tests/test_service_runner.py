@@ -133,10 +133,19 @@ def test_borrowed_workers_are_given_back_at_a_boundary_and_grown_into_again(
     assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def service_db(request, tmp_path):
+    """The service's store: a SQLite file, or a new database on the session's real PostgreSQL
+    server (Done-when 6: the same lifecycle on the production path)."""
+    if request.param == "sqlite":
+        return tmp_path / "svc.db"
+    return request.getfixturevalue("postgres_url")
+
+
 def test_pause_frees_the_workers_and_resume_continues_the_same_run(
-        ray_cluster, tiny_dataset, tmp_path, gates, reference):
+        ray_cluster, tiny_dataset, tmp_path, gates, reference, service_db):
     spec = job_spec(tmp_path, tiny_dataset, "p", resources={"num_workers": 2})
-    with running_service(tmp_path / "svc.db", gates) as svc:
+    with running_service(service_db, gates) as svc:
         ray.get(svc.add_team.remote("a", 4))
         gates.hold(1, 8)
         job_id = ray.get(svc.submit.remote("a", spec))["id"]
@@ -165,9 +174,9 @@ def test_pause_frees_the_workers_and_resume_continues_the_same_run(
     assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
 
 
-def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, gates):
+def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, gates, service_db):
     spec = job_spec(tmp_path, tiny_dataset, "c", resources={"num_workers": 1})
-    with running_service(tmp_path / "svc.db", gates) as svc:
+    with running_service(service_db, gates) as svc:
         ray.get(svc.add_team.remote("a", 1))  # room for one job: the second waits
         gates.hold(1, 3)
         running = ray.get(svc.submit.remote("a", spec))["id"]
@@ -188,6 +197,35 @@ def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, 
         audit = ray.get(svc.audit_log.remote())
         assert [(r["action"], r["target"], r["result"]) for r in audit if r["action"] == "cancel"] == [
             ("cancel", f"job {queued}", "ok"), ("cancel", f"job {running}", "ok")]
+
+
+def test_cancel_keeps_the_checkpoints_unless_asked_to_delete_them(ray_cluster, tiny_dataset, tmp_path, gates):
+    kept_spec = job_spec(tmp_path, tiny_dataset, "kept", resources={"num_workers": 1})
+    gone_spec = job_spec(tmp_path, tiny_dataset, "gone", resources={"num_workers": 1})
+    with running_service(tmp_path / "svc.db", gates) as svc:
+        ray.get(svc.add_team.remote("a", 2))
+        gates.hold(1, 7)
+        gates.hold(2, 7)
+        kept = ray.get(svc.submit.remote("a", kept_spec))["id"]
+        gone = ray.get(svc.submit.remote("a", gone_spec))["id"]
+        for job_id in (kept, gone):  # both past their checkpoint at step 5
+            assert wait_until(lambda: gates.reached(job_id, 7), WAIT_S), state_of(svc, job_id)
+            wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] == 5, "the checkpoint at step 5 recorded")
+        ray.get(svc.cancel.remote(kept, "a"))
+        ray.get(svc.cancel.remote(gone, "a", "bad run", True))
+        gates.go(kept, 7)
+        gates.go(gone, 7)
+        wait_state(svc, kept, "cancelled")
+        done = wait_for(svc, gone, lambda j: j["state"] == "cancelled" and not j["delete_checkpoints"],
+                        "cancelled, checkpoints deleted")
+        history = ray.get(svc.history.remote(gone))
+    kept_dir = os.path.join(run_dir_of(tmp_path / "kept"), "checkpoints")
+    gone_dir = os.path.join(run_dir_of(tmp_path / "gone"), "checkpoints")
+    assert "step_00000005" in os.listdir(kept_dir)
+    assert not os.path.exists(gone_dir)
+    assert history[-1]["from"] == history[-1]["to"] == "cancelled"
+    assert history[-1]["reason"].startswith(f"checkpoints deleted as the cancel asked: {gone_dir}"), history[-1]
+    assert done["message"] == history[-1]["reason"]
 
 
 def test_a_stop_that_does_not_land_in_time_is_made_hard_but_a_pause_never_loses_the_run(

@@ -53,36 +53,34 @@ CLAIM_TIMEOUT_S = 10.0
 
 def takes_spares(gpus_per_worker: float, in_actor: bool) -> bool:
     """Whether a gang start may use warm spares: CPU slots, started by an actor (the claim's
-    owner; a driver process has no handle a spare could watch)."""
+    owner; a driver process has no actor id a spare could watch)."""
     return in_actor and not gpus_per_worker
 
 
 @dataclass(frozen=True)
 class SpareSource:
-    """Where a gang start takes spares from (``pool``) and who claims them (``owner``, an actor
-    handle with a ``ping`` method: the spares end with it)."""
+    """Where a gang start takes spares from (``pool``) and who claims them (``owner_id``, the
+    id of an actor: the spares end with it, and ``end_spares_of`` ends them at once)."""
 
     pool: Any
-    owner: Any
-    owner_id: str = ""  # the owner's actor id: ``end_spares_of`` ends its spares at once
+    owner_id: str
 
     @classmethod
     def here(cls) -> Optional["SpareSource"]:
         """The running pool and this actor as the owner; None outside an actor or without a pool."""
         if not ray.is_initialized():
             return None
-        try:
-            owner = ray.get_runtime_context().current_actor
-        except RuntimeError:  # a driver, not an actor
+        owner_id = ray.get_runtime_context().get_actor_id()
+        if owner_id is None:  # a driver, not an actor
             return None
         pool = find_pool()
-        return cls(pool, owner, ray.get_runtime_context().get_actor_id()) if pool is not None else None
+        return cls(pool, owner_id) if pool is not None else None
 
     def take(self, node_ids: list[str], timeout_s: float = CLAIM_TIMEOUT_S) -> list[Any]:
         """One claimed spare per entry of ``node_ids`` (on that node), or None where the pool
         has none; all None when the pool does not answer (the start then makes fresh workers)."""
         try:
-            return ray.get(self.pool.take.remote(node_ids, self.owner, self.owner_id), timeout=timeout_s)
+            return ray.get(self.pool.take.remote(node_ids, self.owner_id), timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001: a pool that is gone or slow costs seconds, not the job
             log.warning("warm spares: the pool did not answer (%s); starting fresh workers", exc)
             return [None] * len(node_ids)
@@ -108,12 +106,12 @@ class SparePool:
         self._thread.start()
 
     # ------------------------------------------------------------------ what gang starts call
-    def take(self, node_ids: list[str], owner, owner_id: str = "") -> list[Any]:
+    def take(self, node_ids: list[str], owner_id: str) -> list[Any]:
         out = []
         for node_id in node_ids:
-            out.append(self._take_one(node_id, owner))
+            out.append(self._take_one(node_id, owner_id))
         taken = [s for s in out if s is not None]
-        if owner_id and taken:
+        if taken:
             with self._lock:
                 self._claimed.setdefault(owner_id, []).extend(taken)
         self._wake.set()
@@ -128,7 +126,7 @@ class SparePool:
             _kill(s)
         return len(spares)
 
-    def _take_one(self, node_id: str, owner):
+    def _take_one(self, node_id: str, owner_id: str):
         while True:
             with self._lock:
                 idle = self._idle.get(node_id) or []
@@ -137,7 +135,7 @@ class SparePool:
                 self._counts["missed"] += 1
                 return None
             try:
-                ray.get(spare.claim.remote(owner), timeout=CLAIM_TIMEOUT_S)
+                ray.get(spare.claim.remote(owner_id), timeout=CLAIM_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001: died while idle; try the node's next one
                 log.warning("warm spare on node %s lost: %s", node_id[:8], exc)
                 self._counts["lost"] += 1

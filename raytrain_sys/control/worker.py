@@ -73,18 +73,22 @@ def set_niceness(nice: int | None) -> None:
                     os.getpriority(os.PRIO_PROCESS, 0))
 
 
-def _end_with(owner, poll_s: float) -> None:
-    """End this process once ``owner`` (an actor with a ``ping`` method) is dead: a claimed
-    spare outlives no job. Any other outcome (an answer, an error of the call, a slow or
-    momentarily unavailable actor) means it lives."""
+def _end_with(owner_id: str, poll_s: float) -> None:
+    """End this process once the actor ``owner_id`` is dead (its entry in the cluster's actor
+    table says so): a claimed spare outlives no job. Anything else (alive, restarting, the
+    table briefly unreadable) means it lives. By id, not by handle: a handle passed on through
+    the pool costs its receivers a first-contact delay (seconds under load), and a name can be
+    taken again by a restarted runner."""
+    from ray._private import state
+
     while True:
         try:
-            ray.get(owner.ping.remote(), timeout=max(5.0, 5 * poll_s))
-        except ray.exceptions.ActorDiedError:
+            info = state.actors(actor_id=owner_id)
+        except Exception:  # noqa: BLE001: the GCS briefly unreachable: ask again
+            info = None
+        if info and info.get("State") == "DEAD":
             log.warning("the actor that claimed this spare is gone: ending its worker process")
             os._exit(1)
-        except Exception:  # a slow answer (GetTimeoutError), or an error of the call itself
-            pass
         time.sleep(poll_s)
 
 
@@ -96,6 +100,7 @@ class TrainWorker:
         raytrain_sys.control.spares)."""
         self.spec: JobSpec | None = None
         self.owner = None  # a spare's: the actor whose death ends this process (claim)
+        self.stash, self.step_done = None, 0  # what ping reads (a spare holds no state)
         if spec_dict is not None:
             self._configure(spec_dict)
         else:  # a spare: the imports any job's prepare() would make, made while no one waits
@@ -127,16 +132,16 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ a spare's start
     @ray.method(concurrency_group="control")
-    def claim(self, owner, poll_s: float = 1.0) -> dict[str, Any]:
-        """Bind this spare to ``owner`` (the actor that will adopt it): from now on the process
-        ends itself within about ``poll_s`` of that actor's death, whether or not it was adopted
-        yet (a spare is detached: nothing else would end it). Returns ``node_info()``."""
+    def claim(self, owner_id: str, poll_s: float = 1.0) -> dict[str, Any]:
+        """Bind this spare to the actor ``owner_id`` (the one that will adopt it): from now on
+        the process ends itself within about ``poll_s`` of that actor's death, whether or not it
+        was adopted yet (a spare is detached: nothing else would end it). Returns ``node_info()``."""
         if self.owner is not None or self.spec is not None:
             raise RuntimeError("this spare was claimed already")
-        self.owner = owner
+        self.owner = owner_id
         import threading
 
-        threading.Thread(target=_end_with, args=(owner, poll_s), name="owner-watch", daemon=True).start()
+        threading.Thread(target=_end_with, args=(owner_id, poll_s), name="owner-watch", daemon=True).start()
         return self.node_info()
 
     @ray.method(concurrency_group="control")

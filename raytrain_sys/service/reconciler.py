@@ -98,6 +98,7 @@ class Reconciler:
         self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
         self._created: set[int] = set()  # jobs whose runner this process created or found alive
         self._waits: dict[int, str] = {}  # the last Wait reason logged per job
+        self._delete_errors: dict[int, str] = {}  # job id -> why its checkpoints could not be deleted yet
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
         self._spare: Optional[tuple[Any, Any]] = None  # a spare runner and its ready ref
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
@@ -126,8 +127,35 @@ class Reconciler:
             except JobStateConflict as exc:
                 log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
         self._keep_spare_runner()
+        self._delete_cancelled_checkpoints()
         self.passes += 1
         return actions
+
+    # ------------------------------------------------------------------ cancel --delete-checkpoints
+    def _delete_cancelled_checkpoints(self) -> None:
+        """A cancelled job whose cancel asked for it loses its checkpoints (its runner has ended:
+        nothing writes there any more). The deletion is recorded in its history; one that fails
+        (storage unreachable) is tried again next pass, and said once."""
+        for job in self.store.cancelled_with_checkpoints_to_delete():
+            try:
+                root = checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
+                if not root:
+                    reason = "no checkpoints to delete: the job never ran"
+                else:
+                    from raytrain_sys.checkpoint.store import open_store
+
+                    store = open_store(root, json.loads(job.spec).get("checkpoint", {}).get("s3_endpoint_url", ""))
+                    count = len(store.list())
+                    store.delete_prefix("")
+                    reason = f"checkpoints deleted as the cancel asked: {root} ({count} files)"
+            except Exception as exc:  # noqa: BLE001: storage or MLflow unreachable: next pass
+                if self._delete_errors.get(job.id) != str(exc):
+                    log.warning("job %d: could not delete its checkpoints (tried again): %s", job.id, exc)
+                    self._delete_errors[job.id] = str(exc)
+                continue
+            self._delete_errors.pop(job.id, None)
+            if self.store.checkpoints_deleted(job.id, actor=ACTOR, reason=reason):
+                log.info("job %d: %s", job.id, reason)
 
     # ------------------------------------------------------------------ the spare runner
     def _keep_spare_runner(self) -> None:
@@ -428,6 +456,19 @@ class Reconciler:
             if t.from_state is not job.state:
                 return t.at_s
         return job.updated_at_s
+
+
+def checkpoint_root(spec: dict, mlflow_run_id: Optional[str]) -> str:
+    """Where a job's checkpoints are: its spec's ``checkpoint.uri``, else the root its MLflow run
+    recorded (``<run dir>/checkpoints``); "" when it never started a run."""
+    uri = spec.get("checkpoint", {}).get("uri") or ""
+    if uri:
+        return uri
+    if not mlflow_run_id:
+        return ""
+    from raytrain_sys.tracking import mlflow_tracker as mt
+
+    return mt.Tracker.lookup(_tracking_uri(spec), mlflow_run_id).tags.get(mt.TAG_CHECKPOINT_ROOT, "")
 
 
 def _tracking_uri(spec: dict) -> str:

@@ -284,6 +284,28 @@ class Store:
                                                 actor=actor, reason=reason))
         return _job(conn.execute(select(jobs).where(jobs.c.id == job_id)).one())
 
+    def cancelled_with_checkpoints_to_delete(self) -> list[JobRecord]:
+        """Cancelled jobs whose cancel asked for their checkpoints to go, not yet done."""
+        query = (select(jobs).where(jobs.c.state == JobState.CANCELLED.value, jobs.c.delete_checkpoints.is_(True))
+                 .order_by(jobs.c.id))
+        with self._tx() as conn:
+            return [_job(r) for r in conn.execute(query)]
+
+    def checkpoints_deleted(self, job_id: int, *, actor: str, reason: str, now_s: Optional[float] = None) -> bool:
+        """Record that a cancelled job's checkpoints are gone: the flag cleared and a note in its
+        history (cancelled -> cancelled), in one transaction. False when another pass did it."""
+        now = _now(now_s)
+        with self._tx() as conn:
+            result = conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.state == JobState.CANCELLED.value,
+                                                     jobs.c.delete_checkpoints.is_(True))
+                                  .values(delete_checkpoints=False, updated_at_s=now, message=reason))
+            if result.rowcount != 1:
+                return False
+            conn.execute(insert(transitions).values(job_id=job_id, from_state=JobState.CANCELLED.value,
+                                                    to_state=JobState.CANCELLED.value, at_s=now, actor=actor,
+                                                    reason=reason))
+        return True
+
     def claim(self, expected: Union[JobState, Sequence[JobState]], to: JobState, *, actor: str, reason: str,
               job_ids: Optional[Iterable[int]] = None, now_s: Optional[float] = None,
               **changes: Any) -> Optional[JobRecord]:
