@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     start.add_argument("--max-restarts", type=int, default=3, help="runner losses a job survives")
     start.add_argument("--warm-workers", type=int, default=None,
                        help="idle worker processes (torch imported) kept on each node for the jobs' "
-                            "first gangs; 0: none (default 2, about 0.3 GB each)")
+                            "first gangs; 0: none (default 2, about 0.35 GB each)")
     start.set_defaults(func=_cmd_start)
     stop = cmds.add_parser("stop", help="stop the service (running jobs train on; the next start re-attaches)")
     stop.set_defaults(func=_cmd_stop)
