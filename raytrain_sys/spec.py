@@ -183,6 +183,10 @@ class CheckpointSpec:
     s3_endpoint_url: str = ""  # "" uses AWS_ENDPOINT_URL or AWS's default
     resume_from: str = ""  # "" = fresh start, "latest" = newest complete in uri, or a URI
     save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
+    # resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of
+    # another size than its manifest says): "fail" names the newest intact older one; "previous"
+    # resumes from it, recorded in MLflow
+    on_corrupt: str = "fail"
 
 
 @dataclass
@@ -294,6 +298,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "model.name": ("gpt", "cnn"),
     "data.on_bad_shard": ("fail", "skip"),
+    "checkpoint.on_corrupt": ("fail", "previous"),
     "data.sequences": ("rows", "pack", "pack_masked", "bucket"),
     "data.delivery": ("refs", "driver"),
 }

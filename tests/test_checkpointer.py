@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import pickle
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,39 @@ def test_checkpointer_pickles_for_ray_workers(store: Store) -> None:
     record = worker_side.write_state(20, "model.pt", model_state(2))
     ckpt.commit(20, [record], META)
     assert [i.step for i in fresh(store).list_complete()] == [10, 20]
+
+
+def test_problems_are_found_from_sizes_without_reading(store: Store) -> None:
+    ckpt = Checkpointer(store, keep_last=5)
+    save(ckpt, 10)
+    save(ckpt, 20)
+    save(ckpt, 30)
+    store.put_bytes("step_00000030/model.pt", b"overwritten")  # another size
+    store.delete("step_00000020/model.pt")
+    infos = {i.step: i for i in fresh(store).list_complete()}
+    assert fresh(store).problems(infos[10]) == []
+    assert fresh(store).problems(infos[20]) == ["model.pt is missing"]
+    [resized] = fresh(store).problems(infos[30])
+    assert resized.startswith("model.pt has 11 bytes, its manifest says")
+    assert fresh(store).newest_intact().step == 10
+    assert fresh(store).newest_intact(before_step=10) is None
+
+
+def test_the_refusal_of_non_tensor_objects_is_one_clean_line(store: Store, tmp_path: Path) -> None:
+    import hashlib
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"evil": RunsCodeWhenUnpickled(tmp_path / "marker")}, buffer)
+    data = buffer.getvalue()
+    store.put_bytes("step_00000010/model.pt", data)
+    ckpt = Checkpointer(store, keep_last=3)
+    info = ckpt.commit(10, [{"name": "model.pt", "bytes": len(data),
+                             "sha256": hashlib.sha256(data).hexdigest()}], META)
+    with pytest.raises(CheckpointError) as caught:
+        ckpt.load_state(info, "model.pt")
+    message = str(caught.value)
+    assert "\n" not in message and "\x1b" not in message, repr(message)
+    assert "weights_only=False" not in message and "trust" not in message  # no advice to load it unsafely
+    assert re.search(r"which could run code \(it names [\w.]+\)$", message), message
+    assert not (tmp_path / "marker").exists()

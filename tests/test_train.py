@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import mlflow
@@ -184,3 +185,46 @@ def test_retention_keeps_exactly_k(ray_cluster, tiny_dataset, tmp_path):
     ckpt = Checkpointer(open_store(os.path.join(result.run_dir, "checkpoints")), keep_last=2)
     assert [c.step for c in ckpt.list_complete()] == [10, 12]
     assert sorted(os.listdir(os.path.join(result.run_dir, "checkpoints"))) == ["step_00000010", "step_00000012"]
+
+
+def test_a_damaged_newest_checkpoint_is_found_before_start(ray_cluster, tiny_dataset, tmp_path):
+    """Its weights file overwritten (a new user's accident): resume refuses before any worker
+    starts, naming the newest intact older checkpoint; with checkpoint.on_corrupt=previous it
+    resumes from that one, says so in summary.json and MLflow, and finishes."""
+    from raytrain_sys.errors import CheckpointError
+
+    root = str(tmp_path / "ckpts")
+    first = run_job(tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 10},
+                              checkpoint={"every_steps": 5, "uri": root}))
+    assert first.committed_steps == 10
+    newest = Checkpointer(open_store(root), keep_last=3).latest()
+    assert newest.step == 10
+    weights = os.path.join(root, "step_00000010", newest.manifest["files"][0]["name"])
+    with open(weights, "wb") as f:
+        f.write(b"not a checkpoint")
+
+    resume = {"every_steps": 5, "uri": root, "resume_from": "latest"}
+    with pytest.raises(CheckpointError) as refused:
+        run_job(tiny_spec(tmp_path / "again", tiny_dataset, train={"max_steps": 15}, checkpoint=resume))
+    message = str(refused.value)
+    assert "step_00000010 is damaged" in message and "has 16 bytes" in message, message
+    assert f"the newest intact older checkpoint is {os.path.join(root, 'step_00000005')} (step 5)" in message
+    assert "checkpoint.on_corrupt=previous" in message
+    refused_run = read_summary(str(tmp_path / "again" / "runs" / "latest"))
+    assert refused_run["committed_steps"] == 0 and refused_run["world_sizes"] == []  # no worker ever started
+
+    resumed = run_job(tiny_spec(tmp_path / "fallback", tiny_dataset, train={"max_steps": 15},
+                                checkpoint=resume | {"on_corrupt": "previous"}))
+    assert resumed.committed_steps == 15
+    summary = read_summary(resumed.run_dir)
+    assert summary["resumed_from"][0].endswith("step_00000005")
+    [note] = [t["reason"] for t in summary["transitions"] if " is damaged (" in t["reason"]]
+    assert note.endswith(f"resuming from the newest intact older one, {os.path.join(root, 'step_00000005')} "
+                         f"(checkpoint.on_corrupt=previous); set aside: step_00000010")
+    # The damaged one was set aside (kept, invisible), and step 10 written again by the resumed run.
+    steps = [c.step for c in Checkpointer(open_store(root), keep_last=None).list_complete()]
+    assert steps[-1] == 15 and 10 in steps
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    logged = client.download_artifacts(summary["mlflow_run_id"], mt.EVENTS_ARTIFACT, str(tmp_path / "dl"))
+    with open(logged) as f:
+        assert note in [e["reason"] for e in json.load(f)]  # the choice, as an MLflow event

@@ -29,6 +29,7 @@ from raytrain_sys.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+DAMAGED_MANIFEST_NAME = "manifest.damaged.json"  # a committed checkpoint found damaged, set aside
 # Bumped when the manifest's meaning changes, so old readers can refuse new checkpoints.
 MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -206,6 +207,42 @@ class Checkpointer:
         complete = self.list_complete()
         return complete[-1] if complete else None
 
+    def problems(self, info: CheckpointInfo) -> list[str]:
+        """What is wrong with a committed checkpoint's files, found without reading them: each
+        file the manifest lists must exist with the size it records (one listing or HEAD per
+        file). Contents are checked against their sha256 when loaded (``load_state``)."""
+        found = []
+        for record in info.manifest.get("files", []):
+            name = record.get("name", "?")
+            try:
+                size = self.store.size(self._file_rel(info.step, name))
+            except ObjectNotFoundError:
+                found.append(f"{name} is missing")
+                continue
+            if record.get("bytes") is not None and size != record["bytes"]:
+                found.append(f"{name} has {size} bytes, its manifest says {record['bytes']}")
+        return found
+
+    def set_aside(self, info: CheckpointInfo, why: str) -> None:
+        """Make a damaged committed checkpoint invisible without deleting anything: its manifest
+        moves to ``manifest.damaged.json`` (with ``why``), so that a run resumed from an older
+        checkpoint can write this step again; its files stay until retention removes the
+        directory."""
+        record = dict(info.manifest, set_aside_because=why)
+        self.store.put_bytes(self._file_rel(info.step, DAMAGED_MANIFEST_NAME), json.dumps(record, indent=1).encode())
+        self.store.delete(self._file_rel(info.step, MANIFEST_NAME))
+        log.warning("set aside checkpoint %s (%s): its manifest is now %s", info.uri, why, DAMAGED_MANIFEST_NAME)
+
+    def newest_intact(self, before_step: int | None = None) -> CheckpointInfo | None:
+        """The newest committed checkpoint (older than ``before_step`` if given) with no
+        ``problems``."""
+        for info in reversed(self.list_complete()):
+            if before_step is not None and info.step >= before_step:
+                continue
+            if not self.problems(info):
+                return info
+        return None
+
     def resolve(self, uri_or_latest: str) -> CheckpointInfo:
         """``"latest"``, a checkpoint directory URI under this store, or a bare step_... name."""
         if uri_or_latest == "latest":
@@ -266,8 +303,8 @@ class Checkpointer:
         except pickle.UnpicklingError as e:
             raise CheckpointError(
                 f"refusing to load {info.uri}/{filename}: it holds objects other than tensors "
-                f"and plain Python types, which could run code ({str(e).splitlines()[0]})"
-            ) from e
+                f"and plain Python types, which could run code{_what_torch_refused(e)}"
+            ) from None
         if not isinstance(state, dict):
             raise CheckpointError(
                 f"checkpoint file {info.uri}/{filename} holds a {type(state).__name__}, not a "
@@ -305,6 +342,18 @@ class Checkpointer:
                 self.keep_last, deleted, self.store.uri,
             )
         return deleted
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _what_torch_refused(error: Exception) -> str:
+    """The object torch's weights-only load refused (" (GLOBAL pkg.Name)"), from its message,
+    without the terminal escape codes and the advice on loading the file unsafely that the
+    message also carries."""
+    text = _ANSI.sub("", str(error))
+    match = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"GLOBAL ([\w.]+)", text)
+    return f" (it names {match.group(1)})" if match else ""
 
 
 def open_checkpoint(uri: str, s3_endpoint_url: str = "") -> tuple[Checkpointer, CheckpointInfo]:

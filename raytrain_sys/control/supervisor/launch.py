@@ -23,7 +23,7 @@ from raytrain_sys.control.worker_group import clean_up_leftovers, connect_ray
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
-from raytrain_sys.errors import UserError
+from raytrain_sys.errors import CheckpointError, UserError
 from raytrain_sys.spec import JobSpec
 from raytrain_sys.tracking import mlflow_tracker as mt
 from raytrain_sys.train.tasks import task_for
@@ -39,6 +39,9 @@ class Preflight:
     task: object
     flops_per_token: float  # 0: not a GPT, no MFU
     resume_info: CheckpointInfo | None  # the checkpoint the run continues from, if any
+    # Why the run resumes from an older checkpoint than asked (checkpoint.on_corrupt=previous),
+    # for MLflow once the run is open; "" when it resumes from the one asked for.
+    fallback: str = ""
 
 
 def resolve_dir(path: str) -> str:
@@ -70,10 +73,42 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
         if found.resume_info is None:
             log.info("checkpoint.resume_from=latest: no complete checkpoint in %s, starting fresh",
                      checkpoint_root)
-        return found
-    from raytrain_sys.checkpoint.checkpointer import open_checkpoint
-    _, found.resume_info = open_checkpoint(resume, spec.checkpoint.s3_endpoint_url)
+            return found
+    else:
+        from raytrain_sys.checkpoint.checkpointer import open_checkpoint
+        checkpointer, found.resume_info = open_checkpoint(resume, spec.checkpoint.s3_endpoint_url)
+    check_intact(spec, checkpointer, found)
     return found
+
+
+def check_intact(spec: JobSpec, checkpointer: Checkpointer, found: Preflight) -> None:
+    """The checkpoint to resume from, checked before anything starts (its files there, of their
+    recorded sizes). A bad one is refused naming the newest intact older checkpoint, or, with
+    resume_from=latest and checkpoint.on_corrupt=previous, replaced by it."""
+    info = found.resume_info
+    problems = checkpointer.problems(info)
+    if not problems:
+        return
+    older = checkpointer.newest_intact(before_step=info.step)
+    what = f"checkpoint {info.uri} is damaged ({'; '.join(problems)})"
+    if older is not None and spec.checkpoint.resume_from == "latest" and spec.checkpoint.on_corrupt == "previous":
+        # Every committed checkpoint newer than the one resumed from is damaged (it would have
+        # been chosen otherwise): set aside, so that the run can write those steps again.
+        newer = [c for c in checkpointer.list_complete() if c.step > older.step]
+        for damaged in newer:
+            checkpointer.set_aside(damaged, "; ".join(checkpointer.problems(damaged)) or "newer than a damaged one")
+        found.resume_info = older
+        found.fallback = (f"{what}: resuming from the newest intact older one, {older.uri} "
+                          f"(checkpoint.on_corrupt=previous); set aside: "
+                          f"{', '.join(os.path.basename(c.uri.rstrip('/')) for c in newer)}")
+        log.warning("%s", found.fallback)
+        return
+    if older is None:
+        raise CheckpointError(f"{what}, and no older checkpoint under {checkpointer.store.uri} is intact: "
+                              f"start the run afresh (no checkpoint.resume_from)")
+    how = ("set checkpoint.on_corrupt=previous to resume from it" if spec.checkpoint.resume_from == "latest"
+           else f"resume from it (checkpoint.resume_from={older.uri})")
+    raise CheckpointError(f"{what}; the newest intact older checkpoint is {older.uri} (step {older.step}): {how}")
 
 
 def clean_up_previous_launch(spec: JobSpec, previous_run_key: str) -> list:

@@ -170,6 +170,8 @@ class Supervisor:
                 store.join()
             self.tracker = launch.start_tracking(spec, self.summary, self.tracking_uri, self.resume_run_id,
                                                  self.run_dir, self.output_dir, self.checkpoint_root)
+            if found.fallback:  # recorded in summary.json and as an MLflow event
+                self._transition(State.STARTING, found.fallback)
             self.membership = Membership(spec, self.group, target_size=self._target_size)
             self.steps = Steps(spec, self.data, self.group, found.task, self.summary, self.tracker,
                                self.on_step, found.flops_per_token)
