@@ -288,6 +288,11 @@ class WorkerGroup:
         if self.spares is not None:
             self._start_actors(self.pending)
         started = self.ready_pending(timeout_s=timeout + 60)
+        if self.spares is not None and len(started) < num_workers:
+            # A spare that died between its claim and its adoption: its slot once more, fresh.
+            for _ in range(num_workers - len(started)):
+                self.request()
+            started += self.ready_pending(timeout_s=timeout + 60)
         if len(started) < num_workers:
             self.shutdown()
             raise ClusterCapacityError(f"only {len(started)} of {num_workers} workers started")
