@@ -45,7 +45,7 @@ from raytrain_sys.parallel.backend import choose_backend
 from raytrain_sys.parallel.parallelize import import_for, parallelize
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.train.optim import build_optimizer, lr_at
-from raytrain_sys.train.tasks import task_for
+from raytrain_sys.extensions import resolve_task
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class TrainWorker:
         # The results of the steps of the newest lease that finished here, by step: after a lease
         # fails part-way the Supervisor commits its finished steps from them (lease_results).
         self.recent_results: dict[int, dict[str, float]] = {}
-        self.task = task_for(self.spec.model.name)
+        self.task = resolve_task(self.spec)
 
     # ------------------------------------------------------------------ control path
     @ray.method(concurrency_group="control")
@@ -167,7 +167,7 @@ class TrainWorker:
         # Build order (torchtitan): model, parallelize, optimizer last. A replicated layout
         # wraps the same module again: DDP holds the group it was built with.
         self.pm = parallelize(self.model, self.mesh, self.spec.parallel, self.device, task=self.task,
-                              precision=self.spec.train.precision)
+                              precision=self.spec.train.precision, compile_model=self.spec.train.compile)
         self.model = self.pm.local_model
         if not keep:
             self.optimizer = build_optimizer(self.pm.optimizer_module(), self.spec.optim)

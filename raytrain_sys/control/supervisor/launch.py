@@ -26,7 +26,7 @@ from raytrain_sys.data.shards import read_manifest
 from raytrain_sys.errors import UserError
 from raytrain_sys.spec import JobSpec
 from raytrain_sys.tracking import mlflow_tracker as mt
-from raytrain_sys.train.tasks import task_for
+from raytrain_sys.extensions import resolve_task
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,12 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
     store = open_store(checkpoint_root, spec.checkpoint.s3_endpoint_url)
     store.check_access()
     checkpointer = Checkpointer(store, spec.checkpoint.keep_last)
-    task = task_for(spec.model.name)
+    task = resolve_task(spec)
     from raytrain_sys.models import model_flops_per_token
+    from raytrain_sys.train.check import check_job_inputs
 
+    # The model, the task and the rows meet once here, on a few rows, before any Ray resource.
+    check_job_inputs(spec, manifest, task)
     flops_per_token = model_flops_per_token(spec.model) if spec.model.name == "gpt" else 0
     if spec.tracking.enabled:
         mt.check_reachable(tracking_uri)

@@ -639,15 +639,17 @@ def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = Non
 
 def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
-               requests: RunRequests | None = None) -> RunResult:
-    """Continue the MLflow run ``run_id`` from its newest committed checkpoint, in the same run."""
+               requests: RunRequests | None = None, objects: dict | None = None) -> RunResult:
+    """Continue the MLflow run ``run_id`` from its newest committed checkpoint, in the same run.
+    ``objects``: dotted field -> the Python object a run was given for an extension point
+    (``{"model.factory": build}``), which its record names but cannot hold."""
     return resume_supervisor(run_id, tracking_uri=tracking_uri, overrides=overrides, output_dir=output_dir,
-                             on_step=on_step, requests=requests).run()
+                             on_step=on_step, requests=requests, objects=objects).run()
 
 
 def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                       output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
-                      requests: RunRequests | None = None) -> Supervisor:
+                      requests: RunRequests | None = None, objects: dict | None = None) -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
     state while it runs (the job service's runner). Raises ``CheckpointError`` when the run has
     no complete checkpoint."""
@@ -657,6 +659,9 @@ def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[st
     mt.check_reachable(uri)
     record = mt.Tracker.lookup(uri, run_id)
     raw = apply_overrides(record.spec_dict, overrides or [])
+    for dotted, obj in (objects or {}).items():
+        section, _, name = dotted.partition(".")
+        raw.setdefault(section, {})[name] = obj
     raw.setdefault("tracking", {})["uri"] = uri
     checkpoint_root = record.tags.get(mt.TAG_CHECKPOINT_ROOT, "")
     if checkpoint_root:
