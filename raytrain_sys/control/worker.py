@@ -287,6 +287,29 @@ class TrainWorker:
         return {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
                 "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
 
+    def evaluate(self, batch_refs: list, which: list[int]) -> dict[int, dict[str, float]]:
+        """The sums of evaluation batches ``which`` (indices into ``batch_refs``, -1: a repeat that
+        keeps the collectives in step), with the state this worker holds; only a data leader's
+        count (raytrain_sys.train.evaluate)."""
+        from raytrain_sys.train.evaluate import batch_sums
+
+        assert self.pm is not None and self.stash is None, "no state in this layout to evaluate"
+        model = self.pm.local_model  # not DDP's wrapper: its forward would sync buffers
+        wanted = sorted({i for i in which if i >= 0})
+        batches = dict(zip(wanted, ray.get([batch_refs[i] for i in wanted]))) if wanted else {}
+        spare = ray.get(batch_refs[0]) if -1 in which else None
+        out = {}
+        model.eval()
+        try:
+            with self.pm._autocast():
+                for i in which:
+                    sums = batch_sums(self.task, model, batches[i] if i >= 0 else spare, self.device)
+                    if i >= 0 and self.pm.is_data_leader:
+                        out[i] = sums
+        finally:
+            model.train()
+        return out
+
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int,
                         everything: bool = False) -> list[dict]:

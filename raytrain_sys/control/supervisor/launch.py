@@ -39,6 +39,7 @@ class Preflight:
     task: object
     flops_per_token: float  # 0: not a GPT, no MFU
     resume_info: CheckpointInfo | None  # the checkpoint the run continues from, if any
+    eval_set: tuple | None = None  # (uri, manifest) of the evaluation set, with eval.every_steps
 
 
 def resolve_dir(path: str) -> str:
@@ -62,9 +63,14 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
     # The model, the task and the rows meet once here, on a few rows, before any Ray resource.
     check_job_inputs(spec, manifest, task)
     flops_per_token = model_flops_per_token(spec.model) if spec.model.name == "gpt" else 0
+    eval_set = None
+    if spec.eval.every_steps:
+        from raytrain_sys.data.evalset import open_eval_set
+
+        eval_set = open_eval_set(spec)
     if spec.tracking.enabled:
         mt.check_reachable(tracking_uri)
-    found = Preflight(manifest, store, checkpointer, task, flops_per_token, None)
+    found = Preflight(manifest, store, checkpointer, task, flops_per_token, None, eval_set)
     resume = spec.checkpoint.resume_from
     if not resume:
         return found

@@ -34,6 +34,7 @@ from raytrain_sys.control.run_record import RunSummary, git_commit
 import raytrain_sys.control.supervisor.launch as launch
 import raytrain_sys.control.supervisor.policy as policy
 from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible
+from raytrain_sys.control.supervisor.evaluation import Evaluation
 from raytrain_sys.control.supervisor.journal import State, transition_record
 from raytrain_sys.control.supervisor.liveness import StepOutcome, WorkerLost, collect, watch
 from raytrain_sys.control.supervisor.probe import ping_all
@@ -94,6 +95,8 @@ class Supervisor:
         self.steps: Steps | None = None
         self.membership: Membership | None = None
         self.checkpoints: Checkpoints | None = None
+        self.evaluation: Evaluation | None = None
+        self._early_stop = ""  # the reason, once train.early_stop ended the run
         self._local_cluster = False
         self._warm = None  # the data warm-up thread (launch.warm_data), joined before teardown
         self._last_drain_poll = 0.0
@@ -173,6 +176,11 @@ class Supervisor:
                                self.on_step, found.flops_per_token)
             self.checkpoints = Checkpoints(spec, found.checkpointer, self.checkpoint_root, found.manifest,
                                            self.summary, self.tracker)
+            if found.eval_set is not None:
+                self.evaluation = Evaluation(spec, found.task, self.summary, self.tracker, found.eval_set)
+                self.evaluation.start_reading()  # while the group forms
+                if self.summary.best_checkpoint:
+                    found.checkpointer.keep_steps = {self.summary.best_checkpoint["step"]}
             self._transition(State.STARTING, f"{self.group.world_size} workers placed")
             self.membership.form_group()
             if resume_info is not None:
@@ -191,7 +199,10 @@ class Supervisor:
                 # the steps after it are trained again before the run can end (a stop asked
                 # for meanwhile ends it at the restored step: that one is durable).
                 self._loop()
-            if self.committed_step < spec.train.max_steps and stop is not None:
+            if self._early_stop and stop is None:
+                self.summary.reason = self._early_stop
+                self._transition(State.FINISHED, self._early_stop)
+            elif self.committed_step < spec.train.max_steps and stop is not None:
                 self._transition(State.CANCELLED if cancelled else State.STOPPED,
                                  f"{stop.describe()} (at step {self.committed_step})")
             elif self.committed_step < spec.train.max_steps:
@@ -229,8 +240,8 @@ class Supervisor:
         try:
             while self.committed_step < last:
                 if ahead is None:
-                    if self.requests.stop() is not None:
-                        break  # a pause or cancel: the run ends at this boundary (see ``run``)
+                    if self.requests.stop() is not None or self._early_stop:
+                        break  # a pause, cancel or early stop: the run ends at this boundary (see ``run``)
                     self._at_step_boundary()
                     step = self.committed_step
                     cur = self.steps.dispatch(step, self.steps.lease_steps(step, last))
@@ -260,8 +271,46 @@ class Supervisor:
                 # A lease ends where a checkpoint is due (policy.lease_steps).
                 if every and self.committed_step % every == 0 and self.committed_step < last:
                     self._checkpoint(final=False)
+                if self.evaluation is not None and (policy.eval_due(self.committed_step, spec)
+                                                    or self.committed_step == spec.train.max_steps):
+                    self._evaluate()
         finally:
             self.steps.close()
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self) -> None:
+        """Evaluate the committed state; a member lost meanwhile is rebuilt around, and the
+        evaluation asked again (of the same state). Then keep its checkpoint if it is the best
+        (checkpoint.keep_best) and decide an early stop (train.early_stop)."""
+        step = self.committed_step
+        batches = len(self.evaluation.refs or []) or 1
+        for attempt in range(3):
+            t0 = time.perf_counter()
+            members = list(self.group.workers)
+            outcome = self.evaluation.call(self.group, step, self.steps._step_deadline_s(batches))
+            if not outcome.failed:
+                metrics = self.evaluation.record(step, outcome, time.perf_counter() - t0)
+                break
+            lost = [w for w in members if w.slot in outcome.lost]
+            reason = "; ".join([f"worker {w.slot} {outcome.lost[w.slot]}" for w in lost]
+                               + [f"worker {s} error: {m}" for s, m in outcome.errored.items()])
+            if not lost and attempt == 2:
+                raise TrainingFailed(f"evaluation at step {step} failed: {reason}")
+            self._rebuild_without(lost, f"evaluation at step {step} failed: {reason}")
+            if self.committed_step != step:
+                return  # restored an older checkpoint: the steps and this evaluation come again
+        else:
+            raise TrainingFailed(f"evaluation at step {step} failed three times")
+        if self.spec.checkpoint.keep_best and self.evaluation.improves(metrics):
+            if not self.checkpoints.saved(step):
+                self._checkpoint(final=False)
+            saved = [c for c in self.summary.checkpoints if c["step"] == step]
+            if saved:
+                self.evaluation.mark_best(step, saved[-1]["uri"], metrics)
+                self.checkpoints.checkpointer.keep_steps = {step}
+        stop = self.evaluation.early_stop()
+        if stop is not None:
+            self._early_stop = f"{stop.reason} (at step {step})"
 
     def _step_deadline_s(self) -> float:
         """A step slower than this is hung: a multiple of recent step times, with a floor."""
