@@ -80,7 +80,13 @@ def eval_batch_refs(spec, uri: str, manifest: DatasetManifest) -> list:
     import ray
 
     rows, count = plan(manifest, spec.eval.max_rows, spec.eval.batch_rows)
-    task = ray.remote(max_retries=3)(read_batches).options(num_returns=count)
+    # The training reads' resources (data.read_resources): by default no CPU, so that the read
+    # never waits behind trainers holding every CPU (they wait for it in their first evaluation).
+    res = spec.data.read_resources
+    options = {"num_returns": count, "num_cpus": res.get("CPU", 0)}
+    if any(k != "CPU" for k in res):
+        options["resources"] = {k: v for k, v in res.items() if k != "CPU"}
+    task = ray.remote(max_retries=3)(read_batches).options(**options)
     refs = task.remote(uri, manifest, rows, spec.eval.batch_rows, spec.data.s3_endpoint_url,
                        spec.data.transform or None)
     return list(refs) if count > 1 else [refs]

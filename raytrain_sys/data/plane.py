@@ -508,7 +508,9 @@ class DataPlane:
         from raytrain_sys.data.table import select_columns
 
         d = spec.data
-        plane = cls(d.path, select_columns(manifest, d.columns, d.path), d.seed, d.shuffle_window,
+        # A relative path is the driver's: read tasks run elsewhere (another working directory).
+        path = d.path if d.path.startswith("s3://") else os.path.abspath(d.path)
+        plane = cls(path, select_columns(manifest, d.columns, d.path), d.seed, d.shuffle_window,
                     d.shuffle_block_rows, spec.train.global_batch_size, end_position,
                     prefetch_steps=d.prefetch_steps, s3_endpoint_url=d.s3_endpoint_url,
                     on_bad_shard=d.on_bad_shard, run_dir=run_dir, on_skip=on_skip,

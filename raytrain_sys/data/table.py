@@ -1,7 +1,7 @@
 """Your own Parquet files as a dataset: a manifest written beside them, the files never rewritten.
 
 ``index_parquet(dir_or_s3)`` (``raytrain-sys prepare-data --index``) lists the ``*.parquet``
-files under a directory (sorted by path: the order sample ids follow), and records each file's
+files directly in a directory (sorted by path: the order sample ids follow), and records each file's
 row count, row groups, size and sha256, and the dataset's schema, in ``manifest.json``
 (``TABLE_FORMAT``). Every file must have the same schema.
 
@@ -26,6 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raytrain_sys.data import storage
@@ -45,12 +46,12 @@ def index_parquet(dataset_uri: str, s3_endpoint_url: str = "", overwrite: bool =
     """Write ``manifest.json`` for the Parquet files under ``dataset_uri`` (local or s3://)."""
     fs, root = filesystem(dataset_uri, s3_endpoint_url)
     try:
-        infos = fs.get_file_info(pa.fs.FileSelector(root, recursive=True))
+        infos = fs.get_file_info(pafs.FileSelector(root, recursive=False))  # val/ etc. are datasets of their own
     except FileNotFoundError:
         raise DataError(f"{dataset_uri} does not exist") from None
     except OSError as exc:
         raise DataError(f"cannot list {dataset_uri}: {exc}") from None
-    files = sorted(i.path for i in infos if i.type == pa.fs.FileType.File and i.path.endswith(".parquet"))
+    files = sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
     if not files:
         raise DataError(f"no *.parquet files under {dataset_uri}")
     if any(i.path == f"{root}/{MANIFEST_NAME}" for i in infos) and not overwrite:
