@@ -7,6 +7,7 @@ The public API, the names a user imports (the modules behind them are free to mo
     spec = rts.load_spec("jobs/tinygpt.yaml", ["train.max_steps=50"])   # or rts.JobSpec(...), a dict
     result = rts.run(spec, on_step=rts.LiveView())                     # a RunResult
     more = rts.resume(result.mlflow_run_id, overrides=["train.max_steps=80"])
+    rts.connect(spec)    # keep one Ray cluster up across runs (a notebook); else each run starts one
     rts.Client(url, token).submit("jobs/tinygpt.yaml", team="research")  # the job service
 
 Extension points: ``model.factory`` (your nn.Module), ``train.task`` (your loss: ``rts.Task``,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "run": ("raytrain_sys.api", "run"),
     "resume": ("raytrain_sys.api", "resume"),
+    "connect": ("raytrain_sys.control.worker_group", "connect_ray"),
     "load_spec": ("raytrain_sys.spec", "load_spec"),
     "from_dict": ("raytrain_sys.spec", "from_dict"),
     "JobSpec": ("raytrain_sys.spec", "JobSpec"),
@@ -53,6 +55,7 @@ if TYPE_CHECKING:  # for editors and type checkers; at run time __getattr__ impo
     from raytrain_sys.control.supervisor.requests import RunRequests  # noqa: F401
     from raytrain_sys.control.supervisor.steps import StepReport  # noqa: F401
     from raytrain_sys.control.supervisor.supervisor import RunResult  # noqa: F401
+    from raytrain_sys.control.worker_group import connect_ray as connect  # noqa: F401
     from raytrain_sys.data.table import index_parquet  # noqa: F401
     from raytrain_sys.errors import SpecError, UserError  # noqa: F401
     from raytrain_sys.models import register_model  # noqa: F401
