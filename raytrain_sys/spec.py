@@ -26,6 +26,11 @@ from raytrain_sys.errors import SpecError
 
 @dataclass
 class ModelSpec:
+    """Your model: ``factory: "mypkg.models:build"`` names a callable that receives this section (your own fields in ``args``) and returns a ``torch.nn.Module``; from Python, pass the callable itself (``rts.run(spec, model_factory=build)``). Without a factory, ``name`` picks a registered model (``gpt``, ``cnn``, or one added by ``raytrain_sys.models.register_model``). A factory that does not import, raises, or returns something else fails before training, naming this field. DDP and FSDP work for any module (``parallel.fsdp_wrap``); TP and PP plans exist for ``gpt`` only.
+
+    The other fields configure the registered models.
+    """
+
     # A registered model (gpt, cnn; raytrain_sys.models.register_model adds more) or, with
     # model.factory set, a free label for your own model
     name: str = "gpt"
@@ -44,6 +49,8 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
+    """Your data: a dataset directory with ``manifest.json``, written by ``raytrain-sys prepare-data`` (token rows, documents, WebDataset) or, for Parquet files you already have (local or s3://), by ``prepare-data --index DIR`` (only the manifest is written). ``columns`` picks the columns read; ``transform: "mypkg.data:fn"`` runs ``fn(row) -> row`` on every row inside the read tasks, before the task sees it (keep it a pure function of the row: rows are read again after a failure). A file whose schema differs from the manifest's stops the run, naming the file."""
+
     path: str = "data/stdlib"  # dataset dir (local or s3://) holding manifest.json + shards
     seed: int = 0  # the global order is a pure function of (manifest, seed, epoch)
     shuffle_window: int = 8192  # rows permuted together; larger mixes better, costs memory
@@ -88,6 +95,8 @@ class EarlyStopSpec:
 
 @dataclass
 class TrainSpec:
+    """Your task: ``task: "mypkg.tasks:MyTask"`` names a class (built with ``task_args``) with ``units(batch) -> int`` and ``loss_sum(model, batch) -> scalar tensor``, both sums over rows (``raytrain_sys.train.tasks.Task``): that is what keeps gradients exact at any world size; ``rts.check_task(task, model, batch)`` checks it on your rows. Gradient accumulation: ``micro_batch_size`` rows per forward pass, whatever the world size; the global batch stays ``global_batch_size``."""
+
     max_steps: int = 300  # optimizer steps of the whole run (the LR schedule spans them)
     global_batch_size: int = 32  # rows per optimizer step, constant whatever the world size
     micro_batch_size: int = 0  # rows per forward pass on a rank; 0 = the rank's whole share
@@ -108,7 +117,7 @@ class TrainSpec:
     # torch.compile the model (Module.compile: parameter names and checkpoints unchanged); the
     # first step includes the compile time, reported as summary.json compile_s
     compile: bool = False
-    early_stop: EarlyStopSpec = field(default_factory=EarlyStopSpec)
+    early_stop: EarlyStopSpec = field(default_factory=EarlyStopSpec)  # patience, min_delta: see train.early_stop
 
 
 @dataclass
