@@ -196,3 +196,27 @@ def test_check_task_finds_a_mean_and_passes_the_built_in_tasks():
 
     with pytest.raises(TaskCheckFailed):
         check_task(BatchNormed("image", "label"), model, batch)
+
+
+def tiny_mlp(model):
+    """A factory the workers can import (tests/ is on their path: the driver's directory)."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def test_parquet_on_s3_indexed_in_place_and_trained(ray_cluster, s3_server, s3_bucket, table, tmp_path):
+    client = s3_server.client()
+    for name in ("part-0.parquet", "part-1.parquet"):
+        client.upload_file(f"{table}/{name}", s3_bucket, f"mine/{name}")
+    uri = f"s3://{s3_bucket}/mine"
+    manifest = rts.index_parquet(uri, s3_server.endpoint_url)
+    assert manifest.num_rows == 128 and manifest.extra["row_groups"] == [[16] * 4] * 2
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket)["Contents"])
+    assert keys == ["mine/manifest.json", "mine/part-0.parquet", "mine/part-1.parquet"]  # nothing rewritten
+    spec = tiny_spec(tmp_path, uri, model={"name": "mlp", "factory": "tests.test_extensions:tiny_mlp"},
+                     data={"columns": ["x", "y"], "s3_endpoint_url": s3_server.endpoint_url,
+                           "shuffle_block_rows": 16},
+                     train={"task": "raytrain_sys.train.tasks:Classify", "max_steps": 4,
+                            "task_args": {"input_key": "x", "label_key": "y"}},
+                     tracking={"enabled": False})
+    result = rts.run(spec)
+    assert result.status == "finished" and result.committed_steps == 4
