@@ -310,7 +310,7 @@ class JobSpec:
         out: dict[str, Any] = {}
 
         def walk(prefix: str, value: Any) -> None:
-            if isinstance(value, dict) and (value or not prefix.endswith(_MAPPING_FIELDS)):
+            if isinstance(value, dict):
                 for k, v in value.items():
                     walk(f"{prefix}.{k}" if prefix else k, v)
             else:
@@ -352,8 +352,6 @@ class JobSpec:
 
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim")
-# Free-form mappings: one MLflow param each when empty, one per key otherwise.
-_MAPPING_FIELDS = (".args", ".task_args", ".read_resources")
 
 # model.name values with a registered factory (raytrain_sys.models.register_model adds to it;
 # kept here so that a spec is checked without importing torch), and those with TP/PP plans.

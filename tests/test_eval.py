@@ -84,6 +84,19 @@ def test_eval_after_a_kill_and_a_resize_equals_the_uninterrupted_run(ray_cluster
     assert_same_evals(summary["evals"], reference)
 
 
+def test_eval_continues_after_a_pause_and_rts_resume(ray_cluster, dataset_with_val, reference, tmp_path):
+    import raytrain_sys as rts
+
+    paused = rts.run(eval_spec(tmp_path, dataset_with_val, 2, train={"stop_at_step": 5}))
+    assert paused.status == "stopped" and [e["step"] for e in read_summary(paused.run_dir)["evals"]] == [3]
+    resumed = rts.resume(paused.mlflow_run_id, tracking_uri=f"sqlite:///{tmp_path}/runs/mlflow.db")
+    assert resumed.status == "finished" and resumed.mlflow_run_id == paused.mlflow_run_id
+    assert_same_evals(read_summary(resumed.run_dir)["evals"], reference)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    history = mlflow.MlflowClient().get_metric_history(resumed.mlflow_run_id, "eval_loss")
+    assert sorted(m.step for m in history) == [3, 6, 9]
+
+
 def test_keep_best_and_early_stop(ray_cluster, dataset_with_val, tmp_path):
     # A learning rate this high makes the evaluation loss rise after its first dip: the best
     # checkpoint is an early one, retention (keep_last 1) must not delete it, and the run stops

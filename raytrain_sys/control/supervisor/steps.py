@@ -269,6 +269,8 @@ class Steps:
             if len(self._compute_s) == 4:
                 self.summary.compile_s = max(0.0, self._compute_s[0] - sorted(self._compute_s[1:])[1])
                 log.info("train.compile: about %.1f s of compilation in the first step", self.summary.compile_s)
+                if self.tracker is not None:
+                    self.tracker.log_metrics(self.committed_step, {"compile_s": self.summary.compile_s})
         self.summary.samples_consumed = self.data_cursor
         self.summary.data_cursor = self.data_cursor
         if self._sample_log is not None:
