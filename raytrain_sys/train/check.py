@@ -144,8 +144,14 @@ def check_job_inputs(spec, manifest, task) -> None:
     if spec.data.sequences != "rows":
         return  # rows are made of documents by the read tasks: NextToken reads them
     from raytrain_sys.data.plane import sample_rows
+    from raytrain_sys.data.shards import BadShardError
 
-    rows = sample_rows(spec, manifest, PREFLIGHT_ROWS)
+    try:
+        rows = sample_rows(spec, manifest, PREFLIGHT_ROWS)
+    except BadShardError as exc:
+        # The first shard is bad: data.on_bad_shard decides, in the step that reads it.
+        log.warning("pre-flight could not read rows to check the task on: %s", exc)
+        return
     check_task_on_rows(task, model, rows, spec)
 
 

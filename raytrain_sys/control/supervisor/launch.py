@@ -23,7 +23,7 @@ from raytrain_sys.control.worker_group import clean_up_leftovers, connect_ray
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
-from raytrain_sys.errors import UserError
+from raytrain_sys.errors import SpecError, UserError
 from raytrain_sys.spec import JobSpec
 from raytrain_sys.tracking import mlflow_tracker as mt
 from raytrain_sys.extensions import resolve_task
@@ -57,6 +57,10 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
     store.check_access()
     checkpointer = Checkpointer(store, spec.checkpoint.keep_last)
     task = resolve_task(spec)
+    if spec.eval.every_steps and spec.eval.metric != "loss" and not hasattr(task, "eval_sums"):
+        raise SpecError("eval.metric", f"got {spec.eval.metric!r}, which the task does not report (it "
+                                       f"has no eval_sums); use loss, or a task that reports it "
+                                       f"(raytrain_sys.train.tasks.Classify)")
     from raytrain_sys.models import model_flops_per_token
     from raytrain_sys.train.check import check_job_inputs
 
