@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from raytrain_sys.data.batches import RankShare
+from raytrain_sys.extensions import resolve_task
 from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
 from raytrain_sys.parallel.parallelize import import_for, parallelize
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.train.optim import build_optimizer, lr_at
-from raytrain_sys.extensions import resolve_task
 
 log = logging.getLogger(__name__)
 
