@@ -106,16 +106,14 @@ def register_trivial_model() -> None:
     layer. Registered in every process that builds or validates the spec."""
     import torch.nn as nn
 
-    from raytrain_sys import models, spec
+    from raytrain_sys import models
     from raytrain_sys.train import tasks
 
-    if "trivial" in spec.ALLOWED_CHOICES["model.name"]:
+    if "trivial" in models.MODELS:
         return
-    spec.ALLOWED_CHOICES["model.name"] += ("trivial",)
-    models.MODEL_BUILDERS["trivial"] = lambda m: nn.Sequential(
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(16, m.vocab_size))
-    models.MODEL_FLOPS_PER_TOKEN["trivial"] = lambda m: 0
-    tasks.TASKS["trivial"] = tasks.Classify("image", "label")
+    models.register_model("trivial", lambda m: nn.Sequential(
+        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(16, m.vocab_size)),
+        lambda: tasks.Classify("image", "label"))
 
 
 def spec_for(kind: str, delivery: str, dataset: str, workers: int, steps: int, out: str):

@@ -7,6 +7,7 @@ the value given and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -25,7 +26,18 @@ from raytrain_sys.errors import SpecError
 
 @dataclass
 class ModelSpec:
-    name: str = "gpt"  # key in raytrain_sys.models.MODEL_BUILDERS
+    """Your model: ``factory: "mypkg.models:build"`` names a callable that receives this section (your own fields in ``args``) and returns a ``torch.nn.Module``; from Python, pass the callable itself (``rts.run(spec, model_factory=build)``). Without a factory, ``name`` picks a registered model (``gpt``, ``cnn``, or one added by ``raytrain_sys.models.register_model``). A factory that does not import, raises, or returns something else fails before training, naming this field. DDP and FSDP work for any module (``parallel.fsdp_wrap``); TP and PP plans exist for ``gpt`` only.
+
+    The other fields configure the registered models.
+    """
+
+    # A registered model (gpt, cnn; raytrain_sys.models.register_model adds more) or, with
+    # model.factory set, a free label for your own model
+    name: str = "gpt"
+    # "pkg.module:callable" (or, from Python, the callable itself): called with this section,
+    # returns an nn.Module. "" = the registered factory named by model.name
+    factory: Any = ""
+    args: dict = field(default_factory=dict)  # free-form, for your factory (model.args["width"])
     vocab_size: int = 256  # byte-level tokens
     block_size: int = 128  # context length in tokens
     n_layer: int = 4  # transformer blocks (GPT) or conv layers (CNN)
@@ -37,6 +49,8 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
+    """Your data: a dataset directory with ``manifest.json``, written by ``raytrain-sys prepare-data`` (token rows, documents, WebDataset) or, for Parquet files you already have (local or s3://), by ``prepare-data --index DIR`` (only the manifest is written). ``columns`` picks the columns read; ``transform: "mypkg.data:fn"`` runs ``fn(row) -> row`` on every row inside the read tasks, before the task sees it (keep it a pure function of the row: rows are read again after a failure). A file whose schema differs from the manifest's stops the run, naming the file."""
+
     path: str = "data/stdlib"  # dataset dir (local or s3://) holding manifest.json + shards
     seed: int = 0  # the global order is a pure function of (manifest, seed, epoch)
     shuffle_window: int = 8192  # rows permuted together; larger mixes better, costs memory
@@ -60,6 +74,11 @@ class DataSpec:
     # not wait behind trainers holding every CPU); {"CPU": 1}, or a custom resource that only
     # CPU-only nodes offer (e.g. {"data_reader": 1}), moves reading and decoding off the trainers.
     read_resources: dict = field(default_factory=dict)
+    # Columns a read delivers (a table dataset: prepare-data --index); [] = every column
+    columns: list = field(default_factory=list)
+    # "pkg.module:fn" (or a callable): fn(row: dict of column -> value) -> dict, run on every row
+    # in the read tasks, before the task counts loss units; must be a pure function of the row
+    transform: Any = ""
     # How a rank gets its rows. refs: the driver sends object references and row ranges, the rank
     # fetches its rows from the object store, node to node. driver: the driver fetches the rows and
     # sends them as task arguments (every byte through one process; kept to measure against).
@@ -67,7 +86,17 @@ class DataSpec:
 
 
 @dataclass
+class EarlyStopSpec:
+    """Stop when eval.metric has not improved by more than min_delta for patience evaluations."""
+
+    patience: int = 0  # evaluations without improvement before the run stops; 0 = never stop early
+    min_delta: float = 0.0  # an improvement smaller than this does not count
+
+
+@dataclass
 class TrainSpec:
+    """Your task: ``task: "mypkg.tasks:MyTask"`` names a class (built with ``task_args``) with ``units(batch) -> int`` and ``loss_sum(model, batch) -> scalar tensor``, both sums over rows (``raytrain_sys.train.tasks.Task``): that is what keeps gradients exact at any world size; ``rts.check_task(task, model, batch)`` checks it on your rows. Gradient accumulation: ``micro_batch_size`` rows per forward pass, whatever the world size; the global batch stays ``global_batch_size``."""
+
     max_steps: int = 300  # optimizer steps of the whole run (the LR schedule spans them)
     global_batch_size: int = 32  # rows per optimizer step, constant whatever the world size
     micro_batch_size: int = 0  # rows per forward pass on a rank; 0 = the rank's whole share
@@ -81,6 +110,25 @@ class TrainSpec:
     # known, then as many as fit in 1 s (8 at most), so short steps share the driver's per-call
     # cost (~0.5 ms per worker) while a boundary (drain, pause, newcomers) is never 1 s away.
     steps_per_call: int = 0
+    # "pkg.module:Class" of a Task (raytrain_sys.train.tasks: units + loss_sum), built with
+    # train.task_args, or from Python a Task object. "" = the registered model's own task
+    task: Any = ""
+    task_args: dict = field(default_factory=dict)  # keyword arguments of train.task's class
+    # torch.compile the model (Module.compile: parameter names and checkpoints unchanged); the
+    # first step includes the compile time, reported as summary.json compile_s
+    compile: bool = False
+    early_stop: EarlyStopSpec = field(default_factory=EarlyStopSpec)  # patience, min_delta: see train.early_stop
+
+
+@dataclass
+class EvalSpec:
+    """Evaluation during training: the task's metrics over the same rows at any world size."""
+
+    every_steps: int = 0  # evaluate after every this many committed steps (and at the end); 0 = never
+    dataset: str = ""  # dataset dir (local or s3://) with manifest.json; "" = <data.path>/val
+    max_rows: int = 0  # the first rows of the dataset (manifest order); 0 = all of them
+    batch_rows: int = 32  # rows per forward pass; a batch goes whole to one rank, so results never depend on the world
+    metric: str = "loss"  # what keep_best and early stop watch: loss, or accuracy (classification)
 
 
 @dataclass
@@ -108,6 +156,9 @@ class ParallelSpec:
     comm_hook: str = "none"  # none | fp16 | powersgd: DDP gradient compression
     powersgd_rank: int = 1  # PowerSGD matrix approximation rank (1 = most compression)
     powersgd_start_iter: int = 10  # plain all-reduce for this many steps first (PowerSGD paper)
+    # Module class names FSDP wraps as units (and activation checkpointing recomputes), e.g.
+    # [Block]; [] = the registered model's blocks (GPT layers), or the whole model as one unit
+    fsdp_wrap: list = field(default_factory=list)
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
@@ -187,6 +238,8 @@ class CheckpointSpec:
     # another size than its manifest says): "fail" names the newest intact older one; "previous"
     # resumes from it, recorded in MLflow
     on_corrupt: str = "fail"
+    # also keep the checkpoint of the best eval.metric (saved when an evaluation improves on it)
+    keep_best: bool = False
 
 
 @dataclass
@@ -237,6 +290,7 @@ class JobSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     optim: OptimSpec = field(default_factory=OptimSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
@@ -246,7 +300,14 @@ class JobSpec:
 
     # ----- derived views -----
     def to_dict(self) -> dict[str, Any]:
+        """Every field; a Python object given for an extension point (a notebook's model factory
+        or task) stays the object, so that Ray carries it to the workers by value."""
         return dataclasses.asdict(self)
+
+    def plain_dict(self) -> dict[str, Any]:
+        """``to_dict`` with such objects replaced by their description ("python:module.name"):
+        the form YAML, JSON, hashes, checkpoints and MLflow hold."""
+        return _plain(self.to_dict())
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to leaf values, the form MLflow params take."""
@@ -259,7 +320,7 @@ class JobSpec:
             else:
                 out[prefix] = value
 
-        walk("", self.to_dict())
+        walk("", self.plain_dict())
         return out
 
     def training_hash(self) -> str:
@@ -268,23 +329,73 @@ class JobSpec:
         A checkpoint records it; resuming with a different training hash is refused unless the
         user asks for it, because the result would no longer equal an uninterrupted run.
         """
-        keep = {k: v for k, v in self.to_dict().items() if k in TRAINING_SECTIONS}
-        # sequences only when not the default: checkpoints written before it existed still match.
+        keep = {k: v for k, v in self.plain_dict().items() if k in TRAINING_SECTIONS}
+        # Fields added later count only when not at their default: checkpoints written before
+        # they existed still match.
+        defaults = JobSpec().plain_dict()
+        later = {"model": ("factory", "args"), "data": ("sequences", "columns", "transform"),
+                 "train": ("task", "task_args", "compile")}
+
+        def changed(section: str, k: str, v: Any) -> bool:
+            return k in later.get(section, ()) and v != defaults[section][k]
+
+        keep["model"] = {k: v for k, v in keep["model"].items()
+                         if k not in later["model"] or changed("model", k, v)}
         keep["data"] = {k: v for k, v in keep["data"].items()
-                        if k in ("seed", "shuffle_window", "shuffle_block_rows")
-                        or (k == "sequences" and v != "rows")}
+                        if k in ("seed", "shuffle_window", "shuffle_block_rows") or changed("data", k, v)}
         keep["train"] = {
-            k: v for k, v in keep["train"].items() if k in ("global_batch_size", "precision", "seed")
+            k: v for k, v in keep["train"].items()
+            if k in ("global_batch_size", "precision", "seed") or changed("train", k, v)
         }
         blob = json.dumps(keep, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def spec_hash(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        blob = json.dumps(self.plain_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim")
+
+# model.name values with a registered factory (raytrain_sys.models.register_model adds to it;
+# kept here so that a spec is checked without importing torch), and those with TP/PP plans.
+REGISTERED_MODELS: set[str] = {"gpt", "cnn"}
+MODELS_WITH_PARALLEL_PLANS: set[str] = {"gpt"}
+PYTHON_OBJECT_PREFIX = "python:"  # how a Python object given for an extension point is recorded
+
+
+def describe_object(obj: Any) -> str:
+    """``python:module.qualname`` of a callable or object given from Python (never imported
+    back: a run that used one is resumed by giving it again)."""
+    target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
+    return f"{PYTHON_OBJECT_PREFIX}{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
+
+
+def import_path_of(obj: Any) -> str | None:
+    """"module:qualname" when importing it gives back ``obj`` itself (a top-level function or
+    class of an importable module), else None (a notebook's function, a lambda, an instance)."""
+    import importlib
+
+    module, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not qual or module == "__main__" or "<" in qual:
+        return None
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qual.split("."):
+            found = getattr(found, part)
+    except Exception:
+        return None
+    return f"{module}:{qual}" if found is obj else None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return describe_object(value)
 
 ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "train.precision": ("fp32", "bf16", "fp64"),
@@ -296,7 +407,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "lamb", "lars"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
     "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-    "model.name": ("gpt", "cnn"),
+    "eval.metric": ("loss", "accuracy"),
     "data.on_bad_shard": ("fail", "skip"),
     "checkpoint.on_corrupt": ("fail", "previous"),
     "data.sequences": ("rows", "pack", "pack_masked", "bucket"),
@@ -308,6 +419,7 @@ _POSITIVE = [
     "model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd",
     "data.shuffle_window", "data.shuffle_block_rows", "data.prefetch_steps", "data.num_readers",
     "train.max_steps", "train.global_batch_size", "train.log_every_steps", "train.step_timeout_s",
+    "eval.batch_rows",
     "optim.lr", "optim.eps",
     "checkpoint.keep_last",
     "resources.num_workers", "resources.cpus_per_worker", "resources.start_timeout_s",
@@ -319,6 +431,7 @@ _NON_NEGATIVE = [
     "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
     "resources.local_num_cpus", "resources.peak_tflops_per_worker", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
+    "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
 ]
 
 
@@ -354,6 +467,12 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         raise SpecError(path, f"got {value!r}; expected {_type_name(tp)}")
     if tp is dict and not isinstance(value, dict):
         raise SpecError(path, f"got {value!r} ({type(value).__name__}); expected a mapping")
+    if tp is list:
+        if isinstance(value, str):  # --set data.columns=x,y
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise SpecError(path, f"got {value!r}; expected a list of names, e.g. [a, b]")
+        return list(value)
     if tp in (int, float, str, bool) and not isinstance(value, tp):
         raise SpecError(path, f"got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
     return value
@@ -450,8 +569,57 @@ def validate(spec: JobSpec) -> JobSpec:
                             f"e.g. {{CPU: 1}} or {{data_reader: 1}}")
     if spec.data.sequences != "rows":
         _validate_sequences(spec)
+    _validate_extensions(spec)
+    _validate_eval(spec)
     validate_parallel(spec)
     return spec
+
+
+def _extension_point(spec: JobSpec, dotted: str, example: str, objects_allowed: bool) -> None:
+    """An extension field holds "pkg.module:name" or, from Python, the object itself; an
+    importable object is recorded by its import path (so YAML, MLflow and resume can name it)."""
+    section, name = dotted.split(".")
+    value = getattr(getattr(spec, section), name)
+    if isinstance(value, str):
+        if value and not value.startswith(PYTHON_OBJECT_PREFIX) and \
+                not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+            raise SpecError(dotted, f"got {value!r}; expected an import path \"package.module:name\", "
+                                    f"e.g. {example}")
+        return
+    if not objects_allowed:
+        raise SpecError(dotted, f"got {type(value).__name__}; expected an import path string")
+    path = import_path_of(value)
+    if path is not None:
+        setattr(getattr(spec, section), name, path)
+
+
+def _validate_extensions(spec: JobSpec) -> None:
+    _extension_point(spec, "model.factory", '"mypkg.models:build"', True)
+    _extension_point(spec, "train.task", '"mypkg.tasks:MyTask"', True)
+    _extension_point(spec, "data.transform", '"mypkg.data:fn"', True)
+    if not spec.model.factory and spec.model.name not in REGISTERED_MODELS:
+        raise SpecError("model.name", f"got {spec.model.name!r}; registered models: "
+                                      f"{', '.join(sorted(REGISTERED_MODELS))}, or set model.factory "
+                                      f"to build your own (\"mypkg.models:build\")")
+    if spec.model.factory and not spec.train.task:
+        raise SpecError("train.task", "a model built by model.factory needs a task (the loss it is "
+                                      "trained on): set train.task, e.g. raytrain_sys.train.tasks:Classify "
+                                      "with train.task_args {input_key: x, label_key: y}, or your own")
+    if spec.train.task_args and not isinstance(spec.train.task, str):
+        raise SpecError("train.task_args", "build the task object yourself when you pass one from Python")
+
+
+def _validate_eval(spec: JobSpec) -> None:
+    ev = spec.eval
+    if spec.checkpoint.keep_best and not ev.every_steps:
+        raise SpecError("checkpoint.keep_best", "keeps the checkpoint of the best evaluation: set "
+                                                "eval.every_steps too")
+    if spec.train.early_stop.patience and not ev.every_steps:
+        raise SpecError("train.early_stop.patience", "stops on evaluations: set eval.every_steps too")
+    if ev.every_steps and spec.parallel.pp > 1:
+        raise SpecError("eval.every_steps", f"evaluation runs plain forward passes; with parallel.pp="
+                                            f"{spec.parallel.pp} the model is split into a pipeline "
+                                            f"schedule: set eval.every_steps: 0")
 
 
 def _validate_sequences(spec: JobSpec) -> None:
@@ -498,9 +666,12 @@ def validate_parallel(spec: JobSpec) -> None:
         raise SpecError("parallel.fsdp", "strategy hsdp needs the shard group size "
                                          "(e.g. the workers of one node)")
     for name in ("tp", "pp"):
-        if getattr(par, name) > 1 and model.name != "gpt":
-            raise SpecError(f"parallel.{name}", f"tensor and pipeline plans exist for model.name "
-                                                f"gpt only, got {model.name!r}; use ddp/fsdp/hsdp")
+        if getattr(par, name) > 1 and (model.factory or model.name not in MODELS_WITH_PARALLEL_PLANS):
+            which = f"model.factory {_plain(model.factory)!r}" if model.factory else f"model.name {model.name!r}"
+            raise SpecError(f"parallel.{name}", f"got {getattr(par, name)}; {which} has no tensor or "
+                                                f"pipeline plan (models with one: "
+                                                f"{', '.join(sorted(MODELS_WITH_PARALLEL_PLANS))}); "
+                                                f"use strategy ddp, fsdp or hsdp with {name}: 1")
     if model.n_head % par.tp:
         raise SpecError("parallel.tp", f"got {par.tp}; must divide model.n_head={model.n_head} "
                                        f"(each tensor-parallel rank holds whole heads)")
@@ -571,7 +742,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    raw = json.loads(json.dumps(raw))  # deep copy of plain data
+    raw = copy.deepcopy(raw)  # plain data, and any Python object given for an extension point
     for text in overrides:
         key, value = parse_override(text)
         parts = key.split(".")
@@ -614,4 +785,4 @@ def from_text(text: str, overrides: list[str] | None = None, *, field: str = "sp
 
 
 def to_yaml(spec: JobSpec) -> str:
-    return yaml.safe_dump(spec.to_dict(), sort_keys=False)
+    return yaml.safe_dump(spec.plain_dict(), sort_keys=False)

@@ -20,7 +20,7 @@ OUT = ROOT / "docs" / "spec_reference.md"
 
 # JobSpec attribute -> section class, in the order a job file reads.
 SECTIONS = [("model", "ModelSpec"), ("data", "DataSpec"), ("train", "TrainSpec"),
-            ("parallel", "ParallelSpec"), ("optim", "OptimSpec"), ("checkpoint", "CheckpointSpec"),
+            ("train.early_stop", "EarlyStopSpec"), ("eval", "EvalSpec"), ("parallel", "ParallelSpec"), ("optim", "OptimSpec"), ("checkpoint", "CheckpointSpec"),
             ("elastic", "ElasticSpec"), ("tracking", "TrackingSpec"), ("resources", "ResourcesSpec")]
 
 
@@ -63,6 +63,10 @@ def render() -> str:
             default = ast.get_source_segment(source, node.value) if node.value is not None else ""
             if default == "field(default_factory=dict)":
                 default = "{}"
+            elif default == "field(default_factory=list)":
+                default = "[]"
+            elif default.startswith("field(default_factory="):
+                default = "(section below)"
             kind = ast.get_source_segment(source, node.annotation)
             lines.append(f"| `{node.target.id}` | {kind} | `{default}` | {text.replace('|', '/')} |")
         lines.append("")

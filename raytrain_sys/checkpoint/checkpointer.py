@@ -65,6 +65,8 @@ class Checkpointer:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.store = store
         self.keep_last = keep_last
+        # Steps retention keeps whatever keep_last says (checkpoint.keep_best: the best evaluation's).
+        self.keep_steps: set[int] = set()
 
     @staticmethod
     def dir_name(step: int) -> str:
@@ -327,7 +329,7 @@ class Checkpointer:
         if not complete:
             return []
         newest = complete[-1]
-        doomed_complete = complete[: -self.keep_last]
+        doomed_complete = [s for s in complete[: -self.keep_last] if s not in self.keep_steps]
         doomed_partial = [s for s in dirs if s < newest and s not in complete]
         for step in doomed_complete:
             # Manifest first: if we die midway, what is left is an invisible partial directory.

@@ -34,11 +34,17 @@ def find_checkpoint(path: str, s3_endpoint_url: str = "") -> tuple[Checkpointer,
     return ckpt, info
 
 
-def load_model(path: str, s3_endpoint_url: str = "") -> tuple[torch.nn.Module, JobSpec, CheckpointInfo]:
+def load_model(path: str, s3_endpoint_url: str = "", model_factory=None
+               ) -> tuple[torch.nn.Module, JobSpec, CheckpointInfo]:
+    """The model of a checkpoint; ``model_factory``: the callable a run was given from Python
+    (a spec records only its name)."""
     from raytrain_sys.models import build_model
 
     ckpt, info = find_checkpoint(path, s3_endpoint_url)
-    spec = from_dict(info.manifest["spec"])
+    raw = info.manifest["spec"]
+    if model_factory is not None:
+        raw = {**raw, "model": {**raw["model"], "factory": model_factory}}
+    spec = from_dict(raw)
     model = build_model(spec.model)
     if spec.train.precision == "fp64":
         model = model.double()

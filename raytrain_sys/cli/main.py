@@ -59,6 +59,15 @@ def _print_result(result) -> None:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from raytrain_sys.data.prepare import prepare_digits_dataset, prepare_text_dataset
 
+    if args.index:
+        from raytrain_sys.data.table import index_parquet
+
+        manifest = index_parquet(args.index, args.s3_endpoint_url, overwrite=args.overwrite)
+        print(f"indexed {len(manifest.shards)} Parquet files, {manifest.num_rows} rows in {args.index} "
+              f"(columns {', '.join(manifest.extra['schema'])}; content hash {manifest.content_hash}); "
+              f"files unchanged, {args.index.rstrip('/')}/manifest.json written")
+        return 0
+
     if args.format == "webdataset":
         if args.source not in ([], ["digits"]):
             raise UserError(f"--format webdataset prepares --source digits (scikit-learn's bundled "
@@ -145,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--rows-per-shard", type=int, default=8192)
     pd.add_argument("--max-bytes", type=int, default=24_000_000, help="corpus cap; 0 = no cap")
     pd.add_argument("--overwrite", action="store_true")
+    pd.add_argument("--index", default="", metavar="DIR_OR_S3",
+                    help="write only a manifest for the existing *.parquet files there (not rewritten)")
+    pd.add_argument("--s3-endpoint-url", default="", help="for --index s3://...")
     pd.add_argument("--format", choices=("parquet", "documents", "webdataset"), default="parquet",
                     help="parquet: token rows from text; documents: one variable-length token row "
                          "per file, for data.sequences pack/pack_masked/bucket (written to "

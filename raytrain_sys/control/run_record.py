@@ -3,7 +3,8 @@
 summary.json keys (stable): status, reason, job, run_dir, committed_steps, samples_consumed,
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
 mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
-failures, steps_redone, steps_run_ahead, leases.
+failures, steps_redone, steps_run_ahead, leases, evals (one record per evaluation: step and
+metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile).
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class RunSummary:
     steps_redone: int = 0  # committed steps lost to a restore from a durable checkpoint
     steps_run_ahead: int = 0  # committed steps sent while the step before them ran (train.run_ahead)
     leases: int = 0  # calls to the members with steps committed (train.steps_per_call); a failed one counts
+    evals: list[dict] = field(default_factory=list)  # {"step": s, "loss": ..., ...} per evaluation
+    best_checkpoint: dict = field(default_factory=dict)  # {"step", "uri", metric}: checkpoint.keep_best
+    compile_s: float = 0.0  # train.compile: first step's compute time beyond a later step's
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 
@@ -86,3 +90,6 @@ class RunSummary:
         self.losses = self.losses[:step]
         self.world_sizes = self.world_sizes[:step]
         self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]
+        self.evals = [e for e in self.evals if e["step"] <= step]
+        if self.best_checkpoint.get("step", 0) > step:
+            self.best_checkpoint = {}

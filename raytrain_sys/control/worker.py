@@ -39,13 +39,13 @@ import torch
 import torch.distributed as dist
 
 from raytrain_sys.data.batches import RankShare
+from raytrain_sys.extensions import resolve_task
 from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
 from raytrain_sys.parallel.parallelize import import_for, parallelize
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.train.optim import build_optimizer, lr_at
-from raytrain_sys.train.tasks import task_for
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class TrainWorker:
         # The results of the steps of the newest lease that finished here, by step: after a lease
         # fails part-way the Supervisor commits its finished steps from them (lease_results).
         self.recent_results: dict[int, dict[str, float]] = {}
-        self.task = task_for(self.spec.model.name)
+        self.task = resolve_task(self.spec)
 
     # ------------------------------------------------------------------ a spare's start
     @ray.method(concurrency_group="control")
@@ -227,7 +227,7 @@ class TrainWorker:
         # Build order (torchtitan): model, parallelize, optimizer last. A replicated layout
         # wraps the same module again: DDP holds the group it was built with.
         self.pm = parallelize(self.model, self.mesh, self.spec.parallel, self.device, task=self.task,
-                              precision=self.spec.train.precision)
+                              precision=self.spec.train.precision, compile_model=self.spec.train.compile)
         self.model = self.pm.local_model
         if not keep:
             self.optimizer = build_optimizer(self.pm.optimizer_module(), self.spec.optim)
@@ -346,6 +346,29 @@ class TrainWorker:
         self.step_done = step + 1
         return {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
                 "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
+
+    def evaluate(self, batch_refs: list, which: list[int]) -> dict[int, dict[str, float]]:
+        """The sums of evaluation batches ``which`` (indices into ``batch_refs``, -1: a repeat that
+        keeps the collectives in step), with the state this worker holds; only a data leader's
+        count (raytrain_sys.train.evaluate)."""
+        from raytrain_sys.train.evaluate import batch_sums
+
+        assert self.pm is not None and self.stash is None, "no state in this layout to evaluate"
+        model = self.pm.local_model  # not DDP's wrapper: its forward would sync buffers
+        wanted = sorted({i for i in which if i >= 0})
+        batches = dict(zip(wanted, ray.get([batch_refs[i] for i in wanted]))) if wanted else {}
+        spare = ray.get(batch_refs[0]) if -1 in which else None
+        out = {}
+        model.eval()
+        try:
+            with self.pm._autocast():
+                for i in which:
+                    sums = batch_sums(self.task, model, batches[i] if i >= 0 else spare, self.device)
+                    if i >= 0 and self.pm.is_data_leader:
+                        out[i] = sums
+        finally:
+            model.train()
+        return out
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int,

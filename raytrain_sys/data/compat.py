@@ -8,20 +8,16 @@ covers every class.
 
 from __future__ import annotations
 
-from raytrain_sys.data.manifest import (DOCUMENTS_FORMAT, TOKENS_FORMAT, WEBDATASET_FORMAT,
-                                        DatasetManifest)
+from raytrain_sys.data.manifest import (DOCUMENTS_FORMAT, TABLE_FORMAT, TOKENS_FORMAT,
+                                        WEBDATASET_FORMAT, DatasetManifest)
 from raytrain_sys.errors import DataError, SpecError
 from raytrain_sys.spec import JobSpec
 
 
 def _task(spec: JobSpec):
-    from raytrain_sys.train.tasks import TASKS
+    from raytrain_sys.extensions import resolve_task
 
-    try:
-        return TASKS[spec.model.name]
-    except KeyError:
-        raise SpecError("model.name", f"no training task for model {spec.model.name!r}; "
-                        f"models with a task: {', '.join(sorted(TASKS))}") from None
+    return resolve_task(spec)
 
 
 def _rows_only(spec: JobSpec, what: str) -> None:
@@ -35,6 +31,8 @@ def _check_tokens(spec: JobSpec, manifest: DatasetManifest) -> None:
     from raytrain_sys.train.tasks import NextToken
 
     _rows_only(spec, f"fixed rows of {manifest.row_len} tokens")
+    if spec.train.task or spec.model.factory:
+        return  # your task on token rows: pre-flight runs it on a few of them
     if not isinstance(_task(spec), NextToken):
         raise SpecError("model.name", f"got {spec.model.name!r}; dataset {spec.data.path} holds "
                         f"token rows, which train a next-token model (gpt)")
@@ -64,6 +62,8 @@ def _check_webdataset(spec: JobSpec, manifest: DatasetManifest) -> None:
 
     _rows_only(spec, "labelled samples")
     task = _task(spec)
+    if not isinstance(task, Classify) and (spec.train.task or spec.model.factory):
+        return  # your task on these samples: pre-flight runs it on a few of them
     if not isinstance(task, Classify):
         raise SpecError("model.name", f"got {spec.model.name!r}; dataset {spec.data.path} holds "
                         f"labelled samples, which train a classifier (cnn)")
@@ -79,8 +79,15 @@ def _check_webdataset(spec: JobSpec, manifest: DatasetManifest) -> None:
                         f"has {num_classes} classes, so the classifier needs vocab_size >= {num_classes}")
 
 
+def _check_table(spec: JobSpec, manifest: DatasetManifest) -> None:
+    from raytrain_sys.data.table import select_columns
+
+    _rows_only(spec, "rows of your own Parquet files")
+    select_columns(manifest, spec.data.columns, spec.data.path)  # every column named exists
+
+
 _CHECKS = {TOKENS_FORMAT: _check_tokens, DOCUMENTS_FORMAT: _check_documents,
-           WEBDATASET_FORMAT: _check_webdataset}
+           WEBDATASET_FORMAT: _check_webdataset, TABLE_FORMAT: _check_table}
 
 
 def check_spec_against_manifest(spec: JobSpec, manifest: DatasetManifest) -> None:

@@ -22,6 +22,9 @@ WEBDATASET_FORMAT = "raytrain-sys/webdataset-v1"
 # blocks); extra["document_lengths"] = {path, num_bytes, sha256} of a side file holding every
 # document's token count (little-endian uint32, sample id order), so plans never read the shards
 DOCUMENTS_FORMAT = "raytrain-sys/documents-v1"
+# your own Parquet files, indexed where they lie (prepare-data --index, data/table.py); extra:
+# "schema" {column: arrow type}, "row_groups" (rows of each row group, per file)
+TABLE_FORMAT = "raytrain-sys/table-v1"
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ from raytrain_sys.data.batches import GlobalBatch, Piece
 from raytrain_sys.data.manifest import TOKENS_FORMAT, DatasetManifest
 from raytrain_sys.data.shards import (BadShardError, clear_caches, gather_rows, read_document_index,
                                       read_documents, read_segments, read_token_pool)
-from raytrain_sys.errors import DataError, find_user_error
+from raytrain_sys.errors import DataError, SpecError, find_user_error
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +205,7 @@ class ReadContext:
     task: object = None  # the job's Task: each row's loss units are counted where it is read
     bucket: bool = False  # keep each row's num_tokens in the metadata (a batch pads to its longest)
     stream_id: str = ""  # new at every seek: a reader process reopens shards for a new stream
+    transform: object = None  # data.transform (an import path or a callable), run on every row
 
 
 def _read_row_chunk(dataset_uri: str, manifest: DatasetManifest, stream: order.RowStream,
@@ -293,6 +294,34 @@ def row_units(task, columns: dict[str, np.ndarray]) -> np.ndarray:
                       dtype=np.int64)
 
 
+def transform_rows(transform, columns: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``data.transform`` on every row (resolved here, in the read task's process)."""
+    from raytrain_sys.data.table import apply_transform
+    from raytrain_sys.extensions import resolve
+
+    return apply_transform(resolve(transform, "data.transform"), columns)
+
+
+def sample_rows(spec, manifest: DatasetManifest, n: int) -> dict[str, np.ndarray]:
+    """The first ``n`` rows of the dataset's first shard, as a job's reads deliver them (its
+    columns, after its transform): what pre-flight runs the task on."""
+    from raytrain_sys.data.table import select_columns
+    from raytrain_sys.data.shards import read_columns
+
+    manifest = select_columns(manifest, spec.data.columns, spec.data.path)
+    seg = order.Segment(0, 0, min(n, manifest.shards[0].num_rows), 0)
+    columns = read_columns(spec.data.path, manifest, seg, spec.data.s3_endpoint_url, verify_sha256=False)
+    if spec.data.transform:
+        columns = transform_rows(spec.data.transform, columns)
+    for name, values in columns.items():
+        if values.dtype == object or values.dtype.kind in "USV":
+            raise SpecError("data.columns", f"column {name!r} of {spec.data.path} holds "
+                                            f"{type(values.flat[0]).__name__} values, which cannot become "
+                                            f"a tensor: leave it out with data.columns, or turn it "
+                                            f"into numbers with data.transform")
+    return columns
+
+
 def bucket_width(num_tokens: np.ndarray) -> int:
     """A bucketed batch is padded to its longest row (2 tokens at least: an input and a target)."""
     return max(2, int(num_tokens.max()))
@@ -331,6 +360,8 @@ def read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: i
         return (meta, *([None] * num_pieces))
     ids, gs = out.pop("sample_id"), out.pop("g")
     bad_window = out.pop("bad_window", None)
+    if ctx.transform is not None:
+        out = transform_rows(ctx.transform, out)
     cuts = [0, *(np.flatnonzero(gs[1:] != gs[:-1]) + 1).tolist(), len(gs)]
     meta = {"ids": ids, "units": row_units(ctx.task, out),
             "windows": [(int(gs[lo]), hi - lo) for lo, hi in zip(cuts, cuts[1:])],
@@ -447,6 +478,7 @@ class DataPlane:
         self.chunk_rows = max(prefetch_steps * global_batch_size, CHUNK_BYTES // row_bytes)
         self.prefetch_rows = prefetch_steps * global_batch_size
         self.task = task
+        self.transform = None  # data.transform, set by for_job
         self.num_readers = max(1, num_readers)
         self.read_resources = dict(read_resources or {})
         # Rows of a rank's share, which pieces line up with (the Supervisor sets it per world).
@@ -473,12 +505,19 @@ class DataPlane:
     def for_job(cls, spec, manifest: DatasetManifest, end_position: int, run_dir: str = "",
                 on_skip: Callable[[str], None] | None = None, task=None) -> "DataPlane":
         """The plane a job spec asks for: the one place that maps ``spec.data`` to the plane."""
+        from raytrain_sys.data.table import select_columns
+
         d = spec.data
-        return cls(d.path, manifest, d.seed, d.shuffle_window, d.shuffle_block_rows,
-                   spec.train.global_batch_size, end_position, prefetch_steps=d.prefetch_steps,
-                   s3_endpoint_url=d.s3_endpoint_url, on_bad_shard=d.on_bad_shard, run_dir=run_dir,
-                   on_skip=on_skip, sequences=d.sequences, row_len=spec.model.block_size + 1,
-                   task=task, num_readers=d.num_readers, read_resources=d.read_resources)
+        # A relative path is the driver's: read tasks run elsewhere (another working directory).
+        path = d.path if d.path.startswith("s3://") else os.path.abspath(d.path)
+        plane = cls(path, select_columns(manifest, d.columns, d.path), d.seed, d.shuffle_window,
+                    d.shuffle_block_rows, spec.train.global_batch_size, end_position,
+                    prefetch_steps=d.prefetch_steps, s3_endpoint_url=d.s3_endpoint_url,
+                    on_bad_shard=d.on_bad_shard, run_dir=run_dir, on_skip=on_skip,
+                    sequences=d.sequences, row_len=spec.model.block_size + 1, task=task,
+                    num_readers=d.num_readers, read_resources=d.read_resources)
+        plane.transform = d.transform or None
+        return plane
 
     # ----- window geometry: raw (the plan's) and delivered (after skipped shards) positions
     def _raw_start(self, g: int) -> int:
@@ -586,7 +625,7 @@ class DataPlane:
         self._next_item, self._submit_pos = 0, position
         ctx = ReadContext(self.dataset_uri, self.manifest, self.stream, self.s3_endpoint_url,
                           self.sequences == "pack_masked", tuple(sorted(self.skips.items())),
-                          self.task, self.sequences == "bucket", uuid.uuid4().hex)
+                          self.task, self.sequences == "bucket", uuid.uuid4().hex, self.transform)
         self._ctx_ref = ray.put(ctx)
         self._top_up()
         log.info("data plane: stream opened at window %d offset %d (epoch %d)", g, offset,

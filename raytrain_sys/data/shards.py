@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raytrain_sys.data import storage, webdataset
-from raytrain_sys.data.manifest import (DOCUMENTS_FORMAT, MANIFEST_NAME, TOKENS_FORMAT,
+from raytrain_sys.data.manifest import (DOCUMENTS_FORMAT, MANIFEST_NAME, TABLE_FORMAT, TOKENS_FORMAT,
                                         WEBDATASET_FORMAT, DatasetManifest)
 from raytrain_sys.data.order import DocumentIndex, Segment
 from raytrain_sys.data.storage import filesystem
@@ -171,8 +171,11 @@ def read_segments(dataset_uri: str, manifest: DatasetManifest, segs: list[Segmen
 def clear_caches() -> None:
     """Forget open shards and seek indexes: the next read opens them again (and checks their
     size; their sha256 only once per process, see ``storage``)."""
+    from raytrain_sys.data import table
+
     _open_shard.cache_clear()
     webdataset.clear_caches()
+    table.clear_caches()
 
 
 def _bad_shard(dataset_uri: str, manifest: DatasetManifest, seg: Segment, what: str) -> BadShardError:
@@ -201,12 +204,16 @@ def read_columns(dataset_uri: str, manifest: DatasetManifest, seg: Segment,
         if manifest.format == WEBDATASET_FORMAT:
             return webdataset.read_segment(dataset_uri, manifest, seg, s3_endpoint_url,
                                            verify_sha256=verify_sha256)
+        if manifest.format == TABLE_FORMAT:
+            from raytrain_sys.data import table
+
+            return table.read_segment(dataset_uri, manifest, seg, s3_endpoint_url, verify_sha256)
     except FileNotFoundError:
         raise _bad_shard(dataset_uri, manifest, seg, "is missing") from None
     except (OSError, ValueError, KeyError, pa.ArrowException) as exc:
         raise _bad_shard(dataset_uri, manifest, seg, f"is corrupt or truncated: {exc}") from None
     raise DataError(f"dataset {dataset_uri} has format {manifest.format!r}; this version reads "
-                    f"{TOKENS_FORMAT} and {WEBDATASET_FORMAT} rows (and {DOCUMENTS_FORMAT} "
+                    f"{TOKENS_FORMAT}, {WEBDATASET_FORMAT} and {TABLE_FORMAT} rows (and {DOCUMENTS_FORMAT} "
                     f"through data.sequences)")
 
 

@@ -4,7 +4,8 @@ Order of application (torchtitan's, each step needing the previous one's result)
   1. pipeline split: trim the model to this rank's stages (names unchanged);
   2. tensor parallel (+ sequence parallel): parameters become DTensors on the "tp" axis;
   3. activation checkpointing: wraps block forwards, so it must see the TP'd blocks and be seen
-     by FSDP;
+     by FSDP; then torch.compile (``compile_model``) of each block, or of the whole model when it
+     has no blocks (Module.compile: in place, parameter names unchanged);
   4. data parallel: FSDP2 per block then root (fsdp / hsdp), or DDP (ddp), on the data axes;
   5. pipeline stages and schedule over the "pp" axis, around the wrapped stage modules.
 The optimizer is built last, by the caller, from ``parameters_for_optimizer()`` or
@@ -357,8 +358,26 @@ def import_for_any() -> None:
     from raytrain_sys.parallel import pp, tp  # noqa: F401
 
 
+def wrap_blocks(model: nn.Module, parallel_spec: ParallelSpec) -> list[nn.Module]:
+    """The repeated blocks: FSDP units and what activation checkpointing recomputes.
+    ``parallel.fsdp_wrap`` names their classes for any model (inner ones first, as FSDP2 wants
+    them); without it, a GPT's layers, and a model without blocks is one unit."""
+    if parallel_spec.fsdp_wrap:
+        wanted = set(parallel_spec.fsdp_wrap)
+        found = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
+        return found[::-1]  # modules() lists parents before children
+    return list(model.transformer.h.values()) if hasattr(model, "transformer") else []
+
+
+def _compile(blocks: list[nn.Module], model: nn.Module) -> None:
+    # A replicated layout wraps the same modules again at every rebuild: compile them once.
+    for m in blocks or [model]:
+        if getattr(m, "_compiled_call_impl", None) is None:
+            m.compile()
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec, device: str,
-                task=None, precision: str = "fp32") -> ParallelModel:
+                task=None, precision: str = "fp32", compile_model: bool = False) -> ParallelModel:
     """Cut ``model`` (built and initialized identically on every rank) by ``mesh``.
 
     The model is changed in place (pipeline stages drop layers, TP/FSDP swap parameters for
@@ -381,9 +400,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
         split = pplib.split_gpt(model, meshlib.local_index(mesh, "pp"), pp, spec.pp_schedule,
                                 spec.pp_stages_per_rank)
     stage_modules: list[nn.Module] = split.modules if split else [model]
-    # The repeated blocks (FSDP units, activation checkpointing): the GPT's layers. A model
-    # without them (the CNN) is one FSDP unit and recomputes nothing.
-    blocks = list(model.transformer.h.values()) if hasattr(model, "transformer") else []
+    # The repeated blocks (FSDP units, activation checkpointing); a pipeline stage's are those
+    # it kept. A model without them (the CNN) is one FSDP unit and recomputes nothing.
+    blocks = wrap_blocks(model, spec)
 
     # 2. tensor parallel + sequence parallel
     if tp > 1:
@@ -395,6 +414,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
     if spec.activation_checkpointing:
         for block in blocks:
             apply_activation_checkpointing(block)
+    if compile_model:
+        _compile(blocks, model)
 
     # 4. data parallel
     pm = ParallelModel(mesh=mesh, spec=spec, device=device, local_model=model, task=task,

@@ -128,7 +128,7 @@ def _spec_params(spec: JobSpec) -> dict[str, str]:
 
 
 def _spec_json(spec: JobSpec) -> str:
-    return json.dumps(spec.to_dict(), indent=2, sort_keys=True)
+    return json.dumps(spec.plain_dict(), indent=2, sort_keys=True)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -4,6 +4,20 @@ A task turns a batch (a dict of arrays, as the data plane delivers it) into a *s
 counts the units that sum runs over. The Supervisor counts units over the whole global batch
 (numpy, no tensors) and every rank divides by that count, so uneven shares and gradient
 accumulation give exactly the single-process gradient of the global mean loss.
+
+Your own task (``train.task: "mypkg.tasks:MyTask"``, built with ``train.task_args``) implements
+``Task`` below. The contract that keeps gradients exact at any world size, micro-batch size and
+after any resize, because a global batch is cut into rows in any way:
+
+1. ``units(batch)`` is a sum over rows: units(A + B) = units(A) + units(B), and ``row_units``,
+   if given, returns those per-row terms.
+2. ``loss_sum(model, batch)`` is a sum over rows of a term that depends only on that row and the
+   model: ``reduction="sum"``, never a mean over the batch, no statistics across rows (BatchNorm
+   in training mode, in-batch negatives) and no padding-dependent term.
+3. Both see only the columns of the batch (``data.columns``, after ``data.transform``).
+
+``raytrain_sys.train.check.check_task`` tests 1 and 2 on your rows before a long run: it
+compares the gradient of one worker with that of N workers and of micro-batches, in-process.
 """
 
 from __future__ import annotations
@@ -16,14 +30,23 @@ import torch.nn.functional as F
 
 
 class Task(Protocol):
-    def units(self, batch: dict[str, np.ndarray]) -> int: ...
+    """The loss a model is trained on. Optional methods, found by name:
 
-    # Optional: each row's units, as an array (``units`` is their sum). Counted where rows are
-    # read, so the driver learns a global batch's units without its rows; a task without it is
-    # asked ``units`` row by row there.
-    # def row_units(self, batch: dict[str, np.ndarray]) -> np.ndarray: ...
+    - ``row_units(batch) -> np.ndarray``: each row's units (``units`` is their sum). Counted where
+      rows are read, so the driver learns a global batch's units without its rows; a task
+      without it is asked ``units`` row by row there.
+    - ``eval_sums(model, batch) -> dict[str, float]``: sums over the rows of extra evaluation
+      metrics, each reported divided by the evaluation's units (``Classify``: ``accuracy``).
+    - ``reports_perplexity = True``: evaluation also reports exp(loss).
+    """
 
-    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
+    def units(self, batch: dict[str, np.ndarray]) -> int:
+        """How many terms ``loss_sum`` adds up for these rows (a sum over rows)."""
+        ...
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The summed (never averaged) loss of these rows, a scalar tensor."""
+        ...
 
 
 def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
@@ -41,6 +64,8 @@ class NextToken:
     first token is predicted from the one before it, so a packed row trains exactly as its
     documents would alone.
     """
+
+    reports_perplexity = True
 
     def units(self, batch: dict[str, np.ndarray]) -> int:
         return int(self.row_units(batch).sum())
@@ -96,15 +121,15 @@ class Classify:
     def row_units(self, batch: dict[str, np.ndarray]) -> np.ndarray:
         return np.ones(batch[self.label_key].shape[0], dtype=np.int64)
 
-    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logits(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         dtype = next(model.parameters()).dtype
-        logits = _at_least_fp32(model(batch[self.input_key].to(dtype)))
-        return F.cross_entropy(logits, batch[self.label_key].long(), reduction="sum")
+        return _at_least_fp32(model(batch[self.input_key].to(dtype)))
 
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(self._logits(model, batch), batch[self.label_key].long(), reduction="sum")
 
-# Model name -> task. The model registry stays architecture only.
-TASKS: dict[str, Task] = {"gpt": NextToken(), "cnn": Classify("image", "label")}
-
-
-def task_for(model_name: str) -> Task:
-    return TASKS[model_name]
+    def eval_sums(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        logits = self._logits(model, batch)
+        labels = batch[self.label_key].long()
+        return {"loss_sum": float(F.cross_entropy(logits, labels, reduction="sum")),
+                "accuracy": float((logits.argmax(dim=-1) == labels).sum())}

@@ -77,7 +77,7 @@ class Checkpoints:
         return {"data_cursor": data_cursor, "world_size": world_size,
                 "spec_hash": self.spec.spec_hash(), "training_hash": self.spec.training_hash(),
                 "git_commit": self.summary.git_commit, "raytrain_sys_version": __version__,
-                "dataset_hash": self.manifest.content_hash, "spec": self.spec.to_dict(),
+                "dataset_hash": self.manifest.content_hash, "spec": self.spec.plain_dict(),
                 "mlflow_run_id": self.summary.mlflow_run_id}
 
     def load(self, group: WorkerGroup, info: CheckpointInfo) -> None:

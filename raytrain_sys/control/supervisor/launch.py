@@ -23,10 +23,10 @@ from raytrain_sys.control.worker_group import clean_up_leftovers, connect_ray
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
-from raytrain_sys.errors import CheckpointError, UserError
+from raytrain_sys.errors import CheckpointError, SpecError, UserError
 from raytrain_sys.spec import JobSpec
 from raytrain_sys.tracking import mlflow_tracker as mt
-from raytrain_sys.train.tasks import task_for
+from raytrain_sys.extensions import resolve_task
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class Preflight:
     # Why the run resumes from an older checkpoint than asked (checkpoint.on_corrupt=previous),
     # for MLflow once the run is open; "" when it resumes from the one asked for.
     fallback: str = ""
+    eval_set: tuple | None = None  # (uri, manifest) of the evaluation set, with eval.every_steps
 
 
 def resolve_dir(path: str) -> str:
@@ -58,13 +59,25 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
     store = open_store(checkpoint_root, spec.checkpoint.s3_endpoint_url)
     store.check_access()
     checkpointer = Checkpointer(store, spec.checkpoint.keep_last)
-    task = task_for(spec.model.name)
+    task = resolve_task(spec)
+    if spec.eval.every_steps and spec.eval.metric != "loss" and not hasattr(task, "eval_sums"):
+        raise SpecError("eval.metric", f"got {spec.eval.metric!r}, which the task does not report (it "
+                                       f"has no eval_sums); use loss, or a task that reports it "
+                                       f"(raytrain_sys.train.tasks.Classify)")
     from raytrain_sys.models import model_flops_per_token
+    from raytrain_sys.train.check import check_job_inputs
 
+    # The model, the task and the rows meet once here, on a few rows, before any Ray resource.
+    check_job_inputs(spec, manifest, task)
     flops_per_token = model_flops_per_token(spec.model) if spec.model.name == "gpt" else 0
+    eval_set = None
+    if spec.eval.every_steps:
+        from raytrain_sys.data.evalset import open_eval_set
+
+        eval_set = open_eval_set(spec)
     if spec.tracking.enabled:
         mt.check_reachable(tracking_uri)
-    found = Preflight(manifest, store, checkpointer, task, flops_per_token, None)
+    found = Preflight(manifest, store, checkpointer, task, flops_per_token, None, eval_set)
     resume = spec.checkpoint.resume_from
     if not resume:
         return found

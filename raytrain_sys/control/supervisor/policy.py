@@ -56,8 +56,7 @@ def lease_steps(step: int, last: int, spec: JobSpec, step_times: Sequence[float]
     waits for the lease's end, which is why an automatic lease holds at most LEASE_S of steps.
     Until three step times are known (warm-up) a lease is one step."""
     room = last - step
-    every = spec.checkpoint.every_steps
-    if every:
+    for every in boundary_intervals(spec):
         room = min(room, every - step % every)
     if spec.train.steps_per_call:
         return max(1, min(room, spec.train.steps_per_call))
@@ -66,6 +65,47 @@ def lease_steps(step: int, last: int, spec: JobSpec, step_times: Sequence[float]
     times = sorted(step_times)
     fit = int(LEASE_S / max(times[len(times) // 2], 1e-6))
     return max(1, min(room, fit, MAX_LEASE_STEPS))
+
+
+def boundary_intervals(spec: JobSpec) -> list[int]:
+    """Step intervals at whose boundaries work is due (checkpoints, evaluations)."""
+    return [e for e in (spec.checkpoint.every_steps, spec.eval.every_steps) if e]
+
+
+def eval_due(committed_step: int, spec: JobSpec) -> bool:
+    """An evaluation runs after every eval.every_steps committed steps (not at step 0)."""
+    every = spec.eval.every_steps
+    return bool(every) and committed_step > 0 and committed_step % every == 0
+
+
+@dataclass(frozen=True)
+class EarlyStop:
+    """``eval.metric`` has not improved for train.early_stop.patience evaluations: stop."""
+
+    reason: str
+
+
+def early_stop(history: Sequence[float], higher_is_better: bool, patience: int,
+               min_delta: float) -> EarlyStop | None:
+    """After the newest evaluation in ``history`` (the metric, oldest first): stop when the last
+    ``patience`` evaluations did not beat the best one before them by more than ``min_delta``."""
+    if not patience or len(history) <= patience:
+        return None
+    sign = 1.0 if higher_is_better else -1.0
+    before = max(sign * v for v in history[:-patience])
+    recent = max(sign * v for v in history[-patience:])
+    if recent > before + min_delta:
+        return None
+    best = sign * before
+    return EarlyStop(f"early stop: eval metric {sign * recent:.6g} in the last {patience} evaluations "
+                     f"did not improve on {best:.6g} by more than {min_delta:g}")
+
+
+def is_better(value: float, best: float | None, higher_is_better: bool) -> bool:
+    """A new best: strictly better than the best so far (the first evaluation always is)."""
+    if best is None:
+        return True
+    return value > best if higher_is_better else value < best
 
 
 def collective_timeout_s(step_deadline_s: float) -> float:
@@ -89,6 +129,8 @@ def run_ahead_hold(step: int, last: int, spec: JobSpec, world_size: int, target_
     every = spec.checkpoint.every_steps
     if every and step % every == 0:
         return "a checkpoint is due at the boundary"
+    if eval_due(step, spec):
+        return "an evaluation is due at the boundary"
     if world_size < target_size:
         return "the boundary may take newcomers in"
     return ""

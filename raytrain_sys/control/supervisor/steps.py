@@ -96,6 +96,7 @@ class Steps:
         self._step_times: deque[float] = deque(maxlen=50)
         self._sample_log = None
         self._run_t0 = time.perf_counter()
+        self._compute_s: list[float] = []  # train.compile: the first steps' compute times
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -262,6 +263,14 @@ class Steps:
         self.summary.losses.append(loss)
         self.summary.world_sizes.append(world)
         self.summary.committed_steps = self.committed_step
+        if spec.train.compile and len(self._compute_s) < 4 and results:
+            # The first step compiles: its compute time beyond the third one's is the compile time.
+            self._compute_s.append(max(r.get("compute_s", 0.0) for r in results))
+            if len(self._compute_s) == 4:
+                self.summary.compile_s = max(0.0, self._compute_s[0] - sorted(self._compute_s[1:])[1])
+                log.info("train.compile: about %.1f s of compilation in the first step", self.summary.compile_s)
+                if self.tracker is not None:
+                    self.tracker.log_metrics(self.committed_step, {"compile_s": self.summary.compile_s})
         self.summary.samples_consumed = self.data_cursor
         self.summary.data_cursor = self.data_cursor
         if self._sample_log is not None:

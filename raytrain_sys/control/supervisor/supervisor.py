@@ -35,6 +35,7 @@ from raytrain_sys.control.spares import SpareSource
 import raytrain_sys.control.supervisor.launch as launch
 import raytrain_sys.control.supervisor.policy as policy
 from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible
+from raytrain_sys.control.supervisor.evaluation import Evaluation
 from raytrain_sys.control.supervisor.journal import State, transition_record
 from raytrain_sys.control.supervisor.liveness import StepOutcome, WorkerLost, collect, watch
 from raytrain_sys.control.supervisor.probe import ping_all
@@ -96,6 +97,8 @@ class Supervisor:
         self.steps: Steps | None = None
         self.membership: Membership | None = None
         self.checkpoints: Checkpoints | None = None
+        self.evaluation: Evaluation | None = None
+        self._early_stop = ""  # the reason, once train.early_stop ended the run
         self._local_cluster = False
         self._warm = None  # the data warm-up thread (launch.warm_data), joined before teardown
         self._last_drain_poll = 0.0
@@ -177,6 +180,11 @@ class Supervisor:
                                self.on_step, found.flops_per_token)
             self.checkpoints = Checkpoints(spec, found.checkpointer, self.checkpoint_root, found.manifest,
                                            self.summary, self.tracker)
+            if found.eval_set is not None:
+                self.evaluation = Evaluation(spec, found.task, self.summary, self.tracker, found.eval_set)
+                self.evaluation.start_reading()  # while the group forms
+                if self.summary.best_checkpoint:
+                    found.checkpointer.keep_steps = {self.summary.best_checkpoint["step"]}
             spares = f" ({self.group.spares_used} warm spares)" if self.group.spares_used else ""
             self._transition(State.STARTING, f"{self.group.world_size} workers placed{spares}")
             self.membership.form_group()
@@ -196,7 +204,10 @@ class Supervisor:
                 # the steps after it are trained again before the run can end (a stop asked
                 # for meanwhile ends it at the restored step: that one is durable).
                 self._loop()
-            if self.committed_step < spec.train.max_steps and stop is not None:
+            if self._early_stop and stop is None:
+                self.summary.reason = self._early_stop
+                self._transition(State.FINISHED, self._early_stop)
+            elif self.committed_step < spec.train.max_steps and stop is not None:
                 self._transition(State.CANCELLED if cancelled else State.STOPPED,
                                  f"{stop.describe()} (at step {self.committed_step})")
             elif self.committed_step < spec.train.max_steps:
@@ -234,8 +245,8 @@ class Supervisor:
         try:
             while self.committed_step < last:
                 if ahead is None:
-                    if self.requests.stop() is not None:
-                        break  # a pause or cancel: the run ends at this boundary (see ``run``)
+                    if self.requests.stop() is not None or self._early_stop:
+                        break  # a pause, cancel or early stop: the run ends at this boundary (see ``run``)
                     self._at_step_boundary()
                     step = self.committed_step
                     cur = self.steps.dispatch(step, self.steps.lease_steps(step, last))
@@ -265,8 +276,46 @@ class Supervisor:
                 # A lease ends where a checkpoint is due (policy.lease_steps).
                 if every and self.committed_step % every == 0 and self.committed_step < last:
                     self._checkpoint(final=False)
+                if self.evaluation is not None and (policy.eval_due(self.committed_step, spec)
+                                                    or self.committed_step == spec.train.max_steps):
+                    self._evaluate()
         finally:
             self.steps.close()
+
+    # ------------------------------------------------------------------ evaluation
+    def _evaluate(self) -> None:
+        """Evaluate the committed state; a member lost meanwhile is rebuilt around, and the
+        evaluation asked again (of the same state). Then keep its checkpoint if it is the best
+        (checkpoint.keep_best) and decide an early stop (train.early_stop)."""
+        step = self.committed_step
+        batches = len(self.evaluation.refs or []) or 1
+        for attempt in range(3):
+            t0 = time.perf_counter()
+            members = list(self.group.workers)
+            outcome = self.evaluation.call(self.group, step, self.steps._step_deadline_s(batches))
+            if not outcome.failed:
+                metrics = self.evaluation.record(step, outcome, time.perf_counter() - t0)
+                break
+            lost = [w for w in members if w.slot in outcome.lost]
+            reason = "; ".join([f"worker {w.slot} {outcome.lost[w.slot]}" for w in lost]
+                               + [f"worker {s} error: {m}" for s, m in outcome.errored.items()])
+            if not lost and attempt == 2:
+                raise TrainingFailed(f"evaluation at step {step} failed: {reason}")
+            self._rebuild_without(lost, f"evaluation at step {step} failed: {reason}")
+            if self.committed_step != step:
+                return  # restored an older checkpoint: the steps and this evaluation come again
+        else:
+            raise TrainingFailed(f"evaluation at step {step} failed three times")
+        if self.spec.checkpoint.keep_best and self.evaluation.improves(metrics):
+            if not self.checkpoints.saved(step):
+                self._checkpoint(final=False)
+            saved = [c for c in self.summary.checkpoints if c["step"] == step]
+            if saved:
+                self.evaluation.mark_best(step, saved[-1]["uri"], metrics)
+                self.checkpoints.checkpointer.keep_steps = {step}
+        stop = self.evaluation.early_stop()
+        if stop is not None:
+            self._early_stop = f"{stop.reason} (at step {step})"
 
     def _step_deadline_s(self) -> float:
         """A step slower than this is hung: a multiple of recent step times, with a floor."""
@@ -644,15 +693,18 @@ def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = Non
 
 def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
-               requests: RunRequests | None = None) -> RunResult:
-    """Continue the MLflow run ``run_id`` from its newest committed checkpoint, in the same run."""
+               requests: RunRequests | None = None, objects: dict | None = None) -> RunResult:
+    """Continue the MLflow run ``run_id`` from its newest committed checkpoint, in the same run.
+    ``objects``: dotted field -> the Python object a run was given for an extension point
+    (``{"model.factory": build}``), which its record names but cannot hold."""
     return resume_supervisor(run_id, tracking_uri=tracking_uri, overrides=overrides, output_dir=output_dir,
-                             on_step=on_step, requests=requests).run()
+                             on_step=on_step, requests=requests, objects=objects).run()
 
 
 def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                       output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
-                      requests: RunRequests | None = None, spares: SpareSource | None = None) -> Supervisor:
+                      requests: RunRequests | None = None, objects: dict | None = None,
+                      spares: SpareSource | None = None) -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
     state while it runs (the job service's runner). Raises ``CheckpointError`` when the run has
     no complete checkpoint."""
@@ -662,6 +714,9 @@ def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[st
     mt.check_reachable(uri)
     record = mt.Tracker.lookup(uri, run_id)
     raw = apply_overrides(record.spec_dict, overrides or [])
+    for dotted, obj in (objects or {}).items():
+        section, _, name = dotted.partition(".")
+        raw.setdefault(section, {})[name] = obj
     raw.setdefault("tracking", {})["uri"] = uri
     checkpoint_root = record.tags.get(mt.TAG_CHECKPOINT_ROOT, "")
     if checkpoint_root:
