@@ -220,3 +220,26 @@ def test_parquet_on_s3_indexed_in_place_and_trained(ray_cluster, s3_server, s3_b
                      tracking={"enabled": False})
     result = rts.run(spec)
     assert result.status == "finished" and result.committed_steps == 4
+
+
+def test_a_callable_from_python_trains_and_resumes(ray_cluster, table, tmp_path):
+    """A factory defined where the workers cannot import it (a notebook's, a closure) travels to
+    them by value; its run is resumed by giving it again, and without it the error says so."""
+    width = 8
+
+    def build(model):
+        return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
+
+    spec = tiny_spec(tmp_path, table, model={"name": "closure", "factory": "tests.test_extensions:tiny_mlp"},
+                     data={"columns": ["x", "y"], "shuffle_block_rows": 16},
+                     train={"task": "raytrain_sys.train.tasks:Classify", "max_steps": 6, "stop_at_step": 3,
+                            "task_args": {"input_key": "x", "label_key": "y"}})
+    paused = rts.run(spec, model_factory=build)
+    assert paused.status == "stopped" and paused.committed_steps == 3
+    uri = f"sqlite:///{tmp_path}/runs/mlflow.db"
+    with pytest.raises(SpecError, match="model.factory.*was a Python object given from Python"):
+        rts.resume(paused.mlflow_run_id, tracking_uri=uri)
+    resumed = rts.resume(paused.mlflow_run_id, tracking_uri=uri, model_factory=build)
+    assert resumed.status == "finished" and resumed.committed_steps == 6
+    model, _, _ = rts.load_model(resumed.newest_checkpoint, model_factory=build)
+    assert model[0].out_features == width
