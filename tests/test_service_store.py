@@ -352,3 +352,19 @@ class socketless_port:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+def test_a_python_object_in_a_service_spec_names_the_field():
+    """A callable that cannot be imported (a notebook's, a closure) travels by value in a run; the
+    service stores specs as data, so it refuses it, naming the field. One that can be imported is
+    stored as its import path, which the service accepts."""
+    from raytrain_sys.service.requests import parse_spec
+
+    def build(section):  # a closure: no import path reaches it
+        raise AssertionError("never called: the service refuses it first")
+
+    with pytest.raises(ServiceInputError) as err:
+        parse_spec({"model": {"factory": build}, "data": {"path": "/data/x"},
+                    "train": {"task": "raytrain_sys.train.tasks:Classify"}})
+    assert err.value.field == "spec.model.factory"
+    assert "Python object" in str(err.value) and "import path 'package.module:name'" in str(err.value)

@@ -60,7 +60,7 @@ from raytrain_sys.errors import JobStateConflict, ServiceInputError, SpecError
 from raytrain_sys.service import auth
 from raytrain_sys.service.model import JobRecord, JobState
 from raytrain_sys.service.store import Store
-from raytrain_sys.spec import JobSpec, apply_overrides, from_dict, from_text
+from raytrain_sys.spec import JobSpec, apply_overrides, describe_object, from_dict, from_text
 
 RETRIES = 3  # a request that meets a job moving under it reads it again this many times
 
@@ -101,6 +101,12 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
         parsed = from_dict(raw)
     except SpecError as exc:
         raise ServiceInputError(f"spec.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+    objects = _python_objects(parsed.to_dict())
+    if objects:
+        field, value = objects[0]
+        raise ServiceInputError(f"spec.{field}", f"is a Python object ({describe_object(value)}); the job service "
+                                f"stores specs as data and runs them in its own processes: give an import "
+                                f"path 'package.module:name' that the cluster's Python can import")
     if parsed.train.stop_at_step:
         raise ServiceInputError("spec.train.stop_at_step",
                                 f"got {parsed.train.stop_at_step}; a service job is paused with a pause "
@@ -117,6 +123,17 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
     parsed.checkpoint.uri = absolute(parsed.checkpoint.uri)
     parsed.checkpoint.resume_from = absolute(parsed.checkpoint.resume_from)
     return parsed
+
+
+def _python_objects(raw: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted field, value) of every value in a spec mapping that is not plain data."""
+    if isinstance(raw, dict):
+        return [found for k, v in raw.items() for found in _python_objects(v, f"{prefix}.{k}" if prefix else k)]
+    if isinstance(raw, (list, tuple)):
+        return [found for i, v in enumerate(raw) for found in _python_objects(v, f"{prefix}[{i}]")]
+    if raw is None or isinstance(raw, (str, int, float, bool)):
+        return []
+    return [(prefix, raw)]
 
 
 def job_size(spec: JobSpec) -> tuple[int, int, bool]:
