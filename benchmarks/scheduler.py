@@ -194,7 +194,7 @@ class ServiceBench:
             raw.setdefault(section, {}).update(fields)
         return raw
 
-    def start_service(self, warm: int, teams: list[tuple[str, int]]):
+    def start_service(self, warm: int, teams: list[tuple[str, int]], cluster_workers: int | None = None):
         from raytrain_sys.control.spares import find_pool
         from raytrain_sys.service.service import start_service
 
@@ -204,7 +204,7 @@ class ServiceBench:
             os.remove(os.path.join(self.hooks, f))
         svc = start_service(f"sqlite:///{self.work}/svc-{time.monotonic_ns()}.db", serve_api=False, poll_s=0.2,
                             step_hook=StepTimes(self.hooks), warm_workers_per_node=warm,
-                            log_dir=os.path.join(self.work, "logs"))
+                            log_dir=os.path.join(self.work, "logs"), cluster_workers=cluster_workers)
         for name, nominal in teams:
             ray.get(svc.add_team.remote(name, nominal, cohort="all"))
         if warm:
@@ -301,16 +301,18 @@ def report_first_step(r: dict) -> list[str]:
 
 
 def section_reclaim(args: argparse.Namespace) -> dict:
-    """Teams a and b, nominal half the cluster each, one cohort. A's elastic 1..N job borrows the
-    whole cluster; then b submits a high-priority 2-worker job: a shrinks at a step boundary
-    and b's job starts. Timed: b's submit to its first committed step; counted: a's steps
-    redone (work lost by the shrink)."""
+    """Teams a and b, nominal half of a --reclaim-workers cluster each, one cohort. A's elastic
+    1..N job borrows all of it; then b submits a high-priority job of its nominal size: a shrinks
+    at a step boundary and b's job starts. Timed: b's submit to its first committed step;
+    counted: a's steps redone (work lost by the shrink). The service is told the cluster holds
+    N workers (default 2, one per core here): a full cluster means busy cores, and a slot the
+    shrink frees is a core b's processes can start on, as on a real cluster."""
     import ray
 
     bench = _bench(args)
-    n = args.cluster_cpus
-    out = {"rounds": []}
-    svc = bench.start_service(args.warm_workers, [("a", n // 2), ("b", n - n // 2)])
+    n = args.reclaim_workers
+    out = {"rounds": [], "cluster_workers": n}
+    svc = bench.start_service(args.warm_workers, [("a", n // 2), ("b", n - n // 2)], cluster_workers=n)
     for i in range(args.rounds):
         a_name, b_name = f"borrower-{i}", f"urgent-{i}"
         a_spec = bench.spec(a_name, n, 1_000_000, elastic={"min_workers": 1, "max_workers": n},
@@ -323,7 +325,7 @@ def section_reclaim(args: argparse.Namespace) -> dict:
             time.sleep(0.1)
         bench.first_step_at(a_id)
         time.sleep(2.0)  # a few hundred steps on the whole cluster
-        b_id, t0 = bench.submit(svc, "b", bench.spec(b_name, 2, 20), priority=10)
+        b_id, t0 = bench.submit(svc, "b", bench.spec(b_name, n - n // 2, 20), priority=10)
         first = bench.first_step_at(b_id) - t0
         bench.wait_job(svc, b_id)
         ray.get(svc.cancel.remote(a_id, "bench"))
@@ -343,7 +345,7 @@ def section_reclaim(args: argparse.Namespace) -> dict:
 
 
 def report_reclaim(r: dict) -> list[str]:
-    return ["| high-priority submit into a full cluster | median s to first step | steps redone by the shrunk job |",
+    return [f"| high-priority submit into a full cluster of {r['cluster_workers']} workers | median s to first step | steps redone by the shrunk job |",
             "|---|---|---|",
             f"| {len(r['rounds'])} rounds: {[x['submit_to_first_step_s'] for x in r['rounds']]} | {r['median_s']:.2f} | "
             f"{r['steps_redone_total']} |", r["goal"]["text"], ""]
@@ -410,6 +412,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=3, help="jobs timed per service section and variant")
     p.add_argument("--cluster-cpus", type=int, default=4, help="CPU slots of the service sections' local cluster")
+    p.add_argument("--reclaim-workers", type=int, default=2,
+                   help="the service's cluster size in the reclaim section (busy cores when full)")
     p.add_argument("--warm-workers", type=int, default=2, help="warm spares per node (service sections)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(HERE / "results" / "scheduler.json"))
