@@ -27,8 +27,8 @@ One pass (``run_once``), in order:
    the two leaves the intent, and the next pass (of this service or a restarted one) finishes
    it: a starting job with no runner gets one (only when ``find_runner`` finds none; a named
    create uses ``get_if_exists``: an existing runner is adopted, never a second), a target the
-   runner has not heard of is sent again. After the actions, a spare runner is started ahead if
-   none waits (``_keep_spare_runner``): the next launch takes it instead of a process start.
+   runner has not heard of is sent again. After the actions, spare runners are started ahead
+   up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
 
 Runner death (the actor gone while its job is live): a job that was starting, running or
 resuming is restarted from its newest committed checkpoint (a fresh start if it has none) as
@@ -75,7 +75,10 @@ class ReconcilerConfig:
     # first finishes the step in flight and writes a checkpoint.
     stop_deadline_s: float = 120.0
     status_timeout_s: float = 10.0  # a runner that does not answer is asked again next pass, not declared dead
-    spare_runner: bool = True  # keep one runner started ahead for the next launch (runner.new_spare_runner)
+    # Runners started ahead for the next launches (runner.new_spare_runner): two, so that a job
+    # admitted right after another (a reclaim) does not wait for the spare the first one used
+    # to be replaced while the cluster is busy; 0 for none.
+    spare_runners: int = 2
 
 
 @dataclass
@@ -100,7 +103,7 @@ class Reconciler:
         self._waits: dict[int, str] = {}  # the last Wait reason logged per job
         self._delete_errors: dict[int, str] = {}  # job id -> why its checkpoints could not be deleted yet
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
-        self._spare: Optional[tuple[Any, Any]] = None  # a spare runner and its ready ref
+        self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self.passes = 0
 
@@ -126,7 +129,7 @@ class Reconciler:
                 self._carry_out(action)
             except JobStateConflict as exc:
                 log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
-        self._keep_spare_runner()
+        self._keep_spare_runners()
         self._delete_cancelled_checkpoints()
         self.passes += 1
         return actions
@@ -158,34 +161,38 @@ class Reconciler:
                 log.info("job %d: %s", job.id, reason)
 
     # ------------------------------------------------------------------ the spare runner
-    def _keep_spare_runner(self) -> None:
-        """One runner started ahead, for the next launch (after a restart: an idle spare of the
-        previous service, the others ended)."""
-        if not self.config.spare_runner or self._spare is not None:
+    def _keep_spare_runners(self) -> None:
+        """``spare_runners`` runners started ahead, for the next launches (after a restart: the
+        idle spares of the previous service first, any beyond the count ended)."""
+        wanted = self.config.spare_runners
+        if len(self._spares) >= wanted:
             return
         idle = [] if self._spares_adopted else runners.idle_spare_runners()
         self._spares_adopted = True
-        for extra in idle[1:]:
+        for extra in idle[wanted:]:
             ray.kill(extra, no_restart=True)
-        handle = idle[0] if idle else runners.new_spare_runner()
-        self._spare = (handle, handle.job.remote())
+        for handle in idle[:wanted]:
+            self._spares.append((handle, handle.job.remote()))
+        while len(self._spares) < wanted:
+            handle = runners.new_spare_runner()
+            self._spares.append((handle, handle.job.remote()))
 
     def _take_spare_runner(self):
-        """The spare runner if it is up (its imports done), else None (the launch starts a new one)."""
-        if self._spare is None:
+        """A spare runner that is up (its imports done), else None (the launch starts a new one)."""
+        if not self._spares:
             return None
-        handle, ready = self._spare
-        done, _ = ray.wait([ready], timeout=0)
-        if not done:
-            return None
-        self._spare = None
-        return handle
+        done, _ = ray.wait([ready for _, ready in self._spares], num_returns=1, timeout=0)
+        for entry in self._spares:
+            if entry[1] in done:
+                self._spares.remove(entry)
+                return entry[0]
+        return None
 
     def close(self) -> None:
-        """End the idle spare runner (the jobs' runners train on)."""
-        if self._spare is not None:
-            ray.kill(self._spare[0], no_restart=True)
-            self._spare = None
+        """End the idle spare runners (the jobs' runners train on)."""
+        for handle, _ in self._spares:
+            ray.kill(handle, no_restart=True)
+        self._spares = []
 
     # ------------------------------------------------------------------ observe
     def _observe(self, jobs: list[JobRecord]) -> dict[int, _Seen]:

@@ -23,7 +23,7 @@ Why an actor of its own, and why so configured:
   stop of a job.
 
 Spare runners (``new_spare_runner``, named ``raytrain-sys-runner-spare-<id>``): the reconciler
-keeps one started ahead, imports done, and a launch starts the job on it (``start``) rather than
+keeps two started ahead, imports done, and a launch starts the job on one (``start``) rather than
 waiting about 2 s for a process to start and import torch and MLflow. Once started it is the
 job's runner in every respect; ``find_runner`` finds it by asking the spares which job they run.
 

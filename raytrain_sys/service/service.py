@@ -84,7 +84,7 @@ class ServiceActor:
         self._cpus_per_worker, self._gpus_per_worker = cpus_per_worker, gpus_per_worker
         self.reconciler = Reconciler(self.store, ReconcilerConfig(log_dir=log_dir, max_restarts=max_restarts,
                                                                   stop_deadline_s=stop_deadline_s,
-                                                                  spare_runner=warm_workers_per_node > 0),
+                                                                  spare_runners=2 if warm_workers_per_node > 0 else 0),
                                      cluster_workers=self.cluster_workers, step_hook=step_hook)
         self.last_error = ""
         self._stop = threading.Event()

@@ -77,7 +77,7 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
         eval_set = open_eval_set(spec)
     if spec.tracking.enabled:
         mt.check_reachable(tracking_uri)
-    found = Preflight(manifest, store, checkpointer, task, flops_per_token, None, eval_set)
+    found = Preflight(manifest, store, checkpointer, task, flops_per_token, None, eval_set=eval_set)
     resume = spec.checkpoint.resume_from
     if not resume:
         return found
