@@ -56,6 +56,22 @@ class StepGates:
         open(os.path.join(self.root, f"newcomer-{job_id}"), "w").close()
 
 
+def runner_heard(test_dir, job_id: int, what: str, timeout_s: float = 120.0) -> None:
+    """Wait until the job's runner has been asked to ``what`` (pause, cancel): the reconciler
+    delivers a user's request on its next pass. A test that lets a held step loop go on before
+    then races that pass, and on a busy machine the run may end first."""
+    path = os.path.join(str(test_dir), "raytrain-sys-logs", f"job-{job_id}.log")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if os.path.exists(path):
+            with open(path) as f:
+                if f"job {job_id}: {what} asked by" in f.read():
+                    return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id}'s runner was not asked to {what} within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def runner_actors() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == NAMESPACE and a["name"].startswith(RUNNER_PREFIX)]

@@ -30,7 +30,7 @@ from raytrain_sys.service.service import get_service, start_service
 from raytrain_sys.service.store import Store
 from tests.ft_common import assert_no_leftovers, ft_spec, pid_alive, wait_until
 from tests.helpers import assert_params_close, final_params, read_summary
-from tests.service_common import StepGates, runner_actors, running_service
+from tests.service_common import StepGates, runner_actors, runner_heard, running_service
 
 STEPS = 24  # checkpoints every 5 steps (ft_spec)
 WAIT_S = 180.0
@@ -152,6 +152,7 @@ def test_pause_frees_the_workers_and_resume_continues_the_same_run(
         assert wait_until(lambda: gates.reached(job_id, 8), WAIT_S), state_of(svc, job_id)
         first = wait_state(svc, job_id, "running")
         ray.get(svc.pause.remote(job_id, "a", "the weekend"))
+        runner_heard(tmp_path, job_id, "pause")
         gates.go(job_id, 8)
         paused = wait_state(svc, job_id, "paused")
         assert paused["held"] and paused["workers"] == 0
@@ -185,6 +186,7 @@ def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, 
         assert state_of(svc, queued)["state"] == "queued"
         assert ray.get(svc.cancel.remote(queued, "a"))["state"] == "cancelled"  # at once: it holds nothing
         assert ray.get(svc.cancel.remote(running, "a", "wrong data"))["state"] == "cancelling"
+        runner_heard(tmp_path, running, "cancel")
         gates.go(running, 3)
         job = wait_state(svc, running, "cancelled")
         assert "cancelled by a: wrong data" in job["message"] and job["workers"] == 0
@@ -213,6 +215,8 @@ def test_cancel_keeps_the_checkpoints_unless_asked_to_delete_them(ray_cluster, t
             wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] == 5, "the checkpoint at step 5 recorded")
         ray.get(svc.cancel.remote(kept, "a"))
         ray.get(svc.cancel.remote(gone, "a", "bad run", True))
+        runner_heard(tmp_path, kept, "cancel")
+        runner_heard(tmp_path, gone, "cancel")
         gates.go(kept, 7)
         gates.go(gone, 7)
         wait_state(svc, kept, "cancelled")
@@ -268,6 +272,7 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         # b's job runs (b has room): its user pauses it, and it is held paused.
         assert wait_until(lambda: gates.reached(held, 2), WAIT_S)
         ray.get(svc.pause.remote(held, "b"))
+        runner_heard(tmp_path, held, "pause")
         gates.go(held, 2)
         wait_for(svc, held, lambda j: j["state"] == "paused" and j["held"], "held")
         before = {j["id"]: j for j in ray.get(svc.jobs.remote())}
