@@ -432,12 +432,10 @@ class Reconciler:
 
     def _kill(self, job_id: int, why: str) -> None:
         handle = self._handles.get(job_id) or runners.find_runner(job_id)
-        runner_id = self._runner_ids.get(job_id, "")
-        self._forget(job_id)
         if handle is not None:
             log.info("job %d: ending its runner: %s", job_id, why)
             ray.kill(handle, no_restart=True)
-        end_spares_of(runner_id)
+        self._forget(job_id)  # after the kill: its spares are ended once, with no runner left to adopt more
 
     def _forget(self, job_id: int) -> None:
         """The job's runner is gone or being ended: its warm spares (workers a killed runner
