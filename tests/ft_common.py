@@ -102,15 +102,17 @@ def wait_until(pred, timeout_s: float, interval_s: float = 0.05):
     return pred()
 
 
-def wait_for_a_ready_newcomer(sup, timeout_s: float = 120.0):
-    """Block the step loop (called from an event) until a requested replacement is up, so that
-    the next step boundary takes it in: makes "the worker is replaced" deterministic. False
-    (not due yet) while no replacement has been requested, e.g. during a rebuild that is
-    still committing the step in flight."""
-    if not sup.group.pending:
+def wait_for_a_ready_newcomer(sup, timeout_s: float = 120.0, every: bool = False):
+    """Block the step loop (called from an event) until a requested replacement is up (with
+    ``every``, all of those requested), so that the next step boundary takes it in: makes "the
+    worker is replaced" deterministic. False (not due yet) while no replacement has been
+    requested, e.g. during a rebuild that is still committing the step in flight."""
+    pending = list(sup.group.pending)
+    if not pending:
         return False
-    ready, _ = ray.wait([w.ready_ref for w in sup.group.pending], num_returns=1, timeout=timeout_s)
-    assert ready, f"no replacement worker started within {timeout_s:g} s"
+    want = len(pending) if every else 1
+    ready, _ = ray.wait([w.ready_ref for w in pending], num_returns=want, timeout=timeout_s)
+    assert len(ready) == want, f"{want - len(ready)} replacement worker(s) not started within {timeout_s:g} s"
     return True
 
 
