@@ -96,7 +96,7 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 def build(spec: JobSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """Model and optimizer exactly as TrainWorker._build makes them (before any DDP wrap)."""
-    from raytrain_sys.models import build_model
+    from raytrain_sys.extensions import build_model
 
     torch.manual_seed(spec.train.seed)
     model = build_model(spec.model)

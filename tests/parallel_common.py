@@ -49,7 +49,7 @@ def units(batch: np.ndarray) -> int:
 
 
 def build(dtype=torch.float64, model_spec: ModelSpec = MODEL):
-    from raytrain_sys.models import build_model
+    from raytrain_sys.extensions import build_model
 
     torch.manual_seed(SEED)
     return build_model(model_spec).to(dtype)

@@ -67,7 +67,7 @@ def test_ddp_equals_one_process(one_process, tiny_dataset, tmp_path, workers, pr
     assert read_summary(many.run_dir)["world_sizes"] == [workers] * 8
     # The test can fail: training moved the parameters away from their initial values.
     init = tiny_spec(tmp_path / "x", tiny_dataset)
-    from raytrain_sys.models import build_model
+    from raytrain_sys.extensions import build_model
     import torch
     torch.manual_seed(init.train.seed)
     p0 = build_model(init.model).state_dict()

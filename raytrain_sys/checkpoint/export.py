@@ -38,7 +38,7 @@ def load_model(path: str, s3_endpoint_url: str = "", model_factory=None
                ) -> tuple[torch.nn.Module, JobSpec, CheckpointInfo]:
     """The model of a checkpoint; ``model_factory``: the callable a run was given from Python
     (a spec records only its name)."""
-    from raytrain_sys.models import build_model
+    from raytrain_sys.extensions import build_model
 
     ckpt, info = find_checkpoint(path, s3_endpoint_url)
     raw = info.manifest["spec"]

@@ -263,7 +263,7 @@ class TrainWorker:
     def _build(self) -> None:
         """The whole model, initialized from the job's seed: identical on every rank, so the
         layouts cut from it agree with the single-process model."""
-        from raytrain_sys.models import build_model
+        from raytrain_sys.extensions import build_model
 
         torch.manual_seed(self.spec.train.seed)
         self.model = build_model(self.spec.model).to(self.device)

@@ -2,8 +2,8 @@
 
 The built-in GPT and CNN are two registered factories like any other; ``model.factory`` (an
 import path, or a callable from Python) builds a model that is not registered
-(``raytrain_sys.extensions``). The trainer calls build_model() and model_flops_per_token() and
-never names a model class.
+(``raytrain_sys.extensions``, which looks registered names up here). The trainer calls
+extensions.build_model() and model_flops_per_token() and never names a model class.
 """
 
 from __future__ import annotations
@@ -103,10 +103,13 @@ register_model("cnn", build_cnn, _classify,
 
 
 def build_model(model_spec: ModelSpec) -> nn.Module:
-    """A freshly initialized model; its weights are decided by torch.manual_seed beforehand."""
-    from raytrain_sys.extensions import build_model as build
-
-    return build(model_spec)
+    """A freshly initialized registered model; its weights are decided by torch.manual_seed
+    beforehand. A spec's model (``model.factory`` too) is built by
+    ``raytrain_sys.extensions.build_model``, which looks registered names up here: the arrow
+    runs from extensions to the registry only."""
+    if model_spec.factory:
+        raise ValueError("model.factory is set: build it with raytrain_sys.extensions.build_model")
+    return registered(model_spec.name).factory(model_spec)
 
 
 def model_flops_per_token(model_spec: ModelSpec) -> int:

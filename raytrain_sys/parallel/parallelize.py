@@ -354,7 +354,8 @@ def import_for_any() -> None:
     import torch.distributed.fsdp  # noqa: F401
     import torch._dynamo  # noqa: F401
 
-    from raytrain_sys.models import build_model  # noqa: F401
+    from raytrain_sys.extensions import build_model  # noqa: F401
+    import raytrain_sys.models  # noqa: F401
     from raytrain_sys.parallel import pp, tp  # noqa: F401
 
 
