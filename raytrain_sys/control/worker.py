@@ -105,8 +105,10 @@ class TrainWorker:
             self._configure(spec_dict)
         else:  # a spare: the imports any job's prepare() would make, made while no one waits
             from raytrain_sys.parallel.parallelize import import_for_any
+            from raytrain_sys.train.check import warm_up
 
             import_for_any()
+            warm_up()
 
     def _configure(self, spec_dict: dict[str, Any]) -> None:
         self.spec = from_dict(spec_dict)

@@ -172,6 +172,7 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
         auth.record(store, by, "submit", f"team {team}", f"refused (400): {exc}")
         raise
     auth.record(store, by, "submit", f"job {job.id} (team {team})", "ok")
+    store.requested()
     return job
 
 
@@ -248,6 +249,7 @@ def _request(store: Store, job_id: int, by: str, action: str,
         auth.record(store, by, action, target, f"refused (400): {exc}")
         raise
     auth.record(store, by, action, target, "ok")
+    store.requested()
     return done
 
 

@@ -104,6 +104,10 @@ class JobRunner:
         self._done = threading.Event()
         if launch is None:  # a spare: what a start would import and open first, done now
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+            from raytrain_sys.train.check import warm_up
+
+            warm_up()
             return
         self.start(launch, step_hook)
 

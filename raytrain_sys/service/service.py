@@ -88,6 +88,8 @@ class ServiceActor:
                                      cluster_workers=self.cluster_workers, step_hook=step_hook)
         self.last_error = ""
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a request was made: pass now (see _loop)
+        self.store.add_waker(self._wake.set)
         # Warm spares: worker processes with torch imported on every node, for the jobs' first
         # gangs (raytrain_sys.control.spares); a pool left by an earlier start is adopted.
         self.warm_workers_per_node = warm_workers_per_node
@@ -112,7 +114,9 @@ class ServiceActor:
                 if str(exc) != self.last_error:
                     log.exception("reconciler pass failed: %s", exc)
                 self.last_error = str(exc)
-            self._stop.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
+            # The next pass comes at the poll, or at once when a user's request woke it.
+            self._wake.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
+            self._wake.clear()
 
     def _serve_api(self) -> None:
         try:
@@ -205,6 +209,7 @@ class ServiceActor:
         """Stop the reconciler loop (the runners train on), the warm spares' pool (claimed spares
         stay with their jobs) and close the store."""
         self._stop.set()
+        self._wake.set()
         self._loop_thread.join(timeout=30)
         self.reconciler.close()
         stop_pool()

@@ -30,7 +30,7 @@ import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from sqlalchemy import create_engine, event, func, insert, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
@@ -82,6 +82,17 @@ class Store:
         self.engine = engine
         self.url = mask_url(url)  # never the password
         self._secret = str(make_url(url).password or "")
+        self._wakers: list[Callable[[], None]] = []
+
+    def add_waker(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` after each request a user makes through this store object (submit,
+        pause, resume, cancel): the service's reconciler starts its pass then, not at its next
+        poll."""
+        self._wakers.append(fn)
+
+    def requested(self) -> None:
+        for fn in self._wakers:
+            fn()
 
     # ------------------------------------------------------------------ opening
 

@@ -117,6 +117,22 @@ def check_task(task, model: torch.nn.Module, batch: dict[str, np.ndarray],
 
 
 # ----------------------------------------------------------------------------- pre-flight
+def warm_up() -> None:
+    """What a new process pays once at its first run, paid ahead by a process that waits for
+    one (a spare runner, a warm spare worker): the preflight builds the model on the meta device, and torch's first
+    meta-device ``normal_`` imports its meta kernels (about 800 modules: 0.7-1.3 s on an idle
+    core, several seconds on a core a training job keeps busy); then a forward and backward of
+    a tiny model: the preflight's task check, or a worker's first step (autograd's first use)."""
+    from raytrain_sys.extensions import build_model
+    from raytrain_sys.spec import ModelSpec
+
+    tiny = ModelSpec(block_size=4, n_layer=1, n_head=1, n_embd=4, vocab_size=8)
+    with torch.device("meta"):
+        build_model(tiny)
+    model = build_model(tiny)
+    model(torch.zeros(1, 4, dtype=torch.long)).float().sum().backward()
+
+
 def check_job_inputs(spec, manifest, task) -> None:
     """Build the model and run the task on a few rows of the dataset, on the driver, so that a
     factory that fails, a task that does not fit the rows, or a missing column stops the run
