@@ -51,7 +51,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from raytrain_sys.control.spares import end_spares_of
+from raytrain_sys.control.spares import REFILL_DELAY_S, end_spares_of
 from raytrain_sys.errors import JobStateConflict
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
@@ -79,6 +79,9 @@ class ReconcilerConfig:
     # admitted right after another (a reclaim) does not wait for the spare the first one used
     # to be replaced while the cluster is busy; 0 for none.
     spare_runners: int = 2
+    # A spare runner taken is replaced this long after the last launch, not at once: a new
+    # process importing torch would take CPU from the jobs just starting.
+    spare_refill_delay_s: float = REFILL_DELAY_S
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Reconciler:
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
+        self._last_launch_at = float("-inf")  # when a launch last took a spare runner (monotonic)
         self.passes = 0
 
     # ------------------------------------------------------------------ one pass
@@ -167,6 +171,8 @@ class Reconciler:
         wanted = self.config.spare_runners
         if len(self._spares) >= wanted:
             return
+        if time.monotonic() - self._last_launch_at < self.config.spare_refill_delay_s and self._spares_adopted:
+            return
         idle = [] if self._spares_adopted else runners.idle_spare_runners()
         self._spares_adopted = True
         for extra in idle[wanted:]:
@@ -185,6 +191,7 @@ class Reconciler:
         for entry in self._spares:
             if entry[1] in done:
                 self._spares.remove(entry)
+                self._last_launch_at = time.monotonic()
                 return entry[0]
         return None
 
