@@ -22,7 +22,7 @@ from raytrain_sys.control.supervisor.stragglers import (IMBALANCE, SLOW, RankMea
                                                         rebalanced_rows)
 from raytrain_sys.data.order import deal, weighted_rows
 from raytrain_sys.errors import SpecError
-from tests.ft_common import run_with_events, wait_for_a_ready_newcomer
+from tests.ft_common import run_with_events, wait_for_a_ready_newcomer, wait_until
 from tests.helpers import assert_params_close, final_params, read_summary, tiny_spec
 
 STEPS = 30
@@ -31,11 +31,12 @@ WORKERS = 3  # with two, a 2x rank caps what rebalancing can win at 33%: 40% wit
 
 
 def slow_spec(tmp_path, dataset, policy: str, **sections):
-    base = dict(model={"factory": "tests.straggler_model:build", "args": {"s_per_token": 6e-4}},
+    base = dict(model={"factory": "tests.straggler_model:build", "args": {"s_per_token": 1e-3}},
                 train={"task": "raytrain_sys.train.tasks:NextToken", "max_steps": STEPS,
                        "global_batch_size": 24, "precision": "fp64", "log_every_steps": 5},
                 resources={"num_workers": WORKERS},
-                elastic={"straggler_policy": policy, "fault_slow_rank": SLOW_RANK})
+                elastic={"straggler_policy": policy, "fault_slow_rank": SLOW_RANK},
+                tracking={"enabled": policy == "rebalance"})  # MLflow is checked once, there
     for k, v in sections.items():
         base[k] = {**base.get(k, {}), **v}
     return tiny_spec(tmp_path, dataset, **base)
@@ -60,6 +61,7 @@ def unmitigated(ray_cluster, tiny_dataset, tmp_path_factory):
 
 # ----------------------------------------------------------------------------- on the cluster
 
+@pytest.mark.slow  # a run each, 30-50 s on the shared machine
 def test_slow_rank_is_found_and_its_peers_wait_for_it(unmitigated):
     _, summary, _ = unmitigated
     first = summary["stragglers"][0]
@@ -75,8 +77,33 @@ def test_slow_rank_is_found_and_its_peers_wait_for_it(unmitigated):
         assert peer["collective_s"] > 3 * slow["collective_s"]
     history = summary["rank_times_history"]
     assert [h["step"] for h in history] == list(range(5, STEPS + 1, 5)) and history[-1]["ranks"] == times
+    # The gauge, as Prometheus would scrape it from Ray's metrics agents.
+    series = wait_until(lambda: flagged_series(f'rank="{SLOW_RANK}"'), timeout_s=30.0)
+    assert series and series[0].endswith(" 1.0") and 'job="t"' in series[0] and 'team="-"' in series[0]
 
 
+def flagged_series(selector: str) -> list[str]:
+    """Lines of raytrain_straggler_flagged matching ``selector`` on the cluster's metrics agents."""
+    import urllib.request
+
+    import ray
+
+    lines = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node["Alive"] or not port:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        lines += [line for line in text.splitlines()
+                  if line.startswith("ray_raytrain_straggler_flagged{") and selector in line]
+    return lines
+
+
+@pytest.mark.slow  # a run each, 30-50 s on the shared machine
 def test_rebalance_speeds_steps_up_and_keeps_the_result(unmitigated, tiny_dataset, tmp_path):
     ref_result, _, ref_times = unmitigated
     result, summary, times = run(slow_spec(tmp_path, tiny_dataset, "rebalance"))
@@ -100,6 +127,7 @@ def test_rebalance_speeds_steps_up_and_keeps_the_result(unmitigated, tiny_datase
     assert f"rank {SLOW_RANK}" in tags["raytrain.straggler"] and "rebalance" in tags["raytrain.straggler"]
 
 
+@pytest.mark.slow  # a run each, 30-50 s on the shared machine
 def test_replace_drains_the_slow_worker_with_no_step_lost(unmitigated, tiny_dataset, tmp_path):
     ref_result, _, _ = unmitigated
     spec = slow_spec(tmp_path, tiny_dataset, "replace", train={"steps_per_call": 1})
@@ -117,11 +145,12 @@ def test_replace_drains_the_slow_worker_with_no_step_lost(unmitigated, tiny_data
                         rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow  # a run each, 30-50 s on the shared machine
 def test_a_rank_with_more_rows_is_not_taken_for_a_slow_node(ray_cluster, tiny_dataset, tmp_path):
     """Four rows over three ranks: rank 0 gets two, the others one. Its compute is twice theirs,
     but per token it is the same: a data imbalance, flagged as such and left alone even under
     ``rebalance``."""
-    spec = slow_spec(tmp_path, tiny_dataset, "rebalance", train={"global_batch_size": 4, "max_steps": 20},
+    spec = slow_spec(tmp_path, tiny_dataset, "rebalance", train={"global_batch_size": 4, "max_steps": 16},
                      elastic={"fault_slow_rank": -1}, model={"args": {"s_per_token": 2e-3}})
     result = Supervisor(spec).run()
     summary = read_summary(result.run_dir)
