@@ -5,7 +5,8 @@ with its reason, in summary.json and as an MLflow event) and decides what happen
 parts it calls return outcomes and never call one another: ``launch`` (pre-flight, tracking,
 warm-up), ``steps`` (dispatch, settle, commit; the committed-step counter and data cursor),
 ``liveness`` (how a step went, is a member alive), ``membership`` (who is in, re-forming the
-group, sharing state), ``checkpoints`` (save, load, the manifest); with two that decide or
+group, sharing state), ``checkpoints`` (save, load, the manifest), ``stragglers`` (per-rank
+step times, slow ranks and what elastic.straggler_policy asks); with two that decide or
 ask without acting: ``policy`` (pure decisions: step deadline, run-ahead, failure budget,
 layout fit, drain plan) and ``probe`` (which step each member holds). It never touches
 tensors.
