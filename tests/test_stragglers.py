@@ -13,6 +13,8 @@ more rows is not taken for a slow node.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 
 import pytest
@@ -25,15 +27,16 @@ from raytrain_sys.errors import SpecError
 from tests.ft_common import run_with_events, wait_for_a_ready_newcomer, wait_until
 from tests.helpers import assert_params_close, final_params, read_summary, tiny_spec
 
-STEPS = 30
+STEPS = 24
 SLOW_RANK = 1
 WORKERS = 3  # with two, a 2x rank caps what rebalancing can win at 33%: 40% with three
 
 
 def slow_spec(tmp_path, dataset, policy: str, **sections):
-    base = dict(model={"factory": "tests.straggler_model:build", "args": {"s_per_token": 1e-3}},
+    base = dict(model={"factory": "tests.straggler_model:build", "args": {"s_per_token": 1.5e-3}},
                 train={"task": "raytrain_sys.train.tasks:NextToken", "max_steps": STEPS,
                        "global_batch_size": 24, "precision": "fp64", "log_every_steps": 5},
+                data={"log_sample_ids": True},
                 resources={"num_workers": WORKERS},
                 elastic={"straggler_policy": policy, "fault_slow_rank": SLOW_RANK},
                 tracking={"enabled": policy == "rebalance"})  # MLflow is checked once, there
@@ -51,6 +54,20 @@ def run(spec, events=None):
         result = Supervisor(spec, on_step=lambda r: times.append(r.step_time_s)).run()
     assert result.status == "finished" and result.committed_steps == STEPS, result
     return result, read_summary(result.run_dir), times
+
+
+def sample_log(result) -> list[list[list[int]]]:
+    """Per committed step, the sample ids of each data-parallel rank (sample_ids.jsonl)."""
+    with open(os.path.join(result.run_dir, "sample_ids.jsonl")) as f:
+        return [json.loads(line)["ranks"] for line in f]
+
+
+def same_samples(result, reference) -> list[list[int]]:
+    """Every step trained the reference's samples in the reference's order (exactly once);
+    returns the rows each rank got per step."""
+    steps, ref = sample_log(result), sample_log(reference)
+    assert [sum(ranks, []) for ranks in steps] == [sum(ranks, []) for ranks in ref]
+    return [[len(ids) for ids in ranks] for ranks in steps]
 
 
 @pytest.fixture(scope="module")
@@ -114,10 +131,14 @@ def test_rebalance_speeds_steps_up_and_keeps_the_result(unmitigated, tiny_datase
     assert sum(rows) == 24 and rows[SLOW_RANK] < min(r for i, r in enumerate(rows) if i != SLOW_RANK)
     # The last third of the run, where the split has been in effect in the rebalanced run.
     late = slice(2 * STEPS // 3, STEPS)
+    assert event["step"] <= late.start
     none_s, rebalanced_s = statistics.median(ref_times[late]), statistics.median(times[late])
     print(f"median step time, steps {late.start + 1}..{STEPS}: none {none_s:.3f} s, rebalance "
           f"{rebalanced_s:.3f} s ({rebalanced_s / none_s:.2f}x)")
     assert rebalanced_s <= 0.7 * none_s
+    # The same samples in the same order, dealt with fewer rows to the slow rank from the event on.
+    rows_per_step = same_samples(result, ref_result)
+    assert rows_per_step[event["step"] - 1] == [8, 8, 8] and rows_per_step[-1][SLOW_RANK] < 8
     # The gradient is the same whatever the split (the loss is weighted by units).
     assert_params_close(final_params(result.newest_checkpoint), final_params(ref_result.newest_checkpoint),
                         rtol=1e-6, atol=1e-9)
@@ -141,6 +162,7 @@ def test_replace_drains_the_slow_worker_with_no_step_lost(unmitigated, tiny_data
     worlds = summary["world_sizes"]
     assert worlds[0] == WORKERS and WORKERS - 1 in worlds and worlds[-1] == WORKERS
     assert summary["failures"] == 0 and summary["steps_redone"] == 0
+    same_samples(result, ref_result)
     assert_params_close(final_params(result.newest_checkpoint), final_params(ref_result.newest_checkpoint),
                         rtol=1e-6, atol=1e-9)
 
