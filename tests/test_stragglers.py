@@ -234,3 +234,51 @@ def test_weighted_rows_are_a_split_of_the_batch():
 def test_straggler_fields_are_validated(tmp_path, tiny_dataset, field, value, message):
     with pytest.raises(SpecError, match=f"elastic.{field}.*{message}"):
         tiny_spec(tmp_path, tiny_dataset, elastic={field: value})
+
+
+def feed(stragglers, first_step: int, computes: list[float], steps: int, rows: int = 8) -> None:
+    """``steps`` committed steps, one a lease, in which rank r's compute took ``computes[r]``."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    world = len(computes)
+    members = [SimpleNamespace(info={"ip": f"10.0.0.{r}"}, node_id=f"n{r}") for r in range(world)]
+    shares = [slice(r * rows, (r + 1) * rows) for r in range(world)]
+    batch = SimpleNamespace(row_units=np.full(world * rows, 32))
+    for s in range(first_step, first_step + steps):
+        sent = SimpleNamespace(step=s, members=members, shares=shares, batches=[batch])
+        results = [[{"compute_s": c, "collective_s": max(computes) - c, "rows": rows}] for c in computes]
+        stragglers.observe(sent, results, generation=1)
+        yield stragglers.decide(s + 1)
+
+
+def test_a_straggler_is_one_event_per_episode_and_rebalanced_until_it_keeps_up(tmp_path, tiny_dataset):
+    from raytrain_sys.control.run_record import RunSummary
+    from raytrain_sys.control.supervisor.stragglers import Rebalance, Stragglers
+
+    spec = tiny_spec(tmp_path, tiny_dataset, train={"global_batch_size": 24},
+                     resources={"num_workers": 3}, elastic={"straggler_policy": "rebalance"})
+    summary = RunSummary(job="t", run_dir=str(tmp_path))
+    s = Stragglers(spec, summary, tracker=None)
+    decisions = list(feed(s, 0, [1.0, 2.0, 1.0], 12))  # 2 warm-up steps, then a full window
+    assert decisions[:-1] == [None] * 11 and isinstance(decisions[-1], Rebalance)
+    assert decisions[-1].rows == [10, 5, 9]
+    # Still too slow under the new split: rebalanced again after a fresh window, not before.
+    decisions = list(feed(s, 12, [1.0, 1.8, 1.0], 10))
+    assert decisions[:-1] == [None] * 9 and isinstance(decisions[-1], Rebalance)
+    # Keeping up: no new event, however long it runs.
+    assert list(feed(s, 22, [1.0, 1.1, 1.0], 30)) == [None] * 30
+    assert [(e["step"], e["rank"], e["action"]) for e in summary.stragglers] == [(12, 1, "rebalance"),
+                                                                                (22, 1, "rebalance")]
+    assert summary.rank_times["1"]["compute_s"] == 1.1 and summary.rank_times["1"]["node"] == "10.0.0.1"
+
+
+def test_an_unmitigated_straggler_is_one_event(tmp_path, tiny_dataset):
+    from raytrain_sys.control.run_record import RunSummary
+    from raytrain_sys.control.supervisor.stragglers import Stragglers
+
+    spec = tiny_spec(tmp_path, tiny_dataset, resources={"num_workers": 3})
+    summary = RunSummary(job="t", run_dir=str(tmp_path))
+    assert set(feed(Stragglers(spec, summary, tracker=None), 0, [1.0, 1.0, 2.5], 40)) == {None}
+    assert [(e["step"], e["rank"], e["kind"], e["action"]) for e in summary.stragglers] == [(12, 2, SLOW, "none")]

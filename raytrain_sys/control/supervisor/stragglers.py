@@ -114,6 +114,7 @@ class Stragglers:
         self._generation = -1
         self._since_formed = 0  # steps observed since the group (re)formed
         self._flagged: dict[int, str] = {}  # rank -> node, while flagged (the gauge is 1)
+        self._remeasure = False  # a rebalance cleared the window: the next full one re-judges it
         self._gauge = None
 
     # ------------------------------------------------------------------ per-step records
@@ -139,7 +140,7 @@ class Stragglers:
                 self._refresh(step, list(self._window)[-every:])
 
     def _reset(self, generation: int) -> None:
-        self._generation, self._since_formed = generation, 0
+        self._generation, self._since_formed, self._remeasure = generation, 0, False
         self._window.clear()
         for rank, node in self._flagged.items():
             self._set_gauge(rank, node, 0.0)
@@ -176,8 +177,10 @@ class Stragglers:
         for rank in [r for r in self._flagged if r not in {f.rank for f in found}]:
             self._set_gauge(rank, self._flagged.pop(rank), 0.0)
         action = None
+        # The first full window under a new split: a rank still too slow is rebalanced again.
+        remeasured, self._remeasure = self._remeasure, False
         for f in found:
-            if f.rank in self._flagged:
+            if f.rank in self._flagged and not (remeasured and f.kind == SLOW):
                 continue  # flagged already: one event per episode
             node = self._nodes[f.rank] if f.rank < len(self._nodes) else ""
             what, rows = "none", None
@@ -188,12 +191,10 @@ class Stragglers:
                 action, what = Replace(f.rank, f), "replace"
             self._record(step, f, node, what, rows)
         if isinstance(action, Rebalance):
-            # The new split is measured afresh: the rank stays flagged until a window shows it
-            # keeping up (then its gauge falls to 0), or is flagged again with another split.
+            # The new split is measured afresh: the rank stays flagged until a full window shows
+            # it keeping up (then its gauge falls to 0), or is rebalanced again.
             self._window.clear()
-            for rank, node in self._flagged.items():
-                self._set_gauge(rank, node, 0.0)
-            self._flagged = {}
+            self._remeasure = True
         return action
 
     def _record(self, step: int, f: Flagged, node: str, action: str, rows: list[int] | None) -> None:
