@@ -253,6 +253,18 @@ class ElasticSpec:
     hang_floor_s: float = 30.0  # a step is "hung" after max(this, hang_factor x median step time)
     hang_factor: float = 10.0  # see hang_floor_s
     drain_poll_s: float = 1.0  # how often draining (preempted) nodes are looked up
+    # What to do with a rank whose compute is slow for its rows (a slow node, not a data
+    # imbalance; docs/STRAGGLERS.md): none (flag it only), rebalance (deal it fewer rows of the same
+    # global batch, in proportion to measured speed) or replace (drain it, ask for a replacement)
+    straggler_policy: str = "none"
+    # A rank is a straggler when its mean compute time over the window exceeds the median of
+    # its peers' by this fraction (0.5: 1.5x); 0 turns detection off
+    straggler_margin: float = 0.5
+    straggler_window_steps: int = 10  # committed steps the straggler means are taken over
+    # Test only: the worker holding this rank in the run's first process group computes
+    # fault_slow_factor times slower (a sleep in proportion to its compute); -1 = off
+    fault_slow_rank: int = -1
+    fault_slow_factor: float = 2.0  # see fault_slow_rank
 
 
 @dataclass
@@ -412,6 +424,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.on_corrupt": ("fail", "previous"),
     "data.sequences": ("rows", "pack", "pack_masked", "bucket"),
     "data.delivery": ("refs", "driver"),
+    "elastic.straggler_policy": ("none", "rebalance", "replace"),
 }
 
 # (field, lower bound, inclusive?) checked after types.
@@ -424,14 +437,15 @@ _POSITIVE = [
     "checkpoint.keep_last",
     "resources.num_workers", "resources.cpus_per_worker", "resources.start_timeout_s",
     "elastic.max_failures", "elastic.failure_window_s", "elastic.below_min_timeout_s",
-    "elastic.hang_floor_s", "elastic.hang_factor",
+    "elastic.hang_floor_s", "elastic.hang_factor", "elastic.straggler_window_steps",
+    "elastic.fault_slow_factor",
 ]
 _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "train.steps_per_call", "optim.min_lr_ratio", "optim.warmup_steps",
     "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
     "resources.local_num_cpus", "resources.peak_tflops_per_worker", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
-    "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
+    "elastic.straggler_margin", "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
 ]
 
 
@@ -556,6 +570,10 @@ def validate(spec: JobSpec) -> JobSpec:
         raise SpecError("elastic.max_workers",
                         f"got {e.max_workers}; every worker needs at least one row of "
                         f"train.global_batch_size={spec.train.global_batch_size}")
+    if e.fault_slow_factor < 1:
+        raise SpecError("elastic.fault_slow_factor", f"got {e.fault_slow_factor}; must be at least 1 (1: no slowdown)")
+    if e.fault_slow_rank < -1:
+        raise SpecError("elastic.fault_slow_rank", f"got {e.fault_slow_rank}; must be a rank, or -1 for off")
     nice = spec.resources.worker_niceness
     if nice is not None and not -20 <= nice <= 19:
         raise SpecError("resources.worker_niceness", f"got {nice}; must be in -20..19, or null for Ray's")

@@ -5,6 +5,13 @@ data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newe
 mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
 failures, steps_redone, steps_run_ahead, leases, evals (one record per evaluation: step and
 metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile).
+
+Per rank (control/supervisor/stragglers.py): rank_times ({rank: {node, data_wait_s, compute_s,
+collective_s, optimizer_s, step_s}}: per-rank means over the last train.log_every_steps steps,
+refreshed at each of them), rank_times_history (list of {step, ranks: the same shape}, at most
+500, thinned by dropping every other one when full), stragglers (one event per flagged rank:
+step, rank, node, kind slow_rank | data_imbalance, ratio of its compute to its peers' median,
+action none | rebalance | replace, and with rebalance the rows per data index dealt from then on).
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class RunSummary:
     evals: list[dict] = field(default_factory=list)  # {"step": s, "loss": ..., ...} per evaluation
     best_checkpoint: dict = field(default_factory=dict)  # {"step", "uri", metric}: checkpoint.keep_best
     compile_s: float = 0.0  # train.compile: first step's compute time beyond a later step's
+    rank_times: dict[str, dict] = field(default_factory=dict)  # see the module docstring
+    rank_times_history: list[dict] = field(default_factory=list)
+    stragglers: list[dict] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 
@@ -91,5 +101,7 @@ class RunSummary:
         self.world_sizes = self.world_sizes[:step]
         self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]
         self.evals = [e for e in self.evals if e["step"] <= step]
+        self.rank_times_history = [h for h in self.rank_times_history if h["step"] <= step]
+        self.stragglers = [e for e in self.stragglers if e["step"] <= step]
         if self.best_checkpoint.get("step", 0) > step:
             self.best_checkpoint = {}

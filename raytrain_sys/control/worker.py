@@ -44,6 +44,7 @@ from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
 from raytrain_sys.parallel.parallelize import import_for, parallelize
+from raytrain_sys.parallel.timing import StepClock
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.train.optim import build_optimizer, lr_at
 
@@ -131,6 +132,9 @@ class TrainWorker:
         # fails part-way the Supervisor commits its finished steps from them (lease_results).
         self.recent_results: dict[int, dict[str, float]] = {}
         self.task = resolve_task(self.spec)
+        # Test only (elastic.fault_slow_rank): this process computes that many times slower,
+        # decided when it joins its first process group (StepClock sleeps in proportion).
+        self.slow_factor: float | None = None
 
     # ------------------------------------------------------------------ a spare's start
     @ray.method(concurrency_group="control")
@@ -212,6 +216,11 @@ class TrainWorker:
             _set_pg_timeout(collective)
         self.collective_timeout_s = collective.total_seconds()
         self.rank, self.world_size, self.generation = rank, world_size, generation
+        if self.slow_factor is None:
+            # The run's first group is generation 1 (WorkerGroup): a replacement that later takes
+            # the slow rank's number is not slow, as a replacement on a healthy node would not be.
+            e = self.spec.elastic
+            self.slow_factor = e.fault_slow_factor if (rank, generation) == (e.fault_slow_rank, 1) else 1.0
         degrees = self.spec.parallel.degrees(world_size)
         replicated = degrees["tp"] == degrees["pp"] == degrees["fsdp"] == 1
         fresh = self.optimizer is None  # never trained: its model is the step-0 build
@@ -229,7 +238,8 @@ class TrainWorker:
         # Build order (torchtitan): model, parallelize, optimizer last. A replicated layout
         # wraps the same module again: DDP holds the group it was built with.
         self.pm = parallelize(self.model, self.mesh, self.spec.parallel, self.device, task=self.task,
-                              precision=self.spec.train.precision, compile_model=self.spec.train.compile)
+                              precision=self.spec.train.precision, compile_model=self.spec.train.compile,
+                              clock=StepClock(self.slow_factor))
         self.model = self.pm.local_model
         if not keep:
             self.optimizer = build_optimizer(self.pm.optimizer_module(), self.spec.optim)
@@ -313,6 +323,11 @@ class TrainWorker:
         parallelism averages gradients over its ranks, so the result is the gradient of the global
         mean loss whatever the shares, equal to the single-process one. ``loss_sum`` is reported
         by one rank per data shard (0 elsewhere), so the Supervisor's sum counts each row once.
+
+        Where this rank's time went, in seconds (raytrain_sys.parallel.timing): ``data_wait_s``
+        assembling its rows from the pieces, ``compute_s`` forward and backward, ``collective_s``
+        the exposed wait on the gradient collectives, ``optimizer_s`` clipping and the optimizer
+        step. Clock reads only: no collective or device sync is added to the step.
         """
         assert self.pm is not None and self.optimizer is not None, "setup_group first"
         assert self.stash is None, "this worker holds state not yet loaded into its layout"
@@ -323,9 +338,9 @@ class TrainWorker:
                                f"{self.step_done}, not {step}")
         if collective_timeout_s and abs(collective_timeout_s - self.collective_timeout_s) > 1.0:
             self._set_collective_timeout(collective_timeout_s)
+        t0 = time.perf_counter()
         if isinstance(batch, RankShare):
             batch = batch.assemble(list(pieces))
-        t0 = time.perf_counter()
         spec = self.spec
         lr = lr_at(step, spec.optim, spec.train.max_steps, spec.train.global_batch_size)
         for group in self.optimizer.param_groups:
@@ -335,8 +350,11 @@ class TrainWorker:
         # The arrays arrive read-only from Ray's object store; torch.tensor copies them.
         tensors = {k: torch.tensor(v, device=self.device) for k, v in batch.items()}
         rows = len(next(iter(tensors.values())))
+        data_wait_s = time.perf_counter() - t0
         try:
             loss_sum = self.pm.forward_backward(tensors, global_units, spec.train.micro_batch_size)
+            compute_s, collective_s = self.pm.clock.split()
+            t1 = time.perf_counter()
             max_norm = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
             grad_norm = self.pm.clip_grad_norm_(max_norm)
         except BaseException:
@@ -347,7 +365,9 @@ class TrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done = step + 1
         return {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
-                "grad_norm": float(grad_norm), "lr": lr, "compute_s": time.perf_counter() - t0}
+                "grad_norm": float(grad_norm), "lr": lr, "data_wait_s": data_wait_s,
+                "compute_s": compute_s, "collective_s": collective_s,
+                "optimizer_s": time.perf_counter() - t1}
 
     def evaluate(self, batch_refs: list, which: list[int]) -> dict[int, dict[str, float]]:
         """The sums of evaluation batches ``which`` (indices into ``batch_refs``, -1: a repeat that

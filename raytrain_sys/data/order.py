@@ -143,21 +143,46 @@ def sample_ids(shard_rows: tuple[int, ...], seed: int, window: int, block_rows: 
     return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
 
-def deal(global_batch_size: int, dp_world_size: int) -> list[slice]:
+def deal(global_batch_size: int, dp_world_size: int, rows: list[int] | None = None) -> list[slice]:
     """The one place that turns a world size into rank slices of a global batch.
 
     Contiguous slices whose sizes differ by at most one (the first ``B % W`` ranks get one more
     row); the loss is weighted by row count so uneven shares give the single-process gradient.
+    ``rows``: the sizes asked for instead (``weighted_rows``, a straggler's smaller share), in
+    data-index order; they must sum to the global batch.
     """
     if dp_world_size <= 0:
         raise ValueError("dp_world_size must be positive")
-    base, extra = divmod(global_batch_size, dp_world_size)
+    if rows is None:
+        base, extra = divmod(global_batch_size, dp_world_size)
+        rows = [base + (1 if r < extra else 0) for r in range(dp_world_size)]
+    elif len(rows) != dp_world_size or sum(rows) != global_batch_size or min(rows) < 1:
+        raise ValueError(f"rows {rows} do not split {global_batch_size} rows over {dp_world_size} ranks")
     slices, start = [], 0
-    for r in range(dp_world_size):
-        size = base + (1 if r < extra else 0)
+    for size in rows:
         slices.append(slice(start, start + size))
         start += size
     return slices
+
+
+def weighted_rows(global_batch_size: int, weights: list[float]) -> list[int]:
+    """Row counts in proportion to ``weights``: largest remainders (ties to the lower index),
+    then at least one each, taken from the largest (a rank with no rows would have nothing to
+    run its collectives on)."""
+    n = len(weights)
+    if n == 0 or global_batch_size < n or min(weights) <= 0:
+        raise ValueError(f"cannot split {global_batch_size} rows by weights {weights}")
+    total = float(sum(weights))
+    exact = [global_batch_size * w / total for w in weights]
+    rows = [int(x) for x in exact]
+    by_remainder = sorted(range(n), key=lambda i: (-(exact[i] - rows[i]), i))
+    for i in by_remainder[:global_batch_size - sum(rows)]:
+        rows[i] += 1
+    for i in range(n):
+        if rows[i] == 0:
+            rows[max(range(n), key=lambda j: (rows[j], -j))] -= 1
+            rows[i] = 1
+    return rows
 
 
 # ----------------------------------------------------------------------------- streams

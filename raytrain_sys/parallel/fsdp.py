@@ -21,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from raytrain_sys.parallel.timing import StepClock
+
 
 def mixed_precision_policy(name: str) -> MixedPrecisionPolicy:
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -51,7 +53,8 @@ def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dp_mesh: DeviceM
 
 
 def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: str, comm_hook: str = "none",
-              powersgd_rank: int = 1, powersgd_start_iter: int = 10) -> DistributedDataParallel:
+              powersgd_rank: int = 1, powersgd_start_iter: int = 10,
+              clock: StepClock | None = None) -> DistributedDataParallel:
     """DDP over the "dp" axis, for models without DTensor parameters (no TP).
 
     Given the axis's process group, not ``device_mesh=``: with a mesh sliced from a larger one
@@ -59,14 +62,19 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: str, comm_hook: st
     Parameter objects around every forward, so an optimizer built once updates stale tensors
     (the same trap as the composable ``replicate()``). Replicas of a TP or pipelined model
     all-reduce without DDP (parallelize.py).
+
+    ``clock``: the hook marks when each bucket's gradients are ready, which splits the rank's
+    compute from its exposed wait on the all-reduce (raytrain_sys.parallel.timing); without a
+    compression hook that is torch's own all-reduce hook, which averages as DDP's built-in one does.
     """
     device_ids = [torch.device(device).index] if device.startswith("cuda") else None
     group = dp_mesh.get_group()
     ddp = DistributedDataParallel(module, device_ids=device_ids, process_group=group)
-    if comm_hook == "fp16":
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    state, hook = group, (default_hooks.allreduce_hook if clock is not None else None)
+    if comm_hook == "fp16":
+        hook = default_hooks.fp16_compress_hook
     elif comm_hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -74,7 +82,9 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: str, comm_hook: st
         state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                    start_powerSGD_iter=powersgd_start_iter,
                                    min_compression_rate=1.0)  # compress every matrix, even small ones
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        hook = psgd.powerSGD_hook
+    if hook is not None:
+        ddp.register_comm_hook(state, clock.timed(hook) if clock is not None else hook)
     return ddp
 
 

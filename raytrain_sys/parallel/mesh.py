@@ -65,18 +65,24 @@ def rank_coordinates(degrees: dict[str, int], rank: int) -> dict[str, int]:
     return coords
 
 
-def rank_data_slices(parallel_spec: ParallelSpec, world_size: int, global_batch_size: int) -> list[slice]:
+def rank_data_slices(parallel_spec: ParallelSpec, world_size: int, global_batch_size: int,
+                     rows: list[int] | None = None) -> list[slice]:
     """Rows of a global batch for each rank, in rank order: the ``deal`` slice of its data index
-    (TP and PP peers share one)."""
+    (TP and PP peers share one). ``rows``: sizes per data index (``deal``'s), else an even split."""
     from raytrain_sys.data.order import deal
 
     degrees = parallel_spec.degrees(world_size)
-    shares = deal(global_batch_size, degrees["dp"] * degrees["fsdp"])
+    shares = deal(global_batch_size, degrees["dp"] * degrees["fsdp"], rows)
     out = []
     for rank in range(world_size):
-        c = rank_coordinates(degrees, rank)
-        out.append(shares[c["dp"] * degrees["fsdp"] + c["fsdp"]])
+        out.append(shares[data_index_of_rank(degrees, rank)])
     return out
+
+
+def data_index_of_rank(degrees: dict[str, int], rank: int) -> int:
+    """A rank's data-parallel index (``data_shard``'s) by arithmetic, without a process group."""
+    c = rank_coordinates(degrees, rank)
+    return c["dp"] * degrees["fsdp"] + c["fsdp"]
 
 
 def is_data_leader_rank(degrees: dict[str, int], rank: int) -> bool:
@@ -93,4 +99,4 @@ def is_data_leader(mesh: DeviceMesh) -> bool:
 
 __all__ = ["MESH_AXES", "DATA_AXES", "build_mesh", "degree", "local_index", "submesh",
            "data_shard", "dp_rank_and_size", "is_data_leader", "rank_coordinates",
-           "rank_data_slices", "is_data_leader_rank"]
+           "rank_data_slices", "data_index_of_rank", "is_data_leader_rank"]

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel.dtensor import is_dtensor
 from raytrain_sys.parallel.fsdp import apply_ddp, apply_fsdp
+from raytrain_sys.parallel.timing import StepClock
 from raytrain_sys.spec import ParallelSpec
 
 if TYPE_CHECKING:
@@ -80,6 +81,9 @@ class ParallelModel:
     loss_fn: pplib.SummedLoss | None = None
     tied_group: dist.ProcessGroup | None = None
     dp_allreduce_group: dist.ProcessGroup | None = None  # pipeline + ddp: see parallelize()
+    # Splits forward_backward into this rank's compute and its exposed gradient-collective wait
+    # (read by the worker after each step: ``clock.split()``); raytrain_sys.parallel.timing.
+    clock: StepClock = field(default_factory=StepClock)
     _ckpt_group: dist.ProcessGroup | None = None
     _pending_save: Future | None = None
 
@@ -121,6 +125,7 @@ class ParallelModel:
                          micro_batch_size: int = 0) -> float:
         scale = self.data_parallel_size / global_units
         self.local_model.train()
+        self.clock.start()
         if self.schedule is not None:
             return self._pipeline_forward_backward(batch, scale)
         rows = len(next(iter(batch.values())))
@@ -135,6 +140,7 @@ class ParallelModel:
             (loss * scale).backward()
             total += loss.detach().double().cpu()
         if self.dp_allreduce_group is not None:
+            self.clock.grads_ready()
             _allreduce_grads(self.parameters_for_optimizer(), self.dp_allreduce_group)
         return float(total)
 
@@ -155,6 +161,7 @@ class ParallelModel:
         kwargs = {"target": targets, "losses": losses} if self.split.has_last else {}
         with self._autocast():
             self.schedule.step(*args, **kwargs)
+        self.clock.grads_ready()  # then the replicas' all-reduce, tied weights' sum, loss broadcast
         if self.dp_allreduce_group is not None:
             _allreduce_grads(self.parameters_for_optimizer(), self.dp_allreduce_group)
         pplib.sync_tied_grads(self.split, self.tied_group)
@@ -378,11 +385,13 @@ def _compile(blocks: list[nn.Module], model: nn.Module) -> None:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec, device: str,
-                task=None, precision: str = "fp32", compile_model: bool = False) -> ParallelModel:
+                task=None, precision: str = "fp32", compile_model: bool = False,
+                clock: StepClock | None = None) -> ParallelModel:
     """Cut ``model`` (built and initialized identically on every rank) by ``mesh``.
 
     The model is changed in place (pipeline stages drop layers, TP/FSDP swap parameters for
-    DTensors); build the optimizer from the result, not before.
+    DTensors); build the optimizer from the result, not before. ``clock``: the step timer the
+    model's gradient reductions report to (a new one when not given).
     """
     spec = parallel_spec
     assert tuple(mesh.mesh_dim_names) == meshlib.MESH_AXES, f"mesh axes {mesh.mesh_dim_names}"
@@ -420,7 +429,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
 
     # 4. data parallel
     pm = ParallelModel(mesh=mesh, spec=spec, device=device, local_model=model, task=task,
-                       precision=precision, split=split)
+                       precision=precision, split=split, clock=clock or StepClock())
     if spec.strategy in ("fsdp", "hsdp") and dp * fsdp > 1:
         dp_mesh = meshlib.submesh(mesh, "dp", "fsdp") if spec.strategy == "hsdp" else meshlib.submesh(mesh, "fsdp")
         apply_fsdp(blocks, stage_modules, dp_mesh, spec.reshard_after_forward, spec.mixed_precision)
@@ -438,7 +447,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, parallel_spec: ParallelSpec,
     elif spec.strategy == "ddp" and dp > 1:
         dp_mesh = meshlib.submesh(mesh, "dp")
         stage_modules = [apply_ddp(m, dp_mesh, device, spec.comm_hook, spec.powersgd_rank,
-                                   spec.powersgd_start_iter) for m in stage_modules]
+                                   spec.powersgd_start_iter, pm.clock) for m in stage_modules]
         pm.ddp_modules = stage_modules
 
     # 5. pipeline schedule

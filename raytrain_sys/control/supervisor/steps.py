@@ -97,6 +97,9 @@ class Steps:
         self._sample_log = None
         self._run_t0 = time.perf_counter()
         self._compute_s: list[float] = []  # train.compile: the first steps' compute times
+        # (generation, rows per data index): the split of the global batch a straggler's
+        # rebalance asked for (stragglers.Rebalance), for that process group only; else even.
+        self.rows_split: tuple[int, list[int]] | None = None
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -153,7 +156,9 @@ class Steps:
         gbs = spec.train.global_batch_size
         members = list(self.group.workers)
         # Each rank's rows: its data-parallel slice (TP/PP peers share one).
-        shares = rank_data_slices(spec.parallel, len(members), gbs)
+        split = self.rows_split
+        rows = split[1] if split is not None and split[0] == self.group.generation else None
+        shares = rank_data_slices(spec.parallel, len(members), gbs, rows)
         # Pieces read from now on line up with these shares (a rank then fetches its own rows only).
         self.data.share_rows = max(sl.stop - sl.start for sl in shares)
         batches = []

@@ -5,7 +5,8 @@ with its reason, in summary.json and as an MLflow event) and decides what happen
 parts it calls return outcomes and never call one another: ``launch`` (pre-flight, tracking,
 warm-up), ``steps`` (dispatch, settle, commit; the committed-step counter and data cursor),
 ``liveness`` (how a step went, is a member alive), ``membership`` (who is in, re-forming the
-group, sharing state), ``checkpoints`` (save, load, the manifest); with two that decide or
+group, sharing state), ``checkpoints`` (save, load, the manifest), ``stragglers`` (per-rank
+step times, slow ranks and what elastic.straggler_policy asks); with two that decide or
 ask without acting: ``policy`` (pure decisions: step deadline, run-ahead, failure budget,
 layout fit, drain plan) and ``probe`` (which step each member holds). It never touches
 tensors.
@@ -43,6 +44,7 @@ from raytrain_sys.control.supervisor.membership import (Membership, MembersLost,
                                                         Uncovered)
 from raytrain_sys.control.supervisor.requests import CANCEL, RunRequests
 from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch
+from raytrain_sys.control.supervisor.stragglers import Rebalance, Replace, Stragglers
 from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.errors import CheckpointError, DataError, StorageError, TrainingFailed, find_user_error
@@ -98,6 +100,8 @@ class Supervisor:
         self.membership: Membership | None = None
         self.checkpoints: Checkpoints | None = None
         self.evaluation: Evaluation | None = None
+        self.stragglers: Stragglers | None = None
+        self._straggler_leaving: tuple[Worker, str] | None = None  # elastic.straggler_policy=replace
         self._early_stop = ""  # the reason, once train.early_stop ended the run
         self._local_cluster = False
         self._warm = None  # the data warm-up thread (launch.warm_data), joined before teardown
@@ -178,6 +182,7 @@ class Supervisor:
             self.membership = Membership(spec, self.group, target_size=self._target_size)
             self.steps = Steps(spec, self.data, self.group, found.task, self.summary, self.tracker,
                                self.on_step, found.flops_per_token)
+            self.stragglers = Stragglers(spec, self.summary, self.tracker)
             self.checkpoints = Checkpoints(spec, found.checkpointer, self.checkpoint_root, found.manifest,
                                            self.summary, self.tracker)
             if found.eval_set is not None:
@@ -270,8 +275,10 @@ class Supervisor:
                     continue
                 # Committed: every rank finished its optimizer steps.
                 self.summary.steps_run_ahead += cur.count if cur.sent_ahead else 0
-                self.steps.commit_lease(cur, [outcome.results[w.slot] for w in cur.members],
-                                        done_at - cur.t0)
+                results = [outcome.results[w.slot] for w in cur.members]
+                self.stragglers.observe(cur, results, self.group.generation)
+                self.steps.commit_lease(cur, results, done_at - cur.t0)
+                self._act_on_stragglers(cur.members)
                 every = spec.checkpoint.every_steps
                 # A lease ends where a checkpoint is due (policy.lease_steps).
                 if every and self.committed_step % every == 0 and self.committed_step < last:
@@ -329,6 +336,8 @@ class Supervisor:
             return False
         if self.requests.stop() is not None or len(self.group.workers) > self._target_size():
             return False  # a stop or a shrink asked for: the next boundary is kept for it
+        if self._straggler_leaving is not None:
+            return False  # a straggler leaves at the next boundary
         now = time.monotonic()
         if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
             # The drain poll, done now while the members compute: a draining member must leave
@@ -515,6 +524,8 @@ class Supervisor:
     def _at_step_boundary(self) -> None:
         """Between steps: leave draining (preempted) nodes, shrink to a requested ceiling, take
         in ready newcomers."""
+        if self._straggler_leaving is not None:
+            self._replace_straggler()
         now = time.monotonic()
         if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
             self._last_drain_poll = now
@@ -548,6 +559,33 @@ class Supervisor:
         self.group.remove(self.group.pending + self.group.standby)
         self.membership.take_leavers_pieces(leaving, self.committed_step)
         self._reform(source_slot=self.group.workers[0].slot, reason=f"shrunk to world {len(self.group.workers)}")
+
+    def _act_on_stragglers(self, members: list[Worker]) -> None:
+        """What elastic.straggler_policy asks after a commit (``Stragglers.decide``): a rebalanced
+        split for the next dispatches of this process group, or a slow member to replace at the
+        next boundary (nothing is sent ahead across it)."""
+        decision = self.stragglers.decide(self.committed_step)
+        if isinstance(decision, Rebalance):
+            self.steps.rows_split = (self.group.generation, decision.rows)
+        elif isinstance(decision, Replace):
+            f = decision.flagged
+            self._straggler_leaving = (members[f.rank], f"rank {f.rank} computes {f.ratio:.2f}x its peers' median")
+        elif decision is not None:
+            raise TypeError(f"unknown straggler decision {decision!r}")
+
+    def _replace_straggler(self) -> None:
+        """A slow member leaves at this boundary as from a draining node: its state stays with the
+        others (its shards handed over first when sharded), so no step is lost; a replacement is
+        asked for and joins when it is up."""
+        worker, why = self._straggler_leaving
+        self._straggler_leaving = None
+        if worker not in self.group.workers or len(self.group.workers) < 2:
+            return  # gone meanwhile, or nobody to hand its state to
+        self._transition(State.DRAINING, f"straggler: worker {worker.slot} on node {worker.node_id[:8]} "
+                         f"({why}) leaves at step {self.committed_step}; a replacement is requested")
+        self.membership.take_leavers_pieces([worker], self.committed_step)
+        self._reform(source_slot=self.group.workers[0].slot,
+                     reason=f"straggler left: world {len(self.group.workers)}, replacement requested")
 
     @staticmethod
     def _draining_nodes() -> dict | None:

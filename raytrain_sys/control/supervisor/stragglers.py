@@ -1,0 +1,237 @@
+"""Per-rank step times and stragglers: which rank makes the step slow, and what to do about it.
+
+Owns: ``rank_times``, ``rank_times_history`` and ``stragglers`` in summary.json, the per-rank
+step metrics sent to MLflow (``rank<r>/<part>``), the straggler events (log line, MLflow event
+and ``raytrain.straggler`` tag) and the gauge ``raytrain_straggler_flagged`` (labels job, team,
+rank, node; 1 while a rank is flagged). Calls no other part of the Supervisor: ``observe`` reads
+the per-rank results of committed steps, ``decide`` returns what the policy asks
+(``Rebalance``, ``Replace`` or None) and the Supervisor carries it out.
+
+Each rank reports where its step went (``TrainWorker.train_step``: data wait, compute,
+exposed collective wait, optimizer). A slow rank shows high compute and little collective wait,
+its peers the reverse. ``find_stragglers`` (pure) flags a rank whose mean compute over the
+window (``elastic.straggler_window_steps``) exceeds the median of its peers' by
+``elastic.straggler_margin``, and then tells why: if its compute per loss unit (per token) is
+normal, it simply got more work (longer or more rows: a data imbalance, left alone); if that
+is high too, the rank is slow (a slow node, acted on by ``elastic.straggler_policy``).
+
+``rebalance`` deals the slow rank fewer rows of the same global batch, in proportion to each
+data index's measured speed (rows per compute second): the loss is weighted by units, so the
+gradient is the same. The row counts are recorded in the event (``rows``); they hold until the
+group is re-formed, when the even split comes back. Sample order and the data cursor are not
+touched (a step's global batch is the same slice of the order, dealt differently), so resume
+and replay stay exactly-once whatever split was used.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.data.order import weighted_rows
+from raytrain_sys.parallel.mesh import data_index_of_rank
+from raytrain_sys.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+PARTS = ("data_wait_s", "compute_s", "collective_s", "optimizer_s")  # TrainWorker.train_step's
+HISTORY_MAX = 500  # rank_times_history entries; when full, every other one is dropped
+# Steps after a group forms that the straggler window skips: the first step builds DDP's buckets
+# (and compiles, with train.compile), the second still pays for it on some ranks.
+WARMUP_STEPS = 2
+SLOW, IMBALANCE = "slow_rank", "data_imbalance"
+
+
+@dataclass(frozen=True)
+class RankMeans:
+    """One rank's means over the straggler window."""
+
+    compute_s: float
+    units: float  # loss units (tokens) of its rows per step
+    rows: float
+
+
+@dataclass(frozen=True)
+class Flagged:
+    rank: int
+    kind: str  # SLOW or IMBALANCE
+    ratio: float  # its compute over the median of its peers'
+    per_unit_ratio: float  # the same per loss unit
+
+
+def find_stragglers(means: list[RankMeans], margin: float) -> list[Flagged]:
+    """Ranks whose mean compute exceeds the median of their peers' by ``margin``, each with
+    its kind: ``slow_rank`` when its compute per loss unit exceeds its peers' median by the same
+    margin, else ``data_imbalance`` (it got more units: longer or more rows). The peers' median,
+    not the group's: with two ranks the group's median would include the rank itself."""
+    out = []
+    if margin <= 0 or len(means) < 2:
+        return out
+    for r, m in enumerate(means):
+        peers = [p for i, p in enumerate(means) if i != r]
+        median = statistics.median(p.compute_s for p in peers)
+        if median <= 0 or m.compute_s <= (1.0 + margin) * median:
+            continue
+        per_unit = statistics.median(p.compute_s / max(p.units, 1e-9) for p in peers)
+        per_unit_ratio = (m.compute_s / max(m.units, 1e-9)) / per_unit if per_unit > 0 else 1.0
+        kind = SLOW if per_unit_ratio > 1.0 + margin else IMBALANCE
+        out.append(Flagged(r, kind, m.compute_s / median, per_unit_ratio))
+    return out
+
+
+def rebalanced_rows(means: list[RankMeans], degrees: dict[str, int], global_batch_size: int) -> list[int]:
+    """Rows per data index in proportion to measured speed (rows per compute second); a data
+    index is as fast as the slowest of its ranks (TP and PP peers share its rows)."""
+    speed: dict[int, float] = {}
+    for r, m in enumerate(means):
+        index = data_index_of_rank(degrees, r)
+        s = m.rows / max(m.compute_s, 1e-9)
+        speed[index] = min(speed.get(index, s), s)
+    return weighted_rows(global_batch_size, [speed[i] for i in sorted(speed)])
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    rows: list[int]  # per data index, for the dispatches from now on
+    flagged: Flagged
+
+
+@dataclass(frozen=True)
+class Replace:
+    rank: int  # to drain at the next step boundary
+    flagged: Flagged
+
+
+class Stragglers:
+    def __init__(self, spec: JobSpec, summary: RunSummary, tracker, team: str = "-"):
+        self.spec, self.summary, self.tracker, self.team = spec, summary, tracker, team
+        e = spec.elastic
+        self._window: deque[list[dict]] = deque(maxlen=max(e.straggler_window_steps, spec.train.log_every_steps))
+        self._nodes: list[str] = []  # per rank, of the current group
+        self._generation = -1
+        self._since_formed = 0  # steps observed since the group (re)formed
+        self._flagged: dict[int, str] = {}  # rank -> node, while flagged (the gauge is 1)
+        self._remeasure = False  # a rebalance cleared the window: the next full one re-judges it
+        self._gauge = None
+
+    # ------------------------------------------------------------------ per-step records
+    def observe(self, sent, results: list[list[dict]], generation: int) -> None:
+        """A lease about to be committed: ``sent`` the dispatch (members, shares, batches), ``results``
+        per member one result per step. Refreshes ``rank_times`` at every train.log_every_steps."""
+        if generation != self._generation:
+            self._reset(generation)
+        self._nodes = [w.info.get("ip") or w.node_id for w in sent.members]
+        every = self.spec.train.log_every_steps
+        for i, batch in enumerate(sent.batches):
+            ranks = []
+            for r, per_step in enumerate(results):
+                got = per_step[i]
+                ranks.append({**{k: float(got.get(k, 0.0)) for k in PARTS},
+                              "rows": float(got.get("rows", 0.0)),
+                              "units": float(batch.row_units[sent.shares[r]].sum())})
+            self._since_formed += 1
+            if self._since_formed > WARMUP_STEPS:
+                self._window.append(ranks)
+            step = sent.step + i + 1
+            if step % every == 0 and self._window:
+                self._refresh(step, list(self._window)[-every:])
+
+    def _reset(self, generation: int) -> None:
+        self._generation, self._since_formed, self._remeasure = generation, 0, False
+        self._window.clear()
+        for rank, node in self._flagged.items():
+            self._set_gauge(rank, node, 0.0)
+        self._flagged = {}
+
+    def _refresh(self, step: int, steps: list[list[dict]]) -> None:
+        n = len(steps)
+        ranks = {}
+        for r in range(len(steps[0])):
+            parts = {k: sum(s[r][k] for s in steps) / n for k in PARTS}
+            ranks[str(r)] = {"node": self._nodes[r] if r < len(self._nodes) else "", **parts,
+                             "step_s": sum(parts.values())}
+        self.summary.rank_times = ranks
+        history = self.summary.rank_times_history
+        if len(history) >= HISTORY_MAX:
+            del history[1::2]
+        history.append({"step": step, "ranks": ranks})
+        if self.tracker is not None:
+            self.tracker.log_metrics(step, {f"rank{r}/{k}": v for r, t in ranks.items()
+                                            for k, v in t.items() if k != "node"})
+
+    # ------------------------------------------------------------------ the decision
+    def decide(self, step: int) -> Rebalance | Replace | None:
+        """After the commit of ``step``: flag stragglers over a full window (records, gauge, log,
+        MLflow) and return what ``elastic.straggler_policy`` asks for a slow rank."""
+        e = self.spec.elastic
+        if len(self._window) < e.straggler_window_steps or e.straggler_margin <= 0:
+            return None
+        window = list(self._window)[-e.straggler_window_steps:]
+        world = len(window[0])
+        means = [RankMeans(*(sum(s[r][k] for s in window) / len(window) for k in ("compute_s", "units", "rows")))
+                 for r in range(world)]
+        found = find_stragglers(means, e.straggler_margin)
+        for rank in [r for r in self._flagged if r not in {f.rank for f in found}]:
+            self._set_gauge(rank, self._flagged.pop(rank), 0.0)
+        action = None
+        # The first full window under a new split: a rank still too slow is rebalanced again.
+        remeasured, self._remeasure = self._remeasure, False
+        for f in found:
+            if f.rank in self._flagged and not (remeasured and f.kind == SLOW):
+                continue  # flagged already: one event per episode
+            node = self._nodes[f.rank] if f.rank < len(self._nodes) else ""
+            what, rows = "none", None
+            if f.kind == SLOW and action is None and e.straggler_policy == "rebalance":
+                rows = rebalanced_rows(means, self.spec.parallel.degrees(world), self.spec.train.global_batch_size)
+                action, what = Rebalance(rows, f), "rebalance"
+            elif f.kind == SLOW and action is None and e.straggler_policy == "replace":
+                action, what = Replace(f.rank, f), "replace"
+            self._record(step, f, node, what, rows)
+        if isinstance(action, Rebalance):
+            # The new split is measured afresh: the rank stays flagged until a full window shows
+            # it keeping up (then its gauge falls to 0), or is rebalanced again.
+            self._window.clear()
+            self._remeasure = True
+        return action
+
+    def _record(self, step: int, f: Flagged, node: str, action: str, rows: list[int] | None) -> None:
+        self._flagged[f.rank] = node
+        self._set_gauge(f.rank, node, 1.0)
+        event = {"step": step, "rank": f.rank, "node": node, "kind": f.kind, "ratio": round(f.ratio, 3),
+                 "action": action}
+        if rows is not None:
+            event["rows"] = rows  # the split of the global batch per data index from here on
+        self.summary.stragglers.append(event)
+        e = self.spec.elastic
+        why = ("compute per token normal: it got more tokens" if f.kind == IMBALANCE
+               else f"compute per token {f.per_unit_ratio:.2f}x its peers'")
+        text = (f"straggler: rank {f.rank} on {node} computes {f.ratio:.2f}x its peers' median over "
+                f"{e.straggler_window_steps} steps ({f.kind}: {why}); action: {action}"
+                + (f", rows per data index {rows}" if rows else ""))
+        log.warning("%s (step %d)", text, step)
+        if self.tracker is not None:
+            try:
+                self.tracker.log_event(step, "running", text)
+                self.tracker.set_tags({"raytrain.straggler": text})
+            except Exception as exc:  # MLflow trouble never stops training
+                log.warning("could not record the straggler in MLflow: %s", exc)
+
+    def _set_gauge(self, rank: int, node: str, value: float) -> None:
+        try:
+            if self._gauge is None:
+                from ray.util.metrics import Gauge
+
+                self._gauge = Gauge("raytrain_straggler_flagged",
+                                    description="1 while the rank is flagged as a straggler",
+                                    tag_keys=("job", "team", "rank", "node"))
+            self._gauge.set(value, tags={"job": self.spec.name, "team": self.team, "rank": str(rank),
+                                         "node": node})
+        except Exception as exc:  # metrics are a view; never a reason to stop
+            log.debug("could not set raytrain_straggler_flagged: %s", exc)
+
+
+__all__ = ["Stragglers", "find_stragglers", "rebalanced_rows", "Rebalance", "Replace", "RankMeans",
+           "Flagged", "SLOW", "IMBALANCE"]
