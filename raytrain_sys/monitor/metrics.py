@@ -63,9 +63,6 @@ COST_GAUGES = {
                                        "Dollars per million tokens of committed steps only"),
 }
 
-# Duration buckets (seconds) of checkpoint saves and recoveries: a second to half an hour.
-DURATION_BUCKETS_S = [0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800]
-
 _metrics: dict[str, object] = {}  # name -> metric: one object a process (a service runs many runs)
 
 
@@ -106,6 +103,7 @@ class RunMetrics(_Emitter):
         self._commits = 0  # since the last flush
         self._ranks: tuple[list[list[dict]], list] | None = None  # the newest lease's results, members
         self._data = None  # (DataPlane, data cursor) of the newest step
+        self._rows_sent = 0  # of the data plane's rows_read, counted so far
 
     # ------------------------------------------------------------------ per step (cheap)
     def committed(self, values: dict[str, float], data=None, data_cursor: int = 0) -> None:
@@ -148,8 +146,10 @@ class RunMetrics(_Emitter):
             self._ranks = None
         if self._data is not None:
             plane, cursor = self._data
-            _metric("Gauge", "raytrain_data_rows_read", "Rows the data plane's read tasks delivered",
-                    RUN_TAGS).set(plane.rows_read, tags=self.tags)
+            if plane.rows_read > self._rows_sent:
+                _metric("Counter", "raytrain_data_rows_read_total", "Rows the data plane's read tasks delivered",
+                        RUN_TAGS).inc(plane.rows_read - self._rows_sent, tags=self.tags)
+                self._rows_sent = plane.rows_read
             _metric("Gauge", "raytrain_data_prefetch_rows", "Rows read and ready beyond the data cursor",
                     RUN_TAGS).set(plane.rows_ahead(cursor), tags=self.tags)
             _metric("Gauge", "raytrain_data_reads_in_flight", "Read tasks submitted and not yet taken",
@@ -163,17 +163,22 @@ class RunMetrics(_Emitter):
 
     def recovered(self, seconds: float) -> None:
         """A rebuild ended (back to running) after ``seconds``."""
-        self._safely(lambda: _metric("Histogram", "raytrain_recovery_seconds",
-                                     "From a failure's rebuild to running again", RUN_TAGS,
-                                     boundaries=DURATION_BUCKETS_S).observe(seconds, tags=self.tags))
+        self._timed("recovery", "recoveries", "From a failure's rebuild to running again", seconds)
 
     def checkpoint(self, seconds: float, size_bytes: int) -> None:
         """A checkpoint was committed: its save took ``seconds`` and holds ``size_bytes``."""
+        self._timed("checkpoint_save", "checkpoints", "Checkpoint save, members' writes to the manifest", seconds)
+        self._safely(lambda: _metric("Gauge", "raytrain_checkpoint_bytes", "Size of the newest checkpoint",
+                                     RUN_TAGS).set(size_bytes, tags=self.tags))
+
+    def _timed(self, what: str, events: str, help: str, seconds: float) -> None:
+        """The newest duration (a gauge), and a count and a total, whose ratio is the mean. Not a
+        Ray Histogram: Ray exports a histogram's sum from its buckets' midpoints, not the values."""
         def send():
-            _metric("Histogram", "raytrain_checkpoint_save_seconds", "Checkpoint save, members' writes to manifest",
-                    RUN_TAGS, boundaries=DURATION_BUCKETS_S).observe(seconds, tags=self.tags)
-            _metric("Gauge", "raytrain_checkpoint_bytes", "Size of the newest checkpoint",
-                    RUN_TAGS).set(size_bytes, tags=self.tags)
+            _metric("Gauge", f"raytrain_{what}_seconds", f"{help}: the newest", RUN_TAGS).set(seconds, tags=self.tags)
+            _metric("Counter", f"raytrain_{what}_seconds_total", f"{help}: all of them", RUN_TAGS).inc(
+                seconds, tags=self.tags)
+            _metric("Counter", f"raytrain_{events}_total", f"{help}: how many", RUN_TAGS).inc(1, tags=self.tags)
         self._safely(send)
 
     def cost(self, cost: dict[str, float]) -> None:
