@@ -68,3 +68,17 @@ def test_priced_run_reports_cost_of_workers_held_and_redone_steps(tiny_dataset, 
     history = MlflowClient(summary["tracking_uri"]).get_metric_history(summary["mlflow_run_id"], "cost_usd")
     assert [m.value for m in history] == sorted(m.value for m in history)  # cumulative
     assert max(m.value for m in history) == pytest.approx(cost["usd"], rel=1e-9)  # the last record's
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("resources.cost_per_worker_hour", -1.0, "resources.cost_per_worker_hour.*0 or more"),
+    ("resources.cost_per_worker_hour", "cheap", "resources.cost_per_worker_hour.*expected a number"),
+    ("tracking.metrics", "yes", "tracking.metrics.*expected true or false"),
+], ids=["a negative price", "a price that is not a number", "a metrics switch that is not a boolean"])
+def test_bad_cost_and_metrics_fields_name_the_field(field, value, message):
+    from raytrain_sys.errors import SpecError
+    from raytrain_sys.spec import from_dict
+
+    section, name = field.split(".")
+    with pytest.raises(SpecError, match=message):
+        from_dict({section: {name: value}})
