@@ -4,9 +4,8 @@ and load calls, the commit of the manifest, and its record.
 Owns: the Checkpointer and its store (the one writer of checkpoints under the checkpoint root;
 the manifest, written last, is what makes one visible), the checkpoint records of summary.json
 (``checkpoints``, ``newest_checkpoint``, ``resumed_from``), of MLflow and of Prometheus (save
-seconds and bytes). It never rebuilds the
-group and records no state transition: a member lost while saving surfaces as ``WorkerLost``
-from the Supervisor's watch, and the Supervisor decides.
+seconds and bytes). It never rebuilds the group and records no state transition: a member lost
+while saving surfaces as ``WorkerLost`` from the Supervisor's watch, and the Supervisor decides.
 """
 
 from __future__ import annotations
