@@ -61,13 +61,18 @@ DRIVER = textwrap.dedent("""
     sup = Supervisor(from_dict(raw), on_step=on_step)
     started = time.time()
     result = sup.run()
+    # The same job, shorter, with tracking.metrics off: it must add no series.
+    quiet = {**raw, "name": raw["name"] + "-off", "tracking": {"enabled": False, "metrics": False},
+             "train": {**raw["train"], "max_steps": 4}, "optim": {"warmup_steps": 2}}
+    off = Supervisor(from_dict(quiet)).run()
     # A job service's pass: one team, one job waiting (the service has no workers to give).
     store = Store.open("sqlite:///" + os.path.join(work, "service.db"))
     store.add_team(Team("research", nominal_workers=2))
     store.submit(team="research", name="waits", spec="{}", min_workers=1, actor="test")
     Reconciler(store, ReconcilerConfig(log_dir=work, spare_runners=0), cluster_workers=lambda: 0).run_once()
     time.sleep(4.0)  # two report intervals: the last values reach the agent before this process ends
-    print(json.dumps({"run_dir": result.run_dir, "status": result.status, "started": started}))
+    print(json.dumps({"run_dir": result.run_dir, "status": result.status, "started": started,
+                      "off": [off.status, off.committed_steps]}))
 """)
 
 
@@ -110,7 +115,7 @@ def observed(tmp_path_factory, tiny_dataset):
                                  env=head.client_env(env), capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-4000:]
             ran = json.loads(out.stdout.strip().splitlines()[-1])
-            assert ran["status"] == "finished"
+            assert ran["status"] == "finished" and ran["off"] == ["finished", 4]
             summary = json.loads((Path(ran["run_dir"]) / "summary.json").read_text())
             # Wait for the scrape of the last values (the final committed step).
             deadline = time.monotonic() + 30
@@ -175,6 +180,13 @@ def test_prometheus_holds_what_summary_json_records(observed):
                             "ray_raytrain_service_quota_nominal_workers")}
     assert service == {"ray_raytrain_service_queued_jobs": 1, "ray_raytrain_service_quota_used_workers": 0,
                        "ray_raytrain_service_quota_nominal_workers": 2}
+
+
+def test_a_run_with_metrics_off_adds_no_series(observed):
+    """tracking.metrics: false (the driver ran that job, 4 steps, after the observed one)."""
+    url, _, _ = observed
+    assert _query(url, f'count by (__name__) (last_over_time({{job="{JOB}-off"}}[10m]))') == {}
+    assert _query(url, f'count(last_over_time({{job="{JOB}"}}[10m]))')  # the query finds the other
 
 
 def _dashboard_queries() -> list[tuple[str, str]]:
