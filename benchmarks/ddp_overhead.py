@@ -8,6 +8,9 @@ steady-state tokens/s for each:
                 The "no framework" floor.
   raytrain-sys  run_job(spec): Ray actors, the Supervisor's per-step dispatch and commit, the
                 Ray Data plane; step times from StepReport.step_time_s.
+  raytrain-sys-no-metrics
+                the same with tracking.metrics false: no Prometheus series. raytrain-sys over it is
+                what the metrics cost (the target: at most 1% of step time, a ratio of 0.99 or more).
   ray-train     ray.train.torch.TorchTrainer (Ray Train v2 in Ray 2.60) with prepare_model, the
                 same step code and the same per-rank reader as torchrun, inside the train loop.
   torchrun-ray-idle
@@ -25,6 +28,8 @@ would otherwise land on whichever variant runs first after it. tokens/s = global
     .venv/bin/python benchmarks/ddp_overhead.py --quick          # smoke test, about a minute
     .venv/bin/python benchmarks/ddp_overhead.py                  # default job, 60 steps each
     .venv/bin/python benchmarks/ddp_overhead.py --repeats 5      # 5 rounds: a noisy machine
+    .venv/bin/python benchmarks/ddp_overhead.py --variants raytrain-sys,raytrain-sys-no-metrics --repeats 5
+                                                                 # the metrics' cost alone
 
 With --repeats N the variants run in N rounds, each round in the reverse order of the one before.
 Two ratios are printed: best run against best run, and the median over rounds of the ratio
@@ -38,6 +43,7 @@ Results go to benchmarks/results/ddp_overhead.json (``"quick": true`` marks a sm
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -63,7 +69,7 @@ from raytrain_sys.spec import JobSpec, from_dict  # noqa: E402
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
-VARIANTS = ("torchrun", "raytrain-sys", "ray-train", "torchrun-ray-idle")
+VARIANTS = ("torchrun", "raytrain-sys", "raytrain-sys-no-metrics", "ray-train", "torchrun-ray-idle")
 # --quick: the CI-sized model of tests/helpers.tiny_spec.
 QUICK_MODEL = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 QUICK_BATCH = 8
@@ -93,6 +99,11 @@ def make_spec(args: argparse.Namespace, data_dir: str, work_dir: str) -> JobSpec
     raw["resources"] = {**raw.get("resources", {}), "num_workers": args.workers,
                         "cpus_per_worker": args.cpus_per_worker}
     return from_dict(raw)
+
+
+def without_metrics(spec: JobSpec) -> JobSpec:
+    """The same job with no Prometheus series (tracking.metrics false)."""
+    return dataclasses.replace(spec, tracking=dataclasses.replace(spec.tracking, metrics=False))
 
 
 def prepare_data(args: argparse.Namespace, row_len: int, work_dir: str) -> str:
@@ -240,7 +251,7 @@ def _train_v2_enabled() -> bool:
 # ----------------------------------------------------------------------------- report
 
 def print_table(results: dict, spec: JobSpec) -> None:
-    header = (f"{'variant':<18}{'steady steps':>13}{'step ms (mean)':>16}{'step ms (median)':>18}"
+    header = (f"{'variant':<25}{'steady steps':>13}{'step ms (mean)':>16}{'step ms (median)':>18}"
               f"{'tokens/s':>11}{'tokens/s (median)':>19}{'wall s':>9}{'last loss':>11}")
     print()
     print(f"model {spec.model.n_layer}L/{spec.model.n_head}H/{spec.model.n_embd}d block "
@@ -253,7 +264,7 @@ def print_table(results: dict, spec: JobSpec) -> None:
         r = results.get(name)
         if r is None:
             continue
-        print(f"{name:<18}{r['steady_steps']:>13}{r['step_time_mean_s'] * 1e3:>16.1f}"
+        print(f"{name:<25}{r['steady_steps']:>13}{r['step_time_mean_s'] * 1e3:>16.1f}"
               f"{r['step_time_median_s'] * 1e3:>18.1f}{r['tokens_per_s']:>11.0f}"
               f"{r['tokens_per_s_median']:>19.0f}{r['wall_s']:>9.1f}{r['last_loss']:>11.4f}")
 
@@ -267,7 +278,8 @@ def _run_torchrun_logged(spec: JobSpec, args: argparse.Namespace, work_dir: str,
 # (numerator, denominator) of the printed ratios: raytrain-sys against each reference, and what an
 # idle Ray session beside it costs plain DDP.
 RATIOS = (("raytrain-sys", "torchrun"), ("raytrain-sys", "ray-train"),
-          ("raytrain-sys", "torchrun-ray-idle"), ("torchrun-ray-idle", "torchrun"))
+          ("raytrain-sys", "torchrun-ray-idle"), ("torchrun-ray-idle", "torchrun"),
+          ("raytrain-sys", "raytrain-sys-no-metrics"))
 
 
 def ratios(results: dict) -> dict:
@@ -351,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             # variant always runs first or last. torchrun runs outside Ray: it pays no idle Ray
             # daemons.
             forward = repeat % 2 == 0
-            ray_variants = [v for v in ("raytrain-sys", "ray-train") if v in args.variants]
+            ray_variants = [v for v in ("raytrain-sys", "raytrain-sys-no-metrics", "ray-train")
+                            if v in args.variants]
             if not forward:
                 ray_variants.reverse()
             if "torchrun-ray-idle" in args.variants:
@@ -368,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     for name in ray_variants:
                         common.wait_until_quiet(log)
-                        if name == "raytrain-sys":
-                            log.info("[%d] (b) raytrain-sys: %d steps", repeat, args.steps)
-                            runs[name].append(run_raytrain_sys(spec, args))
+                        if name in ("raytrain-sys", "raytrain-sys-no-metrics"):
+                            log.info("[%d] (b) %s: %d steps", repeat, name, args.steps)
+                            runs[name].append(run_raytrain_sys(
+                                spec if name == "raytrain-sys" else without_metrics(spec), args))
                         elif name == "torchrun-ray-idle":
                             log.info("[%d] (d) torchrun beside the idle Ray session: %d steps",
                                      repeat, args.steps)

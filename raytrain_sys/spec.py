@@ -273,6 +273,9 @@ class TrackingSpec:
     uri: str = ""  # "" = sqlite:///<output_dir>/mlflow.db; or http://host:port of mlflow server
     experiment: str = "raytrain-sys"  # MLflow experiment, created if missing
     run_name: str = ""  # "" = the job name plus a timestamp
+    # Prometheus metrics through Ray's metrics agent (raytrain_* series, labels job, team, rank,
+    # node; see monitoring/); false = none, e.g. to measure their cost
+    metrics: bool = True
 
 
 @dataclass
@@ -283,6 +286,9 @@ class ResourcesSpec:
     # Peak dense TFLOP/s of one worker's device at the training precision, for the MFU metric
     # (e.g. 989 for an H100 SXM in bf16); 0 = MFU not reported
     peak_tflops_per_worker: float = 0.0
+    # Price of one worker slot for an hour, in dollars, for summary.json's cost (dollars, $ per
+    # million tokens and its goodput form); 0 = cost not reported
+    cost_per_worker_hour: float = 0.0
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     start_timeout_s: float = 60.0  # wait this long for the cluster to hold the whole group
     ray_address: str = ""  # "" = RAY_ADDRESS or a running job's cluster, else start a local one
@@ -444,7 +450,7 @@ _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "train.steps_per_call", "optim.min_lr_ratio", "optim.warmup_steps",
     "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
-    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
+    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "resources.cost_per_worker_hour", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
     "elastic.straggler_margin", "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
 ]
 

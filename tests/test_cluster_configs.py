@@ -126,3 +126,15 @@ def test_aws_spot_gpu_shape():
                 if is_spot(t) and t["node_config"]["InstanceType"].startswith(("g", "p"))]
     assert spot_gpu
     assert "download.pytorch.org/whl/cu" in "\n".join(config["setup_commands"])  # CUDA torch
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_node_exports_metrics_on_a_fixed_port(path):
+    """Ray picks a random metrics port unless told (KubeRay sets 8080); Prometheus's scrape
+    config and firewalls need a known one on every node."""
+    config = load(path)
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in config.get(key, []) if "ray start" in c]
+    assert len(starts) == 2, f"{path.name}: one head and one worker `ray start` expected"
+    for cmd in starts:
+        assert "--metrics-export-port=8080" in cmd, f"{path.name}: {cmd}"

@@ -4,7 +4,11 @@ summary.json keys (stable): status, reason, job, run_dir, committed_steps, sampl
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
 mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
 failures, steps_redone, steps_run_ahead, leases, evals (one record per evaluation: step and
-metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile).
+metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), cost
+(resources.cost_per_worker_hour; empty without a price: usd, worker_hours, usd_per_million_tokens
+over every token trained, goodput_usd_per_million_tokens over the committed steps' tokens only,
+cost_per_worker_hour; paid time is every slot held from placement to teardown, idle rebuilds and
+resizes included; see monitor/cost.py).
 
 Per rank (control/supervisor/stragglers.py): rank_times ({rank: {node, data_wait_s, compute_s,
 collective_s, optimizer_s, step_s}}: per-rank means over the last train.log_every_steps steps,
@@ -72,6 +76,7 @@ class RunSummary:
     rank_times: dict[str, dict] = field(default_factory=dict)  # see the module docstring
     rank_times_history: list[dict] = field(default_factory=list)
     stragglers: list[dict] = field(default_factory=list)
+    cost: dict = field(default_factory=dict)  # resources.cost_per_worker_hour: see the module docstring
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 

@@ -371,6 +371,12 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
+    @property
+    def held(self) -> int:
+        """Slots the run holds (each a placement group, paid for): members, newcomers still
+        starting, members on standby."""
+        return len(self.workers) + len(self.pending) + len(self.standby)
+
     def actors(self) -> list[Any]:
         return [w.actor for w in self.workers]
 

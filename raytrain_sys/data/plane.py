@@ -484,6 +484,7 @@ class DataPlane:
         # Rows of a rank's share, which pieces line up with (the Supervisor sets it per world).
         self.share_rows = global_batch_size
         self.wait_s = 0.0  # time the driver waited on reads (metadata, or rows it fetched)
+        self.rows_read = 0  # rows the read tasks delivered (raytrain_data_rows_read)
         self.read_nodes: dict[str, int] = {}  # Ray node id -> chunks read there
         self.skips: dict[int, int] = {}  # shard -> raw stream position its rows leave the stream
         self._fstarts: list[int] = []  # delivered-stream start of windows g0, g0+1, ...
@@ -719,11 +720,21 @@ class DataPlane:
         bounds = piece_bounds(p.first, stop, p.piece_rows)  # as the read cut them
         pieces = [Piece(lo, hi, ref) for lo, hi, ref in zip(bounds, bounds[1:], p.piece_refs)]
         self._spans.append(_Span(p.first, stop, ids, meta["units"], meta.get("num_tokens"), pieces))
+        self.rows_read += stop - p.first
         self.read_nodes[meta["node_id"]] = self.read_nodes.get(meta["node_id"], 0) + 1
         if truncated:  # the chunk stopped before a bad shard: read on from there with a new stream
             log.info("data plane: a chunk stopped before a bad shard in window %d; a new stream "
                      "will read on from there", meta["bad_window"])
             self._drop_stream()
+
+    def rows_ahead(self, position: int) -> int:
+        """Rows read and ready from ``position`` on (the prefetch depth a consumer at it sees)."""
+        return max(0, max((s.stop for s in self._spans), default=position) - position)
+
+    @property
+    def reads_in_flight(self) -> int:
+        """Read tasks submitted and not yet taken."""
+        return len(self._pending)
 
     def _span_index(self, position: int) -> int:
         """Index of the span holding ``position``, or -1."""

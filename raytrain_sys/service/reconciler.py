@@ -29,6 +29,7 @@ One pass (``run_once``), in order:
    create uses ``get_if_exists``: an existing runner is adopted, never a second), a target the
    runner has not heard of is sent again. After the actions, spare runners are started ahead
    up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
+   The snapshot also feeds the queue and quota gauges per team (``monitor.metrics.ServiceMetrics``).
 
 Runner death (the actor gone while its job is live): a job that was starting, running or
 resuming is restarted from its newest committed checkpoint (a fresh start if it has none) as
@@ -53,6 +54,7 @@ import ray
 
 from raytrain_sys.control.spares import REFILL_DELAY_S, end_spares_of
 from raytrain_sys.errors import JobStateConflict
+from raytrain_sys.monitor.metrics import ServiceMetrics
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
                                         Shrink, TransitionNotAllowed, Wait)
@@ -109,6 +111,7 @@ class Reconciler:
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self._last_launch_at = float("-inf")  # when a launch last took a spare runner (monotonic)
+        self.metrics = ServiceMetrics()  # queue and quota per team, each pass
         self.passes = 0
 
     # ------------------------------------------------------------------ one pass
@@ -127,7 +130,9 @@ class Reconciler:
         for job_id in list(self._handles):
             if job_id not in {j.id for j in jobs}:
                 self._forget(job_id)
-        actions = decide(self.store.snapshot(self.cluster_workers()), self.clock())
+        snapshot = self.store.snapshot(self.cluster_workers())
+        self.metrics.observe(snapshot)
+        actions = decide(snapshot, self.clock())
         for action in actions:
             try:
                 self._carry_out(action)
@@ -422,7 +427,8 @@ class Reconciler:
         spec = json.loads(job.spec)
         run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
-                                resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason)
+                                resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason,
+                                team=job.team)
         spare = self._take_spare_runner()
         self._handles[job.id] = runners.launch_runner(launch, self.step_hook, spare=spare)
         self._created.add(job.id)

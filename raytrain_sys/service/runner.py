@@ -83,6 +83,7 @@ class Launch:
     resume_run_id: str = ""  # continue this MLflow run from its newest committed checkpoint
     tracking_uri: str = ""  # where that run is recorded
     reason: str = ""  # why it was admitted (the scheduler's words)
+    team: str = "-"  # the job's team: the run's metrics carry it
 
 
 def start_spec(spec: dict, workers: int) -> dict:
@@ -147,11 +148,12 @@ class JobRunner:
                 self._sup = resume_supervisor(
                     launch.resume_run_id, tracking_uri=launch.tracking_uri,
                     overrides=[f"resources.num_workers={int(launch.workers)}"],
-                    on_step=self._on_step, requests=self.requests, spares=SpareSource.here())
+                    on_step=self._on_step, requests=self.requests, spares=SpareSource.here(),
+                    team=launch.team)
             else:
                 self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers)),
                                        on_step=self._on_step, requests=self.requests,
-                                       spares=SpareSource.here())
+                                       spares=SpareSource.here(), team=launch.team)
             result = self._sup.run()
             reason = result.reason or self._last_reason()
             self._result = {"status": result.status, "reason": reason, "error_type": ""}

@@ -3,14 +3,15 @@ and load calls, the commit of the manifest, and its record.
 
 Owns: the Checkpointer and its store (the one writer of checkpoints under the checkpoint root;
 the manifest, written last, is what makes one visible), the checkpoint records of summary.json
-(``checkpoints``, ``newest_checkpoint``, ``resumed_from``) and of MLflow. It never rebuilds the
-group and records no state transition: a member lost while saving surfaces as ``WorkerLost``
-from the Supervisor's watch, and the Supervisor decides.
+(``checkpoints``, ``newest_checkpoint``, ``resumed_from``), of MLflow and of Prometheus (save
+seconds and bytes). It never rebuilds the group and records no state transition: a member lost
+while saving surfaces as ``WorkerLost`` from the Supervisor's watch, and the Supervisor decides.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 
@@ -19,6 +20,7 @@ from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from raytrain_sys.control.run_record import RunSummary
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.errors import CheckpointError
+from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.spec import JobSpec, from_dict
 
 log = logging.getLogger(__name__)
@@ -45,9 +47,10 @@ def check_compatible(spec: JobSpec, info: CheckpointInfo) -> None:
 
 class Checkpoints:
     def __init__(self, spec: JobSpec, checkpointer: Checkpointer, checkpoint_root: str, manifest,
-                 summary: RunSummary, tracker):
+                 summary: RunSummary, tracker, metrics: RunMetrics):
         self.spec, self.checkpointer, self.checkpoint_root = spec, checkpointer, checkpoint_root
         self.manifest, self.summary, self.tracker = manifest, summary, tracker
+        self.metrics = metrics
 
     def latest(self) -> CheckpointInfo | None:
         return self.checkpointer.latest()
@@ -58,9 +61,12 @@ class Checkpoints:
         return worker.actor.save_checkpoint.remote(self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url,
                                                    step, everything=everything)
 
-    def commit(self, step: int, files: list[dict], data_cursor: int, world_size: int) -> CheckpointInfo:
-        """The manifest, written last: the checkpoint becomes visible, and is recorded."""
+    def commit(self, step: int, files: list[dict], data_cursor: int, world_size: int,
+               save_started: float) -> CheckpointInfo:
+        """The manifest, written last: the checkpoint becomes visible, and is recorded.
+        ``save_started``: ``time.perf_counter()`` when the members were asked to save."""
         info = self.checkpointer.commit(step, files, self._meta(data_cursor, world_size))
+        self.metrics.checkpoint(time.perf_counter() - save_started, sum(f["bytes"] for f in files))
         self.summary.newest_checkpoint = info.uri
         self.summary.checkpoints.append({"step": info.step, "uri": info.uri})
         if self.tracker is not None:

@@ -3,8 +3,9 @@
 Owns: the committed-step counter and the data cursor (only ``Steps`` writes them: ``commit``
 advances them, ``rewind`` sets them to a restored checkpoint's), the recent step times, the
 steps kept to be sent again after a rebuild, and the per-step records of summary.json
-(losses, world sizes, throughput, committed_steps, data_cursor, steps_redone), the step
-metrics sent to MLflow and the sample log. Calls no other part of the Supervisor.
+(losses, world sizes, throughput, committed_steps, data_cursor, steps_redone, and the refresh
+of cost), the step metrics sent to MLflow and to Prometheus (``monitor.metrics``) and the sample
+log. Calls no other part of the Supervisor.
 
 Leases: one call to each member carries ``count`` consecutive steps (``policy.lease_steps``:
 one while step times are unknown, more when steps are short), so the driver's cost per call
@@ -40,6 +41,8 @@ from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_t
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.data.batches import GlobalBatch
 from raytrain_sys.data.plane import DataPlane
+from raytrain_sys.monitor.cost import CostMeter
+from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.parallel.mesh import rank_data_slices
 from raytrain_sys.spec import JobSpec
 
@@ -86,9 +89,11 @@ class Steps:
     """The step ledger and the calls that move it, for one run."""
 
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
-                 tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float):
+                 tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
+                 metrics: RunMetrics, cost: CostMeter):
         self.spec, self.data, self.group, self.task = spec, data, group, task
         self.summary, self.tracker, self.on_step = summary, tracker, on_step
+        self.metrics, self.cost = metrics, cost
         self._flops_per_token = flops_per_token
         self.committed_step = 0
         self.data_cursor = 0
@@ -134,6 +139,7 @@ class Steps:
             self.summary.steps_redone += redone
         self.committed_step = step
         self.data_cursor = data_cursor
+        self.cost.rewind(step)
         # A resume into a new run dir has no record of earlier steps: keep "index i = step i+1".
         self.summary.truncate_to(step)
         missing = step - len(self.summary.losses)
@@ -219,6 +225,7 @@ class Steps:
         for i, batch in enumerate(sent.batches):
             self.commit(sent.step + i, [r[i] for r in results], batch.units, batch.ids, sent.shares,
                         elapsed_s / sent.count, sent.data_wait if i == 0 else 0.0)
+        self.metrics.ranks(results, sent.members)
         self.summary.leases += 1
 
     def commit_finished(self, sent: "_Dispatch", outcome: StepOutcome, finished: int,
@@ -302,6 +309,9 @@ class Steps:
                 metrics["mfu"] = achieved / (world * peak * 1e12)
         if self.tracker is not None:  # queued: the step loop never waits on MLflow
             self.tracker.log_metrics(self.committed_step, metrics)
+        self.cost.committed(self.committed_step, tokens_per_step)
+        self.metrics.committed({**metrics, "samples_per_s": spec.train.global_batch_size / dt,
+                                "committed_step": self.committed_step}, self.data, self.data_cursor)
         if self.on_step is not None:
             remaining = spec.train.max_steps - self.committed_step
             self.on_step(StepReport(self.committed_step, spec.train.max_steps, loss, first["lr"],
@@ -310,7 +320,21 @@ class Steps:
             self.summary.throughput = {
                 "tokens_per_s": tokens_per_step / mean_dt, "step_time_s": mean_dt,
                 "data_wait_fraction": self.data.wait_s / max(time.perf_counter() - self._run_t0, 1e-9)}
+            self.record_cost()
             self.summary.write()
+
+    def record_cost(self) -> None:
+        """Refresh summary.json's cost (when priced) in the record, MLflow and Prometheus."""
+        if not self.cost.priced:
+            return
+        now = time.time()
+        self.cost.hold(self.group.held, now)
+        cost = self.summary.cost = self.cost.record(now)
+        if self.tracker is not None:
+            self.tracker.log_metrics(self.committed_step, {
+                "cost_usd": cost["usd"], "cost_usd_per_million_tokens": cost["usd_per_million_tokens"],
+                "goodput_cost_usd_per_million_tokens": cost["goodput_usd_per_million_tokens"]})
+        self.metrics.cost(cost)
 
 
 def _sample_line(step: int, ids, shares: list[slice]) -> str:

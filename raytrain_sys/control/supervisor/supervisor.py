@@ -48,6 +48,8 @@ from raytrain_sys.control.supervisor.stragglers import Rebalance, Replace, Strag
 from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.errors import CheckpointError, DataError, StorageError, TrainingFailed, find_user_error
+from raytrain_sys.monitor.cost import CostMeter
+from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.parallel.mesh import is_data_leader_rank
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.tracking import mlflow_tracker as mt
@@ -74,8 +76,12 @@ class RunResult:
 class Supervisor:
     def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
                  previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None,
-                 requests: RunRequests | None = None, spares: SpareSource | None = None):
+                 requests: RunRequests | None = None, spares: SpareSource | None = None, team: str = "-"):
         self.spec = spec
+        # Prometheus series (tracking.metrics) labelled with the job and its service team ("-": none).
+        self.metrics = RunMetrics(spec.name, team, enabled=spec.tracking.metrics)
+        self.cost = CostMeter(spec.resources.cost_per_worker_hour)  # paid worker-time, summary.json's cost
+        self._recovering_since = 0.0  # when the current rebuild began (time.time()); 0: none
         self.spares = spares  # warm worker processes for the first gang (control.spares)
         # Pause, cancel and resize from outside the run (the job service's runner, a notebook).
         self.requests = requests or RunRequests()
@@ -124,10 +130,18 @@ class Supervisor:
         rebuild decision waits for the rest of the step's members)."""
         self.state.check_move(state)
         log.info("supervisor: %s -> %s (%s)", self.state.value, state.value, reason)
+        now = time.time()
+        if self.group is not None:  # membership changes at transitions: the paid time's steps
+            self.cost.hold(self.group.held, now)
+        if state is State.REBUILDING and not self._recovering_since:
+            self._recovering_since = now
+        elif state is State.RUNNING and self._recovering_since:
+            self.metrics.recovered(now - self._recovering_since)
+            self._recovering_since = 0.0
         self.state = state
         self.summary.status = state.value
         self.summary.transitions.append(
-            transition_record(state, reason, self.committed_step, time.time(), detected_at_unix_s))
+            transition_record(state, reason, self.committed_step, now, detected_at_unix_s))
         if self.tracker is not None:
             try:
                 self.tracker.log_event(self.committed_step, state.value, reason)
@@ -181,10 +195,10 @@ class Supervisor:
                 self._transition(State.STARTING, found.fallback)
             self.membership = Membership(spec, self.group, target_size=self._target_size)
             self.steps = Steps(spec, self.data, self.group, found.task, self.summary, self.tracker,
-                               self.on_step, found.flops_per_token)
-            self.stragglers = Stragglers(spec, self.summary, self.tracker)
+                               self.on_step, found.flops_per_token, self.metrics, self.cost)
+            self.stragglers = Stragglers(spec, self.summary, self.tracker, team=self.metrics.tags["team"])
             self.checkpoints = Checkpoints(spec, found.checkpointer, self.checkpoint_root, found.manifest,
-                                           self.summary, self.tracker)
+                                           self.summary, self.tracker, self.metrics)
             if found.eval_set is not None:
                 self.evaluation = Evaluation(spec, found.task, self.summary, self.tracker, found.eval_set)
                 self.evaluation.start_reading()  # while the group forms
@@ -352,9 +366,10 @@ class Supervisor:
         return True
 
     # ------------------------------------------------------------------ recovery
-    def _count_failure(self, reason: str) -> None:
+    def _count_failure(self, reason: str, kind: str) -> None:
         self._failures, decision = policy.failure_budget(self._failures, time.time(), self.spec.elastic, reason)
         self.summary.failures += 1
+        self.metrics.failure(kind)
         if isinstance(decision, policy.Stop):
             self._fail_with_checkpoint(decision.reason)
         elif not isinstance(decision, policy.Continue):
@@ -392,7 +407,7 @@ class Supervisor:
             before_reform(held)
         # After the commit of a step that had finished: should the budget stop the run, the
         # state it saves is the newest one.
-        self._count_failure(reason)
+        self._count_failure(reason, "worker_lost" if lost else "worker_error")
         if not self.group.workers:
             self._restore_all_lost()
             return
@@ -499,6 +514,7 @@ class Supervisor:
         if not holders or (not replicated and len(holders) < len(self.group.workers)):
             return f"; no complete copy of step {step} left among the workers to save it"
         files = []
+        started = time.perf_counter()
         for w in holders:
             ref = self.checkpoints.save_call(w, step, everything=replicated)
             try:
@@ -513,7 +529,7 @@ class Supervisor:
         else:
             if replicated:
                 return f"; no surviving worker could save step {step}"
-        info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size)
+        info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size, started)
         return f"; state saved at step {step}: {info.uri}"
 
     # ------------------------------------------------------------------ membership at step boundaries
@@ -654,13 +670,14 @@ class Supervisor:
     def _checkpoint(self, final: bool) -> None:
         step = self.committed_step
         self._transition(State.CHECKPOINTING, f"{'final' if final else 'periodic'} checkpoint at step {step}")
+        started = time.perf_counter()
         try:
             files = self._save_checkpoint_files(step)
             if files is None:  # the group fell back to an older checkpoint meanwhile
                 return
             if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
                 raise RuntimeError(f"injected fault before the manifest of step {step}")
-            info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size)
+            info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size, started)
         except Exception as exc:
             user = find_user_error(exc)
             if user is None or not isinstance(user, StorageError):
@@ -701,6 +718,9 @@ class Supervisor:
 
     def _teardown(self) -> None:
         self.summary.finished_at = time.time()
+        if self.steps is not None:
+            self.steps.record_cost()  # the workers are held until the group's shutdown below: near enough
+        self.metrics.flush()
         if self._warm is not None:
             # A run that failed while the workers started: the warm-up read may still hold (or
             # be about to take) object references. Closed under it, the plane would get them
@@ -742,7 +762,7 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
 def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                       output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
                       requests: RunRequests | None = None, objects: dict | None = None,
-                      spares: SpareSource | None = None) -> Supervisor:
+                      spares: SpareSource | None = None, team: str = "-") -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
     state while it runs (the job service's runner). Raises ``CheckpointError`` when the run has
     no complete checkpoint."""
@@ -767,7 +787,7 @@ def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[st
     run_dir = record.run_dir if record.run_dir and os.path.isdir(record.run_dir) else ""
     previous_key = os.path.basename(record.run_dir.rstrip("/")) if record.run_dir else ""
     sup = Supervisor(spec, resume_run_id=run_id, run_dir=run_dir, previous_run_key=previous_key,
-                     on_step=on_step, requests=requests, spares=spares)
+                     on_step=on_step, requests=requests, spares=spares, team=team)
     if Checkpointer(open_store(sup.checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
         raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {sup.checkpoint_root}: "
                               f"nothing to resume; start it again with `raytrain-sys run`")

@@ -1,0 +1,31 @@
+"""The job service's queue and quota gauges, from a scheduler snapshot (pure: no Ray). The run's
+series are checked against a real Prometheus in tests/test_prometheus.py."""
+
+from __future__ import annotations
+
+from raytrain_sys.monitor.metrics import team_usage
+from raytrain_sys.service.model import JobState, JobView, Snapshot, Team
+
+
+def view(id, team, state, workers=0, target=None, held=False):
+    return JobView(id=id, team=team, priority=0, state=state, min_workers=1, max_workers=4,
+                   submitted_at_s=0.0, workers=workers,
+                   target_workers=workers if target is None else target, held=held)
+
+
+def test_queue_and_quota_per_team():
+    snapshot = Snapshot(
+        teams=[Team("a", 2, cohort="c"), Team("b", 4, cohort="c"), Team("idle", 1)],
+        jobs=[view(1, "a", JobState.RUNNING, workers=3),  # borrows one of b's
+              view(2, "a", JobState.STARTING, target=1),  # admitted: counts as the scheduler counts it
+              view(3, "a", JobState.QUEUED),
+              view(4, "a", JobState.PAUSED, held=True),  # its team holds it: not waiting for workers
+              view(5, "b", JobState.PAUSED),
+              view(6, "b", JobState.PAUSING, workers=2, target=0),  # giving its workers back
+              view(7, "ghost", JobState.QUEUED)],  # a team deleted since: not reported
+        cluster_workers=8)
+    assert team_usage(snapshot) == {
+        "a": {"queued": 1, "used": 4, "borrowed": 2, "nominal": 2},
+        "b": {"queued": 1, "used": 0, "borrowed": 0, "nominal": 4},
+        "idle": {"queued": 0, "used": 0, "borrowed": 0, "nominal": 1},
+    }
