@@ -4,7 +4,9 @@ summary.json keys (stable): status, reason, job, run_dir, committed_steps, sampl
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
 mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
 failures, steps_redone, steps_run_ahead, leases, evals (one record per evaluation: step and
-metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile).
+metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), step_times
+(seconds each committed step took, index i = step i+1, like losses: the throughput plot of
+``monitor/plots.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class RunSummary:
     data_cursor: int = 0
     losses: list[float | None] = field(default_factory=list)  # None: step ran before this record
     world_sizes: list[int | None] = field(default_factory=list)
+    step_times: list[float | None] = field(default_factory=list)  # seconds; None: before this record
     newest_checkpoint: str = ""
     checkpoints: list[dict] = field(default_factory=list)
     mlflow_run_id: str = ""
@@ -69,6 +72,10 @@ class RunSummary:
     def path(self) -> str:
         return os.path.join(self.run_dir, SUMMARY_FILE)
 
+    def snapshot(self) -> dict:
+        """A deep copy as plain data, for a reader on another thread (the plots)."""
+        return asdict(self)
+
     def write(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
@@ -89,6 +96,7 @@ class RunSummary:
         """Forget per-step records after ``step`` (a resume from an older checkpoint)."""
         self.losses = self.losses[:step]
         self.world_sizes = self.world_sizes[:step]
+        self.step_times = self.step_times[:step]
         self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]
         self.evals = [e for e in self.evals if e["step"] <= step]
         if self.best_checkpoint.get("step", 0) > step:
