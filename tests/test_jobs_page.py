@@ -1,27 +1,38 @@
-"""The job service's jobs page in a real browser (headless Chromium, the Debian package) against a
+"""The job service's jobs page, and the ``/v1/progress`` it polls.
+
+The page in a real browser (headless Chromium, the Debian package) against a
 real service on the session cluster, its API on 127.0.0.1, and a job held mid-run by a step gate.
 
 What a user would notice: with their team's token the page shows their running job, its state,
 its progress in steps, its throughput and a loss chart drawn from the run's live numbers; another
 team's token shows none of it; the admin's shows it too; once the job ends the page shows its
-final numbers. A screenshot is kept under the test's tmp dir (and written to
+final numbers. Without Ray or a browser: ``/v1/progress`` answers a team's token with its own
+jobs only, and an ended job's numbers come from its summary.json (a service started after the
+run still shows them). A screenshot is kept under the test's tmp dir (and written to
 ``$JOBS_PAGE_SCREENSHOT`` when set: ``scripts/jobs_page_screenshot.sh`` refreshes the docs' one).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
 import tempfile
+import urllib.error
 import urllib.request
 
 import pytest
 import ray
 
+from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.service import requests as user_requests
+from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
+from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.store import Store
 from tests.ft_common import ft_spec, wait_until
 from tests.service_common import StepGates, running_service
@@ -29,7 +40,7 @@ from tests.service_common import StepGates, running_service
 CHROMIUM = shutil.which("chromium")
 STEPS, HELD_AT = 12, 6
 WAIT_S = 180.0
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian chromium package (scripts/install.sh dev)")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian chromium package (scripts/install.sh dev)")
 
 
 def free_port() -> int:
@@ -56,6 +67,7 @@ def job_cards(dom: str) -> dict[str, str]:
     return dict(re.findall(r'<section class="job" data-job-id="(\d+)".*?>(.*?)</section>', dom, re.S))
 
 
+@needs_chromium
 @pytest.mark.slow  # about 90 s here: the service, its warm spares and a job started on the shared cluster
 def test_jobs_page_shows_a_running_job_to_its_team_only(ray_cluster, tiny_dataset, tmp_path):
     gates_dir = tmp_path / "gates"
@@ -108,3 +120,50 @@ def _healthy(url: str) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+def get(url: str, token: str = "") -> tuple[int, object]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            status, body = resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        status, body = e.code, e.read()
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode()
+
+
+def test_progress_is_scoped_by_token_and_read_from_an_ended_jobs_summary(tmp_path):
+    store = Store.open(f"sqlite:///{tmp_path}/svc.db")
+    store.add_team(Team("a", 2))
+    store.add_team(Team("b", 2))
+    a, b = store.issue_token("a"), store.issue_token("b")
+    spec = {"name": "ended", "output_dir": str(tmp_path / "runs"), "resources": {"num_workers": 2},
+            "train": {"max_steps": 3}, "optim": {"warmup_steps": 1}}
+    job = user_requests.submit(store, team="a", spec=spec, by="a").id
+    queued_b = user_requests.submit(store, team="b", spec=spec | {"name": "waits"}, by="b").id
+    for state in (JobState.STARTING, JobState.RUNNING, JobState.FINISHED):
+        store.transition(job, store.job(job).state, state, actor="reconciler", reason=f"test: {state.value}",
+                         mlflow_run_id="run-1")
+    run = RunSummary(job="ended", run_dir=str(tmp_path / "runs" / "ended-1"), status="finished", committed_steps=3,
+                     losses=[3.0, 2.5, 2.25], world_sizes=[2, 2, 2], mlflow_run_id="run-1",
+                     throughput={"tokens_per_s": 1000.0, "step_time_s": 0.05})
+    os.makedirs(run.run_dir)
+    run.write()
+
+    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", progress=ProgressSource()) as handle:
+        status, page = get(handle.url + "/")
+        assert status == 200 and "<title>raytrain-sys jobs</title>" in page
+        status, of_a = get(handle.url + "/v1/progress", a)
+        assert status == 200 and [item["job"]["id"] for item in of_a] == [job]
+        shown = of_a[0]["progress"]
+        assert (shown["status"], shown["step"], shown["max_steps"], shown["world_size"]) == ("finished", 3, 3, 2)
+        assert shown["losses"] == [[1, 3.0], [2, 2.5], [3, 2.25]] and shown["tokens_per_s"] == 1000.0
+        status, of_b = get(handle.url + "/v1/progress", b)
+        assert [(item["job"]["id"], item["progress"]) for item in of_b] == [(queued_b, None)]
+        assert get(handle.url + "/v1/progress?team=a", b)[0] == 403
+        status, refused = get(handle.url + "/v1/progress")
+        assert status == 401 and "missing token" in refused["error"]
+    store.close()
