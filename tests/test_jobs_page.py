@@ -14,23 +14,23 @@ run still shows them). A screenshot is kept under the test's tmp dir (and writte
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 import socket
 import subprocess
 import tempfile
-import urllib.error
 import urllib.request
 
 import pytest
 import ray
 
 from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.errors import ServiceRequestError
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
+from raytrain_sys.service.client import Client
 from raytrain_sys.service.model import JobState, Team
 from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.store import Store
@@ -122,19 +122,6 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def get(url: str, token: str = "") -> tuple[int, object]:
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            status, body = resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        status, body = e.code, e.read()
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body.decode()
-
-
 def test_progress_is_scoped_by_token_and_read_from_an_ended_jobs_summary(tmp_path):
     store = Store.open(f"sqlite:///{tmp_path}/svc.db")
     store.add_team(Team("a", 2))
@@ -154,16 +141,19 @@ def test_progress_is_scoped_by_token_and_read_from_an_ended_jobs_summary(tmp_pat
     run.write()
 
     with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", progress=ProgressSource()) as handle:
-        status, page = get(handle.url + "/")
-        assert status == 200 and "<title>raytrain-sys jobs</title>" in page
-        status, of_a = get(handle.url + "/v1/progress", a)
-        assert status == 200 and [item["job"]["id"] for item in of_a] == [job]
+        with urllib.request.urlopen(handle.url + "/", timeout=10) as resp:  # the page needs no token
+            assert "<title>raytrain-sys jobs</title>" in resp.read().decode()
+        of_a = Client(handle.url, a).progress()
+        assert [item["job"]["id"] for item in of_a] == [job]
         shown = of_a[0]["progress"]
         assert (shown["status"], shown["step"], shown["max_steps"], shown["world_size"]) == ("finished", 3, 3, 2)
         assert shown["losses"] == [[1, 3.0], [2, 2.5], [3, 2.25]] and shown["tokens_per_s"] == 1000.0
-        status, of_b = get(handle.url + "/v1/progress", b)
+        of_b = Client(handle.url, b).progress()
         assert [(item["job"]["id"], item["progress"]) for item in of_b] == [(queued_b, None)]
-        assert get(handle.url + "/v1/progress?team=a", b)[0] == 403
-        status, refused = get(handle.url + "/v1/progress")
-        assert status == 401 and "missing token" in refused["error"]
+        with pytest.raises(ServiceRequestError) as other_team:
+            Client(handle.url, b).progress(team="a")
+        assert other_team.value.status == 403
+        with pytest.raises(ServiceRequestError) as no_token:
+            Client(handle.url, None).progress()
+        assert no_token.value.status == 401 and "missing token" in str(no_token.value)
     store.close()
