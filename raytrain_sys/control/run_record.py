@@ -73,8 +73,12 @@ class RunSummary:
         return os.path.join(self.run_dir, SUMMARY_FILE)
 
     def snapshot(self) -> dict:
-        """A deep copy as plain data, for a reader on another thread (the plots)."""
-        return asdict(self)
+        """A copy as plain data for a reader on another thread (the plots): each list and dict
+        copied one level deep, which is enough (records are appended or replaced whole, never
+        changed in place) and costs milliseconds where ``asdict``'s deep copy of a 100k-step
+        run takes about a second of the step loop."""
+        return {name: list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+                for name, value in vars(self).items()}
 
     def write(self) -> None:
         tmp = self.path + ".tmp"

@@ -31,6 +31,7 @@ PART_LABELS = {"data_wait_s": "data wait", "compute_s": "compute", "collective_s
 # States a run enters because something happened to its workers: marked on the world-size plot.
 MARKED_STATES = {"rebuilding": "tab:red", "restoring": "tab:red", "resizing": "tab:green",
                  "draining": "tab:orange", "waiting": "tab:gray"}
+MAX_POINTS = 2000  # a line gets at most this many points (bucket means): 100k raw points take seconds to draw
 SIZE_IN = (7.0, 3.2)  # a figure's size in inches at DPI: 700x320 pixels, readable in a notebook cell
 DPI = 100
 
@@ -51,6 +52,26 @@ def _known(values: list) -> tuple[list[int], list[float]]:
     return steps, ys
 
 
+def _binned(steps: list[int], ys: list[float], max_points: int = MAX_POINTS) -> tuple[list[float], list[float]]:
+    """At most ``max_points`` (step, value) pairs: the mean of each run of consecutive points
+    (the figure is 700 pixels wide; more points only cost drawing time)."""
+    every = -(-len(steps) // max_points)
+    if every <= 1:
+        return steps, ys
+    xs, means = [], []
+    for i in range(0, len(steps), every):
+        chunk = ys[i:i + every]
+        xs.append(sum(steps[i:i + every]) / len(chunk))
+        means.append(sum(chunk) / len(chunk))
+    return xs, means
+
+
+def _changes(steps: list[int], ys: list[float]) -> tuple[list[int], list[float]]:
+    """The points where the value changes (and the last): the same step plot, drawn exactly."""
+    keep = [i for i in range(len(ys)) if i == 0 or i == len(ys) - 1 or ys[i] != ys[i - 1]]
+    return [steps[i] for i in keep], [ys[i] for i in keep]
+
+
 def _rolling_mean(ys: list[float], window: int) -> list[float]:
     out, total = [], 0.0
     for i, y in enumerate(ys):
@@ -67,7 +88,7 @@ def loss_figure(summary: dict):
         return None
     fig = _figure()
     ax = fig.add_subplot()
-    ax.plot(steps, losses, color="tab:blue", linewidth=1.2, label="train")
+    ax.plot(*_binned(steps, losses), color="tab:blue", linewidth=1.2, label="train")
     evals = [(e["step"], e["loss"]) for e in summary.get("evals") or [] if "loss" in e]
     if evals:
         ax.plot(*zip(*evals), "o", color="tab:orange", label="eval")
@@ -91,8 +112,8 @@ def throughput_figure(summary: dict):
     rates = [tokens / dt if dt > 0 else 0.0 for dt in dts]
     fig = _figure()
     ax = fig.add_subplot()
-    ax.plot(steps, rates, color="tab:green", alpha=0.35, linewidth=1, label="per step")
-    ax.plot(steps, _rolling_mean(rates, 10), color="tab:green", linewidth=1.8, label="mean of 10")
+    ax.plot(*_binned(steps, rates), color="tab:green", alpha=0.35, linewidth=1, label="per step")
+    ax.plot(*_binned(steps, _rolling_mean(rates, 10)), color="tab:green", linewidth=1.8, label="mean of 10")
     ax.set(xlabel="step", ylabel="tokens/s", title=f"throughput ({tokens:,.0f} tokens a step)")
     ax.set_ylim(bottom=0)
     ax.legend(loc="lower right")
@@ -106,7 +127,7 @@ def world_size_figure(summary: dict):
         return None
     fig = _figure(2.6)
     ax = fig.add_subplot()
-    ax.step(steps, sizes, where="post", color="tab:purple", linewidth=1.8)
+    ax.step(*_changes(steps, sizes), where="post", color="tab:purple", linewidth=1.8)
     seen = set()
     for t in summary.get("transitions") or []:
         color = MARKED_STATES.get(t.get("state"))
