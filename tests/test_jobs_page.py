@@ -27,6 +27,7 @@ import ray
 
 from raytrain_sys.control.run_record import RunSummary
 from raytrain_sys.errors import ServiceRequestError
+from raytrain_sys.monitor.report import progress
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
@@ -156,4 +157,30 @@ def test_progress_is_scoped_by_token_and_read_from_an_ended_jobs_summary(tmp_pat
         with pytest.raises(ServiceRequestError) as no_token:
             Client(handle.url, None).progress()
         assert no_token.value.status == 401 and "missing token" in str(no_token.value)
+    store.close()
+
+
+@needs_chromium
+def test_page_draws_each_ranks_step_breakdown(tmp_path):
+    """The per-rank step times (``rank_times``, as the step breakdown records them) are drawn as
+    one stacked bar a rank, its parts named, the slow rank's bar the longest."""
+    store = Store.open(f"sqlite:///{tmp_path}/svc.db")
+    store.add_team(Team("a", 4))
+    token = store.issue_token("a")
+    spec = {"name": "ranks", "resources": {"num_workers": 4}, "train": {"max_steps": 40},
+            "optim": {"warmup_steps": 1}}
+    job = user_requests.submit(store, team="a", spec=spec, by="a").id
+    slow = {"0": 0.05, "1": 0.05, "2": 0.12, "3": 0.05}  # rank 2 computes 2.4x as long
+    rank_times = {r: {"node": "n", "data_wait_s": 0.002, "compute_s": c, "collective_s": 0.13 - c,
+                      "optimizer_s": 0.01, "step_s": 0.142} for r, c in slow.items()}
+    live = {"job": "ranks", "status": "running", "committed_steps": 20, "losses": [3.0 - 0.05 * i for i in range(20)],
+            "world_sizes": [4] * 20, "rank_times": rank_times}  # summary.json's form
+    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", progress=lambda _job: progress(live, 40)) as handle:
+        card = job_cards(chromium(f"{handle.url}/#token={token}"))[str(job)]
+    chart = re.search(r'<svg[^>]*class="rank-chart".*?</svg>', card, re.S)
+    assert chart, "no per-rank chart"
+    assert re.findall(r">rank (\d)<", chart.group(0)) == ["0", "1", "2", "3"]
+    computes = [float(ms) for ms in re.findall(r"<title>compute ([\d.]+) ms</title>", chart.group(0))]
+    assert computes == [50.0, 50.0, 120.0, 50.0]
+    assert "collective wait 10 ms" in chart.group(0) and "20 / 40 steps" in card
     store.close()
