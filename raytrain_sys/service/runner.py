@@ -207,7 +207,7 @@ class JobRunner:
         sup = self._sup
         if sup is None:
             return None
-        return progress(sup.summary, sup.spec.train.max_steps) | {"state": sup.state.value}
+        return progress(sup.summary, sup.spec.train.max_steps)
 
     def pause(self, reason: str, by: str = "") -> None:
         """Stop at the next step boundary with a checkpoint (result status ``stopped``)."""
