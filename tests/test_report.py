@@ -5,20 +5,21 @@ while it trains (after its first checkpoint) and again at the end; ``raytrain-sy
 installed CLI, in a subprocess) prints the run's numbers from a run dir or from its MLflow run id
 and writes the PNGs. The per-rank breakdown is drawn from the ``rank_times`` records of the
 per-rank timings (written by the Supervisor when the step breakdown is measured; given here as
-that contract's shape) and left out when a run has none.
+that contract's shape) and left out when a run has none; drawn in a child process as the
+tracker does, a drawing that fails is one error naming its cause.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import subprocess
 import sys
 
+import pytest
 from mlflow import MlflowClient
 
-from raytrain_sys.monitor.plots import write_plots
+from raytrain_sys.monitor.plots import write_plots, write_plots_apart
 from raytrain_sys.monitor.report import summary_rows
 from tests.ft_common import supervisor_with_events
 from tests.helpers import read_summary, tiny_spec
@@ -105,10 +106,13 @@ def test_per_rank_breakdown_drawn_when_recorded_and_cost_and_stragglers_reported
                     "cost": {"usd": 0.5, "usd_per_million_tokens": 31.25, "goodput_usd_per_million_tokens": 40.0},
                     "stragglers": [{"step": 12, "rank": 1, "node": "node-1", "kind": "slow_rank", "ratio": 2.0,
                                     "action": "none"}]}
-    written = write_plots(json.loads(json.dumps(timed)), str(tmp_path / "timed"))
+    written = write_plots_apart(timed, str(tmp_path / "timed"))  # as the tracker draws them: in a child process
     assert {os.path.basename(p) for p in written} == RUN_PLOTS | {"rank_breakdown.png"}
     width, height = png_size(str(tmp_path / "timed" / "rank_breakdown.png"))
     assert width == 700 and height > 320  # two panels: the breakdown bars and the heat map
     rows = dict(summary_rows(timed))
     assert rows["cost"] == "$0.5000 ($31.2500 / M tokens, goodput $40.0000 / M tokens)"
     assert rows["stragglers"] == "1 events (ranks 1)"
+
+    with pytest.raises(RuntimeError, match="drawing the plots failed: .*Error"):
+        write_plots_apart(base | {"losses": "not a list of numbers"}, str(tmp_path / "broken"))

@@ -15,14 +15,20 @@ per-rank timings) is left out rather than drawn empty:
   (``rank_times_history``): a slow rank is a bright row.
 
 Drawn with matplotlib's object API (``Figure``, no pyplot: no global figure state, and a PNG is
-rendered by Agg whatever backend a notebook chose), so a background thread may draw while the
-driver trains.
+rendered by Agg whatever backend a notebook chose). While a run trains they are drawn in a child
+process (``write_plots_apart``): drawn on a thread of the driver, they would hold its GIL for a
+second or more a redraw and slow its step loop meanwhile by about half
+(``benchmarks/plots_overhead.py``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 from typing import Any, Callable
 
 PARTS = ("data_wait_s", "compute_s", "collective_s", "optimizer_s")  # one step on one rank, in order
@@ -32,6 +38,7 @@ PART_LABELS = {"data_wait_s": "data wait", "compute_s": "compute", "collective_s
 MARKED_STATES = {"rebuilding": "tab:red", "restoring": "tab:red", "resizing": "tab:green",
                  "draining": "tab:orange", "waiting": "tab:gray"}
 MAX_POINTS = 2000  # a line gets at most this many points (bucket means): 100k raw points take seconds to draw
+DRAW_TIMEOUT_S = 300.0  # a child drawing 100k-step plots takes about 2 s; one stuck is ended
 SIZE_IN = (7.0, 3.2)  # a figure's size in inches at DPI: 700x320 pixels, readable in a notebook cell
 DPI = 100
 
@@ -202,3 +209,28 @@ def write_plots(summary: dict, out_dir: str) -> list[str]:
         fig.savefig(path)
         written.append(path)
     return written
+
+
+def write_plots_apart(summary: dict, out_dir: str, timeout_s: float = DRAW_TIMEOUT_S) -> list[str]:
+    """``write_plots`` in a child Python process (``python -m raytrain_sys.monitor.plots``): the
+    caller only pickles the summary and waits with its GIL released. Raises RuntimeError with the
+    child's last error line when it fails."""
+    os.makedirs(out_dir, exist_ok=True)
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    with tempfile.NamedTemporaryFile(suffix=".pkl", dir=out_dir, delete=False) as f:
+        pickle.dump(summary, f, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        done = subprocess.run([sys.executable, "-m", "raytrain_sys.monitor.plots", f.name, out_dir], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        os.unlink(f.name)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise RuntimeError(f"drawing the plots failed: {last}")
+    return [path for path in (os.path.join(out_dir, name) for name in FIGURES) if os.path.exists(path)]
+
+
+if __name__ == "__main__":  # write_plots_apart's child: python -m raytrain_sys.monitor.plots SUMMARY.pkl OUT_DIR
+    with open(sys.argv[1], "rb") as pickled:
+        write_plots(pickle.load(pickled), sys.argv[2])

@@ -452,11 +452,12 @@ class _Writer:
                 synchronous=True,
             )
         elif write.kind == "plots":
-            # Drawn here, on the writer's thread: the step loop only handed over a snapshot.
-            from raytrain_sys.monitor.plots import write_plots
+            # Drawn in a child process, which this thread waits for: the step loop only handed
+            # over a snapshot, and keeps this process's GIL to itself.
+            from raytrain_sys.monitor.plots import write_plots_apart
 
             with tempfile.TemporaryDirectory(prefix="raytrain-plots-") as tmp:
-                if write_plots(write.summary, tmp):
+                if write_plots_apart(write.summary, tmp):
                     self._client.log_artifacts(self._run_id, tmp, write.artifact)
         else:
             self._client.log_text(self._run_id, write.text, write.artifact)
@@ -661,7 +662,8 @@ class Tracker:
 
     def log_plots(self, summary: dict) -> None:
         """Redraw the run's plots (``plots/*.png``) from ``summary`` (a snapshot: the caller's
-        record keeps changing) on the writer's thread; a newer call supersedes a pending one."""
+        record keeps changing), in a child process the writer's thread waits for; a newer call
+        supersedes a pending one."""
         self._writer.submit(_Write("plots", artifact=PLOTS_ARTIFACT_DIR, summary=summary))
 
     @property
