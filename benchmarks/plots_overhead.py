@@ -18,11 +18,16 @@ a summary of ``--steps`` steps:
 
     .venv/bin/python benchmarks/plots_overhead.py                 # 100k-step summary
     .venv/bin/python benchmarks/plots_overhead.py --steps 2000
+
+Results go to benchmarks/results/plots_overhead.json (``--out`` to write elsewhere). On a machine
+whose cores are all busy the child process competes for CPU instead of the GIL: run it quiet.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import tempfile
 import threading
@@ -58,6 +63,7 @@ def main() -> None:
     p.add_argument("--loop-steps", type=int, default=200)
     p.add_argument("--wait-ms", type=float, default=20.0)
     p.add_argument("--work-ms", type=float, default=1.0)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "plots_overhead.json"))
     args = p.parse_args()
     summary = summary_of(args.steps)
     out = tempfile.mkdtemp(prefix="plots-bench-")
@@ -84,6 +90,13 @@ def main() -> None:
     print(f"  loop step ({args.wait_ms:g} ms wait + {args.work_ms:g} ms work): {quiet * 1000:.2f} ms quiet; "
           f"while redrawing on a thread {on_thread * 1000:.2f} ms (ratio {on_thread / quiet:.3f}), "
           f"in a child process {apart * 1000:.2f} ms (ratio {apart / quiet:.3f})")
+    figures = {"steps": args.steps, "snapshot_ms": snapshot_s * 1000, "redraw_thread_s": draw_s,
+               "redraw_child_s": apart_s, "loop_step_ms": {"quiet": quiet * 1000, "thread": on_thread * 1000,
+                                                            "child": apart * 1000},
+               "ratio_thread": on_thread / quiet, "ratio_child": apart / quiet, "load_average": os.getloadavg()[0],
+               "wait_ms": args.wait_ms, "work_ms": args.work_ms, "loop_steps": args.loop_steps}
+    with open(args.out, "w") as f:
+        json.dump(figures, f, indent=1)
 
 
 def while_redrawing(draw, snap: dict, out: str, measure) -> float:
