@@ -6,7 +6,7 @@ real service on the session cluster, its API on 127.0.0.1, and a job held mid-ru
 What a user would notice: with their team's token the page shows their running job, its state,
 its progress in steps, its throughput and a loss chart drawn from the run's live numbers; another
 team's token shows none of it; the admin's shows it too; once the job ends the page shows its
-final numbers. Without Ray or a browser: ``/v1/progress`` answers a team's token with its own
+final numbers, and the run's plots are in its MLflow run. Without Ray or a browser: ``/v1/progress`` answers a team's token with its own
 jobs only, and an ended job's numbers come from its summary.json (a service started after the
 run still shows them). A screenshot is kept under the test's tmp dir (and written to
 ``$JOBS_PAGE_SCREENSHOT`` when set: ``scripts/jobs_page_screenshot.sh`` refreshes the docs' one).
@@ -14,6 +14,7 @@ run still shows them). A screenshot is kept under the test's tmp dir (and writte
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import urllib.request
 
 import pytest
 import ray
+from mlflow import MlflowClient
 
 from raytrain_sys.control.run_record import RunSummary
 from raytrain_sys.errors import ServiceRequestError
@@ -36,6 +38,7 @@ from raytrain_sys.service.model import JobState, Team
 from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.store import Store
 from tests.ft_common import ft_spec, wait_until
+from tests.helpers import read_summary
 from tests.service_common import StepGates, running_service
 
 CHROMIUM = shutil.which("chromium")
@@ -113,6 +116,13 @@ def test_jobs_page_shows_a_running_job_to_its_team_only(ray_cluster, tiny_datase
         card = job_cards(chromium(f"{url}/#token={tokens['a']}"))[str(job)]
         assert 'class="state finished"' in card and f"{STEPS} / {STEPS} steps" in card
         store.close()
+    # The runner's tracker drew the run's plots (in a child of the runner's process) into MLflow.
+    [run_dir] = [os.path.dirname(p) for p in glob.glob(str(tmp_path / "page-demo" / "runs" / "*" / "summary.json"))
+                 if not os.path.islink(os.path.dirname(p))]  # not runs/latest
+    summary = read_summary(run_dir)
+    plots = {os.path.basename(a.path) for a in MlflowClient(summary["tracking_uri"]).list_artifacts(
+        summary["mlflow_run_id"], "plots")}
+    assert plots == {"loss.png", "throughput.png", "world_size.png"}
 
 
 def _healthy(url: str) -> bool:
