@@ -87,7 +87,8 @@ def running_service(db, gates: StepGates, **config):
     config.setdefault("warm_workers_per_node", 1)  # spares exercised, at a quarter of the imports
     url = str(db) if "://" in str(db) else f"sqlite:///{db}"
     logs = os.path.join(os.path.dirname(gates.root), "raytrain-sys-logs")  # beside the gates: the test's dir
-    handle = start_service(url, serve_api=False, step_hook=gates, log_dir=logs, **config)
+    config.setdefault("serve_api", False)  # the HTTP API on DEFAULT_PORT unless a test gives a port
+    handle = start_service(url, step_hook=gates, log_dir=logs, **config)
     try:
         yield handle
     finally:

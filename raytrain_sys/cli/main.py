@@ -1,4 +1,4 @@
-"""`raytrain-sys`: run, resume, prepare-data, sample, export, and the job service's jobs, teams, service.
+"""`raytrain-sys`: run, resume, report, prepare-data, sample, export, and the job service's jobs, teams, service.
 
 Exit codes: 0 done; 2 bad input or environment (one line on stderr says what and what to do);
 3 training failed (workers lost, step timeout); 130 interrupted.
@@ -54,6 +54,15 @@ def _print_result(result) -> None:
     print(f"  run dir:     {result.run_dir}")
     print(f"  checkpoint:  {result.newest_checkpoint or 'none'}")
     print(f"  mlflow run:  {result.mlflow_run_id or 'tracking disabled'}")
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from raytrain_sys.monitor.report import report
+
+    table, plots = report(args.run, out_dir=args.out, tracking_uri=args.tracking_uri)
+    print(table)
+    print(f"plots: {', '.join(plots) or 'none (no per-step records yet)'}")
+    return 0
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -145,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--output-dir", default="runs")
     rs.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     rs.set_defaults(func=_cmd_resume)
+
+    rp = sub.add_parser("report", help="a run's summary table, and its plots as PNGs",
+                        description="Print a run's summary (status, steps, loss, tokens/s, world sizes, "
+                                    "failures, recoveries, cost and stragglers when recorded) and write "
+                                    "its plots (loss, throughput, world size, per-rank step breakdown).")
+    rp.add_argument("run", metavar="RUN", help="run dir (holds summary.json), or an MLflow run id with --tracking-uri")
+    rp.add_argument("--tracking-uri", default="", help="where the MLflow run id is recorded")
+    rp.add_argument("--out", default="", help="where the PNGs go (default: <run dir>/plots)")
+    rp.set_defaults(func=_cmd_report)
 
     pd = sub.add_parser("prepare-data", help="text files -> sharded Parquet token rows + manifest")
     pd.add_argument("--out", default="data/stdlib")

@@ -4,7 +4,9 @@ summary.json keys (stable): status, reason, job, run_dir, committed_steps, sampl
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
 mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
 failures, steps_redone, steps_run_ahead, leases, evals (one record per evaluation: step and
-metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), cost
+metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), step_times
+(seconds each committed step took, index i = step i+1, like losses: the throughput plot of
+``monitor/plots.py``), cost
 (resources.cost_per_worker_hour; empty without a price: usd, worker_hours, usd_per_million_tokens
 over every token trained, goodput_usd_per_million_tokens over the committed steps' tokens only,
 cost_per_worker_hour; paid time is every slot held from placement to teardown, idle rebuilds and
@@ -56,6 +58,7 @@ class RunSummary:
     data_cursor: int = 0
     losses: list[float | None] = field(default_factory=list)  # None: step ran before this record
     world_sizes: list[int | None] = field(default_factory=list)
+    step_times: list[float | None] = field(default_factory=list)  # seconds; None: before this record
     newest_checkpoint: str = ""
     checkpoints: list[dict] = field(default_factory=list)
     mlflow_run_id: str = ""
@@ -84,6 +87,14 @@ class RunSummary:
     def path(self) -> str:
         return os.path.join(self.run_dir, SUMMARY_FILE)
 
+    def snapshot(self) -> dict:
+        """A copy as plain data for a reader on another thread (the plots): each list and dict
+        copied one level deep, which is enough (records are appended or replaced whole, never
+        changed in place) and costs milliseconds where ``asdict``'s deep copy of a 100k-step
+        run takes about a second of the step loop."""
+        return {name: list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
+                for name, value in vars(self).items()}
+
     def write(self) -> None:
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
@@ -104,6 +115,7 @@ class RunSummary:
         """Forget per-step records after ``step`` (a resume from an older checkpoint)."""
         self.losses = self.losses[:step]
         self.world_sizes = self.world_sizes[:step]
+        self.step_times = self.step_times[:step]
         self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]
         self.evals = [e for e in self.evals if e["step"] <= step]
         self.rank_times_history = [h for h in self.rank_times_history if h["step"] <= step]

@@ -11,6 +11,11 @@ those are the reconciler's, which also finishes every request. Every write and e
 leaves an audit row: the refusals only the API sees (401, 403, 404, a wrong body) here
 (``auth``), the requests' outcomes (ok, 400 on the spec, 409) in ``requests``.
 
+The jobs page (``GET /``, ``service/page/jobs.html``: static HTML and JavaScript, no build
+step and nothing fetched from elsewhere) polls ``GET /v1/progress`` with the token the user
+typed in (or gave in the URL fragment, ``/#token=...``, which never reaches a server log), so
+it shows exactly what that token may list.
+
 Errors are JSON ``{"error": "...", "field": ...}``: 400 a field is wrong (named), 401 no valid
 token, 403 another team's job or an admin-only call, 404 no such job or team, 409 the job's
 state does not allow the request (named; nothing changed), 503 the database is unreachable.
@@ -37,7 +42,7 @@ from typing import Any, Optional, Union
 
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError
@@ -51,6 +56,7 @@ API_PREFIX = "/v1"
 DEFAULT_LOG_DIR = "service-logs"  # where the runner writes job-<id>.log, unless told otherwise
 LOG_CHUNK_BYTES = 1 << 20  # one logs answer at most (1 MiB); a follower asks again from next_offset
 SERVE_START_TIMEOUT_S = 10.0  # uvicorn binds no port itself (we pass the socket); startup is ~0.1 s
+PAGE_FILE = Path(__file__).with_name("page") / "jobs.html"
 RESERVED_TEAM_NAMES = frozenset({"admin", auth.ANONYMOUS, auth.BOOTSTRAP})  # audit actors
 
 
@@ -103,6 +109,14 @@ class JobOut(BaseModel):
     def of(cls, job: JobRecord, *, with_spec: bool = False) -> "JobOut":
         fields = {name: getattr(job, name) for name in cls.model_fields if name != "spec"}
         return cls(**fields, spec=job.spec if with_spec else None)
+
+
+class ProgressOut(BaseModel):
+    job: JobOut
+    progress: Optional[dict[str, Any]] = Field(
+        description="its run's live numbers (monitor.report.progress: status, step, max_steps, world_size, "
+                    "losses [[step, loss]], tokens_per_s, step_time_s, rank_times, cost, stragglers, "
+                    "failures); null before its run starts or when the service cannot read them")
 
 
 class TransitionOut(BaseModel):
@@ -188,12 +202,15 @@ REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
 
 def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
                cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
-               base_dir: Optional[str] = None) -> FastAPI:
+               base_dir: Optional[str] = None,
+               progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> FastAPI:
     """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
     writes them). ``cluster_workers`` (a number, or a function returning the current one) also
     rejects a submit whose min_workers the cluster could never hold; None: quotas only.
     ``base_dir``: where a submitted spec's relative paths point (default: this process's working
-    directory; the runner runs elsewhere, so they are stored absolute)."""
+    directory; the runner runs elsewhere, so they are stored absolute). ``progress``: a job's
+    live numbers for the jobs page (``service/progress.ProgressSource`` in the service); None:
+    the page lists the jobs without them."""
     log_root = Path(log_dir)
     auth.install_log_redaction()
     app = FastAPI(title="raytrain-sys job service", version="1",
@@ -274,11 +291,28 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
                   team: Optional[str] = Query(None, description="admin: one team's jobs; a team token: its own"),
                   who: Principal = Depends(principal)) -> list[JobOut]:
         """Jobs in submit order: a team token sees its team's, the admin every team's."""
+        return [JobOut.of(j) for j in visible_jobs(who, team, state, "list_jobs")]
+
+    def visible_jobs(who: Principal, team: Optional[str], state: Optional[list[JobState]],
+                     action: str) -> list[JobRecord]:
+        """The jobs ``who`` may list (its team's; the admin's: every team's or ``team``'s)."""
         if not who.is_admin:
-            with audited(who, "list_jobs", f"team {team}", record_ok=False):
+            with audited(who, action, f"team {team}", record_ok=False):
                 auth.check_team(who, team or who.team, "the jobs")
             team = who.team
-        return [JobOut.of(j) for j in store.jobs(states=state, team=team)]
+        return store.jobs(states=state, team=team)
+
+    @app.get(f"{API_PREFIX}/progress", response_model=list[ProgressOut], tags=["jobs"])
+    def jobs_progress(team: Optional[str] = Query(None, description="admin: one team's jobs; a team token: its own"),
+                      who: Principal = Depends(principal)) -> list[ProgressOut]:
+        """The jobs the token may list, each with its run's live numbers (the jobs page polls this)."""
+        return [ProgressOut(job=JobOut.of(job), progress=progress(job) if progress is not None else None)
+                for job in visible_jobs(who, team, None, "get_progress")]
+
+    @app.get("/", include_in_schema=False)
+    def jobs_page() -> FileResponse:
+        """The jobs page; it asks for a token itself (no token needed to load it)."""
+        return FileResponse(PAGE_FILE, media_type="text/html; charset=utf-8")
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}", response_model=JobOut, tags=["jobs"])
     def get_job(job_id: int, who: Principal = Depends(principal)) -> JobOut:
@@ -442,12 +476,13 @@ class ServiceHandle:
 def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
           log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
           cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
-          base_dir: Optional[str] = None) -> ServiceHandle:
+          base_dir: Optional[str] = None,
+          progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> ServiceHandle:
     """Run the API with uvicorn on a background thread (port 0: a free one) and return once it
     accepts connections. The socket is bound here, so a port in use fails in the caller."""
     import uvicorn
 
-    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers, base_dir=base_dir)
+    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers, base_dir=base_dir, progress=progress)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

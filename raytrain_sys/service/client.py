@@ -79,6 +79,11 @@ class Client:
         query = [("state", s) for s in states or ()] + ([("team", team)] if team else [])
         return self._json("GET", "/v1/jobs", query=query)
 
+    def progress(self, team: Optional[str] = None) -> list[dict]:
+        """The jobs this token may list, each as ``{"job": ..., "progress": ...}``: its run's live
+        numbers (what the jobs page shows), None before its run started."""
+        return self._json("GET", "/v1/progress", query=[("team", team)] if team else None)
+
     def job(self, job_id: int) -> dict:
         """The job, with its validated spec as stored (JSON text) under ``spec``."""
         return self._json("GET", f"/v1/jobs/{int(job_id)}")

@@ -49,6 +49,7 @@ import ray
 from raytrain_sys.control.spares import NAMESPACE, SpareSource
 from raytrain_sys.control.supervisor import RunRequests, Supervisor, resume_supervisor
 from raytrain_sys.errors import find_user_error
+from raytrain_sys.monitor.report import progress
 from raytrain_sys.spec import apply_overrides, from_dict
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,15 @@ class JobRunner:
                 "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
                 "actor_id": ray.get_runtime_context().get_actor_id(),
                 "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
+
+    def progress(self) -> Optional[dict]:
+        """The run's live numbers for the jobs page (``monitor.report.progress``: recent losses,
+        throughput, per-rank step times, cost when recorded); None before the Supervisor exists.
+        Read from the Supervisor's summary in place, between its steps' writes: cheap to poll."""
+        sup = self._sup
+        if sup is None:
+            return None
+        return progress(sup.summary, sup.spec.train.max_steps)
 
     def pause(self, reason: str, by: str = "") -> None:
         """Stop at the next step boundary with a checkpoint (result status ``stopped``)."""

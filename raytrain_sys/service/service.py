@@ -40,6 +40,7 @@ from raytrain_sys.control.spares import find_pool, start_pool, stop_pool
 from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.model import Team
+from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
 from raytrain_sys.service.runner import NAMESPACE, log_to_file
 from raytrain_sys.service.store import DEFAULT_URL, Store, mask_url
@@ -127,7 +128,8 @@ class ServiceActor:
             self.api = f"no HTTP API ({API_MODULE} is not installed)"
             log.warning("%s", self.api)
             return
-        offered = {"log_dir": self.log_dir, "base_dir": self.base_dir, "cluster_workers": self.cluster_workers}
+        offered = {"log_dir": self.log_dir, "base_dir": self.base_dir, "cluster_workers": self.cluster_workers,
+                   "progress": ProgressSource()}
         accepted = inspect.signature(api.serve).parameters
         kwargs = {k: v for k, v in offered.items() if k in accepted}
         thread = threading.Thread(target=api.serve, args=(self.store, self.host, self.port), kwargs=kwargs,

@@ -10,9 +10,10 @@ What a run holds, and where ``lookup()`` (hence ``raytrain-sys resume``) reads i
   supervisor state, resume count and per-resume overrides (names below);
 - metrics: the training loop's step metrics and ``checkpoint_step`` at each committed checkpoint;
 - artifacts: ``spec.json`` (the latest spec, exact, read back by ``lookup``),
-  ``spec.original.json`` (as first started), ``checkpoints.json`` and ``events.json``.
+  ``spec.original.json`` (as first started), ``checkpoints.json``, ``events.json`` and
+  ``plots/*.png`` (``monitor/plots.py``, redrawn at each checkpoint and at the end).
 
-Writes made while training runs (metrics, tags, events, checkpoint records) go through one
+Writes made while training runs (metrics, tags, events, checkpoint records, plots) go through one
 background thread, in order: a slow or unreachable MLflow never stalls the training loop. A write
 that still fails after a few retries is dropped with a warning and counted
 (``Tracker.dropped_batches``); ``flush()`` and ``finish()`` wait for the queue to drain.
@@ -61,6 +62,7 @@ SPEC_ARTIFACT = "spec.json"  # the latest spec; rewritten on resume
 ORIGINAL_SPEC_ARTIFACT = "spec.original.json"  # the spec the run was started with
 CHECKPOINTS_ARTIFACT = "checkpoints.json"
 EVENTS_ARTIFACT = "events.json"
+PLOTS_ARTIFACT_DIR = "plots"  # monitor/plots.py's PNGs
 CHECKPOINT_STEP_METRIC = "checkpoint_step"
 
 TERMINAL_STATUSES = ("FINISHED", "FAILED", "KILLED")
@@ -323,11 +325,12 @@ def _chunks(items: list, size: int) -> list[list]:
 
 @dataclass
 class _Write:
-    kind: str  # "batch" (metrics + tags) or "text" (an artifact rewritten whole)
+    kind: str  # "batch" (metrics + tags), "text" (an artifact rewritten whole) or "plots"
     metrics: list = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
     artifact: str = ""
     text: str = ""
+    summary: dict = field(default_factory=dict)  # "plots": the summary they are drawn from
     count: int = 1  # calls merged into this write, for the dropped count
 
 
@@ -362,11 +365,11 @@ class _Writer:
             if self._closing:
                 log.warning("MLflow run %s is finished; a late write was ignored", self._run_id)
                 return
-            if write.kind == "text":
+            if write.kind in ("text", "plots"):
                 # A newer snapshot of the same file supersedes a pending one.
                 self._pending = collections.deque(
                     w for w in self._pending
-                    if not (w.kind == "text" and w.artifact == write.artifact)
+                    if not (w.kind == write.kind and w.artifact == write.artifact)
                 )
             if len(self._pending) >= self.max_pending:
                 self._drop(write, "the write queue is full")
@@ -448,6 +451,14 @@ class _Writer:
                 tags=[RunTag(k, v) for k, v in write.tags.items()],
                 synchronous=True,
             )
+        elif write.kind == "plots":
+            # Drawn in a child process, which this thread waits for: the step loop only handed
+            # over a snapshot, and keeps this process's GIL to itself.
+            from raytrain_sys.monitor.plots import write_plots_apart
+
+            with tempfile.TemporaryDirectory(prefix="raytrain-plots-") as tmp:
+                if write_plots_apart(write.summary, tmp):
+                    self._client.log_artifacts(self._run_id, tmp, write.artifact)
         else:
             self._client.log_text(self._run_id, write.text, write.artifact)
 
@@ -469,7 +480,7 @@ class _Writer:
         now = time.monotonic()
         if now - self._last_warning >= self.warn_every_s:
             self._last_warning = now
-            what = f"artifact {write.artifact}" if write.kind == "text" else "metrics/tags"
+            what = f"artifact {write.artifact}" if write.kind != "batch" else "metrics/tags"
             log.warning(
                 "MLflow write (%s) to run %s at %s dropped: %s (%d dropped so far; training "
                 "continues)", what, self._run_id, self._tracking_uri, reason, self.dropped,
@@ -648,6 +659,12 @@ class Tracker:
             ))
             text = json.dumps(self._checkpoints, indent=1, default=str)
             self._writer.submit(_Write("text", artifact=CHECKPOINTS_ARTIFACT, text=text))
+
+    def log_plots(self, summary: dict) -> None:
+        """Redraw the run's plots (``plots/*.png``) from ``summary`` (a snapshot: the caller's
+        record keeps changing), in a child process the writer's thread waits for; a newer call
+        supersedes a pending one."""
+        self._writer.submit(_Write("plots", artifact=PLOTS_ARTIFACT_DIR, summary=summary))
 
     @property
     def dropped_batches(self) -> int:

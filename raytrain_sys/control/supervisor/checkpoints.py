@@ -72,6 +72,7 @@ class Checkpoints:
         if self.tracker is not None:
             try:
                 self.tracker.record_checkpoint(info.step, info.uri, {"data_cursor": data_cursor})
+                self.tracker.log_plots(self.summary.snapshot())  # drawn off the step loop
             except Exception as exc:
                 log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)
         return info

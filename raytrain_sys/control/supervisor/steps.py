@@ -145,6 +145,7 @@ class Steps:
         missing = step - len(self.summary.losses)
         self.summary.losses += [None] * missing
         self.summary.world_sizes += [None] * missing
+        self.summary.step_times += [None] * (step - len(self.summary.step_times))
 
     # ------------------------------------------------------------------ dispatch, settle, commit
     def dispatch(self, step: int, count: int = 1, after: "_Dispatch | None" = None) -> "_Dispatch":
@@ -274,6 +275,7 @@ class Steps:
         loss = sum(r["loss_sum"] for r in results) / units if units else float("nan")
         self.summary.losses.append(loss)
         self.summary.world_sizes.append(world)
+        self.summary.step_times.append(dt)
         self.summary.committed_steps = self.committed_step
         if spec.train.compile and len(self._compute_s) < 4 and results:
             # The first step compiles: its compute time beyond the third one's is the compile time.

@@ -734,6 +734,7 @@ class Supervisor:
             status = {State.FINISHED: "FINISHED", State.STOPPED: "KILLED",
                       State.CANCELLED: "KILLED"}.get(self.state, "FAILED")
             try:
+                self.tracker.log_plots(self.summary.snapshot())
                 self.tracker.finish(status)
             except Exception as exc:
                 log.warning("could not close the MLflow run: %s", exc)
