@@ -36,12 +36,6 @@ JOB = "promtest"
 STEPS = 24
 KILL_AT = 10  # a worker is killed after this step is committed
 
-# Panels on series that branch `stragglers` emits (the per-rank parts of contract 1 besides
-# compute_s, and the straggler gauge). Here they have no data; the lead removes this list after
-# the merge, so that every panel must have data.
-NEEDS_BRANCH_S = {"ray_raytrain_rank_collective_seconds", "ray_raytrain_rank_data_wait_seconds",
-                  "ray_raytrain_rank_optimizer_seconds", "ray_raytrain_straggler_flagged"}
-
 DRIVER = textwrap.dedent("""
     import json, os, signal, sys, time
     from raytrain_sys.control.supervisor import Supervisor
@@ -200,7 +194,7 @@ def test_every_dashboard_panel_has_data(observed):
     url, _, (start, end) = observed
     queries = _dashboard_queries()
     assert len(queries) >= 25
-    dead, waived = [], []
+    dead = []
     for title, expr in queries:
         promql = (expr.replace("$job", JOB).replace("$team", ".*")
                   .replace("$__rate_interval", "10s").replace("$__range", "10m"))
@@ -209,6 +203,5 @@ def test_every_dashboard_panel_has_data(observed):
         assert body["status"] == "success", (title, promql, body)
         values = [float(v) for r in body["data"]["result"] for _, v in r["values"]]
         if not any(math.isfinite(v) for v in values):
-            (waived if any(name in expr for name in NEEDS_BRANCH_S) else dead).append(f"{title}: {promql}")
+            dead.append(f"{title}: {promql}")
     assert not dead, "panels without data:\n" + "\n".join(dead)
-    assert len(waived) <= len(NEEDS_BRANCH_S)

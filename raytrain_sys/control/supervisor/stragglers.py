@@ -154,6 +154,8 @@ class Stragglers:
             ranks[str(r)] = {"node": self._nodes[r] if r < len(self._nodes) else "", **parts,
                              "step_s": sum(parts.values())}
         self.summary.rank_times = ranks
+        for r, t in ranks.items():  # 0 for every rank not flagged: a straggler panel shows them all
+            self._set_gauge(int(r), t["node"], 1.0 if int(r) in self._flagged else 0.0)
         history = self.summary.rank_times_history
         if len(history) >= HISTORY_MAX:
             del history[1::2]
