@@ -28,7 +28,7 @@ import ray
 
 import raytrain_sys.control.supervisor.policy as policy
 from raytrain_sys.control.supervisor.probe import ping_all
-from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S
+from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, cut_departed, index_departed
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.spec import JobSpec
 
@@ -179,12 +179,31 @@ class Membership:
 
     def _share_state_as_pieces(self, members: list[Worker], held: dict[int, int], step: int) -> list[str]:
         """Members re-cut for a new layout take their blocks of the state the holders of the
-        committed step hold (their pieces, passed through Ray's object store; the Supervisor
-        never reads them). Returns what the holders do not cover (empty: all is covered), e.g.
-        the only shard of some layer died."""
-        refs = [w.actor.state_pieces.remote() for w in members if held[w.slot] == step]
-        refs += self.departing_pieces  # members that left a draining node just now
-        missing = ray.get([w.actor.load_pieces.remote(refs, step) for w in members], timeout=300)
-        del refs
+        committed step hold (and the pieces of members that just left a draining node), by
+        blocks (raytrain_sys.parallel.reshard): each member plans from the sources' indexes
+        which parts it needs of whom, each source cuts those parts, and each member copies them
+        in, chunk by chunk; no one holds the whole state, and the Supervisor passes references
+        without reading them. Returns what the sources do not cover (empty: all is covered,
+        and loaded), e.g. the only shard of some layer died; then nothing is loaded."""
+        holders = [w for w in members if held[w.slot] == step]
+        indexes = ([w.actor.piece_index.remote() for w in holders]
+                   + [index_departed.remote(ref) for ref in self.departing_pieces])
+        plans = ray.get([w.actor.plan_reshard.remote(step, *indexes) for w in members], timeout=300)
+        missing = sorted({k for plan in plans for k in plan["missing"]})
+        if missing:
+            return missing
+        def cut(j: int, chunks: list) -> list:  # one reference a chunk, from source j
+            if j < len(holders):
+                refs = holders[j].actor.cut_pieces.options(num_returns=len(chunks)).remote(chunks)
+            else:
+                refs = cut_departed.options(num_returns=len(chunks)).remote(
+                    self.departing_pieces[j - len(holders)], chunks)
+            return [refs] if len(chunks) == 1 else refs
+
+        received = [[ref for j, chunks in enumerate(plan["chunks"]) if chunks for ref in cut(j, chunks)]
+                    for plan in plans]
+        ray.get([w.actor.load_pieces.remote(step, refs) for w, refs in zip(members, received)],
+                timeout=300)
+        del received
         self.departing_pieces = []
-        return sorted({k for m in missing for k in m})
+        return []
