@@ -421,10 +421,9 @@ class TrainWorker:
 
     def state_pieces(self) -> dict:
         """What this worker holds of the state, as pieces (a member leaving a draining node:
-        its pieces outlive it in the object store). The Supervisor passes the reference on."""
-        if self.stash is not None:
-            return self.stash[1]
-        return reshard.local_pieces(self.model, self.optimizer)
+        its pieces outlive it in the object store). The Supervisor passes the reference on.
+        No copy: Ray serializes them before this actor runs anything else."""
+        return self._held_pieces()
 
     # Re-forming a sharded layout, by blocks (raytrain_sys.parallel.reshard): the holders of the
     # committed step index what they hold, every member plans what it needs of whom, the

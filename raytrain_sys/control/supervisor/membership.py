@@ -120,6 +120,8 @@ class Membership:
             held, _, _ = ping_all(leaving)
             self.departing_pieces = [w.actor.state_pieces.remote() for w in leaving
                                      if held.get(w.slot) == committed_step]
+            # Stored before the leavers are killed: a kill fails the calls it finds queued.
+            ray.wait(self.departing_pieces, num_returns=len(self.departing_pieces), timeout=60)
         self.group.remove(leaving)
 
     # ------------------------------------------------------------------ forming the group
@@ -186,8 +188,18 @@ class Membership:
         without reading them. Returns what the sources do not cover (empty: all is covered,
         and loaded), e.g. the only shard of some layer died; then nothing is loaded."""
         holders = [w for w in members if held[w.slot] == step]
-        indexes = ([w.actor.piece_index.remote() for w in holders]
-                   + [index_departed.remote(ref) for ref in self.departing_pieces])
+        # The indexes (shapes and offsets) are fetched here, not passed on as references: a
+        # member's calls wait in order behind one whose arguments are not ready yet, its pings
+        # included, and a departed member's index takes a task's start.
+        indexes = ray.get([w.actor.piece_index.remote() for w in holders], timeout=300)
+        departed = []
+        for ref, index in zip(self.departing_pieces, [index_departed.remote(r) for r in self.departing_pieces]):
+            try:
+                indexes.append(ray.get(index, timeout=300))
+                departed.append(ref)
+            except ray.exceptions.RayError as exc:  # the leaver died before its pieces were stored
+                log.warning("the pieces of a member that left are lost: %s", type(exc).__name__)
+        self.departing_pieces = departed
         plans = ray.get([w.actor.plan_reshard.remote(step, *indexes) for w in members], timeout=300)
         missing = sorted({k for plan in plans for k in plan["missing"]})
         if missing:
