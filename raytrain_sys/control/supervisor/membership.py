@@ -13,8 +13,9 @@ State across membership changes: survivors keep their model and optimizer object
 process group (new generation, new master port) is formed over the members and the ready
 newcomers. In a replicated layout (plain DDP) a newcomer receives the state by broadcast from
 a survivor that holds the committed step; in a sharded one every member of the new world
-assembles its blocks from the holders' pieces. If the holders do not cover the state (the
-only shard of something died), only a durable checkpoint can continue.
+receives just the parts of the holders' pieces that fall in its own blocks (no one holds the
+whole state). If the holders do not cover the state (the only shard of something died), only a
+durable checkpoint can continue.
 """
 
 from __future__ import annotations
@@ -184,8 +185,8 @@ class Membership:
         committed step hold (and the pieces of members that just left a draining node), by
         blocks (raytrain_sys.parallel.reshard): each member plans from the sources' indexes
         which parts it needs of whom, each source cuts those parts, and each member copies them
-        in, chunk by chunk; no one holds the whole state, and the Supervisor passes references
-        without reading them. Returns what the sources do not cover (empty: all is covered,
+        in, chunk by chunk; no one holds the whole state. The Supervisor reads shapes and
+        offsets only: the parts go by reference. Returns what the sources do not cover (empty: all is covered,
         and loaded), e.g. the only shard of some layer died; then nothing is loaded."""
         holders = [w for w in members if held[w.slot] == step]
         # The indexes (shapes and offsets) are fetched here, not passed on as references: a
@@ -204,6 +205,7 @@ class Membership:
         missing = sorted({k for plan in plans for k in plan["missing"]})
         if missing:
             return missing
+
         def cut(j: int, chunks: list) -> list:  # one reference a chunk, from source j
             if j < len(holders):
                 refs = holders[j].actor.cut_pieces.options(num_returns=len(chunks)).remote(chunks)
