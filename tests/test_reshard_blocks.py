@@ -100,3 +100,47 @@ def test_plan_names_the_shards_that_died_and_loads_nothing():
     b = run_on_ranks(2, load_by_blocks, ParallelSpec(tp=2), [outs[0]["pieces"]], "adamw")
     assert all(r.get("missing") for r in b), b
     assert any(k.startswith("model/") for k in b[0]["missing"]), b[0]["missing"][:3]
+
+
+def owned_after_half(par: ParallelSpec) -> dict:
+    """What a checkpoint of layout ``par`` at step HALF holds from this rank, and the full state."""
+    pm, opt = make_parallel(par)
+    train_steps(pm, opt, 0, HALF)
+    coords = {axis: meshlib.local_index(pm.mesh, axis) for axis in meshlib.MESH_AXES}
+    owned = reshard.pieces_to_plain(reshard.local_pieces(pm.local_model, opt, owned_by=coords))
+    return {"owned": owned, "pieces": reshard.local_pieces(pm.local_model, opt)}
+
+
+def test_resume_at_another_world_size_reads_its_blocks_and_names_an_incomplete_checkpoint(tmp_path):
+    """An FSDP checkpoint of two ranks, resumed by one plain process file by file, gives the state
+    the ranks held, exactly; without one rank's file the resume says which state is missing."""
+    from raytrain_sys.checkpoint.checkpointer import Checkpointer
+    from raytrain_sys.checkpoint.state import load_blocks
+    from raytrain_sys.checkpoint.store import open_store
+    from raytrain_sys.errors import CheckpointError
+    from raytrain_sys.train.optim import build_optimizer
+    from tests.parallel_common import OPTIM, build
+
+    outs = run_on_ranks(2, owned_after_half, ParallelSpec(strategy="fsdp"))
+    full, _ = reshard.assemble([o["pieces"] for o in outs])
+    ckpt = Checkpointer(open_store(str(tmp_path / "ckpt")), keep_last=None)
+    files = [ckpt.write_state(HALF, f"pieces_rank{rank:05d}.pt",
+                              {"step": HALF, "rank": rank, "world_size": 2, "pieces": o["owned"]})
+             for rank, o in enumerate(outs)]
+    model = build()
+    opt = build_optimizer(model, OPTIM)
+    load_blocks(ckpt, ckpt.commit(HALF, files, {}), model, opt)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, full[f"model/{name}"]), name
+    names = reshard.parameter_names(model)
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            assert torch.equal(value, full[f"optim/{names[id(p)][0]}/{key}"]), (names[id(p)], key)
+    assert len(opt.state) == len(list(model.parameters()))
+
+    half_ckpt = Checkpointer(open_store(str(tmp_path / "half")), keep_last=None)
+    one = half_ckpt.write_state(HALF, "pieces_rank00000.pt",
+                                {"step": HALF, "rank": 0, "world_size": 2, "pieces": outs[0]["owned"]})
+    model = build()
+    with pytest.raises(CheckpointError, match="is incomplete: no file covers all of"):
+        load_blocks(half_ckpt, half_ckpt.commit(HALF, [one], {}), model, build_optimizer(model, OPTIM))
