@@ -109,7 +109,8 @@ def run_child(out_path: str, workdir: str, shrink: bool) -> None:
     spec = from_dict({
         "name": "reshard-memory", "output_dir": os.path.join(workdir, "runs"),
         "model": MODEL, "data": {"path": data, "shuffle_window": 256},
-        "train": {"max_steps": STEPS if shrink else SHRINK_AT, "global_batch_size": 8, "log_every_steps": 100, "steps_per_call": 1},
+        "train": {"max_steps": STEPS if shrink else SHRINK_AT, "global_batch_size": 8,
+                  "log_every_steps": 100, "steps_per_call": 1},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
         "parallel": {"strategy": "fsdp"},
         "checkpoint": {"every_steps": 0, "keep_last": 1},
@@ -185,7 +186,8 @@ def analyse(raw: dict) -> list[dict]:
                 base = min(s[col] for s in raw["samples"] if s[1] == pid) / MB
                 steady = max(row[f"{name}_steady_before_mb"], row[f"{name}_steady_after_mb"])
                 row[f"{name}_base_mb"] = base
-                row[f"{name}_state_ratio"] = (row[f"{name}_peak_mb"] - base) / (steady - base) if steady > base else None
+                row[f"{name}_state_ratio"] = ((row[f"{name}_peak_mb"] - base) / (steady - base)
+                                              if steady > base else None)
             rows.append(row)
     return rows
 

@@ -76,7 +76,8 @@ def load_blocks(ckpt: Checkpointer, info: CheckpointInfo, model, optimizer) -> N
         raise CheckpointError(f"checkpoint {info.uri} lacks {unknown[:3]}: it was written for "
                               f"another model; resume with the spec that wrote it")
     missing = [k for k, want in sorted(wants.items())
-               if not reshard.covers(*reshard.widened(want, global_shapes.get(k)), placement.boxes.get(k, []))]
+               if not reshard.covers(*reshard.widened(want, global_shapes.get(k)),
+                                     placement.boxes.get(k, []))]
     if missing:
         raise _incomplete(info, missing)
 

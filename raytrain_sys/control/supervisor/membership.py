@@ -194,7 +194,8 @@ class Membership:
         # included, and a departed member's index takes a task's start.
         indexes = ray.get([w.actor.piece_index.remote() for w in holders], timeout=300)
         departed = []
-        for ref, index in zip(self.departing_pieces, [index_departed.remote(r) for r in self.departing_pieces]):
+        departed_indexes = [index_departed.remote(ref) for ref in self.departing_pieces]
+        for ref, index in zip(self.departing_pieces, departed_indexes):
             try:
                 indexes.append(ray.get(index, timeout=300))
                 departed.append(ref)
