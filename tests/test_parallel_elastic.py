@@ -52,3 +52,32 @@ def test_hsdp_replica_survives_a_lost_rank_in_memory(one_process, tiny_dataset, 
     sizes = summary["world_sizes"]
     assert sizes[:5] == [4] * 5 and 2 in sizes and sizes[-1] == 4, sizes
     assert not [t for t in summary["transitions"] if t["state"] == "restoring"]
+
+
+@pytest.mark.slow
+def test_kill_while_shrinking_hsdp_reshards_from_memory(one_process, tiny_dataset, tmp_path, monkeypatch):
+    """HSDP 2 x 2 asked to shrink to 2 at step 4: the leavers' pieces go through the object store
+    and the stayers re-cut by blocks. One stayer is killed the moment the state starts moving
+    (issue 17). The other stayer and the leavers' pieces still hold every shard: a replacement
+    joins and takes its blocks from them, from memory, and the run ends like one process."""
+    from raytrain_sys.control.supervisor.membership import Membership
+
+    share = Membership._share_state_as_pieces
+    killed = []
+
+    def kill_a_stayer_then_share(self, members, held, step):
+        if not killed:  # the first time the state moves: during the shrink
+            killed.append(members[-1].info["pid"])
+            kill_soon(killed[0])
+        return share(self, members, held, step)
+
+    monkeypatch.setattr(Membership, "_share_state_as_pieces", kill_a_stayer_then_share)
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL,
+                   parallel={"strategy": "hsdp", "fsdp": 2}, resources={"num_workers": 4})
+    events = {4: lambda s: s.requests.resize(2, "test shrink")}
+    result, sup, seen = run_with_events(spec, events)
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS)
+    assert killed, "the shrink never shared state"
+    sizes = summary["world_sizes"]
+    assert sizes[:4] == [4] * 4 and set(sizes[5:]) == {2}, (sizes, summary["transitions"])  # step 5 was sent ahead
+    assert not [t for t in summary["transitions"] if t["state"] == "restoring"], summary["transitions"]

@@ -3,9 +3,10 @@
 Each writing rank's file holds ``{"step", "rank", "world_size", "pieces"}`` where ``pieces`` maps
 ``model/<name>`` and ``optim/<name>/<key>`` to blocks of the global tensors with their offsets
 (raytrain_sys.parallel.reshard). Together the files of a checkpoint hold every block once,
-whatever the layout that wrote them; reading assembles the full state, from which any layout or
-world size takes its own blocks. Every file is sha256-checked against the manifest and loaded
-with ``torch.load(weights_only=True)``.
+whatever the layout that wrote them. A worker resuming at any layout or world size reads them one
+at a time and keeps only the parts that fall in its own blocks (``load_blocks``); an export
+assembles the full state (``read_full_state``). Every file is sha256-checked against the
+manifest and loaded with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -28,24 +29,57 @@ def read_full_state(ckpt: Checkpointer, info: CheckpointInfo) -> dict[str, torch
     """Every tensor of the checkpoint's state, whole (``model/...`` and ``optim/...`` keys)."""
     from raytrain_sys.parallel.reshard import assemble, pieces_from_plain
 
+    full, missing = assemble([pieces_from_plain(state["pieces"]) for state in _states(ckpt, info)])
+    if missing:
+        raise _incomplete(info, missing)
+    return full
+
+
+def _states(ckpt: Checkpointer, info: CheckpointInfo):
+    """The checkpoint's pieces files, loaded one at a time, each checked for its step."""
     names = pieces_files(info)
     if not names:
         listed = [r.get("name") for r in info.manifest.get("files", [])]
         raise CheckpointError(f"checkpoint {info.uri} holds no state files ({listed}): it was "
                               f"written by an older raytrain-sys; start a new run")
-    sets = []
     for name in names:
         state = ckpt.load_state(info, name)
         if int(state.get("step", -1)) != info.step:
             raise CheckpointError(f"checkpoint {info.uri}: {name} holds step {state.get('step')}, "
                                   f"the manifest says {info.step}; resume from an older checkpoint")
-        sets.append(pieces_from_plain(state["pieces"]))
-    full, missing = assemble(sets)
+        yield state
+
+
+def _incomplete(info: CheckpointInfo, missing: list[str]) -> CheckpointError:
+    return CheckpointError(f"checkpoint {info.uri} is incomplete: no file covers all of "
+                           f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; resume from an "
+                           f"older checkpoint")
+
+
+def load_blocks(ckpt: Checkpointer, info: CheckpointInfo, model, optimizer) -> None:
+    """Fill ``model``'s (and ``optimizer``'s) blocks of their current layout from the checkpoint,
+    one file in memory at a time: each file's pieces are cut to the parts in this rank's blocks
+    and dropped. Raises when the files do not cover the blocks, or hold another model."""
+    from raytrain_sys.parallel import reshard
+
+    placement, global_shapes = reshard.Placement(model, optimizer), {}
+    for state in _states(ckpt, info):
+        pieces = reshard.pieces_from_plain(state.pop("pieces"))
+        for key, piece in pieces.items():
+            placement.take(key, piece)
+            global_shapes[key] = piece.global_shape
+        del pieces, piece  # before the next file is read
+    wants = reshard.wanted_blocks(model, optimizer, set(global_shapes))
+    required = reshard.keys_needed(model, optimizer, info.step > 0)
+    unknown = sorted(required - wants.keys())
+    if unknown:
+        raise CheckpointError(f"checkpoint {info.uri} lacks {unknown[:3]}: it was written for "
+                              f"another model; resume with the spec that wrote it")
+    missing = [k for k, want in sorted(wants.items())
+               if not reshard.covers(*reshard.widened(want, global_shapes.get(k)),
+                                     placement.boxes.get(k, []))]
     if missing:
-        raise CheckpointError(f"checkpoint {info.uri} is incomplete: no file covers all of "
-                              f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; resume from an "
-                              f"older checkpoint")
-    return full
+        raise _incomplete(info, missing)
 
 
 def model_state_dict(full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -93,6 +93,19 @@ def _end_with(owner_id: str, poll_s: float) -> None:
         time.sleep(poll_s)
 
 
+@ray.remote(num_cpus=0)
+def index_departed(pieces: dict) -> dict:
+    """``TrainWorker.piece_index`` for the pieces of a member that left (see Membership)."""
+    return reshard.piece_index(pieces)
+
+
+@ray.remote(num_cpus=0)
+def cut_departed(pieces: dict, chunks: list):
+    """``TrainWorker.cut_pieces`` for the pieces of a member that left."""
+    for requests in chunks:
+        yield reshard.cut(pieces, requests)
+
+
 @ray.remote(concurrency_groups={"control": 2})
 class TrainWorker:
     def __init__(self, spec_dict: dict[str, Any] | None):
@@ -228,8 +241,8 @@ class TrainWorker:
         if not keep:
             # DTensors are bound to the mesh they were cut for: a new layout starts from a fresh
             # model, and the state held so far waits as pieces to be shared and re-cut.
-            if not fresh and self.stash is None:
-                self.stash = (self.step_done, reshard.local_pieces(self.model, self.optimizer))
+            if not fresh and self.stash is None:  # (the model is dropped next: no copy)
+                self.stash = (self.step_done, reshard.local_pieces(self.model, self.optimizer, copy=False))
             if not fresh or self.model is None:
                 self._build()
         self.replicated = replicated
@@ -418,41 +431,62 @@ class TrainWorker:
         return [ckpt.write_state(step, PIECES_FILE.format(rank=self.rank), state)]
 
     def load_checkpoint(self, checkpoint_uri: str, s3_endpoint_url: str) -> int:
-        """Take this layout's blocks of a checkpoint written at any layout or world size."""
+        """Take this layout's blocks of a checkpoint written at any layout or world size, one
+        file at a time (raytrain_sys.checkpoint.state.load_blocks)."""
         from raytrain_sys.checkpoint.checkpointer import open_checkpoint
-        from raytrain_sys.checkpoint.state import read_full_state
+        from raytrain_sys.checkpoint.state import load_blocks
 
         ckpt, info = open_checkpoint(checkpoint_uri, s3_endpoint_url)
-        full = read_full_state(ckpt, info)
-        self._load_full(full, info.step, source=info.uri)
+        load_blocks(ckpt, info, self.model, self.optimizer)
+        self._loaded(info.step)
         return self.step_done
 
     def state_pieces(self) -> dict:
-        """What this worker holds of the state, as pieces, for peers re-forming in a new layout.
-        The Supervisor passes the reference on without reading it."""
+        """What this worker holds of the state, as pieces (a member leaving a draining node:
+        its pieces outlive it in the object store). The Supervisor passes the reference on.
+        No copy: Ray serializes them before this actor runs anything else."""
+        return self._held_pieces()
+
+    # Re-forming a sharded layout, by blocks (raytrain_sys.parallel.reshard): the holders of the
+    # committed step index what they hold, every member plans what it needs of whom, the
+    # holders cut those parts, and every member copies them into its new blocks.
+    def _held_pieces(self) -> dict:
         if self.stash is not None:
             return self.stash[1]
-        return reshard.local_pieces(self.model, self.optimizer)
+        return reshard.local_pieces(self.model, self.optimizer, copy=False)
 
-    def load_pieces(self, piece_refs: list, step: int) -> list[str]:
-        """Assemble the pieces of the members that hold ``step`` and take this layout's blocks.
-        Returns the state keys no piece covers (then nothing is loaded: the Supervisor falls
-        back to the newest checkpoint)."""
-        full, missing = reshard.assemble(ray.get(list(piece_refs)))
-        missing += sorted(reshard.keys_needed(self.model, self.optimizer, step > 0) - full.keys())
-        if missing:
-            return missing
-        self._load_full(full, step, source=f"{len(piece_refs)} peers")
-        return []
+    def piece_index(self) -> dict:
+        """Shapes and offsets of the pieces this worker holds (no data)."""
+        return reshard.piece_index(self._held_pieces())
 
-    def _load_full(self, full: dict, step: int, source: str) -> None:
-        needed = reshard.keys_needed(self.model, self.optimizer, step > 0) - full.keys()
-        if needed:
-            from raytrain_sys.errors import CheckpointError
+    def plan_reshard(self, step: int, *indexes: dict) -> dict:
+        """What this member needs of each source (``indexes``, in the Supervisor's order) for
+        its blocks of the current layout: per source, chunks of requests; and the keys the
+        sources do not cover (then nothing will be loaded: the Supervisor restores instead)."""
+        keys = set().union(*(index.keys() for index in indexes))
+        wants = reshard.wanted_blocks(self.model, self.optimizer, keys)
+        required = reshard.keys_needed(self.model, self.optimizer, step > 0)
+        chunks, missing = reshard.plan_requests(wants, list(indexes), required)
+        return {"chunks": chunks, "missing": missing}
 
-            raise CheckpointError(f"state from {source} lacks {sorted(needed)[:3]}: it was written "
-                                  f"for another model; resume with the spec that wrote it")
-        reshard.load_full_state(self.model, self.optimizer, full)
+    def cut_pieces(self, chunks: list):
+        """The parts ``chunks`` asks of this worker's pieces, one return value a chunk: Ray
+        stores each as it is yielded, so this worker holds one chunk's copy at a time."""
+        pieces = self._held_pieces()
+        for requests in chunks:
+            yield reshard.cut(pieces, requests)
+
+    def load_pieces(self, step: int, chunk_refs: list) -> int:
+        """Fill this layout's blocks with the parts planned by ``plan_reshard``, one chunk in
+        memory at a time; then the state is that of ``step``."""
+        placement = reshard.Placement(self.model, self.optimizer)
+        for ref in chunk_refs:
+            for key, piece in ray.get(ref):
+                placement.take(key, piece)
+        self._loaded(step)
+        return self.step_done
+
+    def _loaded(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done, self.stash = step, None
 

@@ -13,8 +13,9 @@ State across membership changes: survivors keep their model and optimizer object
 process group (new generation, new master port) is formed over the members and the ready
 newcomers. In a replicated layout (plain DDP) a newcomer receives the state by broadcast from
 a survivor that holds the committed step; in a sharded one every member of the new world
-assembles its blocks from the holders' pieces. If the holders do not cover the state (the
-only shard of something died), only a durable checkpoint can continue.
+receives just the parts of the holders' pieces that fall in its own blocks (no one holds the
+whole state). If the holders do not cover the state (the only shard of something died), only a
+durable checkpoint can continue.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import ray
 
 import raytrain_sys.control.supervisor.policy as policy
 from raytrain_sys.control.supervisor.probe import ping_all
-from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S
+from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, cut_departed, index_departed
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.spec import JobSpec
 
@@ -120,6 +121,8 @@ class Membership:
             held, _, _ = ping_all(leaving)
             self.departing_pieces = [w.actor.state_pieces.remote() for w in leaving
                                      if held.get(w.slot) == committed_step]
+            # Stored before the leavers are killed: a kill fails the calls it finds queued.
+            ray.wait(self.departing_pieces, num_returns=len(self.departing_pieces), timeout=60)
         self.group.remove(leaving)
 
     # ------------------------------------------------------------------ forming the group
@@ -179,12 +182,43 @@ class Membership:
 
     def _share_state_as_pieces(self, members: list[Worker], held: dict[int, int], step: int) -> list[str]:
         """Members re-cut for a new layout take their blocks of the state the holders of the
-        committed step hold (their pieces, passed through Ray's object store; the Supervisor
-        never reads them). Returns what the holders do not cover (empty: all is covered), e.g.
-        the only shard of some layer died."""
-        refs = [w.actor.state_pieces.remote() for w in members if held[w.slot] == step]
-        refs += self.departing_pieces  # members that left a draining node just now
-        missing = ray.get([w.actor.load_pieces.remote(refs, step) for w in members], timeout=300)
-        del refs
+        committed step hold (and the pieces of members that just left a draining node), by
+        blocks (raytrain_sys.parallel.reshard): each member plans from the sources' indexes
+        which parts it needs of whom, each source cuts those parts, and each member copies them
+        in, chunk by chunk; no one holds the whole state. The Supervisor reads shapes and
+        offsets only: the parts go by reference. Returns what the sources do not cover (empty: all is covered,
+        and loaded), e.g. the only shard of some layer died; then nothing is loaded."""
+        holders = [w for w in members if held[w.slot] == step]
+        # The indexes (shapes and offsets) are fetched here, not passed on as references: a
+        # member's calls wait in order behind one whose arguments are not ready yet, its pings
+        # included, and a departed member's index takes a task's start.
+        indexes = ray.get([w.actor.piece_index.remote() for w in holders], timeout=300)
+        departed = []
+        departed_indexes = [index_departed.remote(ref) for ref in self.departing_pieces]
+        for ref, index in zip(self.departing_pieces, departed_indexes):
+            try:
+                indexes.append(ray.get(index, timeout=300))
+                departed.append(ref)
+            except ray.exceptions.RayError as exc:  # the leaver died before its pieces were stored
+                log.warning("the pieces of a member that left are lost: %s", type(exc).__name__)
+        self.departing_pieces = departed
+        plans = ray.get([w.actor.plan_reshard.remote(step, *indexes) for w in members], timeout=300)
+        missing = sorted({k for plan in plans for k in plan["missing"]})
+        if missing:
+            return missing
+
+        def cut(j: int, chunks: list) -> list:  # one reference a chunk, from source j
+            if j < len(holders):
+                refs = holders[j].actor.cut_pieces.options(num_returns=len(chunks)).remote(chunks)
+            else:
+                refs = cut_departed.options(num_returns=len(chunks)).remote(
+                    self.departing_pieces[j - len(holders)], chunks)
+            return [refs] if len(chunks) == 1 else refs
+
+        received = [[ref for j, chunks in enumerate(plan["chunks"]) if chunks for ref in cut(j, chunks)]
+                    for plan in plans]
+        ray.get([w.actor.load_pieces.remote(step, refs) for w, refs in zip(members, received)],
+                timeout=300)
+        del received
         self.departing_pieces = []
-        return sorted({k for m in missing for k in m})
+        return []
