@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -14,12 +16,13 @@ import torch
 from raytrain_sys.checkpoint.checkpointer import Checkpointer
 from raytrain_sys.checkpoint.state import read_full_state
 from raytrain_sys.checkpoint.store import open_store
-from raytrain_sys.control.supervisor import run_job
-from tests.ft_common import (assert_like_reference, ft_spec, pid_alive, run_with_events, wait_until,
-                             worker_pid)
+from raytrain_sys.control.supervisor import RunRequests, run_job
+from tests.ft_common import (assert_like_reference, ft_spec, pid_alive, run_with_events,
+                             supervisor_with_events, wait_until, worker_pid)
 from tests.helpers import assert_params_equal, final_params, read_summary, tiny_spec
 
 STEPS = 16
+HOLD_S = 3.0  # how long the S3 server stays paused after the pause is asked
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -99,3 +102,39 @@ def test_worker_killed_while_its_background_write_is_held(reference, tiny_datase
     assert [c.step for c in ckpt.list_complete()] == [15, 16]
     assert all(not ckpt.problems(info) for info in ckpt.list_complete())
     assert not store.exists("step_00000005/manifest.json")
+
+
+def test_a_pause_waits_until_the_background_save_is_durable(ray_cluster, tiny_dataset, tmp_path,
+                                                             s3_server, s3_bucket, monkeypatch):
+    """The job service's pause releases the workers only after a durable checkpoint: with the
+    background write of step 5 held (the S3 server paused) when the pause is asked at step 6,
+    the run ends only after the server resumes, with step 5 and the pause's step committed."""
+    uri = f"s3://{s3_bucket}/pause"
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS,
+                   checkpoint={"async_save": True, "uri": uri, "s3_endpoint_url": s3_server.endpoint_url})
+    requests = RunRequests()
+    resumed_at = []
+
+    def resume_server():
+        resumed_at.append(time.time())
+        os.killpg(s3_server.pid, signal.SIGCONT)
+
+    def pause_while_held(sup):
+        requests.pause("make room", by="scheduler")
+        threading.Timer(HOLD_S, resume_server).start()
+
+    sup, _ = supervisor_with_events(spec, {5: lambda sup: os.killpg(s3_server.pid, signal.SIGSTOP),
+                                           6: pause_while_held})
+    sup.requests = requests
+    try:
+        result = sup.run()
+    finally:
+        os.killpg(s3_server.pid, signal.SIGCONT)
+    assert result.status == "stopped", result
+    step = result.committed_steps
+    summary = read_summary(result.run_dir)
+    assert [c["step"] for c in summary["checkpoints"]] == [5, step]
+    assert summary["transitions"][-1]["state"] == "stopped"
+    assert summary["transitions"][-1]["time"] >= resumed_at[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    assert [c.step for c in Checkpointer(open_store(uri), keep_last=None).list_complete()] == [5, step]
