@@ -253,14 +253,8 @@ def main(argv=None) -> int:
             print(f"  {word:<9} ours {transfers[f'ours_{d}']:.0f} MB/s, plain boto3 "
                   f"{transfers[f'boto3_{d}']:.0f} MB/s: {ratios[f'{word}_ours_over_boto3']:.2f}x")
 
-    import torch
-
     report = {
-        "benchmark": "checkpoint",
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "quick": args.quick,
-        "versions": {"ray": ray.__version__, "torch": torch.__version__, "python": sys.version.split()[0]},
-        "machine": {"cpu_count": os.cpu_count(), "loadavg_before": load0, "loadavg_at_end": os.getloadavg()},
+        **common.report_head("checkpoint", args.quick, load0),
         "config": {"model": {"n_embd": args.n_embd, "n_layer": args.n_layer, "block_size": args.block_size},
                    "steps": args.steps, "every": args.every, "workers": 2, "cpus_per_worker": 1,
                    "upload_repeats": args.upload_repeats},
@@ -268,10 +262,7 @@ def main(argv=None) -> int:
         "transfers": transfers,
         "ratios": ratios,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"\nwrote {args.out}")
+    common.write_report(args.out, report)
     return 0
 
 

@@ -95,6 +95,8 @@ class Checkpoints:
         """The writers' results once every file is durable, without waiting; None while any
         write is still running. Raises what a writer raised (a Ray error)."""
         refs = [ref for _, ref in pending.writers]
+        if not refs:
+            return []
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         if len(ready) < len(refs):
             return None
