@@ -18,16 +18,17 @@ of it; FSDP over 2: each rank writes its half), each store (local disk, S3) and 
 
 Goal (issue 17): the asynchronous stall at most 10% of the synchronous one.
 
-Then, in the same run, the upload: 2 processes (as 2 ranks) each upload a file of one rank's
-size (FSDP's) to the S3 server, through our store (``S3Store.put_bytes``: 16 MiB parts, 10 at
-a time, per-part retries) and through plain boto3 (``upload_fileobj`` with its default
-``TransferConfig``), alternating, ``--upload-repeats`` times; throughput is the bytes of both
-over the slower one's time, the median of the repeats. Downloads likewise (``get_bytes`` with
-the size a manifest records: parallel ranged GETs, vs boto3's ``download_fileobj``). Goal: ours
-at least 0.8x plain boto3.
+Then, in the same run, the upload: 2 processes (as 2 ranks) each upload a file of one FSDP
+rank's size (its snapshot's bytes; 12 bytes a parameter over 2 without an FSDP run) to the S3
+server, through our store (``S3Store.put_bytes``: 16 MiB parts, 10 at a time, per-part
+retries) and through plain boto3 (``upload_fileobj`` with its default ``TransferConfig``),
+alternating, ``--upload-repeats`` times (2 by default); throughput is the bytes of both over the
+slower one's time, the median of the repeats. Downloads likewise (``get_bytes`` with the size a
+manifest records: parallel ranged GETs, vs boto3's ``download_fileobj``). Goal: ours at least
+0.8x plain boto3.
 
-    .venv/bin/python benchmarks/checkpoint.py            # ~4-5 min on 2 cores
-    .venv/bin/python benchmarks/checkpoint.py --quick    # a small model, a smoke test (~2 min)
+    .venv/bin/python benchmarks/checkpoint.py            # 10-11 min here at load average 50
+    .venv/bin/python benchmarks/checkpoint.py --quick    # a small model, a smoke test (5 min at load 50)
 
 Results go to benchmarks/results/checkpoint.json (``"quick": true`` marks a smoke test's).
 """
@@ -169,7 +170,7 @@ def parse_args(argv):
     p.add_argument("--every", type=int, default=2, help="checkpoint every K steps (default 2)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {', '.join(LAYOUTS)}")
     p.add_argument("--stores", default=",".join(STORES), help=f"comma list of {', '.join(STORES)}")
-    p.add_argument("--upload-repeats", type=int, default=3)
+    p.add_argument("--upload-repeats", type=int, default=2, help="rounds of ours vs boto3 (default 2)")
     p.add_argument("--out", default=str(HERE / "results" / "checkpoint.json"))
     p.add_argument("--keep-temp", action="store_true")
     p.add_argument("--verbose", action="store_true")
@@ -220,8 +221,10 @@ def main(argv=None) -> int:
                                      server.endpoint_url, bucket)
                     rows.append(run_variant(spec))
         if "s3" in args.stores:
-            fsdp_rank_bytes = 6 * 4 * (12 * args.n_layer * args.n_embd ** 2) // 2  # params + 2 moments, halved
-            transfers = measure_transfers(server.endpoint_url, bucket, fsdp_rank_bytes, args.upload_repeats)
+            # One FSDP rank's file: the largest snapshot a 2-rank FSDP run held.
+            rank_bytes = max((r["snapshot_bytes_per_rank"] for r in rows if r["layout"] == "fsdp"),
+                             default=0) or 12 * (12 * args.n_layer * args.n_embd ** 2) // 2
+            transfers = measure_transfers(server.endpoint_url, bucket, rank_bytes, args.upload_repeats)
     finally:
         ray.shutdown()
         if process is not None:
