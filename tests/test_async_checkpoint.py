@@ -138,3 +138,23 @@ def test_a_pause_waits_until_the_background_save_is_durable(ray_cluster, tiny_da
     assert summary["transitions"][-1]["time"] >= resumed_at[0]
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
     assert [c.step for c in Checkpointer(open_store(uri), keep_last=None).list_complete()] == [5, step]
+
+
+def test_a_failed_background_write_leaves_no_checkpoint_and_training_goes_on(ray_cluster, tiny_dataset,
+                                                                             tmp_path):
+    """Every write fails (checkpoint.stage_dir is a file, not a directory): each background save
+    is abandoned with the one-line reason, the run still finishes, and nothing looks complete."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    spec = tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 8},
+                     checkpoint={"every_steps": 3, "async_save": True, "save_on_exit": False,
+                                 "stage_dir": str(blocker)})
+    result = run_job(spec)
+    assert result.status == "finished" and result.committed_steps == 8
+    summary = read_summary(result.run_dir)
+    assert summary["checkpoints"] == [] and result.newest_checkpoint == ""
+    abandoned = [t["reason"] for t in summary["transitions"] if "abandoned" in t["reason"]]
+    assert len(abandoned) == 2, abandoned
+    assert all(f"checkpoint.stage_dir {blocker}" in r and "\n" not in r for r in abandoned), abandoned
+    root = os.path.join(result.run_dir, "checkpoints")
+    assert Checkpointer(open_store(root), keep_last=None).list_complete() == []

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from raytrain_sys.checkpoint.store import ObjectNotFoundError, Store, open_store
-from raytrain_sys.errors import CheckpointError
+from raytrain_sys.errors import CheckpointError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -116,19 +116,26 @@ class Checkpointer:
 
     def _write_staged(self, step: int, filename: str, state: dict[str, Any],
                       stage_dir: str) -> dict[str, Any]:
-        os.makedirs(stage_dir, exist_ok=True)
-        path = os.path.join(stage_dir, f"{uuid.uuid4().hex}-{filename}")
+        path = os.path.join(stage_dir, f"{uuid.uuid4().hex}-{filename.replace('/', '_')}")
         try:
-            torch.save(state, path)
-            state.clear()
-            with open(path, "rb") as f:
-                _refuse_unsafe(filename, f)
-                f.seek(0)
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
-            size = os.path.getsize(path)
+            try:
+                os.makedirs(stage_dir, exist_ok=True)
+                torch.save(state, path)
+                state.clear()
+                with open(path, "rb") as f:
+                    _refuse_unsafe(filename, f)
+                    f.seek(0)
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+                size = os.path.getsize(path)
+            except OSError as e:
+                raise StorageError(
+                    f"cannot stage checkpoint file {filename} in checkpoint.stage_dir {stage_dir} "
+                    f"({e.strerror or e}): make it a writable local directory with room for "
+                    f"this rank's file, or set it to \"\""
+                ) from e
             self.store.put_file(self._file_rel(step, filename), path)
         finally:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # never there, or gone: the error above is the news
                 os.remove(path)
         return {"name": filename, "bytes": size, "sha256": digest}
 
