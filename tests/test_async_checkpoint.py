@@ -17,6 +17,7 @@ from raytrain_sys.checkpoint.checkpointer import Checkpointer
 from raytrain_sys.checkpoint.state import read_full_state
 from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.control.supervisor import RunRequests, run_job
+from raytrain_sys.tracking import mlflow_tracker as mt
 from tests.ft_common import (assert_like_reference, ft_spec, pid_alive, run_with_events,
                              supervisor_with_events, wait_until, worker_pid)
 from tests.helpers import assert_params_equal, final_params, read_summary, tiny_spec
@@ -44,6 +45,11 @@ def test_background_checkpoints_hold_the_same_state_as_synchronous_ones(ray_clus
                c["durable_after_s"] >= c["write_s"] for c in background), background
     assert any("written in the background" in t["reason"] for t in summaries["async"]["transitions"])
     assert os.listdir(tmp_path / "stage") == []  # staged files are removed once uploaded
+    # The same figures in MLflow's checkpoint records.
+    record = mt.Tracker.lookup(mt.default_tracking_uri(str(tmp_path / "async" / "runs")),
+                               runs["async"].mlflow_run_id)
+    assert [c["step"] for c in record.checkpoint_records] == [4, 8, 12]
+    assert all(c["snapshot_bytes_per_rank"] > 0 for c in record.checkpoint_records[:2])
     stores = {how: Checkpointer(open_store(os.path.join(r.run_dir, "checkpoints")), keep_last=None)
               for how, r in runs.items()}
     for step in (4, 8):
