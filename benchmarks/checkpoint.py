@@ -27,7 +27,7 @@ slower one's time, the median of the repeats. Downloads likewise (``get_bytes`` 
 manifest records: parallel ranged GETs, vs boto3's ``download_fileobj``). Goal: ours at least
 0.8x plain boto3.
 
-    .venv/bin/python benchmarks/checkpoint.py            # 10-11 min here at load average 50
+    .venv/bin/python benchmarks/checkpoint.py            # 7.5 min here at load 10-30, 11-13 at load 50
     .venv/bin/python benchmarks/checkpoint.py --quick    # a small model, a smoke test (5 min at load 50)
 
 Results go to benchmarks/results/checkpoint.json (``"quick": true`` marks a smoke test's).
