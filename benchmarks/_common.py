@@ -73,3 +73,28 @@ class CallArgBytes:
         import ray.actor
 
         ray.actor.ActorMethod._remote = self._orig
+
+
+def report_head(benchmark: str, quick: bool, loadavg_before: tuple) -> dict:
+    """The fields every results JSON opens with: what ran, when, on which versions and load."""
+    import os
+    import sys
+    import time
+
+    import ray
+    import torch
+
+    return {"benchmark": benchmark, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": quick,
+            "versions": {"ray": ray.__version__, "torch": torch.__version__, "python": sys.version.split()[0]},
+            "machine": {"cpu_count": os.cpu_count(), "loadavg_before": loadavg_before,
+                        "loadavg_at_end": os.getloadavg()}}
+
+
+def write_report(path: str, report: dict) -> None:
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"results: {path}")

@@ -240,6 +240,16 @@ class CheckpointSpec:
     on_corrupt: str = "fail"
     # also keep the checkpoint of the best eval.metric (saved when an evaluation improves on it)
     keep_best: bool = False
+    # periodic checkpoints (every_steps) copy each rank's state to host memory at the step
+    # boundary, the only stall, and write it in the background while training goes on; the
+    # manifest is written once every rank's file is durable. A save due while the previous one
+    # is still being written waits for it (one snapshot per rank). Final, pause and drain saves
+    # stay synchronous: they must be durable before the workers go
+    async_save: bool = False
+    # "write locally, upload later": each rank writes its file to this local directory first and
+    # uploads it from there (the snapshot's memory is freed once the file is on disk; for slow
+    # object stores); "" = upload from memory
+    stage_dir: str = ""
 
 
 @dataclass
@@ -591,6 +601,9 @@ def validate(spec: JobSpec) -> JobSpec:
             raise SpecError(f"data.read_resources.{name}",
                             f"got {amount!r}; a Ray resource name mapped to a number of 0 or more, "
                             f"e.g. {{CPU: 1}} or {{data_reader: 1}}")
+    if "://" in spec.checkpoint.stage_dir:
+        raise SpecError("checkpoint.stage_dir", f"got {spec.checkpoint.stage_dir!r}; a local directory on "
+                                                f"each worker's node, or \"\" to upload from memory")
     if spec.data.sequences != "rows":
         _validate_sequences(spec)
     _validate_extensions(spec)

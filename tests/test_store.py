@@ -152,6 +152,8 @@ def test_s3_large_upload_goes_multipart(
     store.get_file("from_file.bin", str(dest))
     assert dest.read_bytes() == payload
     assert store.get_bytes("from_bytes.bin") == payload
+    # With its size known (a manifest records it), a large file is read in parallel ranges.
+    assert store.get_bytes("from_bytes.bin", size_bytes=len(payload)) == payload
 
 
 def _closed_port() -> int:

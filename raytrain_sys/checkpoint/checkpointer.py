@@ -11,12 +11,15 @@ tampered or bit-rotted checkpoint fails loudly instead of executing code or trai
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
+import os
 import pickle
 import re
+import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from raytrain_sys.checkpoint.store import ObjectNotFoundError, Store, open_store
-from raytrain_sys.errors import CheckpointError
+from raytrain_sys.errors import CheckpointError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +84,16 @@ class Checkpointer:
 
     # ---- writing -------------------------------------------------------------------------
 
-    def write_state(self, step: int, filename: str, state: dict[str, Any]) -> dict[str, Any]:
+    def write_state(self, step: int, filename: str, state: dict[str, Any],
+                    stage_dir: str = "") -> dict[str, Any]:
         """Upload one state file into the (uncommitted) checkpoint; returns its manifest record.
 
-        Runs in worker processes. The bytes are built in memory: S3 uploads them in parallel
-        parts above the store's multipart threshold, and a local store renames them into place.
+        Runs in worker processes, in the training thread or in the background
+        (raytrain_sys.checkpoint.background). ``state`` is emptied once serialized, so the
+        caller's snapshot is freed before the upload. The bytes are built in memory, or with
+        ``stage_dir`` written to a file there first ("write locally, upload later": only the
+        local disk holds them during a slow upload); S3 uploads either in parallel parts above
+        the store's multipart threshold, and a local store renames them into place.
         """
         if filename == MANIFEST_NAME or not filename or filename.startswith("/"):
             raise ValueError(f"invalid checkpoint file name {filename!r}")
@@ -95,20 +103,41 @@ class Checkpointer:
                 f"checkpoint {self.uri_of(step)} is already committed; a run resumed from an "
                 f"older checkpoint must write to a new checkpoint directory"
             )
+        if stage_dir:
+            return self._write_staged(step, filename, state, stage_dir)
         buffer = io.BytesIO()
         torch.save(state, buffer)
+        state.clear()
         data = buffer.getvalue()
-        # Refuse at save time what weights_only loading would refuse at resume time, when it is
-        # too late to fix; this scans pickle opcodes and does not deserialize tensors.
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
-        if unsafe:
-            raise TypeError(
-                f"state for {filename} holds objects that cannot be loaded safely with "
-                f"weights_only=True: {unsafe}; keep checkpoint state to tensors and plain "
-                f"Python types"
-            )
+        del buffer
+        _refuse_unsafe(filename, io.BytesIO(data))
         self.store.put_bytes(self._file_rel(step, filename), data)
         return {"name": filename, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+    def _write_staged(self, step: int, filename: str, state: dict[str, Any],
+                      stage_dir: str) -> dict[str, Any]:
+        path = os.path.join(stage_dir, f"{uuid.uuid4().hex}-{filename.replace('/', '_')}")
+        try:
+            try:
+                os.makedirs(stage_dir, exist_ok=True)
+                torch.save(state, path)
+                state.clear()
+                with open(path, "rb") as f:
+                    _refuse_unsafe(filename, f)
+                    f.seek(0)
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+                size = os.path.getsize(path)
+            except OSError as e:
+                raise StorageError(
+                    f"cannot stage checkpoint file {filename} in checkpoint.stage_dir {stage_dir} "
+                    f"({e.strerror or e}): make it a writable local directory with room for "
+                    f"this rank's file, or set it to \"\""
+                ) from e
+            self.store.put_file(self._file_rel(step, filename), path)
+        finally:
+            with contextlib.suppress(OSError):  # never there, or gone: the error above is the news
+                os.remove(path)
+        return {"name": filename, "bytes": size, "sha256": digest}
 
     def commit(
         self, step: int, files: list[dict[str, Any]], meta: dict[str, Any]
@@ -287,7 +316,7 @@ class Checkpointer:
         record = info.file_record(filename)
         rel = self._file_rel(info.step, filename)
         try:
-            data = self.store.get_bytes(rel)
+            data = self.store.get_bytes(rel, size_bytes=record.get("bytes"))
         except ObjectNotFoundError as e:
             raise CheckpointError(
                 f"checkpoint file {info.uri}/{filename} is listed in the manifest but missing: "
@@ -344,6 +373,18 @@ class Checkpointer:
                 self.keep_last, deleted, self.store.uri,
             )
         return deleted
+
+
+def _refuse_unsafe(filename: str, data: Any) -> None:
+    """Refuse at save time what weights_only loading would refuse at resume time, when it is too
+    late to fix; this scans pickle opcodes and does not deserialize tensors."""
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(data)
+    if unsafe:
+        raise TypeError(
+            f"state for {filename} holds objects that cannot be loaded safely with "
+            f"weights_only=True: {unsafe}; keep checkpoint state to tensors and plain "
+            f"Python types"
+        )
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -41,10 +41,19 @@ S3_CONNECT_TIMEOUT_S = 2.0
 # Long enough for a loaded server to answer a part upload or a listing page; short enough that
 # a hung server fails a call in about a minute rather than hanging the run.
 S3_READ_TIMEOUT_S = 20.0
-# Below 64 MiB a single PUT is cheaper; above it parallel parts win, and 64 MiB parts x the
-# 10,000-part S3 limit still allow 640 GB objects (s3transfer enlarges parts beyond that).
-S3_MULTIPART_THRESHOLD_BYTES = 64 * 1024 * 1024
-S3_MULTIPART_CHUNKSIZE_BYTES = 64 * 1024 * 1024
+# Below 16 MiB a single PUT is cheaper; above it parallel parts win. 16 MiB parts keep a rank's
+# few-hundred-MB file in enough parts to fill S3_MAX_CONCURRENCY connections (64 MiB parts left
+# a 300 MB file at 5 parts), and 16 MiB x the 10,000-part S3 limit still allows 160 GB objects
+# (s3transfer enlarges parts beyond that).
+S3_MULTIPART_THRESHOLD_BYTES = 16 * 1024 * 1024
+S3_MULTIPART_CHUNKSIZE_BYTES = 16 * 1024 * 1024
+# Connections per transfer, per rank: every rank uploads its own file, so a node's total is
+# this times its ranks; 10 is s3transfer's default and saturates ~10 Gbit/s to S3 per rank.
+S3_MAX_CONCURRENCY = 10
+# A part (or a ranged GET) is retried this many times with botocore's exponential backoff
+# (standard mode: up to 2**attempt s, jittered): a throttled or reset part costs a retry, not
+# the whole checkpoint. Single calls keep S3_MAX_ATTEMPTS, so a dead endpoint still fails fast.
+S3_TRANSFER_MAX_ATTEMPTS = 6
 # Large enough that copying a multi-GB checkpoint is not dominated by syscalls.
 _COPY_BUFFER_BYTES = 16 * 1024 * 1024
 # S3 rejects DeleteObjects requests with more keys than this.
@@ -91,8 +100,10 @@ class Store(ABC):
         """Upload a local file; large files go in parallel parts on S3."""
 
     @abstractmethod
-    def get_bytes(self, rel: str) -> bytes:
-        """Read a whole file; ``ObjectNotFoundError`` when it does not exist."""
+    def get_bytes(self, rel: str, size_bytes: int | None = None) -> bytes:
+        """Read a whole file; ``ObjectNotFoundError`` when it does not exist. ``size_bytes``:
+        its size when the caller knows it (a manifest records it), so that a large file is read
+        in parallel ranges without asking for its size first."""
 
     @abstractmethod
     def get_file(self, rel: str, local_path: str) -> None:
@@ -210,7 +221,7 @@ class LocalStore(Store):
         with open(local_path, "rb") as src, self._os_errors("write", path):
             self._atomic_write(path, lambda f: shutil.copyfileobj(src, f, _COPY_BUFFER_BYTES))
 
-    def get_bytes(self, rel: str) -> bytes:
+    def get_bytes(self, rel: str, size_bytes: int | None = None) -> bytes:
         path = self._path(rel)
         with self._os_errors("read", path), open(path, "rb") as f:
             return f.read()
@@ -336,12 +347,13 @@ class S3Store(Store):
         self.multipart_threshold_bytes = multipart_threshold_bytes
         self.multipart_chunksize_bytes = multipart_chunksize_bytes
         self._client: Any = None
+        self._transfer_client: Any = None
         self._client_lock = threading.Lock()
 
     # boto3 clients hold sockets and locks: drop them when shipped and rebuild on first use.
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_client"] = None
+        state["_client"] = state["_transfer_client"] = None
         del state["_client_lock"]
         return state
 
@@ -370,24 +382,37 @@ class S3Store(Store):
         return f"{key}/" if key else ""
 
     def client(self) -> Any:
+        """The client of single calls (listings, HEADs, small objects)."""
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
-                    from botocore.config import Config
-
-                    config = Config(
-                        retries={"max_attempts": S3_MAX_ATTEMPTS, "mode": "standard"},
-                        connect_timeout=S3_CONNECT_TIMEOUT_S,
-                        read_timeout=S3_READ_TIMEOUT_S,
-                        # Virtual-host addressing needs DNS for <bucket>.<host>, which custom
-                        # endpoints such as 127.0.0.1:8333 do not have.
-                        s3={"addressing_style": "path"} if self.endpoint_url else {},
-                    )
-                    session = _new_boto3_session()
-                    self._client = session.client(
-                        "s3", endpoint_url=self.endpoint_url or None, config=config
-                    )
+                    self._client = self._new_client(S3_MAX_ATTEMPTS)
         return self._client
+
+    def transfer_client(self) -> Any:
+        """The client of multipart transfers: more attempts per part (S3_TRANSFER_MAX_ATTEMPTS)
+        and a connection pool as large as the transfer's concurrency."""
+        if self._transfer_client is None:
+            with self._client_lock:
+                if self._transfer_client is None:
+                    self._transfer_client = self._new_client(S3_TRANSFER_MAX_ATTEMPTS)
+        return self._transfer_client
+
+    def _new_client(self, max_attempts: int) -> Any:
+        from botocore.config import Config
+
+        config = Config(
+            retries={"max_attempts": max_attempts, "mode": "standard"},
+            connect_timeout=S3_CONNECT_TIMEOUT_S,
+            read_timeout=S3_READ_TIMEOUT_S,
+            # botocore's default pool (10) would queue the transfer's parts behind each other.
+            max_pool_connections=max(10, S3_MAX_CONCURRENCY),
+            # Virtual-host addressing needs DNS for <bucket>.<host>, which custom
+            # endpoints such as 127.0.0.1:8333 do not have.
+            s3={"addressing_style": "path"} if self.endpoint_url else {},
+        )
+        session = _new_boto3_session()
+        return session.client("s3", endpoint_url=self.endpoint_url or None, config=config)
 
     def _transfer_config(self) -> Any:
         from boto3.s3.transfer import TransferConfig
@@ -395,6 +420,8 @@ class S3Store(Store):
         return TransferConfig(
             multipart_threshold=self.multipart_threshold_bytes,
             multipart_chunksize=self.multipart_chunksize_bytes,
+            max_concurrency=S3_MAX_CONCURRENCY,
+            num_download_attempts=S3_TRANSFER_MAX_ATTEMPTS,
         )
 
     @contextmanager
@@ -488,20 +515,26 @@ class S3Store(Store):
             if len(data) < self.multipart_threshold_bytes:
                 self.client().put_object(Bucket=self.bucket, Key=self._key(rel), Body=data)
             else:
-                self.client().upload_fileobj(
+                self.transfer_client().upload_fileobj(
                     io.BytesIO(data), self.bucket, self._key(rel), Config=self._transfer_config()
                 )
 
     def put_file(self, rel: str, local_path: str) -> None:
         with self._s3_errors("write", rel):
-            self.client().upload_file(
+            self.transfer_client().upload_file(
                 local_path, self.bucket, self._key(rel), Config=self._transfer_config()
             )
 
-    def get_bytes(self, rel: str) -> bytes:
-        # One streamed GET: no HEAD round trip and no thread pool, which dominate for the many
-        # small reads (manifests); large files that want parallel ranges go through get_file.
+    def get_bytes(self, rel: str, size_bytes: int | None = None) -> bytes:
+        # Small or of unknown size: one streamed GET, no HEAD round trip and no thread pool,
+        # which dominate for the many small reads (manifests). A large file of known size (a
+        # checkpoint's, from its manifest): parallel ranged GETs into memory.
         with self._s3_errors("read", rel):
+            if size_bytes is not None and size_bytes >= self.multipart_threshold_bytes:
+                buffer = io.BytesIO()
+                self.transfer_client().download_fileobj(
+                    self.bucket, self._key(rel), buffer, Config=self._transfer_config())
+                return buffer.getvalue()
             response = self.client().get_object(Bucket=self.bucket, Key=self._key(rel))
             data: bytes = response["Body"].read()
         return data
@@ -510,7 +543,7 @@ class S3Store(Store):
         os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
         # download_file writes a temp name and renames it when done.
         with self._s3_errors("read", rel):
-            self.client().download_file(
+            self.transfer_client().download_file(
                 self.bucket, self._key(rel), local_path, Config=self._transfer_config()
             )
 

@@ -2,7 +2,8 @@
 
 summary.json keys (stable): status, reason, job, run_dir, committed_steps, samples_consumed,
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
-mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
+checkpoints (step, uri, stall_s: training's wait at the step boundary; a background save,
+checkpoint.async_save, also durable_after_s, write_s and snapshot_bytes_per_rank), mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
 failures, steps_redone, steps_run_ahead, leases, evals (one record per evaluation: step and
 metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), step_times
 (seconds each committed step took, index i = step i+1, like losses: the throughput plot of

@@ -38,6 +38,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from raytrain_sys.checkpoint.background import BackgroundWrite
 from raytrain_sys.data.batches import RankShare
 from raytrain_sys.extensions import resolve_task
 from raytrain_sys.parallel import mesh as meshlib
@@ -106,7 +107,9 @@ def cut_departed(pieces: dict, chunks: list):
         yield reshard.cut(pieces, requests)
 
 
-@ray.remote(concurrency_groups={"control": 2})
+# "checkpoint": the call that waits for a background checkpoint write (checkpoint_written) runs
+# beside the steps, so that the Supervisor can hold its reference while training goes on.
+@ray.remote(concurrency_groups={"control": 2, "checkpoint": 1})
 class TrainWorker:
     def __init__(self, spec_dict: dict[str, Any] | None):
         """A worker of the job ``spec_dict``; with None, a warm spare (torch and this module
@@ -115,6 +118,7 @@ class TrainWorker:
         self.spec: JobSpec | None = None
         self.owner = None  # a spare's: the actor whose death ends this process (claim)
         self.stash, self.step_done = None, 0  # what ping reads (a spare holds no state)
+        self.background = BackgroundWrite()  # checkpoint.async_save: this rank's write in flight
         if spec_dict is not None:
             self._configure(spec_dict)
         else:  # a spare: the imports any job's prepare() would make, made while no one waits
@@ -407,28 +411,64 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int,
-                        everything: bool = False) -> list[dict]:
+                        everything: bool = False, stage_dir: str = "") -> list[dict]:
         """Write the blocks of the state of ``step`` this rank owns (data only; no manifest).
 
         Every block of the state is owned by exactly one rank (in a replicated layout rank 0
         owns all of it), so the files of all members together hold it once. ``everything``:
         write all this rank holds instead (a replicated layout's last save when rank 0 is gone).
         No collective: a save works while the process group is broken. Returns the manifest
-        records written (none when this rank owns nothing).
+        records written (none when this rank owns nothing). A background write still in flight
+        ends first (one write per rank at a time).
         """
-        from raytrain_sys.checkpoint.checkpointer import Checkpointer
-        from raytrain_sys.checkpoint.store import open_store
+        self.background.wait()
+        state = self._owned_state(step, everything)
+        if state is None:
+            return []
+        ckpt, name = self._checkpoint_target(store_uri, s3_endpoint_url)
+        return [ckpt.write_state(step, name, state, stage_dir)]
 
+    def start_checkpoint(self, store_uri: str, s3_endpoint_url: str, step: int,
+                         stage_dir: str = "") -> dict[str, Any]:
+        """``save_checkpoint`` in the background (checkpoint.async_save): copy the owned blocks
+        to host memory now, the only time training waits, then write them in a thread; the
+        records come from ``checkpoint_written``. Waits first for this rank's previous
+        background write, if one is still in flight."""
+        t0 = time.perf_counter()
+        self.background.wait()
+        state = self._owned_state(step, everything=False)
+        snapshot_s = time.perf_counter() - t0
+        if state is None:
+            return {"writes": False, "snapshot_bytes": 0, "snapshot_s": snapshot_s}
+        ckpt, name = self._checkpoint_target(store_uri, s3_endpoint_url)
+        nbytes = sum(p["data"].numel() * p["data"].element_size() for p in state["pieces"].values())
+        self.background.start(step, nbytes, lambda: [ckpt.write_state(step, name, state, stage_dir)])
+        return {"writes": True, "snapshot_bytes": nbytes, "snapshot_s": snapshot_s}
+
+    @ray.method(concurrency_group="checkpoint")
+    def checkpoint_written(self, step: int) -> dict[str, Any]:
+        """Once this rank's background write of ``step`` is durable: its manifest records and
+        how long it took; raises what the write raised."""
+        return {"files": self.background.result(step), "write_s": self.background.write_s}
+
+    def _owned_state(self, step: int, everything: bool) -> dict[str, Any] | None:
+        """The checkpoint file's content for this rank (its blocks copied to host memory), or
+        None when it owns no block."""
         assert self.stash is None and self.step_done == step, \
             f"asked to save step {step}, this worker holds {self.ping()} (in layout: {self.step_done})"
         owned = reshard.local_pieces(self.model, self.optimizer,
                                      owned_by=None if everything else self.coords)
         if not owned:
-            return []
+            return None
+        return {"step": step, "rank": self.rank, "world_size": self.world_size,
+                "pieces": reshard.pieces_to_plain(owned)}
+
+    def _checkpoint_target(self, store_uri: str, s3_endpoint_url: str):
+        from raytrain_sys.checkpoint.checkpointer import Checkpointer
+        from raytrain_sys.checkpoint.store import open_store
+
         ckpt = Checkpointer(open_store(store_uri, s3_endpoint_url), keep_last=None)  # writes only
-        state = {"step": step, "rank": self.rank, "world_size": self.world_size,
-                 "pieces": reshard.pieces_to_plain(owned)}
-        return [ckpt.write_state(step, PIECES_FILE.format(rank=self.rank), state)]
+        return ckpt, PIECES_FILE.format(rank=self.rank)
 
     def load_checkpoint(self, checkpoint_uri: str, s3_endpoint_url: str) -> int:
         """Take this layout's blocks of a checkpoint written at any layout or world size, one

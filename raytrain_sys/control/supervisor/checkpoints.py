@@ -6,12 +6,16 @@ the manifest, written last, is what makes one visible), the checkpoint records o
 (``checkpoints``, ``newest_checkpoint``, ``resumed_from``), of MLflow and of Prometheus (save
 seconds and bytes). It never rebuilds the group and records no state transition: a member lost
 while saving surfaces as ``WorkerLost`` from the Supervisor's watch, and the Supervisor decides.
+
+A background save (``checkpoint.async_save``) is a ``PendingSave``: the members' snapshots were
+taken at its step, their writes run while training goes on, and ``written`` says whether every
+writer's file is durable yet; the Supervisor commits it then, or abandons it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from dataclasses import dataclass
 
 import ray
 
@@ -45,6 +49,18 @@ def check_compatible(spec: JobSpec, info: CheckpointInfo) -> None:
         f"run: restore those fields or start a new run")
 
 
+@dataclass
+class PendingSave:
+    """A background save in flight: snapshots of ``step`` taken, files being written."""
+    step: int
+    data_cursor: int
+    world_size: int
+    writers: list  # (Worker, reference of its checkpoint_written call), for the members that own blocks
+    stall_s: float  # the step boundary's wait for the snapshots
+    snapshot_bytes_per_rank: int  # the largest member's snapshot
+    started_at: float  # time.perf_counter() when the snapshots were taken
+
+
 class Checkpoints:
     def __init__(self, spec: JobSpec, checkpointer: Checkpointer, checkpoint_root: str, manifest,
                  summary: RunSummary, tracker, metrics: RunMetrics):
@@ -59,19 +75,49 @@ class Checkpoints:
         """Have ``worker`` write the blocks of the state of ``step`` it owns (``everything``:
         all of it, from a replica); the reference of its file records."""
         return worker.actor.save_checkpoint.remote(self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url,
-                                                   step, everything=everything)
+                                                   step, everything=everything,
+                                                   stage_dir=self.spec.checkpoint.stage_dir)
+
+    def start_call(self, worker: Worker, step: int):
+        """Have ``worker`` snapshot the blocks of ``step`` it owns and write them in the
+        background; the reference of its snapshot's size and time."""
+        return worker.actor.start_checkpoint.remote(self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url,
+                                                    step, stage_dir=self.spec.checkpoint.stage_dir)
+
+    def begin(self, step: int, data_cursor: int, world_size: int, started: list, stall_s: float,
+              started_at: float) -> PendingSave:
+        """The background save whose snapshots ``started`` ((worker, start_checkpoint result)
+        pairs) were taken: ask each writer for its records once durable."""
+        writers = [(w, w.actor.checkpoint_written.remote(step)) for w, r in started if r["writes"]]
+        biggest = max((r["snapshot_bytes"] for _, r in started), default=0)
+        return PendingSave(step, data_cursor, world_size, writers, stall_s, biggest, started_at)
+
+    @staticmethod
+    def written(pending: PendingSave) -> list[dict] | None:
+        """The writers' results once every file is durable, without waiting; None while any
+        write is still running. Raises what a writer raised (a Ray error)."""
+        refs = [ref for _, ref in pending.writers]
+        if not refs:
+            return []
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(ready) < len(refs):
+            return None
+        return ray.get(refs)
 
     def commit(self, step: int, files: list[dict], data_cursor: int, world_size: int,
-               save_started: float) -> CheckpointInfo:
-        """The manifest, written last: the checkpoint becomes visible, and is recorded.
-        ``save_started``: ``time.perf_counter()`` when the members were asked to save."""
+               timing: dict | None = None) -> CheckpointInfo:
+        """The manifest, written last: the checkpoint becomes visible, and is recorded (with
+        ``timing``: the training stall, the write time and snapshot size, when measured)."""
         info = self.checkpointer.commit(step, files, self._meta(data_cursor, world_size))
-        self.metrics.checkpoint(time.perf_counter() - save_started, sum(f["bytes"] for f in files))
+        # Save seconds: from the members' call to the manifest (a background save's: to durable).
+        timing = timing or {}
+        self.metrics.checkpoint(timing.get("durable_after_s", timing.get("stall_s", 0.0)),
+                                sum(f["bytes"] for f in files))
         self.summary.newest_checkpoint = info.uri
-        self.summary.checkpoints.append({"step": info.step, "uri": info.uri})
+        self.summary.checkpoints.append({"step": info.step, "uri": info.uri, **timing})
         if self.tracker is not None:
             try:
-                self.tracker.record_checkpoint(info.step, info.uri, {"data_cursor": data_cursor})
+                self.tracker.record_checkpoint(info.step, info.uri, {"data_cursor": data_cursor, **timing})
                 self.tracker.log_plots(self.summary.snapshot())  # drawn off the step loop
             except Exception as exc:
                 log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)

@@ -35,7 +35,7 @@ from raytrain_sys.control.run_record import RunSummary, git_commit
 from raytrain_sys.control.spares import SpareSource
 import raytrain_sys.control.supervisor.launch as launch
 import raytrain_sys.control.supervisor.policy as policy
-from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible
+from raytrain_sys.control.supervisor.checkpoints import Checkpoints, PendingSave, check_compatible
 from raytrain_sys.control.supervisor.evaluation import Evaluation
 from raytrain_sys.control.supervisor.journal import State, transition_record
 from raytrain_sys.control.supervisor.liveness import StepOutcome, WorkerLost, collect, watch
@@ -108,6 +108,9 @@ class Supervisor:
         self.evaluation: Evaluation | None = None
         self.stragglers: Stragglers | None = None
         self._straggler_leaving: tuple[Worker, str] | None = None  # elastic.straggler_policy=replace
+        # The background save in flight (checkpoint.async_save): at most one, committed or
+        # abandoned at a later boundary (``_settle_save``).
+        self._pending_save: PendingSave | None = None
         self._early_stop = ""  # the reason, once train.early_stop ended the run
         self._local_cluster = False
         self._warm = None  # the data warm-up thread (launch.warm_data), joined before teardown
@@ -214,6 +217,7 @@ class Supervisor:
                 self.data.wait_s = 0.0  # spent while the workers started, not waited for by them
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._loop()
+            self._settle_save(wait=True)  # a background save started is finished, whatever ends the run
             stop = self.requests.stop()
             cancelled = stop is not None and stop.how == CANCEL
             save = not cancelled and (spec.checkpoint.save_on_exit or stop is not None)  # a pause saves
@@ -249,6 +253,7 @@ class Supervisor:
 
     def _restore(self, info: CheckpointInfo) -> None:
         """Load a durable checkpoint into every member: the fallback when no replica holds state."""
+        self._abandon_save("an older checkpoint is restored")
         self._transition(State.RESTORING, f"loading checkpoint {info.uri}")
         self.checkpoints.load(self.group, info)
         self.steps.rewind(info.step, int(info.manifest["data_cursor"]))
@@ -295,8 +300,10 @@ class Supervisor:
                 self._act_on_stragglers(cur.members)
                 every = spec.checkpoint.every_steps
                 # A lease ends where a checkpoint is due (policy.lease_steps).
+                if self._pending_save is not None:
+                    self._settle_save(wait=False)
                 if every and self.committed_step % every == 0 and self.committed_step < last:
-                    self._checkpoint(final=False)
+                    self._checkpoint(final=False, background=spec.checkpoint.async_save)
                 if self.evaluation is not None and (policy.eval_due(self.committed_step, spec)
                                                     or self.committed_step == spec.train.max_steps):
                     self._evaluate()
@@ -493,6 +500,10 @@ class Supervisor:
     def _fail_with_checkpoint(self, reason: str) -> None:
         """Stop with a clear error, saving the in-memory state first when a replica holds it."""
         saved = ""
+        try:
+            self._settle_save(wait=True)
+        except Exception as exc:  # the failure is the news
+            log.warning("the background checkpoint in flight could not be committed: %s", exc)
         if self.group.workers and not self.checkpoints.saved(self.committed_step):
             try:
                 saved = self._save_before_failing()
@@ -529,7 +540,8 @@ class Supervisor:
         else:
             if replicated:
                 return f"; no surviving worker could save step {step}"
-        info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size, started)
+        info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size,
+                                       {"stall_s": round(time.perf_counter() - started, 4)})
         return f"; state saved at step {step}: {info.uri}"
 
     # ------------------------------------------------------------------ membership at step boundaries
@@ -667,17 +679,32 @@ class Supervisor:
                      reason=f"left draining node(s): world {len(self.group.workers)}")
 
     # ------------------------------------------------------------------ checkpoints
-    def _checkpoint(self, final: bool) -> None:
+    def _checkpoint(self, final: bool, background: bool = False) -> None:
+        """Save the committed step; ``background`` (checkpoint.async_save): only the members'
+        snapshots are waited for here, the manifest is written by ``_settle_save`` once every
+        file is durable. A save in flight is settled first: a new one waits for it."""
+        self._settle_save(wait=True)
         step = self.committed_step
-        self._transition(State.CHECKPOINTING, f"{'final' if final else 'periodic'} checkpoint at step {step}")
-        started = time.perf_counter()
+        if self.checkpoints.saved(step):
+            return
+        how = "periodic background" if background else "final" if final else "periodic"
+        self._transition(State.CHECKPOINTING, f"{how} checkpoint at step {step}")
+        t0 = time.perf_counter()
         try:
-            files = self._save_checkpoint_files(step)
-            if files is None:  # the group fell back to an older checkpoint meanwhile
+            saved = self._save_checkpoint_files(step, background)
+            if saved is None:  # the group fell back to an older checkpoint meanwhile
+                return
+            if background:
+                now = time.perf_counter()
+                self._pending_save = self.checkpoints.begin(step, self.data_cursor, self.group.world_size,
+                                                            saved, now - t0, now)
+                self._transition(State.RUNNING, f"checkpoint of step {step}: snapshots taken in "
+                                 f"{now - t0:.2f} s, written in the background")
                 return
             if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
                 raise RuntimeError(f"injected fault before the manifest of step {step}")
-            info = self.checkpoints.commit(step, files, self.data_cursor, self.group.world_size, started)
+            info = self.checkpoints.commit(step, saved, self.data_cursor, self.group.world_size,
+                                           {"stall_s": round(time.perf_counter() - t0, 4)})
         except Exception as exc:
             user = find_user_error(exc)
             if user is None or not isinstance(user, StorageError):
@@ -690,17 +717,19 @@ class Supervisor:
             return
         self._transition(State.RUNNING, f"checkpoint committed: {info.uri}")
 
-    def _save_checkpoint_files(self, step: int) -> list[dict] | None:
+    def _save_checkpoint_files(self, step: int, background: bool = False) -> list | None:
         """Have every member write the blocks of the state of ``step`` it owns (in a replicated
-        layout rank 0 owns all of it). A member lost mid-save: the group is rebuilt without it
-        (its blocks are re-dealt) and the save starts over. None when the group had to fall
-        back to an older checkpoint meanwhile."""
+        layout rank 0 owns all of it): their file records; with ``background``, have them take
+        their snapshots and start writing: (member, snapshot) pairs. A member lost mid-save:
+        the group is rebuilt without it (its blocks are re-dealt) and the save starts over.
+        None when the group had to fall back to an older checkpoint meanwhile."""
+        call = self.checkpoints.start_call if background else self.checkpoints.save_call
         for _ in range(3):
             members = list(self.group.workers)
-            refs = [(w, self.checkpoints.save_call(w, step)) for w in members]
+            refs = [(w, call(w, step)) for w in members]
             try:
-                return [record for w, ref in refs
-                        for record in watch(self.group, w, ref, f"the checkpoint of step {step}")]
+                done = [(w, watch(self.group, w, ref, f"the checkpoint of step {step}")) for w, ref in refs]
+                return done if background else [record for _, records in done for record in records]
             except WorkerLost as lost:
                 ray.wait([r for _, r in refs], num_returns=len(refs), timeout=policy.PING_TIMEOUT_S)
                 self._rebuild_without([lost.worker], f"worker {lost.worker.slot} on node "
@@ -709,6 +738,57 @@ class Supervisor:
                 return None
             self._transition(State.CHECKPOINTING, f"checkpoint at step {step}, retried after a rebuild")
         raise TrainingFailed(f"checkpoint at step {step}: members were lost during three attempts")
+
+    def _settle_save(self, wait: bool) -> None:
+        """The background save in flight, if any: committed (manifest last) once every writer's
+        file is durable; with ``wait``, block until then, watching the writers. Abandoned,
+        never committed, when a writer left the group, died or failed to write: its files stay
+        an invisible partial directory and the newest committed checkpoint stays the newest."""
+        pending = self._pending_save
+        if pending is None:
+            return
+        members = {w.slot for w in self.group.workers}
+        gone = [w.slot for w, _ in pending.writers if w.slot not in members]
+        if gone:
+            self._abandon_save(f"worker(s) {gone} left the group while writing it")
+            return
+        try:
+            if wait:
+                results = [watch(self.group, w, ref, f"the background checkpoint of step {pending.step}")
+                           for w, ref in pending.writers]
+            else:
+                results = self.checkpoints.written(pending)
+                if results is None:
+                    return
+        except (WorkerLost, ray.exceptions.RayError) as exc:
+            user = find_user_error(exc)
+            self._abandon_save(str(user) if user is not None else
+                               exc.reason if isinstance(exc, WorkerLost) else type(exc).__name__)
+            return
+        self._pending_save = None
+        timing = {"stall_s": round(pending.stall_s, 4),
+                  "durable_after_s": round(time.perf_counter() - pending.started_at, 4),
+                  "write_s": round(max((r["write_s"] for r in results), default=0.0), 4),
+                  "snapshot_bytes_per_rank": pending.snapshot_bytes_per_rank}
+        try:
+            info = self.checkpoints.commit(pending.step, [f for r in results for f in r["files"]],
+                                           pending.data_cursor, pending.world_size, timing)
+        except Exception as exc:
+            user = find_user_error(exc)
+            if user is None or not isinstance(user, (StorageError, CheckpointError)):
+                raise
+            self._transition(self.state, f"background checkpoint of step {pending.step} not committed: {user}")
+            return
+        self._transition(self.state, f"checkpoint committed: {info.uri} (written in the background, "
+                         f"durable {timing['durable_after_s']:.1f} s after its snapshot)")
+
+    def _abandon_save(self, why: str) -> None:
+        """Give the background save in flight up: it never gets a manifest."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        self._transition(self.state, f"background checkpoint of step {pending.step} abandoned ({why}); "
+                         f"the newest checkpoint stays {self.summary.newest_checkpoint or 'none'}")
 
     # ------------------------------------------------------------------ end
     def _result(self) -> RunResult:
