@@ -122,7 +122,7 @@ def test_jobs_page_shows_a_running_job_to_its_team_only(ray_cluster, tiny_datase
     summary = read_summary(run_dir)
     plots = {os.path.basename(a.path) for a in MlflowClient(summary["tracking_uri"]).list_artifacts(
         summary["mlflow_run_id"], "plots")}
-    assert plots == {"loss.png", "throughput.png", "world_size.png"}
+    assert plots == {"loss.png", "throughput.png", "world_size.png", "rank_breakdown.png"}
 
 
 def _healthy(url: str) -> bool:

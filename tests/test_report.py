@@ -4,8 +4,8 @@ A real run on the session cluster with its real MLflow store: the plots appear i
 while it trains (after its first checkpoint) and again at the end; ``raytrain-sys report`` (the
 installed CLI, in a subprocess) prints the run's numbers from a run dir or from its MLflow run id
 and writes the PNGs. The per-rank breakdown is drawn from the ``rank_times`` records of the
-per-rank timings (written by the Supervisor when the step breakdown is measured; given here as
-that contract's shape) and left out when a run has none; drawn in a child process as the
+per-rank timings (written by the Supervisor, which measures the step breakdown; given by hand
+in the second test) and left out when a summary has none; drawn in a child process as the
 tracker does, a drawing that fails is one error naming its cause.
 """
 
@@ -25,7 +25,9 @@ from tests.ft_common import supervisor_with_events
 from tests.helpers import read_summary, tiny_spec
 
 STEPS = 12
-RUN_PLOTS = {"loss.png", "throughput.png", "world_size.png"}
+RUN_PLOTS = {"loss.png", "throughput.png", "world_size.png"}  # any run's
+# A real run measures each rank's step breakdown (rank_times): it gets the per-rank plot too.
+TIMED_RUN_PLOTS = RUN_PLOTS | {"rank_breakdown.png"}
 
 
 def png_size(path: str) -> tuple[int, int]:
@@ -58,12 +60,12 @@ def test_a_run_has_its_plots_in_mlflow_while_it_trains_and_a_report_after(ray_cl
     sup, _ = supervisor_with_events(spec, {8: after_first_checkpoint})
     result = sup.run()
     assert result.status == "finished"
-    assert during["plots"] == RUN_PLOTS, "no plots in MLflow after the checkpoint at step 5"
+    assert during["plots"] == TIMED_RUN_PLOTS, "no plots in MLflow after the checkpoint at step 5"
 
     summary = read_summary(result.run_dir)
     assert len(summary["step_times"]) == STEPS and all(t > 0 for t in summary["step_times"])
     client = MlflowClient(summary["tracking_uri"])
-    assert plots_in_mlflow(client, result.mlflow_run_id) == RUN_PLOTS
+    assert plots_in_mlflow(client, result.mlflow_run_id) == TIMED_RUN_PLOTS
     # The end's redraw replaced the checkpoint's: the loss plot in MLflow is the final one.
     local = client.download_artifacts(result.mlflow_run_id, "plots/loss.png", str(tmp_path))
     assert png_size(local) == (700, 320)
@@ -77,12 +79,12 @@ def test_a_run_has_its_plots_in_mlflow_while_it_trains_and_a_report_after(ray_cl
     assert f"loss         {losses[0]:.4f} -> {losses[-1]:.4f}" in by_dir.stdout
     assert "world sizes  2..2, last 2" in by_dir.stdout
     assert f"{summary['throughput']['tokens_per_s']:,.0f}" in by_dir.stdout
-    assert sorted(os.listdir(tmp_path / "report")) == sorted(RUN_PLOTS)
+    assert sorted(os.listdir(tmp_path / "report")) == sorted(TIMED_RUN_PLOTS)
 
     by_run_id = report_cli(result.mlflow_run_id, "--tracking-uri", summary["tracking_uri"])
     assert by_run_id.returncode == 0, by_run_id.stderr
     assert by_run_id.stdout.splitlines()[:9] == by_dir.stdout.splitlines()[:9]
-    assert sorted(os.listdir(os.path.join(result.run_dir, "plots"))) == sorted(RUN_PLOTS)
+    assert sorted(os.listdir(os.path.join(result.run_dir, "plots"))) == sorted(TIMED_RUN_PLOTS)
 
     wrong = report_cli(str(tmp_path / "no-such-run"))
     assert wrong.returncode == 2 and "--tracking-uri" in wrong.stderr and len(wrong.stderr.splitlines()) == 1

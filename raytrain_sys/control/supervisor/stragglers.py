@@ -222,6 +222,8 @@ class Stragglers:
                 log.warning("could not record the straggler in MLflow: %s", exc)
 
     def _set_gauge(self, rank: int, node: str, value: float) -> None:
+        if not self.spec.tracking.metrics:  # every series off (tracking.metrics)
+            return
         try:
             if self._gauge is None:
                 from ray.util.metrics import Gauge
