@@ -20,9 +20,9 @@ Ownership, because a spare must outlive its pool but never its job:
   one-bundle placement group, as for any worker; the spare is taken on that bundle's node. The
   scheduler's accounting does not change: idle spares are spare processes, not capacity.
 * **Single use**: a worker that leaves its job (the job ended, it was drained or replaced) is
-  killed, as before; the pool starts another in the background, once no spare has been taken
-  for ``REFILL_DELAY_S``. A used process carries a job's process groups, threads and heap;
-  starting a fresh spare costs the same seconds, taken while no one waits.
+  killed, as before; the pool starts another in the background. A used process carries a
+  job's process groups, threads and heap; starting a fresh spare costs the same seconds, taken
+  while no one waits.
 
 Only gang starts inside an actor use spares (the service's runners): replacements and
 newcomers start in the background while the group trains, where a process's start costs no
@@ -49,11 +49,6 @@ NAMESPACE = "raytrain-sys"
 POOL_NAME = "raytrain-sys-spares"
 SPARE_PREFIX = "raytrain-sys-spare-"
 CLAIM_TIMEOUT_S = 10.0
-# Spares taken are replaced this long after the last take, not at once: the new processes'
-# imports (a few CPU-seconds each) would compete with the job that just took them, which is
-# starting on the same nodes. A burst of starts within it finds fewer spares and starts fresh
-# processes for the rest, as without a pool.
-REFILL_DELAY_S = 5.0
 
 
 def takes_spares(gpus_per_worker: float, in_actor: bool) -> bool:
@@ -95,10 +90,9 @@ class SparePool:
     """Keeps ``per_node`` idle spares on every alive node with CPUs; hands them out claimed.
     A detached named actor (``start_pool``); see the module docstring."""
 
-    def __init__(self, per_node: int, poll_s: float = 1.0, refill_delay_s: float = REFILL_DELAY_S):
+    def __init__(self, per_node: int, poll_s: float = 1.0):
         self.per_node = int(per_node)
-        self.poll_s, self.refill_delay_s = poll_s, refill_delay_s
-        self._last_take_at = float("-inf")  # monotonic
+        self.poll_s = poll_s
         self._lock = threading.Lock()
         self._idle: dict[str, list[Any]] = {}  # node id -> spares up and unclaimed
         self._starting: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, node_info ref)
@@ -120,7 +114,7 @@ class SparePool:
         if taken:
             with self._lock:
                 self._claimed.setdefault(owner_id, []).extend(taken)
-        self._last_take_at = time.monotonic()  # refilled after REFILL_DELAY_S (see there)
+        self._wake.set()
         return out
 
     def end_claimed_by(self, owner_id: str) -> int:
@@ -208,7 +202,7 @@ class SparePool:
                 if node_id not in nodes:  # node gone: its spares with it
                     self._counts["lost"] += len(self._idle.pop(node_id, []))
                     self._counts["lost"] += len(self._starting.pop(node_id, []))
-            if self._stop.is_set() or time.monotonic() - self._last_take_at < self.refill_delay_s:
+            if self._stop.is_set():
                 return
             for node_id in nodes:
                 have = len(self._idle.get(node_id, [])) + len(self._starting.get(node_id, []))

@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from raytrain_sys.control.spares import REFILL_DELAY_S, end_spares_of
+from raytrain_sys.control.spares import end_spares_of
 from raytrain_sys.errors import JobStateConflict
 from raytrain_sys.monitor.metrics import ServiceMetrics
 from raytrain_sys.service import runner as runners
@@ -81,9 +81,6 @@ class ReconcilerConfig:
     # admitted right after another (a reclaim) does not wait for the spare the first one used
     # to be replaced while the cluster is busy; 0 for none.
     spare_runners: int = 2
-    # A spare runner taken is replaced this long after the last launch, not at once: a new
-    # process importing torch would take CPU from the jobs just starting.
-    spare_refill_delay_s: float = REFILL_DELAY_S
 
 
 @dataclass
@@ -110,7 +107,6 @@ class Reconciler:
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
-        self._last_launch_at = float("-inf")  # when a launch last took a spare runner (monotonic)
         self.metrics = ServiceMetrics()  # queue and quota per team, each pass
         self.passes = 0
 
@@ -176,8 +172,6 @@ class Reconciler:
         wanted = self.config.spare_runners
         if len(self._spares) >= wanted:
             return
-        if time.monotonic() - self._last_launch_at < self.config.spare_refill_delay_s and self._spares_adopted:
-            return
         idle = [] if self._spares_adopted else runners.idle_spare_runners()
         self._spares_adopted = True
         for extra in idle[wanted:]:
@@ -196,7 +190,6 @@ class Reconciler:
         for entry in self._spares:
             if entry[1] in done:
                 self._spares.remove(entry)
-                self._last_launch_at = time.monotonic()
                 return entry[0]
         return None
 
