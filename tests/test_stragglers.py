@@ -95,7 +95,9 @@ def test_slow_rank_is_found_and_its_peers_wait_for_it(unmitigated):
     history = summary["rank_times_history"]
     assert [h["step"] for h in history] == list(range(5, STEPS + 1, 5)) and history[-1]["ranks"] == times
     # The gauge, as Prometheus would scrape it from Ray's metrics agents.
-    series = wait_until(lambda: flagged_series(f'rank="{SLOW_RANK}"'), timeout_s=30.0)
+    # Every rank's series exists from the first refresh (0 unless flagged): wait for the 1 to be exported.
+    series = wait_until(lambda: [s for s in flagged_series(f'rank="{SLOW_RANK}"') if s.endswith(" 1.0")],
+                        timeout_s=30.0)
     assert series and series[0].endswith(" 1.0") and 'job="t"' in series[0] and 'team="-"' in series[0]
 
 
