@@ -19,7 +19,7 @@ class StepGates:
     Files in ``root`` drive it: with ``hold-<job>-<step>`` present, the job's step loop stops at
     the commit of that step, writes ``at-<job>-<step>`` and waits for ``go-<job>-<step>``
     (a step redone after a restore passes once go exists). With ``newcomer-<job>`` present,
-    the loop waits (once) for a requested worker to be ready, so a grow lands before the end."""
+    the loop waits (once) for every requested worker to be ready, so a grow lands whole before the end."""
 
     def __init__(self, root: str, timeout_s: float = 240.0):
         self.root = root
@@ -36,7 +36,8 @@ class StepGates:
                 time.sleep(0.05)
         newcomer = os.path.join(self.root, f"newcomer-{job_id}")
         if os.path.exists(newcomer) and sup.group.pending:
-            ray.wait([w.ready_ref for w in sup.group.pending], num_returns=1, timeout=self.timeout_s)
+            refs = [w.ready_ref for w in sup.group.pending]  # all of them: a grow by 2 that takes
+            ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)  # one ends a worker short
             os.remove(newcomer)
 
     def _path(self, kind, job_id, step) -> str:
