@@ -41,6 +41,7 @@ import torch.distributed as dist
 from raytrain_sys.checkpoint.background import BackgroundWrite
 from raytrain_sys.data.batches import RankShare
 from raytrain_sys.extensions import resolve_task
+from raytrain_sys.niceness import process_niceness, set_niceness
 from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
@@ -59,20 +60,6 @@ RENDEZVOUS_TIMEOUT_S = 30.0
 def _step_seed(seed: int, step: int, rank: int) -> int:
     # Dropout masks as a pure function of (seed, step, rank): nothing to save for an exact resume.
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
-
-
-def set_niceness(nice: int | None) -> None:
-    """Set this process's nice value (resources.worker_niceness; None keeps Ray's). A process may
-    raise its own nice value but needs root or CAP_SYS_NICE to lower it: without them it keeps the
-    one it has, with a warning."""
-    if nice is None:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-    except PermissionError:
-        log.warning("resources.worker_niceness=%d: not permitted here (lowering a nice value needs "
-                    "root or CAP_SYS_NICE); the worker keeps nice %d", nice,
-                    os.getpriority(os.PRIO_PROCESS, 0))
 
 
 def _end_with(owner_id: str, poll_s: float) -> None:
@@ -130,7 +117,8 @@ class TrainWorker:
 
     def _configure(self, spec_dict: dict[str, Any]) -> None:
         self.spec = from_dict(spec_dict)
-        set_niceness(self.spec.resources.worker_niceness)
+        # Every thread: a spare's torch threads were started by its warm-up, at Ray's 15.
+        set_niceness(self.spec.resources.worker_niceness, all_threads=True)
         threads = max(1, int(self.spec.resources.cpus_per_worker))
         torch.set_num_threads(threads)
         self.rank = -1
@@ -187,7 +175,7 @@ class TrainWorker:
 
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "pid": os.getpid(), "create_time": psutil.Process().create_time(),
-                "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+                "nice": process_niceness()}
 
     def prepare(self) -> dict[str, Any]:
         """Import torch's distributed pieces and build the model now, while the group trains

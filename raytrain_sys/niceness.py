@@ -1,0 +1,74 @@
+"""The scheduling priority (nice value) of a job's training workers.
+
+Ray starts every worker process, actors and task workers alike, at nice 15. A job's training
+workers leave it for ``resources.worker_niceness`` (0 by default): a rank that fills its core
+would otherwise lose it to every daemon wake-up, and its peers would wait for it at the next
+collective. Every thread of the worker moves, not only the one that adopts the job: a warm
+spare's torch threads were started by its warm-up, at 15.
+
+The rest stays at Ray's 15: runners, read tasks, spares, spare runners, the service. Moving a
+job's runner and read tasks to 0 with its workers was measured (benchmarks/scheduler.py,
+reclaim, 2 cores): a borrowing job's runner, reads and worker then take both cores at 0, and
+the processes a starting job needs (a fresh worker, a spare's refill, its read tasks) start at
+15 beside them: 19-33 s to the new job's first step, against 7-13 s with them at 15.
+
+Linux keeps a nice value per thread: ``set_niceness`` changes the calling thread (and the
+threads it starts afterwards), ``all_threads`` every thread the process has now. Lowering a
+value needs root or CAP_SYS_NICE; without it the process keeps its value and says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+_refused: set[int] = set()  # values this process was refused (said once each)
+
+
+def set_niceness(nice: int | None, what: str = "resources.worker_niceness", all_threads: bool = False) -> None:
+    """Run at nice value ``nice`` (None: leave it as it is). ``what`` names the setting in the
+    warning given when the system refuses."""
+    if nice is None:
+        return
+    tids = [0]
+    if all_threads:
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:  # not Linux: the calling thread (a process, there) only
+            tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except PermissionError:
+            if nice not in _refused:
+                _refused.add(nice)
+                log.warning("%s=%d: not permitted here (lowering a nice value needs root or CAP_SYS_NICE); "
+                            "keeping nice %d", what, nice, os.getpriority(os.PRIO_PROCESS, 0))
+            return
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
+def thread_niceness() -> int:
+    """The calling thread's nice value."""
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def process_niceness() -> int:
+    """The highest nice value among this process's threads (its least favoured one): a
+    process is at ``n`` only when every thread is."""
+    values = []
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            values.append(os.getpriority(os.PRIO_PROCESS, tid))
+        except ProcessLookupError:
+            continue
+    return max(values) if values else os.getpriority(os.PRIO_PROCESS, 0)
