@@ -78,6 +78,13 @@ def test_more_workers_than_the_cluster_holds(ray_cluster, tiny_dataset, tmp_path
     (line,) = error_lines(proc)
     assert "could not hold 8 workers" in line and "resources.num_workers" in line
     assert live_actors_and_groups() == before  # no actors or placement groups left behind
+    # The MLflow run opens once the slots are placed (beside the workers' start): none here.
+    db = tmp_path / "runs" / "mlflow.db"
+    if db.exists():
+        import sqlite3
+
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("select count(*) from runs").fetchone()[0] == 0
 
 
 def test_more_workers_than_a_local_cluster_holds_fails_at_once(tiny_dataset, tmp_path):

@@ -11,7 +11,12 @@ metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), ste
 (resources.cost_per_worker_hour; empty without a price: usd, worker_hours, usd_per_million_tokens
 over every token trained, goodput_usd_per_million_tokens over the committed steps' tokens only,
 cost_per_worker_hour; paid time is every slot held from placement to teardown, idle rebuilds and
-resizes included; see monitor/cost.py).
+resizes included; see monitor/cost.py), start_phases (where the newest start's seconds went, each
+phase from the end of the one before, in order: preflight, ray (connected), data (plane opened,
+first reads submitted), placement (every slot's bundle placed), workers (every worker up: a
+spare adopted or a process started, its model built), tracking (the MLflow run), group (the
+process group formed), restore (a resume's checkpoint), first_batch (the first global batch
+read), then total).
 
 Per rank (control/supervisor/stragglers.py): rank_times ({rank: {node, data_wait_s, compute_s,
 collective_s, optimizer_s, step_s}}: per-rank means over the last train.log_every_steps steps,
@@ -81,6 +86,7 @@ class RunSummary:
     rank_times_history: list[dict] = field(default_factory=list)
     stragglers: list[dict] = field(default_factory=list)
     cost: dict = field(default_factory=dict)  # resources.cost_per_worker_hour: see the module docstring
+    start_phases: dict = field(default_factory=dict)  # the newest start's phases, s each: see the module docstring
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 

@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -172,6 +172,7 @@ class WorkerGroup:
         usable = self.actor_class is TrainWorker and takes_spares(spec.resources.gpus_per_worker, True)
         self.spares = spares if usable else None
         self.spares_used = 0
+        self.start_phases: dict[str, float] = {}  # start(): seconds to place the slots, then to start the workers
         # Names: run key (shared by every launch of the run, so a resume finds its predecessor's
         # leftovers), then a launch id (two launches never reuse a name), then the slot.
         self.run_key = run_key or spec.name
@@ -269,14 +270,17 @@ class WorkerGroup:
         self.remove(stale)
         return stale
 
-    def start(self, num_workers: int) -> None:
-        """The first gang: all ``num_workers`` up within the start timeout, or none."""
+    def start(self, num_workers: int, on_placed: Callable[[], None] | None = None) -> None:
+        """The first gang: all ``num_workers`` up within the start timeout, or none.
+        ``on_placed``: called once every slot is placed, before the workers start in them."""
         self._check_capacity(num_workers)
         for _ in range(num_workers):
             self.request(start_actor=self.spares is None)
         timeout = self.spec.resources.start_timeout_s
+        t0 = time.perf_counter()
         pgs = [w.pg.ready() for w in self.pending]
         ready, _ = ray.wait(pgs, num_returns=len(pgs), timeout=timeout)
+        self.start_phases = {"placement": time.perf_counter() - t0}
         if len(ready) < len(pgs):
             total, avail = ray.cluster_resources(), ray.available_resources()
             self.shutdown()
@@ -285,6 +289,8 @@ class WorkerGroup:
                 f"{timeout:g} s (resources.start_timeout_s); cluster total CPU={total.get('CPU', 0):g} "
                 f"GPU={total.get('GPU', 0):g}, available CPU={avail.get('CPU', 0):g}: lower "
                 f"resources.num_workers or add nodes")
+        if on_placed is not None:
+            on_placed()
         if self.spares is not None:
             self._start_actors(self.pending)
         started = self.ready_pending(timeout_s=timeout + 60)
@@ -297,6 +303,7 @@ class WorkerGroup:
             self.shutdown()
             raise ClusterCapacityError(f"only {len(started)} of {num_workers} workers started")
         self.workers = started
+        self.start_phases["workers"] = time.perf_counter() - t0 - self.start_phases["placement"]
 
     # ------------------------------------------------------------------ membership
     def remove(self, workers: list[Worker]) -> None:

@@ -162,6 +162,42 @@ def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume
     return tracker
 
 
+class InBackground:
+    """``fn()`` in a thread of its own, started by ``start``; ``result`` joins it and returns
+    its value or raises its error, in the caller's thread. ``result`` before ``start`` runs it
+    there and then."""
+
+    def __init__(self, fn, name: str):
+        self._fn, self._name = fn, name
+        self._thread: threading.Thread | None = None
+        self._value, self._error = None, None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as exc:  # noqa: BLE001: raised in result(), in the caller's thread
+            self._error = exc
+
+    def result(self):
+        if self._thread is None:
+            self._thread = threading.current_thread()
+            self._run()
+        elif self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def warm_data(spec: JobSpec, data: DataPlane, cursor: int):
     """Read the first global batch in the background (the plane caches it). Only where a
     read has no side effect: with data.on_bad_shard=skip a bad shard changes the stream's

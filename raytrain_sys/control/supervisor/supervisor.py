@@ -21,6 +21,7 @@ allowed moves are ``journal.State.allowed``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -158,9 +159,11 @@ class Supervisor:
         # First, before anything of the run is written: a resume must not touch the record of a
         # run whose earlier driver is still alive.
         removed = launch.clean_up_previous_launch(spec, self.previous_run_key)
+        phase = _Phases(self.summary.start_phases)
         try:
             found = launch.preflight(spec, self.output_dir, self.run_dir, self.checkpoint_root,
                                      self.tracking_uri)
+            phase("preflight")
             resume_info = found.resume_info
             self.summary.spec_hash = spec.spec_hash()
             self.summary.training_hash = spec.training_hash()
@@ -173,9 +176,11 @@ class Supervisor:
                     previous.truncate_to(resume_info.step)
                     self.summary = previous
                     self.summary.reason = ""
+                    self.summary.start_phases = phase.into(self.summary.start_phases)
             self.summary.write()
 
             self._local_cluster = connect_ray(spec)
+            phase("ray")
             # The first reads (reader processes start, shards are checked) run while the workers
             # start, from the cursor the run continues at.
             self.data = DataPlane.for_job(
@@ -184,16 +189,32 @@ class Supervisor:
                 task=found.task)
             warm = self._warm = launch.warm_data(spec, self.data,
                                     int(resume_info.manifest["data_cursor"]) if resume_info else 0)
+            phase("data")
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
                                  f"left by the lost driver of run {self.previous_run_key}")
             store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled else None
+
+            def start_tracking():
+                if store is not None:
+                    store.join()
+                return launch.start_tracking(spec, self.summary, self.tracking_uri, self.resume_run_id,
+                                             self.run_dir, self.output_dir, self.checkpoint_root)
+
+            # The MLflow run opens (seconds on a busy node) while the workers start, once the
+            # slots are placed: a job that cannot be placed leaves no run behind.
+            tracking = launch.InBackground(start_tracking, "mlflow-run")
             self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key, spares=self.spares)
-            self.group.start(spec.resources.num_workers)
-            if store is not None:
-                store.join()
-            self.tracker = launch.start_tracking(spec, self.summary, self.tracking_uri, self.resume_run_id,
-                                                 self.run_dir, self.output_dir, self.checkpoint_root)
+            try:
+                self.group.start(spec.resources.num_workers, on_placed=tracking.start)
+            except BaseException:
+                if tracking.started:  # teardown ends the run that was opened, as failed
+                    with contextlib.suppress(Exception):
+                        self.tracker = tracking.result()
+                raise
+            phase.add(self.group.start_phases)
+            self.tracker = tracking.result()
+            phase("tracking")
             if found.fallback:  # recorded in summary.json and as an MLflow event
                 self._transition(State.STARTING, found.fallback)
             self.membership = Membership(spec, self.group, target_size=self._target_size)
@@ -210,11 +231,15 @@ class Supervisor:
             spares = f" ({self.group.spares_used} warm spares)" if self.group.spares_used else ""
             self._transition(State.STARTING, f"{self.group.world_size} workers placed{spares}")
             self.membership.form_group()
+            phase("group")
             if resume_info is not None:
                 self._restore(resume_info)
+                phase("restore")
             if warm is not None:
                 warm.join()
                 self.data.wait_s = 0.0  # spent while the workers started, not waited for by them
+            phase("first_batch")
+            phase.end()
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._loop()
             self._settle_save(wait=True)  # a background save started is finished, whatever ends the run
@@ -821,6 +846,37 @@ class Supervisor:
         self.summary.write()
         if self._local_cluster:
             ray.shutdown()
+
+
+class _Phases:
+    """The start's phases into ``RunSummary.start_phases`` (cleared first): each call records
+    the seconds since the previous one under its name; ``add`` records phases timed elsewhere
+    (which the next call's interval then leaves out); ``end`` adds the total."""
+
+    def __init__(self, into: dict):
+        self.phases = into
+        self.phases.clear()
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self.last, 3)
+        self.last = now
+
+    def add(self, timed: dict[str, float]) -> None:
+        for name, seconds in timed.items():
+            self.phases[name] = round(seconds, 3)
+        self.last += sum(timed.values())
+
+    def into(self, other: dict) -> dict:
+        """Record into ``other`` from now on (a resumed summary replaces the run's)."""
+        other.clear()
+        other.update(self.phases)
+        self.phases = other
+        return other
+
+    def end(self) -> None:
+        self.phases["total"] = round(time.perf_counter() - self.t0, 3)
 
 
 def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = None,
