@@ -17,6 +17,11 @@ steady-state tokens/s for each:
                 torchrun again, while the Ray session the two Ray variants ran in is still up and
                 idle (its daemons, Ray Data's actors, idle worker processes). The control: what Ray's
                 mere presence costs plain DDP, so that raytrain-sys's own overhead can be told from it.
+  metrics-interleaved
+                (only when named in --variants) one raytrain-sys run whose metrics are switched off
+                and on every --metrics-window steps: the metrics' cost from windows seconds apart,
+                finer than runs minutes apart can resolve on a shared machine, and the step loop's
+                own time in the metrics calls (RunMetrics.spent_s) as a share of step time.
 
 Steady state skips the first ``--skip-steps`` steps of each (process group warm-up, allocator
 growth); worker startup, Ray Train's controller and placement are outside the measured steps for
@@ -30,6 +35,8 @@ would otherwise land on whichever variant runs first after it. tokens/s = global
     .venv/bin/python benchmarks/ddp_overhead.py --repeats 5      # 5 rounds: a noisy machine
     .venv/bin/python benchmarks/ddp_overhead.py --variants raytrain-sys,raytrain-sys-no-metrics --repeats 5
                                                                  # the metrics' cost alone
+    .venv/bin/python benchmarks/ddp_overhead.py --variants metrics-interleaved --steps 1000 \
+        --out benchmarks/results/ddp_overhead_metrics_interleaved.json   # the same, within one run
 
 With --repeats N the variants run in N rounds, each round in the reverse order of the one before.
 Two ratios are printed: best run against best run, and the median over rounds of the ratio
@@ -69,7 +76,9 @@ from raytrain_sys.spec import JobSpec, from_dict  # noqa: E402
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
-VARIANTS = ("torchrun", "raytrain-sys", "raytrain-sys-no-metrics", "ray-train", "torchrun-ray-idle")
+VARIANTS = ("torchrun", "raytrain-sys", "raytrain-sys-no-metrics", "ray-train", "torchrun-ray-idle",
+            "metrics-interleaved")
+DEFAULT_VARIANTS = VARIANTS[:5]  # metrics-interleaved: asked for by name
 # --quick: the CI-sized model of tests/helpers.tiny_spec.
 QUICK_MODEL = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
 QUICK_BATCH = 8
@@ -182,6 +191,62 @@ def run_raytrain_sys(spec: JobSpec, args: argparse.Namespace) -> dict:
     if result.status != "finished":
         raise RuntimeError(f"raytrain-sys run ended {result.status}: {result.reason}")
     return summarize(step_times, result.losses, spec, args.skip_steps, wall, load)
+
+
+def run_metrics_interleaved(spec: JobSpec, args: argparse.Namespace) -> dict:
+    """One raytrain-sys run whose metrics are off and on in turn, ``--metrics-window`` steps
+    each (the step loop's ``RunMetrics.enabled``): windows seconds apart see the same machine, so
+    the cost of metrics shows at a resolution rounds minutes apart cannot give on a shared
+    machine. Each window's first 2 steps are left out (the step in flight when the switch
+    flips belongs to neither). Reported: the mean step time of each pair of windows (off, then
+    on) and the median of their ratios on/off; and ``RunMetrics.spent_s``, the step loop's own
+    time in the metrics calls, over the on windows' steps. Ray's agent exports the series
+    registered so far in both kinds of window: the exporter's own cost is in neither figure
+    (the raytrain-sys vs raytrain-sys-no-metrics runs hold it)."""
+    from raytrain_sys.control.supervisor import StepReport, Supervisor
+
+    window = args.metrics_window
+    step_times: list[float] = []
+    windows: list[tuple[bool, list[float]]] = []  # (metrics on, the window's step times)
+    sup: Supervisor
+
+    def on_step(report: StepReport) -> None:
+        step_times.append(report.step_time_s)
+        if report.step <= args.skip_steps:
+            return
+        index = (report.step - args.skip_steps - 1) // window
+        on = index % 2 == 1
+        if len(windows) <= index:
+            windows.append((on, []))
+        if (report.step - args.skip_steps - 1) % window >= 2:
+            windows[index][1].append(report.step_time_s)
+        # the switch for the next step: the window it falls in
+        sup.metrics.enabled = ((report.step - args.skip_steps) // window) % 2 == 1
+
+    sup = Supervisor(spec, on_step=on_step)
+    sup.metrics.enabled = False  # warm-up and the first window: off
+    spent_at_start = sup.metrics.spent_s
+    load, t0 = os.getloadavg(), time.perf_counter()
+    result = sup.run()
+    wall = time.perf_counter() - t0
+    if result.status != "finished":
+        raise RuntimeError(f"raytrain-sys run ended {result.status}: {result.reason}")
+    pairs = []
+    for off, on in zip(windows[0::2], windows[1::2]):
+        if off[1] and on[1]:
+            pairs.append({"off_mean_s": statistics.fmean(off[1]), "on_mean_s": statistics.fmean(on[1])})
+    ratios_on_off = [p["on_mean_s"] / p["off_mean_s"] for p in pairs]
+    on_steps = sum(len(w) for flag, w in windows if flag)
+    on_time = sum(sum(w) for flag, w in windows if flag)
+    interleaved = {
+        "window_steps": window, "pairs": pairs,
+        "ratio_on_off_per_pair": ratios_on_off,
+        "ratio_on_off_median": statistics.median(ratios_on_off) if ratios_on_off else float("nan"),
+        "metrics_spent_s": sup.metrics.spent_s - spent_at_start,
+        "metrics_spent_fraction_of_on_steps": (sup.metrics.spent_s - spent_at_start) / on_time if on_time else float("nan"),
+        "on_steps": on_steps,
+    }
+    return summarize(step_times, result.losses, spec, args.skip_steps, wall, load, interleaved=interleaved)
 
 
 # ----------------------------------------------------------------------------- (c) Ray Train
@@ -300,6 +365,12 @@ def round_ratios(results: dict) -> dict:
     return out
 
 
+def runs_interleaved(results: dict) -> list[dict]:
+    """The metrics-interleaved run's in-run figures, if it ran (its best round's)."""
+    r = results.get("metrics-interleaved")
+    return [r["interleaved"]] if r else []
+
+
 def max_loss_diff(results: dict) -> dict:
     """The variants train the same numbers: their per-step losses agree to float rounding."""
     out = {}
@@ -321,7 +392,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs (and torch threads) per worker")
     p.add_argument("--skip-steps", type=int, default=5, help="first steps left out of steady state")
     p.add_argument("--quick", action="store_true", help="tiny model and few steps: a smoke test")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)} (default: all but metrics-interleaved)")
+    p.add_argument("--metrics-window", type=int, default=20,
+                   help="metrics-interleaved: steps per window, metrics off and on in turn (default 20)")
     p.add_argument("--data", default="", help="an existing dataset dir (row_len = block_size + 1); "
                                               "default: prepare one from the stdlib in a temp dir")
     p.add_argument("--data-bytes", type=int, default=4_000_000,
@@ -363,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             # variant always runs first or last. torchrun runs outside Ray: it pays no idle Ray
             # daemons.
             forward = repeat % 2 == 0
-            ray_variants = [v for v in ("raytrain-sys", "raytrain-sys-no-metrics", "ray-train")
+            ray_variants = [v for v in ("raytrain-sys", "raytrain-sys-no-metrics", "ray-train", "metrics-interleaved")
                             if v in args.variants]
             if not forward:
                 ray_variants.reverse()
@@ -385,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
                             log.info("[%d] (b) %s: %d steps", repeat, name, args.steps)
                             runs[name].append(run_raytrain_sys(
                                 spec if name == "raytrain-sys" else without_metrics(spec), args))
+                        elif name == "metrics-interleaved":
+                            log.info("[%d] (e) raytrain-sys, metrics off and on every %d steps: %d steps",
+                                     repeat, args.metrics_window, args.steps)
+                            runs[name].append(run_metrics_interleaved(spec, args))
                         elif name == "torchrun-ray-idle":
                             log.info("[%d] (d) torchrun beside the idle Ray session: %d steps",
                                      repeat, args.steps)
@@ -436,6 +514,11 @@ def main(argv: list[str] | None = None) -> int:
               + "  ".join(f"{k}: {v:.2e}" for k, v in diffs.items()))
     print(f"results: {args.out}")
     print("ratio (best run of each) " + "  ".join(f"{k} = {v:.2f}x" for k, v in rat.items()))
+    for r in runs_interleaved(results):
+        print(f"metrics on/off within one run ({len(r['pairs'])} pairs of {r['window_steps']}-step windows): "
+              f"{r['ratio_on_off_median']:.4f}x median [{' '.join(f'{x:.3f}' for x in r['ratio_on_off_per_pair'])}]; "
+              f"the step loop's time in metrics calls: {r['metrics_spent_s'] * 1e3:.1f} ms over {r['on_steps']} "
+              f"steps, {r['metrics_spent_fraction_of_on_steps'] * 100:.3f}% of their step time")
     if args.repeats > 1:
         print("ratio (median of rounds) " + "  ".join(
             f"{k} = {v['median']:.2f}x [{' '.join(f'{x:.2f}' for x in v['per_round'])}]"

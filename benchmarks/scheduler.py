@@ -10,13 +10,22 @@ Sections (``--sections``, comma list; each adds its figures and its goal to the 
             about the sum of the nominal quotas. Timed over ``--passes`` passes in one process
             after ``--warmup`` untimed ones; the goal (issue 13): a median pass under 50 ms.
             Also reported: the action counts of one pass (what a pass decides on this snapshot).
+  first_step  Submit to first committed step of a 2-worker job on an idle cluster, every process
+            started for the job (no spares) against warm spares and a spare runner.
+  reclaim   Teams a and b, one cohort; a's elastic job borrows the whole cluster, then b submits
+            a high-priority job: b's submit to its first committed step, and a's steps redone.
+            Each round waits until the cluster is warm again before b's submit (the spares and
+            the spare runner a's start took are replaced while a trains: ``warm_wait_s``), and
+            splits b's seconds into phases (``phases_s``: the shrink asked and done, b's
+            admission and launch, then its summary's start_phases).
+  pause     Pause a running 2-worker job: the request to every CPU free, against the pause
+            checkpoint's own time.
 
-Later sections (submit to first step on a warm cluster, a high-priority submit into a full
-cluster, pause to resources free) will join ``SECTIONS`` with the same shape: a function of the
-parsed arguments that returns a dict with its figures and a ``goal`` dict (``met``, ``text``).
+Each section returns a dict with its figures and a ``goal`` dict (``met``, ``text``).
 
     .venv/bin/python benchmarks/scheduler.py            # pass: 1,000 queued jobs, 200 passes, ~5 s
     .venv/bin/python benchmarks/scheduler.py --quick    # 50 passes
+    .venv/bin/python benchmarks/scheduler.py --sections pass,first_step,reclaim,pause --rounds 3
 
 Results go to benchmarks/results/scheduler.json (``"quick": true`` marks a smoke test's).
 """
@@ -211,6 +220,25 @@ class ServiceBench:
             ray.get(find_pool().wait_full.remote(120.0))
         return svc
 
+    def wait_warm(self, svc, timeout_s: float) -> float:
+        """Until the spare pool is full on every node and every spare runner is up; returns the
+        seconds waited (raises past ``timeout_s``)."""
+        from raytrain_sys.control.spares import find_pool
+
+        import ray
+
+        t0 = time.monotonic()
+        pool = find_pool()
+        if pool is not None and not ray.get(pool.wait_full.remote(timeout_s)):
+            raise RuntimeError(f"the spare pool was not full within {timeout_s:g} s: {ray.get(pool.status.remote())}")
+        while True:
+            runners = ray.get(svc.info.remote())["spare_runners"]
+            if runners["up"] >= runners["wanted"]:
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout_s:
+                raise RuntimeError(f"the spare runners were not up within {timeout_s:g} s: {runners}")
+            time.sleep(0.2)
+
     def stop_service(self) -> None:
         from raytrain_sys.service.service import stop_service
 
@@ -325,15 +353,22 @@ def section_reclaim(args: argparse.Namespace) -> dict:
             time.sleep(0.1)
         bench.first_step_at(a_id)
         time.sleep(2.0)  # a few hundred steps on the whole cluster
+        # A warm cluster: a's start took spares and a spare runner; their replacements start
+        # while a trains. The borrowers of a real full cluster have run for minutes, not seconds.
+        warm_wait = bench.wait_warm(svc, timeout_s=120.0)
         b_id, t0 = bench.submit(svc, "b", bench.spec(b_name, n - n // 2, 20), priority=10)
         first = bench.first_step_at(b_id) - t0
         bench.wait_job(svc, b_id)
         ray.get(svc.cancel.remote(a_id, "bench"))
         bench.wait_job(svc, a_id, states=("cancelled",))
         a_sum = bench.summary(a_name)
+        phases = reclaim_phases(ray.get(svc.history.remote(b_id)), a_sum, bench.summary(b_name), t0, t0 + first)
+        b_sum = bench.summary(b_name)
+        spares = next((t["reason"] for t in b_sum["transitions"] if " workers placed" in t["reason"]), "")
         out["rounds"].append({"submit_to_first_step_s": round(first, 3), "steps_redone": a_sum["steps_redone"],
-                              "borrower_world_sizes": sorted(set(a_sum["world_sizes"]))})
-        log.info("reclaim round %d: %.2f s, %d steps redone", i, first, a_sum["steps_redone"])
+                              "borrower_world_sizes": sorted(set(a_sum["world_sizes"])), "phases_s": phases,
+                              "b_workers_placed": spares, "warm_wait_s": round(warm_wait, 3)})
+        log.info("reclaim round %d: %.2f s, %d steps redone; %s", i, first, a_sum["steps_redone"], phases)
     bench.stop_service()
     times = [r["submit_to_first_step_s"] for r in out["rounds"]]
     lost = sum(r["steps_redone"] for r in out["rounds"])
@@ -344,11 +379,48 @@ def section_reclaim(args: argparse.Namespace) -> dict:
     return out
 
 
+def reclaim_phases(b_history: list[dict], a_sum: dict, b_sum: dict, t0: float, first_at: float) -> dict:
+    """Where a reclaim's seconds go, each phase from the end of the one before: the borrower's
+    shrink asked (the service's pass and its delivery), the shrink done (a step boundary and a
+    rebuild on fewer workers), b admitted, b's runner up to its Supervisor's start (launch),
+    the start's own phases (``summary.json`` start_phases: data, placement, workers, tracking,
+    group, first_batch, ...), then b's first step committed. A mark not found is left out."""
+    def first_at_or_after(transitions, since, state, reason_start=""):
+        return next((t["time"] for t in transitions if t["time"] >= since and t["state"] == state
+                     and t["reason"].startswith(reason_start)), None)
+
+    out, last = {}, t0
+    marks = [("shrink_asked", first_at_or_after(a_sum["transitions"], t0, "resizing", "shrinking"))]
+    if marks[-1][1] is not None:
+        marks.append(("shrink_done", first_at_or_after(a_sum["transitions"], marks[-1][1], "running")))
+    marks.append(("b_admitted", next((t["at_s"] for t in b_history if t["to"] == "starting"), None)))
+    running = first_at_or_after(b_sum["transitions"], t0, "running")
+    phases = {k: v for k, v in b_sum.get("start_phases", {}).items() if k != "total"}
+    if running is not None and "total" in b_sum.get("start_phases", {}):
+        marks.append(("b_launch", running - b_sum["start_phases"]["total"]))
+    for name, at in marks:
+        if at is not None:
+            out[name] = round(at - last, 3)
+            last = at
+    out.update({f"b_{k}": v for k, v in phases.items()})
+    if running is not None:
+        out["b_first_step"] = round(first_at - running, 3)
+    return out
+
+
 def report_reclaim(r: dict) -> list[str]:
     return [f"| high-priority submit into a full cluster of {r['cluster_workers']} workers | median s to first step | steps redone by the shrunk job |",
             "|---|---|---|",
             f"| {len(r['rounds'])} rounds: {[x['submit_to_first_step_s'] for x in r['rounds']]} | {r['median_s']:.2f} | "
-            f"{r['steps_redone_total']} |", r["goal"]["text"], ""]
+            f"{r['steps_redone_total']} |", r["goal"]["text"],
+            "median phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in median_phases(r["rounds"]).items()),
+            f"waits for a warm cluster before b's submit (s): {[x['warm_wait_s'] for x in r['rounds']]}", ""]
+
+
+def median_phases(rounds: list[dict]) -> dict:
+    """Each phase's median over the rounds that have it, in the order they come."""
+    names = list(dict.fromkeys(k for r in rounds for k in r["phases_s"]))
+    return {k: statistics.median(r["phases_s"][k] for r in rounds if k in r["phases_s"]) for k in names}
 
 
 def section_pause(args: argparse.Namespace) -> dict:

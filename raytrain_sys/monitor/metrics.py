@@ -109,12 +109,14 @@ class RunMetrics(_Emitter):
         self._ranks: tuple[list[list[dict]], list] | None = None  # the newest lease's results, members
         self._data = None  # (DataPlane, data cursor) of the newest step
         self._rows_sent = 0  # of the data plane's rows_read, counted so far
+        self.spent_s = 0.0  # the step loop's time in committed() and ranks(), for the benchmarks
 
     # ------------------------------------------------------------------ per step (cheap)
     def committed(self, values: dict[str, float], data=None, data_cursor: int = 0) -> None:
         """A step was committed: ``values`` keyed as ``STEP_GAUGES``; ``data``: the DataPlane."""
         if not self.enabled:
             return
+        t0 = time.perf_counter()
         self._values = values
         self._commits += 1
         self._data = (data, data_cursor) if data is not None else None
@@ -122,6 +124,7 @@ class RunMetrics(_Emitter):
         if now >= self._next_flush:
             self._next_flush = now + FLUSH_S
             self._safely(self._flush, now >= self._next_rank_flush)
+        self.spent_s += time.perf_counter() - t0
 
     def ranks(self, results: list[list[dict]], members: list) -> None:
         """A lease was committed: per member (rank order) its results, one a step; the last

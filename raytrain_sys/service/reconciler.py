@@ -182,6 +182,12 @@ class Reconciler:
             handle = runners.new_spare_runner()
             self._spares.append((handle, handle.job.remote()))
 
+    def spare_runners(self) -> dict:
+        """Spare runners kept (``spare_runners``) and how many of them are up."""
+        refs = [ready for _, ready in self._spares]
+        up, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        return {"wanted": self.config.spare_runners, "up": len(up), "starting": len(refs) - len(up)}
+
     def _take_spare_runner(self):
         """A spare runner that is up (its imports done), else None (the launch starts a new one)."""
         if not self._spares:

@@ -195,7 +195,8 @@ class ServiceActor:
         return {"pid": os.getpid(), "db": self.store.url, "api": self.api, "host": self.host, "port": self.port,
                 "log_dir": self.log_dir, "poll_s": self.poll_s, "passes": self.reconciler.passes,
                 "last_error": self.last_error, "cluster_workers": self.cluster_workers(),
-                "jobs": self.store.count_jobs(), "warm_spares": self.warm_spares()}
+                "jobs": self.store.count_jobs(), "warm_spares": self.warm_spares(),
+                "spare_runners": self.reconciler.spare_runners()}
 
     def warm_spares(self) -> dict:
         """The pool's counts (idle and starting spares by node, taken, missed), or why none."""
