@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs (into ./.venv, if needed) and runs the test suite.
-#   FAST=1          deselect the slow multi-node chaos / long end-to-end tests
+#   FAST=1          deselect the slow multi-node chaos / long end-to-end tests (marked in their
+#                   files, or listed in tests/long_tests.txt): under 10 min on 2 cores
 #   SKIP_INSTALL=1  use the active Python environment as it is
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/test_order.py -x`.
 set -euo pipefail

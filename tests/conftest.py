@@ -113,3 +113,14 @@ def _close_rank_pools():
     from tests import parallel_harness
 
     parallel_harness.close_pools()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark slow the tests listed in tests/long_tests.txt (a node id, or the start of one): the
+    long ones that FAST=1 leaves out beside those marked slow in their files."""
+    path = os.path.join(os.path.dirname(__file__), "long_tests.txt")
+    with open(path) as f:
+        long_ids = tuple(line.strip() for line in f if line.strip() and not line.startswith("#"))
+    for item in items:
+        if item.nodeid.startswith(long_ids):
+            item.add_marker(pytest.mark.slow)
