@@ -12,61 +12,52 @@ reclaim, 2 cores): a borrowing job's runner, reads and worker then take both cor
 the processes a starting job needs (a fresh worker, a spare's refill, its read tasks) start at
 15 beside them: 19-33 s to the new job's first step, against 7-13 s with them at 15.
 
-Linux keeps a nice value per thread: ``set_niceness`` changes the calling thread (and the
-threads it starts afterwards), ``all_threads`` every thread the process has now. Lowering a
-value needs root or CAP_SYS_NICE; without it the process keeps its value and says so once.
+Linux keeps a nice value per thread: ``set_niceness`` changes every thread the process has
+(threads started later inherit their creator's). Lowering a value needs root or CAP_SYS_NICE;
+without it the process keeps its value and says so once.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 
 log = logging.getLogger(__name__)
 
 _refused: set[int] = set()  # values this process was refused (said once each)
 
 
-def set_niceness(nice: int | None, what: str = "resources.worker_niceness", all_threads: bool = False) -> None:
-    """Run at nice value ``nice`` (None: leave it as it is). ``what`` names the setting in the
-    warning given when the system refuses."""
+def _thread_ids() -> list[int]:
+    """This process's threads (Linux), else [0]: the calling thread (a process, elsewhere)."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def set_niceness(nice: int | None) -> None:
+    """Run every thread at nice value ``nice`` (None: leave them as they are)."""
     if nice is None:
         return
-    tids = [0]
-    if all_threads:
-        try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
-        except OSError:  # not Linux: the calling thread (a process, there) only
-            tids = [0]
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) != nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         except PermissionError:
             if nice not in _refused:
                 _refused.add(nice)
-                log.warning("%s=%d: not permitted here (lowering a nice value needs root or CAP_SYS_NICE); "
-                            "keeping nice %d", what, nice, os.getpriority(os.PRIO_PROCESS, 0))
+                log.warning("resources.worker_niceness=%d: not permitted here (lowering a nice value needs "
+                            "root or CAP_SYS_NICE); keeping nice %d", nice, os.getpriority(os.PRIO_PROCESS, 0))
             return
         except ProcessLookupError:  # a thread that ended meanwhile
             continue
-
-
-def thread_niceness() -> int:
-    """The calling thread's nice value."""
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
 def process_niceness() -> int:
     """The highest nice value among this process's threads (its least favoured one): a
     process is at ``n`` only when every thread is."""
     values = []
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
+    for tid in _thread_ids():
         try:
             values.append(os.getpriority(os.PRIO_PROCESS, tid))
         except ProcessLookupError:

@@ -118,7 +118,7 @@ class TrainWorker:
     def _configure(self, spec_dict: dict[str, Any]) -> None:
         self.spec = from_dict(spec_dict)
         # Every thread: a spare's torch threads were started by its warm-up, at Ray's 15.
-        set_niceness(self.spec.resources.worker_niceness, all_threads=True)
+        set_niceness(self.spec.resources.worker_niceness)
         threads = max(1, int(self.spec.resources.cpus_per_worker))
         torch.set_num_threads(threads)
         self.rank = -1

@@ -163,9 +163,8 @@ def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume
 
 
 class InBackground:
-    """``fn()`` in a thread of its own, started by ``start``; ``result`` joins it and returns
-    its value or raises its error, in the caller's thread. ``result`` before ``start`` runs it
-    there and then."""
+    """``fn()`` in a thread of its own, started by ``start``; ``result`` (which starts it if
+    nothing did) joins it and returns its value or raises its error, in the caller's thread."""
 
     def __init__(self, fn, name: str):
         self._fn, self._name = fn, name
@@ -188,11 +187,8 @@ class InBackground:
             self._error = exc
 
     def result(self):
-        if self._thread is None:
-            self._thread = threading.current_thread()
-            self._run()
-        elif self._thread is not threading.current_thread():
-            self._thread.join()
+        self.start()
+        self._thread.join()
         if self._error is not None:
             raise self._error
         return self._value

@@ -159,7 +159,8 @@ class Supervisor:
         # First, before anything of the run is written: a resume must not touch the record of a
         # run whose earlier driver is still alive.
         removed = launch.clean_up_previous_launch(spec, self.previous_run_key)
-        phase = _Phases(self.summary.start_phases)
+        phase = _Phases()
+        self.summary.start_phases = phase.phases  # filled as the start goes (a failed one keeps its part)
         try:
             found = launch.preflight(spec, self.output_dir, self.run_dir, self.checkpoint_root,
                                      self.tracking_uri)
@@ -176,7 +177,7 @@ class Supervisor:
                     previous.truncate_to(resume_info.step)
                     self.summary = previous
                     self.summary.reason = ""
-                    self.summary.start_phases = phase.into(self.summary.start_phases)
+                    self.summary.start_phases = phase.phases  # the newest start's, not the earlier run's
             self.summary.write()
 
             self._local_cluster = connect_ray(spec)
@@ -849,13 +850,12 @@ class Supervisor:
 
 
 class _Phases:
-    """The start's phases into ``RunSummary.start_phases`` (cleared first): each call records
-    the seconds since the previous one under its name; ``add`` records phases timed elsewhere
-    (which the next call's interval then leaves out); ``end`` adds the total."""
+    """The start's phases for ``RunSummary.start_phases``: each call records the seconds since
+    the previous one under its name; ``add`` records phases timed elsewhere (which the next
+    call's interval then leaves out); ``end`` adds the total."""
 
-    def __init__(self, into: dict):
-        self.phases = into
-        self.phases.clear()
+    def __init__(self):
+        self.phases: dict[str, float] = {}
         self.t0 = self.last = time.perf_counter()
 
     def __call__(self, name: str) -> None:
@@ -867,13 +867,6 @@ class _Phases:
         for name, seconds in timed.items():
             self.phases[name] = round(seconds, 3)
         self.last += sum(timed.values())
-
-    def into(self, other: dict) -> dict:
-        """Record into ``other`` from now on (a resumed summary replaces the run's)."""
-        other.clear()
-        other.update(self.phases)
-        self.phases = other
-        return other
 
     def end(self) -> None:
         self.phases["total"] = round(time.perf_counter() - self.t0, 3)
