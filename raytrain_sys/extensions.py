@@ -40,8 +40,8 @@ def resolve(ref: Any, field: str) -> Any:
         module = _import(module_name)
     except ModuleNotFoundError as exc:
         raise SpecError(field, f"cannot import {module_name!r} for {ref!r} ({exc}); put its "
-                               f"directory on PYTHONPATH or run from it (with ray job submit: "
-                               f"--working-dir)") from None
+                               f"directory on PYTHONPATH or run from it (with ray job submit or "
+                               f"raytrain-sys jobs submit: --working-dir)") from None
     except Exception as exc:
         raise SpecError(field, f"importing {module_name!r} for {ref!r} raised {type(exc).__name__}: "
                                f"{exc}") from None

@@ -5,6 +5,7 @@ store where a job must be running or paused."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,8 @@ import yaml
 from sqlalchemy import select
 
 from raytrain_sys.errors import (JobStateConflict, ServiceInputError, ServiceRequestConflict, ServiceRequestError,
-                                 ServiceRequestInvalid)
+                                 ServiceRequestInvalid, UserError)
+from raytrain_sys.service import packages
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
 from raytrain_sys.service.client import Client
@@ -456,10 +459,11 @@ def test_openapi_describes_every_endpoint_with_typed_models(sqlite_service):
                      ("POST", "/v1/jobs/{job_id}/pause"), ("POST", "/v1/jobs/{job_id}/resume"),
                      ("POST", "/v1/jobs/{job_id}/cancel"), ("GET", "/v1/teams"), ("POST", "/v1/teams"),
                      ("PUT", "/v1/teams/{name}"), ("POST", "/v1/teams/{name}/tokens"),
-                     ("DELETE", "/v1/teams/{name}/tokens"), ("GET", "/healthz")}
+                     ("DELETE", "/v1/teams/{name}/tokens"), ("GET", "/healthz"),
+                     ("PUT", "/v1/packages/{sha256}"), ("GET", "/v1/packages/{sha256}")}
     schemas = doc["components"]["schemas"]
     assert set(schemas["JobState"]["enum"]) == {s.value for s in JobState}
-    assert {"spec", "team", "priority", "overrides"} <= set(schemas["SubmitIn"]["properties"])
+    assert {"spec", "team", "priority", "overrides", "package"} <= set(schemas["SubmitIn"]["properties"])
     assert "409" in doc["paths"]["/v1/jobs/{job_id}/pause"]["post"]["responses"]
 
 
@@ -566,3 +570,106 @@ def test_cli_teams_and_init_admin(sqlite_service):
     assert "--nominal" in one_line_error(cli(svc, "teams", "update", "vision", token=admin))
     assert "HTTP 403: listing teams needs an admin token" in one_line_error(cli(svc, "teams", "list"))
     assert "team.nominal_workers" in one_line_error(cli(svc, "teams", "add", "x", "--nominal", "-1", token=admin))
+
+
+# ----------------------------------------------------------------------------- code packages
+
+
+def _code_dir(root: Path, text: str = "def build(model_spec):\n    return None\n") -> Path:
+    code = root / "code"
+    (code / "mypkg").mkdir(parents=True, exist_ok=True)
+    (code / "mypkg" / "models.py").write_text(text)
+    (code / "mypkg" / "__init__.py").write_text("")
+    return code
+
+
+def test_a_package_is_kept_once_per_team_and_only_its_team_submits_with_it(service, tmp_path):
+    code = _code_dir(tmp_path)
+    a, b = service.client(service.a), service.client(service.b)
+    info = a.upload_package(code)
+    assert (info["team"], info["files"]) == ("a", 2) and info["size_bytes"] > 0
+    assert service.store.package_data(info["sha256"]) == packages.pack(code)
+    again = a.upload_package(code)  # the same files: found, not sent again
+    assert again == info
+    assert [r.result for r in service.store.audit_log() if r.action == "upload"] == ["ok"]
+
+    job = a.submit(SPEC, working_dir=code)
+    assert job["package"] == info["sha256"] and service.store.job(job["id"]).package == info["sha256"]
+    assert a.job(job["id"])["package"] == info["sha256"]
+    with pytest.raises(ServiceRequestInvalid) as other:  # b never uploaded it
+        b._json("POST", "/v1/jobs", {"spec": SPEC, "package": info["sha256"]})
+    assert other.value.field == "package" and "team b has uploaded no package" in str(other.value)
+    with pytest.raises(ServiceRequestError) as foreign:
+        a.upload_package(code, team="b")
+    assert foreign.value.status == 403
+    admin = service.client(service.admin)
+    assert admin.upload_package(code, team="b")["team"] == "b"  # the admin uploads for a team
+    assert b._json("POST", "/v1/jobs", {"spec": SPEC, "package": info["sha256"]})["package"] == info["sha256"]
+
+
+def test_a_package_that_is_not_what_it_says_is_refused_and_nothing_is_kept(service, tmp_path):
+    data = packages.pack(_code_dir(tmp_path, text="REFUSED = True\n"))  # no other test's package
+    sha = packages.digest(data)
+    client = service.client(service.a)
+    for body, name, words in [(data[:-10], sha, "not " + sha),  # cut short on the way
+                              (b"not a zip at all", packages.digest(b"not a zip at all"), "not a zip file"),
+                              (data, "ABC", "64 lower-case hex digits")]:
+        with pytest.raises(ServiceRequestInvalid) as refused:
+            client._request("PUT", f"/v1/packages/{name}", raw=body)
+        assert refused.value.field == "package" and words in str(refused.value), str(refused.value)
+    escaping = io.BytesIO()
+    with zipfile.ZipFile(escaping, "w") as zf:
+        zf.writestr("../outside.py", "x = 1\n")
+    with pytest.raises(ServiceRequestInvalid) as outside:
+        client._request("PUT", f"/v1/packages/{packages.digest(escaping.getvalue())}", raw=escaping.getvalue())
+    assert "'../outside.py' is not a path inside the package" in str(outside.value)
+    with pytest.raises(ServiceRequestError) as missing:
+        client._json("GET", f"/v1/packages/{sha}")
+    assert missing.value.status == 404
+    assert service.store.package_data(sha) is None
+
+
+def test_pack_is_the_files_content_and_leaves_out_what_it_should(tmp_path):
+    code = _code_dir(tmp_path)
+    (code / "__pycache__").mkdir()
+    (code / "__pycache__" / "models.cpython-311.pyc").write_bytes(b"\0" * 100)
+    (code / ".git").mkdir()
+    (code / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (code / "data").mkdir()
+    (code / "data" / "rows.parquet").write_bytes(b"PAR1" * 1000)
+    first = packages.pack(code, excludes=["data"])
+    assert sorted(zipfile.ZipFile(io.BytesIO(first)).namelist()) == ["mypkg/__init__.py", "mypkg/models.py"]
+    os.utime(code / "mypkg" / "models.py", (1_000_000_000, 1_000_000_000))  # touched, not changed
+    assert packages.pack(code, excludes=["data"]) == first
+    (code / "mypkg" / "models.py").write_text("def build(model_spec):\n    return 1\n")
+    assert packages.digest(packages.pack(code, excludes=["data"])) != packages.digest(first)
+    assert "data/rows.parquet" in zipfile.ZipFile(io.BytesIO(packages.pack(code))).namelist()
+
+
+def test_pack_refuses_what_cannot_travel_naming_the_field_and_the_largest_files(tmp_path, monkeypatch):
+    with pytest.raises(UserError, match="working_dir: .* is not a directory"):
+        packages.pack(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="working_dir: .* has no files to send"):
+        packages.pack(tmp_path / "empty")
+    code = _code_dir(tmp_path)
+    (code / "weights.bin").write_bytes(os.urandom(300_000))
+    monkeypatch.setattr(packages, "MAX_BYTES", 200_000)
+    with pytest.raises(UserError) as big:
+        packages.pack(code)
+    assert "over the 0.2 MiB a package may have; the largest: weights.bin (0.3 MiB)" in str(big.value)
+    assert "--exclude" in str(big.value)
+    assert packages.pack(code, excludes=["*.bin"])  # left out, it travels
+
+
+def test_cli_submit_with_a_working_dir(sqlite_service, tmp_path):
+    code = _code_dir(tmp_path)
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump(SPEC))
+    out = cli(sqlite_service, "jobs", "submit", str(spec), "--working-dir", str(code), "--exclude", "*.md")
+    assert out.returncode == 0, out.stderr
+    sha = packages.digest(packages.pack(code))
+    assert out.stdout.strip().endswith(f"code package {sha[:12]}")
+    assert sqlite_service.store.job(int(out.stdout.split()[1])).package == sha
+    assert "is not a directory" in one_line_error(cli(sqlite_service, "jobs", "submit", str(spec),
+                                                      "--working-dir", str(tmp_path / "nowhere")))

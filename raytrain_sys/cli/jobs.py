@@ -41,6 +41,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--priority", type=int, default=None, help="higher is more important (default 0)")
     s.add_argument("--name", default=None, help="default: the spec's name")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a spec field")
+    s.add_argument("--working-dir", default=None, metavar="DIR",
+                   help="send this directory's files with the job: its working directory and first sys.path "
+                        "entry on every node (your model.factory, train.task and data.transform modules)")
+    s.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="with --working-dir: leave out files or directories matching this glob (repeatable; "
+                        ".git, __pycache__ and virtual environments are always left out)")
     s.set_defaults(func=_submit)
     ls = js.add_parser("list", parents=[conn], help="jobs of your team (admin: every team)")
     ls.add_argument("--state", action="append", choices=STATES, default=None, help="repeatable")
@@ -123,9 +129,10 @@ def _client(args: argparse.Namespace):
 
 def _submit(args: argparse.Namespace) -> int:
     job = _client(args).submit(Path(args.spec), team=args.team, priority=args.priority, overrides=args.set,
-                               name=args.name)
+                               name=args.name, working_dir=args.working_dir, excludes=args.exclude)
+    code = f", code package {job['package'][:12]}" if job.get("package") else ""
     print(f"job {job['id']} queued: {job['name']} for team {job['team']}, {_workers(job)} workers, "
-          f"priority {job['priority']}")
+          f"priority {job['priority']}{code}")
     return 0
 
 

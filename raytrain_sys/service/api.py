@@ -1,5 +1,5 @@
 """The job service's HTTP API (``/v1``): submit, list, inspect, pause, resume and cancel jobs;
-manage teams and their tokens.
+upload the code packages jobs run with (``service/packages.py``); manage teams and their tokens.
 
 Owns: the HTTP form of the service (paths, request and response models, status codes), who may
 ask (authentication; a team acts on its own jobs only, the admin on every team's) and the
@@ -18,7 +18,8 @@ it shows exactly what that token may list.
 
 Errors are JSON ``{"error": "...", "field": ...}``: 400 a field is wrong (named), 401 no valid
 token, 403 another team's job or an admin-only call, 404 no such job or team, 409 the job's
-state does not allow the request (named; nothing changed), 503 the database is unreachable.
+state does not allow the request (named; nothing changed), 413 a package over its limit, 503 the
+database is unreachable.
 
 Why FastAPI + uvicorn rather than Ray Serve: the API is one small process that runs beside the
 scheduler loop in the service actor (``serve`` starts it on a thread); Serve would add a
@@ -44,9 +45,10 @@ from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError
-from raytrain_sys.service import auth, requests
+from raytrain_sys.service import auth, packages, requests
 from raytrain_sys.service.model import JobRecord, JobState, Team
 from raytrain_sys.service.store import Principal, Store
 
@@ -74,6 +76,8 @@ class SubmitIn(BaseModel):
     priority: int = Field(0, description="higher is more important")
     name: Optional[str] = Field(None, description="default: the spec's name")
     overrides: list[str] = Field(default_factory=list, description='"dotted.key=value" applied to the spec')
+    package: Optional[str] = Field(None, description="the sha256 of a code package the team uploaded "
+                                                     "(PUT /v1/packages/{sha256}): the job's working directory")
 
 
 class ActionIn(BaseModel):
@@ -103,6 +107,7 @@ class JobOut(BaseModel):
     updated_at_s: float
     message: str = Field(description="the last transition's reason")
     delete_checkpoints: bool
+    package: Optional[str] = Field(None, description="the code package it runs with (sha256), if any")
     spec: Optional[str] = Field(None, description="the validated spec as stored: JSON text, local paths absolute (GET /v1/jobs/{id} only)")
 
     @classmethod
@@ -157,6 +162,14 @@ class TokenOut(BaseModel):
 class RevokedOut(BaseModel):
     team: str
     revoked: int
+
+
+class PackageOut(BaseModel):
+    sha256: str
+    team: str
+    size_bytes: int
+    files: int
+    created_at_s: float
 
 
 class HealthOut(BaseModel):
@@ -216,7 +229,8 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
     app = FastAPI(title="raytrain-sys job service", version="1",
                   description=__doc__.split("\n\nWhy FastAPI")[0],
                   responses={400: {"model": ErrorOut}, 401: {"model": ErrorOut}, 403: {"model": ErrorOut},
-                             404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 503: {"model": ErrorOut}})
+                             404: {"model": ErrorOut}, 409: {"model": ErrorOut}, 413: {"model": ErrorOut},
+                             503: {"model": ErrorOut}})
 
     for exc_type in (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError):
         app.add_exception_handler(exc_type, lambda _request, exc: _error_response(exc))
@@ -280,11 +294,42 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
                 raise ServiceInputError("team", "an admin token must name the team to submit for")
             auth.check_team(who, team, "jobs")
         job = requests.submit(store, team=team, spec=body.spec, overrides=body.overrides, by=who.name,
-                              priority=body.priority, name=body.name or "", base_dir=base_dir,
+                              priority=body.priority, name=body.name or "", base_dir=base_dir, package=body.package,
                               cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers)
         log.info("job %d submitted by %s for team %s (%d..%d workers)", job.id, who.name, team,
                  job.min_workers, job.max_workers)
         return JobOut.of(job)
+
+    # ------------------------------------------------------------------ code packages
+
+    def package_team(who: Principal, team: Optional[str]) -> str:
+        team = team if team is not None else who.team
+        if team is None:
+            raise ServiceInputError("team", "an admin token must name the team the package is for")
+        auth.check_team(who, team, "packages")
+        return team
+
+    @app.put(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, status_code=201, tags=["packages"])
+    async def upload_package(sha256: str, request: Request,
+                             team: Optional[str] = Query(None, description="admin: the team it is for"),
+                             who: Principal = Depends(principal)) -> PackageOut:
+        """Keep a code package (a zip, ``service/packages.py``) for the team's submits. The body
+        is its bytes; ``sha256`` must be theirs. Sending one the team has is not an error."""
+        with audited(who, "upload", f"package {sha256[:12]}", record_ok=False):
+            team = package_team(who, team)
+            data = await _read_limited(request, packages.MAX_BYTES)
+        info = await run_in_threadpool(requests.upload_package, store, team=team, sha256=sha256, data=data,
+                                       by=who.name)
+        return PackageOut(**info)
+
+    @app.get(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, tags=["packages"])
+    def get_package(sha256: str, team: Optional[str] = Query(None, description="admin: whose"),
+                    who: Principal = Depends(principal)) -> PackageOut:
+        """Whether the team holds a package (404 when not: upload it)."""
+        info = store.package_info(sha256, package_team(who, team))
+        if info is None:
+            raise ApiError(404, f"no package {sha256} for this team", "sha256")
+        return PackageOut(**info)
 
     @app.get(f"{API_PREFIX}/jobs", response_model=list[JobOut], tags=["jobs"])
     def list_jobs(state: Optional[list[JobState]] = Query(None, description="repeatable"),
@@ -430,6 +475,20 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
         return RevokedOut(team=name, revoked=revoked)
 
     return app
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"package: {int(declared)} bytes, over the {limit} a package may have", "package")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"package: over the {limit} bytes a package may have", "package")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _team_or_404(store: Store, name: str) -> Team:

@@ -63,10 +63,16 @@ class Client:
 
     def submit(self, spec_or_path: Union[str, os.PathLike, dict], team: Optional[str] = None,
                priority: Optional[int] = None, overrides: Optional[Iterable[str]] = None,
-               name: Optional[str] = None) -> dict:
+               name: Optional[str] = None, working_dir: Union[str, os.PathLike, None] = None,
+               excludes: Iterable[str] = ()) -> dict:
         """Queue a job: ``spec_or_path`` is a spec mapping, a path to a YAML spec, or YAML text.
-        Returns the job as stored (state ``queued``)."""
+        ``working_dir``: a local directory whose files travel with the job (its code: the
+        modules ``model.factory``, ``train.task`` and ``data.transform`` name), packed and
+        uploaded first (``upload_package``; ``excludes``: glob patterns left out). Returns the
+        job as stored (state ``queued``)."""
         body: dict[str, Any] = {"spec": _spec_body(spec_or_path), "overrides": list(overrides or [])}
+        if working_dir is not None:
+            body["package"] = self.upload_package(working_dir, team=team, excludes=excludes)["sha256"]
         if team is not None:
             body["team"] = team
         if priority is not None:
@@ -74,6 +80,23 @@ class Client:
         if name is not None:
             body["name"] = name
         return self._json("POST", "/v1/jobs", body)
+
+    def upload_package(self, directory: Union[str, os.PathLike], team: Optional[str] = None,
+                       excludes: Iterable[str] = ()) -> dict:
+        """Pack ``directory`` (``service/packages.pack``) and upload it unless the service holds
+        it for the team already. Returns its info (``sha256``, ``size_bytes``, ``files``)."""
+        from raytrain_sys.service import packages
+
+        data = packages.pack(directory, excludes)
+        sha = packages.digest(data)
+        query = [("team", team)] if team else None
+        try:
+            return self._json("GET", f"/v1/packages/{sha}", query=query)
+        except ServiceRequestError as exc:
+            if exc.status != 404:
+                raise
+        _, _, raw = self._request("PUT", f"/v1/packages/{sha}", query=query, raw=data)
+        return json.loads(raw)
 
     def jobs(self, states: Optional[Iterable[str]] = None, team: Optional[str] = None) -> list[dict]:
         query = [("state", s) for s in states or ()] + ([("team", team)] if team else [])
@@ -191,7 +214,7 @@ class Client:
         return json.loads(data) if data else None
 
     def _request(self, method: str, path: str, body: Any = None,
-                 query: Optional[list] = None) -> tuple[int, Any, bytes]:
+                 query: Optional[list] = None, raw: Optional[bytes] = None) -> tuple[int, Any, bytes]:
         url = self.url + path + (f"?{urllib.parse.urlencode(query)}" if query else "")
         headers = {"Accept": "application/json"}
         if self._token:
@@ -200,6 +223,9 @@ class Client:
         if body is not None:
             data = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
+        elif raw is not None:
+            data = raw
+            headers["Content-Type"] = "application/zip"
         req = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:

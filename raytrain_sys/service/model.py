@@ -172,6 +172,7 @@ class JobRecord:
     updated_at_s: float
     message: str  # the last transition's reason
     delete_checkpoints: bool = False  # a cancel asked for its checkpoints to go once it has ended
+    package: Optional[str] = None  # the code package it runs with (sha256, service/packages.py)
 
     def view(self) -> "JobView":
         """What the scheduler sees of this job."""

@@ -53,8 +53,9 @@ from typing import Any, Callable, Optional
 import ray
 
 from raytrain_sys.control.spares import end_spares_of
-from raytrain_sys.errors import JobStateConflict
+from raytrain_sys.errors import JobStateConflict, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
+from raytrain_sys.service import packages
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
                                         Shrink, TransitionNotAllowed, Wait)
@@ -422,14 +423,25 @@ class Reconciler:
 
     # ------------------------------------------------------------------ runners
     def _launch(self, job: JobRecord, workers: int, reason: str, resume: bool) -> None:
-        """Create the job's runner (or adopt the live one under its name)."""
+        """Create the job's runner (or adopt the live one under its name); a job with a code
+        package gets a new runner with the package as its working directory (``packages.py``),
+        or fails, saying why, when the package cannot be put in the cluster."""
         spec = json.loads(job.spec)
         run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
                                 resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason,
-                                team=job.team)
-        spare = self._take_spare_runner()
-        self._handles[job.id] = runners.launch_runner(launch, self.step_hook, spare=spare)
+                                team=job.team, package=job.package or "")
+        runtime_env = None
+        if job.package:
+            try:
+                runtime_env = packages.runtime_env(job.package, self.store.package_data)
+            except UserError as exc:
+                self.store.transition(job.id, job.state, JobState.FAILED, actor=ACTOR, workers=0, target_workers=0,
+                                      reason=f"failed at start: {exc}")
+                log.error("job %d failed at start: %s", job.id, exc)
+                return
+        spare = None if runtime_env else self._take_spare_runner()
+        self._handles[job.id] = runners.launch_runner(launch, self.step_hook, spare=spare, runtime_env=runtime_env)
         self._created.add(job.id)
         log.info("job %d: runner %s launched (%s on %d workers)", job.id,
                  "(a spare)" if spare is not None else runners.runner_name(job.id),

@@ -27,6 +27,8 @@ The conventions (``model.JobState`` lists the edges):
   get is refused on the field that sets it (``spec.elastic.min_workers`` or
   ``spec.resources.num_workers``). **The store holds the validated spec as JSON**
   (``json.dumps(spec.to_dict())``), the one format: the reconciler reads it with ``json.loads``.
+* **upload** of a code package (``packages.py``) keeps it for the team; a submit naming a
+  package the team has not uploaded is refused on ``package``.
 * **pause** by a user holds the job (``held``) until the user resumes it: a running job moves to
   pausing (held), the reconciler asks its runner to stop with a checkpoint and records paused;
   a queued, paused, starting, resuming or pausing (the scheduler's) job not held yet is marked
@@ -57,7 +59,7 @@ from typing import Any, Callable, Optional, Union
 import yaml
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, SpecError
-from raytrain_sys.service import auth
+from raytrain_sys.service import auth, packages
 from raytrain_sys.service.model import JobRecord, JobState
 from raytrain_sys.service.store import Store
 from raytrain_sys.spec import JobSpec, apply_overrides, describe_object, from_dict, from_text
@@ -106,7 +108,8 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
         field, value = objects[0]
         raise ServiceInputError(f"spec.{field}", f"is a Python object ({describe_object(value)}); the job service "
                                 f"stores specs as data and runs them in its own processes: give an import "
-                                f"path 'package.module:name' that the cluster's Python can import")
+                                f"path 'package.module:name' that the cluster's Python can import, or send "
+                                f"its module with the job (jobs submit --working-dir DIR)")
     if parsed.train.stop_at_step:
         raise ServiceInputError("spec.train.stop_at_step",
                                 f"got {parsed.train.stop_at_step}; a service job is paused with a pause "
@@ -151,8 +154,10 @@ def stored_spec(spec: JobSpec) -> str:
 
 def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority: int = 0, name: str = "",
            overrides: Optional[list[str]] = None, cluster_workers: Optional[int] = None,
-           idempotency_key: Optional[str] = None, base_dir: Optional[str] = None) -> JobRecord:
-    """Queue a job (see the module docstring). A refusal raises ``ServiceInputError`` naming the
+           idempotency_key: Optional[str] = None, base_dir: Optional[str] = None,
+           package: Optional[str] = None) -> JobRecord:
+    """Queue a job (see the module docstring), with the code package ``package`` (a sha256 the
+    team uploaded, ``packages.py``) when given. A refusal raises ``ServiceInputError`` naming the
     field; nothing but the audit row is written."""
     try:
         parsed = parse_spec(spec, base_dir, overrides)
@@ -160,7 +165,8 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
         try:
             job = store.submit(team=team, name=name or parsed.name, spec=stored_spec(parsed),
                                min_workers=low, max_workers=high, elastic=elastic, priority=priority, actor=by,
-                               idempotency_key=idempotency_key, cluster_workers=cluster_workers)
+                               idempotency_key=idempotency_key, cluster_workers=cluster_workers,
+                               package=package or None)
         except ServiceInputError as exc:
             if exc.field not in ("elastic.min_workers", "elastic.max_workers"):
                 raise
@@ -174,6 +180,20 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
     auth.record(store, by, "submit", f"job {job.id} (team {team})", "ok")
     store.requested()
     return job
+
+
+def upload_package(store: Store, *, team: str, sha256: str, data: bytes, by: str) -> dict[str, Any]:
+    """Keep a team's code package for its submits (``packages.check``: the bytes must have the
+    sha256 they are named by). Uploading one the team has is not an error. Returns its info."""
+    target = f"package {sha256[:12]} (team {team})"
+    try:
+        files = packages.check(data, sha256)
+        added = store.put_package(sha256=sha256, team=team, data=data, files=files)
+    except ServiceInputError as exc:
+        auth.record(store, by, "upload", target, f"refused (400): {exc}")
+        raise
+    auth.record(store, by, "upload", target, "ok" if added else "ok (had it)")
+    return store.package_info(sha256, team)
 
 
 def pause(store: Store, job_id: int, *, by: str, reason: str = "") -> JobRecord:

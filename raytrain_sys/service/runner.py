@@ -85,6 +85,7 @@ class Launch:
     tracking_uri: str = ""  # where that run is recorded
     reason: str = ""  # why it was admitted (the scheduler's words)
     team: str = "-"  # the job's team: the run's metrics carry it
+    package: str = ""  # the code package it runs with (its runner's working_dir): no warm spare then
 
 
 def start_spec(spec: dict, workers: int) -> dict:
@@ -149,12 +150,12 @@ class JobRunner:
                 self._sup = resume_supervisor(
                     launch.resume_run_id, tracking_uri=launch.tracking_uri,
                     overrides=[f"resources.num_workers={int(launch.workers)}"],
-                    on_step=self._on_step, requests=self.requests, spares=SpareSource.here(),
+                    on_step=self._on_step, requests=self.requests, spares=self._spares(),
                     team=launch.team)
             else:
                 self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers)),
                                        on_step=self._on_step, requests=self.requests,
-                                       spares=SpareSource.here(), team=launch.team)
+                                       spares=self._spares(), team=launch.team)
             result = self._sup.run()
             reason = result.reason or self._last_reason()
             self._result = {"status": result.status, "reason": reason, "error_type": ""}
@@ -168,6 +169,10 @@ class JobRunner:
             log.info("job %d: runner done: %s", launch.job_id, json.dumps(self._result))
             self._log_handler.flush()
             self._done.set()
+
+    def _spares(self) -> Optional[SpareSource]:
+        """Warm spare workers, unless the job brings its code (they were started without it)."""
+        return None if self.launch.package else SpareSource.here()
 
     def _on_step(self, report) -> None:
         if self._step_hook is not None and self._sup is not None:
@@ -250,10 +255,13 @@ class JobRunner:
 RemoteJobRunner = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(JobRunner)
 
 
-def launch_runner(launch: Launch, step_hook: Optional[Callable] = None, spare=None):
+def launch_runner(launch: Launch, step_hook: Optional[Callable] = None, spare=None,
+                  runtime_env: Optional[dict] = None):
     """Start the job on ``spare`` (a spare runner, see ``new_spare_runner``) when given and it
     takes it; else create the job's runner, or adopt the one that exists under its name (never
-    two: the caller, the reconciler, gives a job a spare only when ``find_runner`` found none)."""
+    two: the caller, the reconciler, gives a job a spare only when ``find_runner`` found none).
+    ``runtime_env``: the new runner's (a job's code package, ``packages.runtime_env``; its
+    workers and read tasks inherit it); a job with one is given no spare."""
     if spare is not None:
         try:
             ray.get(spare.start.remote(launch, step_hook), timeout=SPARE_START_TIMEOUT_S)
@@ -262,8 +270,9 @@ def launch_runner(launch: Launch, step_hook: Optional[Callable] = None, spare=No
             log.warning("job %d: the spare runner did not take it (%s); starting a new one", launch.job_id,
                         str(exc).splitlines()[0])
             ray.kill(spare, no_restart=True)
+    extra = {"runtime_env": runtime_env} if runtime_env else {}
     return RemoteJobRunner.options(name=runner_name(launch.job_id), namespace=NAMESPACE, lifetime="detached",
-                                   get_if_exists=True).remote(launch, step_hook)
+                                   get_if_exists=True, **extra).remote(launch, step_hook)
 
 
 def new_spare_runner():

@@ -144,11 +144,15 @@ class ServiceActor:
 
     # ------------------------------------------------------------------ what the API does, as methods
     def submit(self, team: str, spec: Union[dict, str], priority: int = 0, name: str = "", by: str = "",
-               idempotency_key: Optional[str] = None) -> dict:
+               idempotency_key: Optional[str] = None, package: Optional[str] = None) -> dict:
         job = user_requests.submit(self.store, team=team, spec=spec, by=by or team, priority=priority, name=name,
                                    cluster_workers=self.cluster_workers(), idempotency_key=idempotency_key,
-                                   base_dir=self.base_dir)
+                                   base_dir=self.base_dir, package=package)
         return user_requests.job_dict(job)
+
+    def upload_package(self, team: str, sha256: str, data: bytes, by: str = "") -> dict:
+        """Keep a code package for the team's submits (``packages.pack`` makes one)."""
+        return user_requests.upload_package(self.store, team=team, sha256=sha256, data=data, by=by or team)
 
     def pause(self, job_id: int, by: str, reason: str = "") -> dict:
         return user_requests.job_dict(user_requests.pause(self.store, job_id, by=by, reason=reason))

@@ -41,7 +41,7 @@ from raytrain_sys.service import migrations
 from raytrain_sys.service.model import (LIVE_STATES, AuditRecord, JobRecord, JobState, Snapshot, Team,
                                         TransitionRecord)
 from raytrain_sys.service.scheduler.quota import never_fits_reason
-from raytrain_sys.service.tables import audit, jobs, store_meta, teams, tokens, transitions
+from raytrain_sys.service.tables import audit, jobs, packages, store_meta, teams, tokens, transitions
 
 DEFAULT_URL = "sqlite:///raytrain-service.db"
 TOKEN_PREFIX = "rts_"  # makes a leaked token easy to spot (secret scanners, logs)
@@ -187,11 +187,12 @@ class Store:
     def submit(self, *, team: str, name: str, spec: str, min_workers: int, max_workers: Optional[int] = None,
                priority: int = 0, elastic: Optional[bool] = None, actor: str,
                idempotency_key: Optional[str] = None, cluster_workers: Optional[int] = None,
-               now_s: Optional[float] = None) -> JobRecord:
+               package: Optional[str] = None, now_s: Optional[float] = None) -> JobRecord:
         """Queue a job. Rejects, naming the field and writing nothing: an unknown team, sizes out
         of range, a min_workers the team could never get (its nominal quota plus borrowing
-        limit, bounded by its cohort and, when given, by ``cluster_workers``). A repeated
-        ``idempotency_key`` of the same team returns the job it created first."""
+        limit, bounded by its cohort and, when given, by ``cluster_workers``), a ``package``
+        the team has not uploaded. A repeated ``idempotency_key`` of the same team returns the
+        job it created first."""
         max_workers = min_workers if max_workers is None else max_workers
         _check_int("elastic.min_workers", min_workers, low=1)
         _check_int("elastic.max_workers", max_workers, low=min_workers,
@@ -210,6 +211,9 @@ class Store:
                 never = never_fits_reason(team, min_workers, all_teams, cluster_workers)
                 if never:
                     raise ServiceInputError("elastic.min_workers", never)
+                if package is not None and not self._has_package(conn, package, team):
+                    raise ServiceInputError("package", f"team {team} has uploaded no package {package}: "
+                                                       f"upload it first (PUT /v1/packages/<sha256>)")
                 if idempotency_key is not None:
                     row = conn.execute(select(jobs).where(jobs.c.team == team,
                                                           jobs.c.idempotency_key == idempotency_key)).first()
@@ -220,7 +224,7 @@ class Store:
                     min_workers=min_workers, max_workers=max_workers,
                     elastic=(max_workers > min_workers) if elastic is None else bool(elastic),
                     workers=0, target_workers=0, restarts=0, submitted_at_s=now, waiting_since_s=now,
-                    updated_at_s=now, message="submitted", idempotency_key=idempotency_key,
+                    updated_at_s=now, message="submitted", idempotency_key=idempotency_key, package=package,
                 ).returning(jobs.c.id)).scalar_one()
                 conn.execute(insert(transitions).values(job_id=job_id, from_state=None, to_state=JobState.QUEUED.value,
                                                         at_s=now, actor=actor, reason="submitted"))
@@ -231,6 +235,45 @@ class Store:
             with self._tx() as conn:
                 return _job(conn.execute(select(jobs).where(jobs.c.team == team,
                                                             jobs.c.idempotency_key == idempotency_key)).one())
+
+    # ------------------------------------------------------------------ code packages
+
+    def put_package(self, *, sha256: str, team: str, data: bytes, files: int,
+                    now_s: Optional[float] = None) -> bool:
+        """Keep a team's code package (``packages.check``ed by the caller). False when the team
+        already had it (nothing written)."""
+        try:
+            with self._tx() as conn:
+                if conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
+                    raise ServiceInputError("team", f"no team {team!r}")
+                if self._has_package(conn, sha256, team):
+                    return False
+                conn.execute(insert(packages).values(sha256=sha256, team=team, size_bytes=len(data), files=files,
+                                                     data=data, created_at_s=_now(now_s)))
+                return True
+        except IntegrityError:  # the same upload, at the same moment elsewhere
+            return False
+
+    def package_info(self, sha256: str, team: Optional[str] = None) -> Optional[dict]:
+        """Size, file count and upload time of a package (of ``team``'s when given), or None."""
+        query = select(packages.c.sha256, packages.c.team, packages.c.size_bytes, packages.c.files,
+                       packages.c.created_at_s).where(packages.c.sha256 == sha256)
+        if team is not None:
+            query = query.where(packages.c.team == team)
+        with self._tx() as conn:
+            row = conn.execute(query).first()
+        return None if row is None else dict(row._mapping)
+
+    def package_data(self, sha256: str) -> Optional[bytes]:
+        """A package's bytes (whichever team uploaded it: they are the same), or None."""
+        with self._tx() as conn:
+            row = conn.execute(select(packages.c.data).where(packages.c.sha256 == sha256).limit(1)).first()
+        return None if row is None else bytes(row.data)
+
+    @staticmethod
+    def _has_package(conn, sha256: str, team: str) -> bool:
+        return conn.execute(select(packages.c.sha256).where(packages.c.sha256 == sha256,
+                                                             packages.c.team == team)).first() is not None
 
     def job(self, job_id: int) -> JobRecord:
         with self._tx() as conn:
@@ -496,4 +539,4 @@ def _job(row) -> JobRecord:
                      last_checkpoint_step=row.last_checkpoint_step, last_checkpoint_at_s=row.last_checkpoint_at_s,
                      submitted_at_s=row.submitted_at_s, waiting_since_s=row.waiting_since_s,
                      started_at_s=row.started_at_s, updated_at_s=row.updated_at_s, message=row.message,
-                     delete_checkpoints=bool(row.delete_checkpoints))
+                     delete_checkpoints=bool(row.delete_checkpoints), package=row.package)

@@ -12,8 +12,8 @@ uses it), each change with its row in ``transitions``.
 
 from __future__ import annotations
 
-from sqlalchemy import (Boolean, Column, Double, ForeignKey, Index, Integer, MetaData, String, Table, Text,
-                        UniqueConstraint, false)
+from sqlalchemy import (Boolean, Column, Double, ForeignKey, Index, Integer, LargeBinary, MetaData, String, Table,
+                        Text, UniqueConstraint, false)
 
 # Named constraints, so that migrations and reflection agree on every name on every database.
 metadata = MetaData(naming_convention={
@@ -61,6 +61,8 @@ jobs = Table(
     Column("idempotency_key", String(128), nullable=True),  # a client's retry of a submit
     # A cancel asked for the job's checkpoints to be deleted once it has ended (migration 0002).
     Column("delete_checkpoints", Boolean, nullable=False, server_default=false()),
+    # The code package the job runs with (its sha256, see packages.py; migration 0003); NULL: none.
+    Column("package", String(64), nullable=True),
     UniqueConstraint("team", "idempotency_key"),
     Index(None, "state"),
 )
@@ -86,6 +88,17 @@ audit = Table(
     Column("target", String(200), nullable=False),
     Column("result", Text, nullable=False),
     Index(None, "at_s"),
+)
+
+# Code packages (packages.py): a team's uploaded directory, kept for its jobs' runs and resumes.
+packages = Table(
+    "packages", metadata,
+    Column("sha256", String(64), primary_key=True),
+    Column("team", String(64), ForeignKey("teams.name"), primary_key=True),
+    Column("size_bytes", Integer, nullable=False),
+    Column("files", Integer, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+    Column("created_at_s", Double, nullable=False),
 )
 
 tokens = Table(
