@@ -13,6 +13,7 @@ pytest_plugins = [
     "tests.fixtures.ray_head",
     "tests.fixtures.imds_server",
     "tests.fixtures.postgres_server",
+    "tests.fixtures.custom_example",
 ]
 
 # Ray Data progress bars and MLflow's emoji banners only clutter test logs.
@@ -29,7 +30,13 @@ def ray_nodes(s3_server):
     Ray's unix socket paths must stay under 107 characters. It starts after the S3 server so
     that its workers inherit the S3 credentials, as workers on a real cluster get them from
     their nodes' environment.
+
+    Every node added (here or by a test) has its own runtime-env directory, as separate machines
+    do: Ray unpacks a job's working_dir there, replacing what it finds, and on one shared
+    directory a node joining a job would delete the package under the processes of the others.
     """
+    import itertools
+
     import ray
     from ray.cluster_utils import Cluster
 
@@ -42,6 +49,13 @@ def ray_nodes(s3_server):
     node_args = {"object_store_memory": 200 * 1024**2}
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={"num_cpus": 0, "temp_dir": temp_dir, **node_args})
+    add_node, numbers = cluster.add_node, itertools.count(1)
+
+    def add_own_node(**kwargs):
+        kwargs.setdefault("runtime_env_dir_name", f"runtime_resources_{next(numbers)}")
+        return add_node(**kwargs)
+
+    cluster.add_node = add_own_node
     for _ in range(4):
         cluster.add_node(num_cpus=1, **node_args)
     cluster.wait_for_nodes()

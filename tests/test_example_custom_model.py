@@ -7,39 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import uuid
 
 import pytest
 
-from raytrain_sys.data.table import index_parquet
+from tests.fixtures.custom_example import repo_env
 from tests.fixtures.ray_head import _ray_cli
 from tests.helpers import read_summary
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(REPO, "examples", "custom_model")
 BIN = os.path.dirname(sys.executable)
-
-
-@pytest.fixture(scope="module")
-def example_dir(tmp_path_factory) -> str:
-    """A copy of the example with its data written and indexed, as its README says."""
-    where = str(tmp_path_factory.mktemp("custom") / "custom_model")
-    shutil.copytree(EXAMPLE, where, ignore=shutil.ignore_patterns("data", "runs", "__pycache__"))
-    subprocess.run([sys.executable, "tabular.py", "data"], cwd=where, check=True)
-    for d in ("data", "data/val"):
-        out = subprocess.run([os.path.join(BIN, "raytrain-sys"), "prepare-data", "--index", d], cwd=where,
-                             capture_output=True, text=True, env=_env())
-        assert out.returncode == 0, out.stderr
-    return where
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ, **extra)
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
+_env = repo_env  # example_dir: tests/fixtures/custom_example.py
 
 
 def _last_run(out: str) -> dict:
