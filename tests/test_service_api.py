@@ -670,6 +670,8 @@ def test_cli_submit_with_a_working_dir(sqlite_service, tmp_path):
     assert out.returncode == 0, out.stderr
     sha = packages.digest(packages.pack(code))
     assert out.stdout.strip().endswith(f"code package {sha[:12]}")
-    assert sqlite_service.store.job(int(out.stdout.split()[1])).package == sha
+    job = int(out.stdout.split()[1])
+    assert sqlite_service.store.job(job).package == sha
+    assert f"code        package {sha} (its working directory)" in cli(sqlite_service, "jobs", "status", str(job)).stdout
     assert "is not a directory" in one_line_error(cli(sqlite_service, "jobs", "submit", str(spec),
                                                       "--working-dir", str(tmp_path / "nowhere")))

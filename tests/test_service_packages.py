@@ -13,6 +13,7 @@ import os
 import pytest
 import ray
 
+from raytrain_sys.errors import UserError
 from raytrain_sys.service import packages
 from raytrain_sys.service.client import Client
 from raytrain_sys.service.store import Store
@@ -83,3 +84,20 @@ def test_a_job_runs_the_code_its_team_sent_with_it_through_a_pause_and_a_resume(
 def _in_gcs(sha256: str) -> bool:
     exists, _ = packages._gcs()
     return exists(packages.uri(sha256))
+
+
+def test_a_package_goes_to_the_cluster_once_and_one_the_store_lost_is_an_error_saying_so(ray_cluster, tmp_path):
+    (tmp_path / "mymod.py").write_text("X = 1\n")
+    data = packages.pack(tmp_path)
+    sha = packages.digest(data)
+    loads = []
+
+    def load(name):
+        loads.append(name)
+        return data
+
+    assert packages.runtime_env(sha, load) == {"working_dir": packages.uri(sha)}
+    assert _in_gcs(sha) and loads == [sha]
+    assert packages.runtime_env(sha, load) == {"working_dir": packages.uri(sha)} and loads == [sha]  # there already
+    with pytest.raises(UserError, match="the service's store no longer holds the job's code package"):
+        packages.runtime_env("f" * 64, lambda _: None)

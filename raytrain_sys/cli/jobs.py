@@ -155,6 +155,8 @@ def _status(args: argparse.Namespace) -> int:
               ("restarts", job["restarts"]), ("checkpoint", "none" if job["last_checkpoint_step"] is None
                                               else f"step {job['last_checkpoint_step']}"),
               ("mlflow run", job["mlflow_run_id"] or "-"), ("message", job["message"])]
+    if job.get("package"):
+        fields.append(("code", f"package {job['package']} (its working directory)"))
     if job["delete_checkpoints"]:
         fields.append(("on end", "delete checkpoints"))
     width = max(len(k) for k, _ in fields)
