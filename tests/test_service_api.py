@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 import zipfile
@@ -675,3 +676,22 @@ def test_cli_submit_with_a_working_dir(sqlite_service, tmp_path):
     assert f"code        package {sha} (its working directory)" in cli(sqlite_service, "jobs", "status", str(job)).stdout
     assert "is not a directory" in one_line_error(cli(sqlite_service, "jobs", "submit", str(spec),
                                                       "--working-dir", str(tmp_path / "nowhere")))
+
+
+def test_a_package_pruned_between_the_check_and_the_submit_is_uploaded_again(sqlite_service, tmp_path):
+    svc = sqlite_service
+    code = _code_dir(tmp_path, text="PRUNED = True\n")  # no other test's package
+    sha = packages.digest(packages.pack(code))
+    pruned = []
+
+    class PrunedMeanwhile(Client):
+        def upload_package(self, *args, **kwargs):
+            info = super().upload_package(*args, **kwargs)
+            if not pruned:  # the service's hourly prune lands right after the first check
+                pruned.extend(p for p in svc.store.prune_packages(time.time() + 1) if p[0] == sha)
+            return info
+
+    job = PrunedMeanwhile(svc.url, svc.a).submit(SPEC, working_dir=code)
+    assert pruned == [(sha, "a")]
+    assert job["package"] == sha and svc.store.package_data(sha) == packages.pack(code)
+    assert [r.result for r in svc.store.audit_log() if r.action == "upload" and sha[:12] in r.target] == ["ok", "ok"]

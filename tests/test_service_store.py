@@ -399,3 +399,28 @@ def test_a_python_object_in_a_service_spec_names_the_field():
                     "train": {"task": "raytrain_sys.train.tasks:Classify"}})
     assert err.value.field == "spec.model.factory"
     assert "Python object" in str(err.value) and "import path 'package.module:name'" in str(err.value)
+
+
+def test_unused_code_packages_are_pruned_and_used_ones_kept(store):
+    def upload(name: str) -> str:
+        sha = name * 64
+        assert store.put_package(sha256=sha, team="a", data=name.encode(), files=1, now_s=100.0)
+        return sha
+
+    unused, waiting, recent, ended = upload("1"), upload("2"), upload("3"), upload("4")
+    new = "5" * 64
+    store.put_package(sha256=new, team="a", data=b"5", files=1, now_s=600.0)
+    store.put_package(sha256=unused, team="b", data=b"1", files=1, now_s=100.0)
+    store.submit(team="a", name="w", spec="{}", min_workers=1, actor="a", package=waiting, now_s=100.0)
+    for name, sha, at in (("r", recent, 900.0), ("e", ended, 100.0)):  # ended jobs, one submitted lately
+        job = store.submit(team="a", name=name, spec="{}", min_workers=1, actor="a", package=sha, now_s=at)
+        store.transition(job.id, JobState.QUEUED, JobState.CANCELLED, actor="a", reason="test")
+    # Cutoff 500: the unused ones (of both teams) and the one only an ended, old job named go.
+    assert sorted(store.prune_packages(500.0)) == [(unused, "a"), (unused, "b"), (ended, "a")]
+    assert store.package_data(unused) is None and store.package_data(ended) is None
+    assert all(store.package_data(s) for s in (waiting, recent, new))
+    # Later: the waiting job still holds its package; the one of the job submitted at 900 goes.
+    assert sorted(store.prune_packages(1000.0)) == [(recent, "a"), (new, "a")]
+    assert store.package_data(waiting) == b"2"
+    with pytest.raises(ServiceInputError, match="team a has uploaded no package"):
+        store.submit(team="a", name="again", spec="{}", min_workers=1, actor="a", package=recent)

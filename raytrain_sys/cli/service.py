@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     start.add_argument("--warm-workers", type=int, default=None,
                        help="idle worker processes (torch imported) kept on each node for the jobs' "
                             "first gangs; 0: none (default 2, about 0.35 GB each)")
+    start.add_argument("--package-retention-days", type=float, default=7.0,
+                       help="delete a code package (jobs submit --working-dir) no waiting or running job uses and "
+                            "none submitted within this many days used; 0: keep every package")
     start.set_defaults(func=_cmd_start)
     stop = cmds.add_parser("stop", help="stop the service (running jobs train on; the next start re-attaches)")
     stop.set_defaults(func=_cmd_stop)
@@ -71,6 +74,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
     handle = start_service(store_url(args.db), args.host, args.port, log_dir=args.log_dir,
                            cluster_workers=args.cluster_workers, cpus_per_worker=args.cpus_per_worker,
                            gpus_per_worker=args.gpus_per_worker, max_restarts=args.max_restarts,
+                           package_retention_s=args.package_retention_days * 86400.0,
                            **({} if args.warm_workers is None else {"warm_workers_per_node": args.warm_workers}))
     info = ray.get(handle.info.remote())
     print(("already running: " if running else "started: ") + json.dumps(info, indent=1))

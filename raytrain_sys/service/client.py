@@ -71,15 +71,21 @@ class Client:
         uploaded first (``upload_package``; ``excludes``: glob patterns left out). Returns the
         job as stored (state ``queued``)."""
         body: dict[str, Any] = {"spec": _spec_body(spec_or_path), "overrides": list(overrides or [])}
-        if working_dir is not None:
-            body["package"] = self.upload_package(working_dir, team=team, excludes=excludes)["sha256"]
         if team is not None:
             body["team"] = team
         if priority is not None:
             body["priority"] = priority
         if name is not None:
             body["name"] = name
-        return self._json("POST", "/v1/jobs", body)
+        if working_dir is None:
+            return self._json("POST", "/v1/jobs", body)
+        for attempt in (1, 2):
+            body["package"] = self.upload_package(working_dir, team=team, excludes=excludes)["sha256"]
+            try:
+                return self._json("POST", "/v1/jobs", body)
+            except ServiceRequestInvalid as exc:  # pruned by the service since the upload found it there
+                if exc.field != "package" or attempt == 2:
+                    raise
 
     def upload_package(self, directory: Union[str, os.PathLike], team: Optional[str] = None,
                        excludes: Iterable[str] = ()) -> dict:

@@ -66,6 +66,7 @@ log = logging.getLogger(__name__)
 
 ACTOR = "reconciler"
 SCHEDULER = "scheduler"
+PRUNE_EVERY_S = 3600.0  # how often unused code packages are looked for
 # States whose job has (or is being given) a runner.
 WITH_RUNNER = (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING, JobState.CANCELLING)
 
@@ -82,6 +83,9 @@ class ReconcilerConfig:
     # admitted right after another (a reclaim) does not wait for the spare the first one used
     # to be replaced while the cluster is busy; 0 for none.
     spare_runners: int = 2
+    # A code package (packages.py) that no waiting or running job names and no job submitted
+    # within this long named is deleted from the store (looked at once an hour); 0 keeps all.
+    package_retention_s: float = 7 * 86400.0
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Reconciler:
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
+        self._next_prune_s = 0.0  # when the store's unused code packages are looked at next
         self.metrics = ServiceMetrics()  # queue and quota per team, each pass
         self.passes = 0
 
@@ -137,8 +142,25 @@ class Reconciler:
                 log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
         self._keep_spare_runners()
         self._delete_cancelled_checkpoints()
+        self._prune_packages()
         self.passes += 1
         return actions
+
+    # ------------------------------------------------------------------ code packages
+    def _prune_packages(self) -> None:
+        """Delete unused code packages past ``package_retention_s`` (``Store.prune_packages``)."""
+        keep, now = self.config.package_retention_s, self.clock()
+        if not keep or now < self._next_prune_s:
+            return
+        self._next_prune_s = now + PRUNE_EVERY_S
+        try:
+            gone = self.store.prune_packages(now - keep)
+        except Exception as exc:  # noqa: BLE001: the database is away: the next look, not this pass's jobs
+            log.warning("code packages not pruned (tried again in %.0f s): %s", PRUNE_EVERY_S, exc)
+            return
+        for sha256, team in gone:
+            log.info("code package %s of team %s deleted: no job has used it for %.0f days", sha256[:12], team,
+                     keep / 86400)
 
     # ------------------------------------------------------------------ cancel --delete-checkpoints
     def _delete_cancelled_checkpoints(self) -> None:

@@ -74,7 +74,8 @@ class ServiceActor:
                  cluster_workers: Optional[int] = None, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float = 0.0, max_restarts: int = 3, stop_deadline_s: float = 120.0,
                  serve_api: bool = True, step_hook: Optional[Callable] = None,
-                 warm_workers_per_node: int = DEFAULT_WARM_WORKERS):
+                 warm_workers_per_node: int = DEFAULT_WARM_WORKERS,
+                 package_retention_s: float = ReconcilerConfig.package_retention_s):
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.base_dir = base_dir
@@ -85,7 +86,8 @@ class ServiceActor:
         self._cpus_per_worker, self._gpus_per_worker = cpus_per_worker, gpus_per_worker
         self.reconciler = Reconciler(self.store, ReconcilerConfig(log_dir=log_dir, max_restarts=max_restarts,
                                                                   stop_deadline_s=stop_deadline_s,
-                                                                  spare_runners=2 if warm_workers_per_node > 0 else 0),
+                                                                  spare_runners=2 if warm_workers_per_node > 0 else 0,
+                                                                  package_retention_s=package_retention_s),
                                      cluster_workers=self.cluster_workers, step_hook=step_hook)
         self.last_error = ""
         self._stop = threading.Event()
@@ -243,7 +245,7 @@ def start_service(db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int
     """Start the service actor on the connected cluster and wait until it runs (or return the
     one that runs already). ``config``: ``poll_s``, ``cluster_workers``, ``cpus_per_worker``,
     ``gpus_per_worker``, ``max_restarts``, ``stop_deadline_s``, ``serve_api``, ``step_hook``,
-    ``warm_workers_per_node``."""
+    ``warm_workers_per_node``, ``package_retention_s``."""
     existing = get_service()
     if existing is not None:
         return existing

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sqlalchemy import create_engine, event, func, insert, select, text, update
+from sqlalchemy import create_engine, delete, event, func, insert, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
@@ -269,6 +269,22 @@ class Store:
         with self._tx() as conn:
             row = conn.execute(select(packages.c.data).where(packages.c.sha256 == sha256).limit(1)).first()
         return None if row is None else bytes(row.data)
+
+    def prune_packages(self, cutoff_s: float) -> list[tuple[str, str]]:
+        """Delete the code packages uploaded before ``cutoff_s`` that no job still waiting or
+        running names and no job submitted since ``cutoff_s`` named. Returns the (sha256, team)
+        deleted. A package pruned between a client's check that it is there and its submit makes
+        that submit a refusal on ``package``; ``Client.submit`` then uploads it again, once."""
+        live = [state.value for state in JobState if not state.terminal]
+        with self._tx() as conn:
+            used = set(conn.execute(select(jobs.c.package, jobs.c.team).where(
+                jobs.c.package.is_not(None), or_(jobs.c.state.in_(live), jobs.c.submitted_at_s >= cutoff_s))).all())
+            old = conn.execute(select(packages.c.sha256, packages.c.team).where(
+                packages.c.created_at_s < cutoff_s)).all()
+            gone = [(row.sha256, row.team) for row in old if (row.sha256, row.team) not in used]
+            for sha256, team in gone:
+                conn.execute(delete(packages).where(packages.c.sha256 == sha256, packages.c.team == team))
+        return gone
 
     @staticmethod
     def _has_package(conn, sha256: str, team: str) -> bool:
