@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 
 from raytrain_sys.errors import (ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, SpecError,
                                  UserError)
+from raytrain_sys.service import packages
 
 URL_ENV = "RAYTRAIN_SYS_SERVICE_URL"
 TOKEN_ENV = "RAYTRAIN_SYS_TOKEN"
@@ -91,8 +92,6 @@ class Client:
                        excludes: Iterable[str] = ()) -> dict:
         """Pack ``directory`` (``service/packages.pack``) and upload it unless the service holds
         it for the team already. Returns its info (``sha256``, ``size_bytes``, ``files``)."""
-        from raytrain_sys.service import packages
-
         data = packages.pack(directory, excludes)
         sha = packages.digest(data)
         query = [("team", team)] if team else None
