@@ -79,8 +79,8 @@ class JobState(str, Enum):
 
 
 # Where each state leads (besides staying and failing). A queued or paused job holds nothing,
-# so cancelling it needs no stop; a starting or resuming job that could not be placed goes back
-# to where it waited, nothing having run since.
+# so cancelling it needs no stop; a starting or resuming job whose start was given up (not
+# placed, or no progress: service/starts.py) goes back to where it waited, nothing having run since.
 _MOVES: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED}),
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.CANCELLING}),
