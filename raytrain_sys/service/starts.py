@@ -94,8 +94,8 @@ def step_reason(step: str, view: StartView, max_start_returns: int) -> Starting:
                        if view.state is JobState.RESUMING else "its runner is building the run"),
         "preparing": "the run is preparing: pre-flight checks, the Ray connection, its first data reads",
         "placement": f"waiting for the cluster to place its {n}: Ray has not found room for them yet",
-        "workers": f"its {n} are placed and starting: worker processes, the MLflow run, the process group, "
-                   f"the first batch",
+        "workers": f"its {n} {'is' if view.workers == 1 else 'are'} placed and starting: worker processes, "
+                   f"the MLflow run, the process group, the first batch",
         "restore": ("loading its checkpoint" + (f" at step {view.checkpoint_step}"
                                                  if view.checkpoint_step is not None else "")),
     }[step]
