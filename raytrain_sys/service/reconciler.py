@@ -507,6 +507,9 @@ class Reconciler:
         outcome = starts.watch_start(self._start_view(job, now), step, now, self.config.start_stall_s,
                                      self.config.max_start_returns)
         if isinstance(outcome, starts.GiveUp):
+            # The act before the write, unlike an admission: a service that dies in between
+            # leaves a starting job with no runner, which the next pass starts afresh; the other
+            # order would leave a queued job whose stalled runner a new admission adopts by name.
             self._kill(job.id, f"its start was given up: {outcome.reason}")
             self._give_up(job, outcome)
         else:
