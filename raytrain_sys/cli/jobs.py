@@ -171,7 +171,7 @@ def _status(args: argparse.Namespace) -> int:
                        ("waits on", f"{job['wait_cause']} since {_when(job['wait_cause_since_s'])} "
                                     f"({_age(job['wait_cause_since_s'])} ago)")]
     if job.get("start_returns"):
-        fields.append(("starts given up", f"{job['start_returns']} in a row (back to the queue each time)"))
+        fields.append(("starts given up", f"{job['start_returns']} in a row (the transitions say why)"))
     if job.get("package"):
         fields.append(("code", f"package {job['package']} (its working directory)"))
     if job["delete_checkpoints"]:
