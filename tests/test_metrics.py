@@ -29,3 +29,24 @@ def test_queue_and_quota_per_team():
         "b": {"queued": 1, "used": 0, "borrowed": 0, "nominal": 4},
         "idle": {"queued": 0, "used": 0, "borrowed": 0, "nominal": 1},
     }
+
+
+def test_waiting_jobs_per_team_and_cause():
+    """The labels of ``raytrain_service_waiting_jobs``: a team and a WaitCause value (never the
+    sentence), counting only jobs not running yet whose reason has been written."""
+    from raytrain_sys.monitor.metrics import wait_counts
+    from raytrain_sys.service.model import JobRecord, WaitCause
+
+    def record(id, team, state, cause=None):
+        return JobRecord(id=id, team=team, name="j", spec="{}", priority=0, state=state, held=False, min_workers=1,
+                         max_workers=1, elastic=False, workers=0, target_workers=0, restarts=0, mlflow_run_id=None,
+                         last_checkpoint_step=None, last_checkpoint_at_s=None, submitted_at_s=0.0,
+                         waiting_since_s=0.0, started_at_s=None, updated_at_s=0.0, message="",
+                         wait_cause=cause, wait_reason=None if cause is None else f"a sentence for job {id}")
+
+    jobs = [record(1, "a", JobState.QUEUED, WaitCause.TEAM_QUOTA), record(2, "a", JobState.QUEUED, WaitCause.TEAM_QUOTA),
+            record(3, "a", JobState.PAUSED, WaitCause.HELD), record(4, "a", JobState.STARTING, WaitCause.PLACEMENT),
+            record(5, "b", JobState.RESUMING, WaitCause.RESTORE), record(6, "b", JobState.QUEUED),  # not looked at yet
+            record(7, "b", JobState.RUNNING)]
+    assert wait_counts(jobs) == {("a", "team_quota"): 2, ("a", "held"): 1, ("a", "placement"): 1,
+                                 ("b", "restore"): 1}

@@ -29,7 +29,7 @@ from raytrain_sys.service import packages
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
 from raytrain_sys.service.client import Client
-from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.model import JobState, Team, WaitCause
 from raytrain_sys.service.store import Store
 from raytrain_sys.service.tables import metadata
 
@@ -147,6 +147,37 @@ def test_submit_list_status_and_history(service, tmp_path):
     assert by_mapping["id"] not in [j["id"] for j in a.jobs(states=["running", "cancelled"])]
     audit = [r for r in service.store.audit_log() if r.action == "submit"]
     assert f"job {by_path['id']} (team a)" in [r.target for r in audit if r.actor == "a" and r.result == "ok"]
+
+
+def test_a_waiting_jobs_reason_is_in_the_api_the_client_and_the_cli_and_clears_when_it_runs(service, monkeypatch):
+    """The reconciler's part (a noted reason, then the job admitted and running) played through
+    the store; what a user reads through the API, the client and the CLI."""
+    a = service.client(service.a)
+    job = a.submit(SPEC)["id"]
+    assert {k: a.job(job)[k] for k in ("wait_cause", "wait_reason", "wait_cause_since_s", "start_returns")} == {
+        "wait_cause": None, "wait_reason": None, "wait_cause_since_s": None, "start_returns": 0}  # not looked at yet
+    reason = ("over its team's quota: needs 1 worker (min_workers), the team may take 0 more: team a uses 4 of "
+              "nominal 4 (no borrowing limit; cohort pool 0 free); nothing it may reclaim would make room")
+    since = time.time() - 125
+    service.store.note_waits({job: (JobState.QUEUED, WaitCause.TEAM_QUOTA, reason)}, now_s=since)
+    shown = a.job(job)
+    assert (shown["state"], shown["wait_cause"], shown["wait_reason"], shown["wait_cause_since_s"]) == (
+        "queued", "team_quota", reason, since)
+    assert [j["wait_cause"] for j in a.jobs() if j["id"] == job] == ["team_quota"]
+
+    monkeypatch.setenv("COLUMNS", "120")  # the CLI's terminal
+    listed = cli(service, "jobs", "list")
+    header, *rows = listed.stdout.splitlines()
+    [row] = [r for r in rows if r.split()[0] == str(job)]
+    assert row[header.index("REASON"):].startswith("over its team's quota: needs 1 worker")
+    assert row.endswith("...") and len(row) <= 120, "cut to fit the terminal"
+    status = cli(service, "jobs", "status", str(job)).stdout
+    assert f"reason      {reason}\n" in status and "waits on    team_quota since " in status and "(2m ago)" in status
+
+    play_reconciler(service.store, job, JobState.STARTING, JobState.RUNNING)
+    running = a.job(job)
+    assert (running["wait_cause"], running["wait_reason"], running["wait_cause_since_s"]) == (None, None, None)
+    assert "reason " not in cli(service, "jobs", "status", str(job)).stdout
 
 
 def test_pause_resume_cancel_write_requests_as_guarded_transitions(service):
@@ -464,6 +495,10 @@ def test_openapi_describes_every_endpoint_with_typed_models(sqlite_service):
                      ("PUT", "/v1/packages/{sha256}"), ("GET", "/v1/packages/{sha256}")}
     schemas = doc["components"]["schemas"]
     assert set(schemas["JobState"]["enum"]) == {s.value for s in JobState}
+    assert set(schemas["WaitCause"]["enum"]) == {c.value for c in WaitCause}
+    job = schemas["JobOut"]
+    assert {"wait_cause", "wait_reason", "wait_cause_since_s", "start_returns"} <= set(job["required"])
+    assert job["properties"]["wait_cause"]["anyOf"] == [{"$ref": "#/components/schemas/WaitCause"}, {"type": "null"}]
     assert {"spec", "team", "priority", "overrides", "package"} <= set(schemas["SubmitIn"]["properties"])
     assert "409" in doc["paths"]["/v1/jobs/{job_id}/pause"]["post"]["responses"]
 
@@ -511,7 +546,7 @@ def test_cli_jobs_commands(sqlite_service, tmp_path):
     listed = cli(svc, "jobs", "list", "--state", "queued")
     assert listed.returncode == 0
     header, *rows = listed.stdout.splitlines()
-    assert header.split() == ["ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "MESSAGE"]
+    assert header.split() == ["ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "REASON"]
     assert any(r.split()[:5] == [str(job), "a", "tiny", "queued", "2"] for r in rows)
 
     assert cli(svc, "jobs", "pause", str(job)).stdout.strip() == f"job {job}: queued (held)"

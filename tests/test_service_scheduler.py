@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from raytrain_sys.errors import ServiceInputError
 from raytrain_sys.service.model import (Admit, Grow, JobState, JobView, Pause, Policy, Shrink, Snapshot, Team,
-                                        TransitionNotAllowed, Wait)
+                                        TransitionNotAllowed, Wait, WaitCause)
 from raytrain_sys.service.scheduler import (Quotas, admission_order, decide, never_fits_reason,
                                             team_ceiling_workers)
 
@@ -43,11 +43,13 @@ def queued(id, team, min, max=None, priority=0, submitted=NOW - 1, state=JobStat
 
 
 def summary(actions) -> list[tuple]:
-    """What a case compares: kind, job and size of each action (reasons are checked apart)."""
+    """What a case compares: kind, job and size of each action, and a wait's cause (reasons are
+    checked apart)."""
     out = []
     for a in actions:
         size = {Admit: "workers", Grow: "to_workers", Shrink: "to_workers"}.get(type(a))
-        out.append((type(a).__name__, a.job_id) + ((getattr(a, size),) if size else ()))
+        detail = (getattr(a, size),) if size else (a.cause.value,) if isinstance(a, Wait) else ()
+        out.append((type(a).__name__, a.job_id) + detail)
     return out
 
 
@@ -62,45 +64,45 @@ CASES = [
      [("Admit", 1, 3)]),
     ("gang admission: a job waits when its min_workers do not fit, and nothing smaller starts in its place",
      Snapshot([team("a", 4)], [running(1, "a", 3, priority=5), queued(2, "a", 2)], cluster_workers=4),
-     [("Wait", 2)]),
+     [("Wait", 2, "team_quota")]),
     ("best-effort FIFO: a smaller job behind a blocked one starts",
      Snapshot([team("a", 4)], [running(1, "a", 3, priority=5), queued(2, "a", 2, submitted=1.0),
                                queued(3, "a", 1, submitted=2.0)], cluster_workers=4),
-     [("Admit", 3, 1), ("Wait", 2)]),
+     [("Admit", 3, 1), ("Wait", 2, "team_quota")]),
     ("a higher-priority job pauses the lower-priority job with the least work at risk",
      Snapshot([team("a", 4)], [running(1, "a", 2, checkpoint_age_s=100.0), running(2, "a", 2, checkpoint_age_s=10.0),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
-     [("Pause", 2), ("Wait", 3)]),
+     [("Pause", 2), ("Wait", 3, "releasing")]),
     ("work at risk counts workers too: one worker 100 s behind loses less than four workers 30 s behind",
      Snapshot([team("a", 5)], [running(1, "a", 4, checkpoint_age_s=30.0), running(2, "a", 1, checkpoint_age_s=100.0),
                                queued(3, "a", 1, priority=10)], cluster_workers=5),
-     [("Pause", 2), ("Wait", 3)]),
+     [("Pause", 2), ("Wait", 3, "releasing")]),
     ("shrinking an elastic job is preferred over pausing, even a job with less work at risk",
      Snapshot([team("a", 4)], [running(1, "a", 3, min=1, max=4), running(2, "a", 1, checkpoint_age_s=1.0),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
-     [("Shrink", 1, 1), ("Wait", 3)]),
+     [("Shrink", 1, 1), ("Wait", 3, "releasing")]),
     ("a shrink never goes below the job's min_workers: the rest comes from a pause",
      Snapshot([team("a", 4)], [running(1, "a", 3, min=2, max=4), running(2, "a", 1),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
-     [("Shrink", 1, 2), ("Pause", 2), ("Wait", 3)]),
+     [("Shrink", 1, 2), ("Pause", 2), ("Wait", 3, "releasing")]),
     ("an equal-priority running job is never paused for a waiting one",
      Snapshot([team("a", 4)], [running(1, "a", 2, priority=5), running(2, "a", 2, priority=5),
                                queued(3, "a", 2, priority=5)], cluster_workers=4),
-     [("Wait", 3)]),
+     [("Wait", 3, "team_quota")]),
     ("a higher-priority running job is never paused or shrunk for a lower-priority one",
      Snapshot([team("a", 4)], [running(1, "a", 4, min=2, max=4, priority=9), queued(2, "a", 2, priority=1)],
               cluster_workers=4),
-     [("Wait", 2)]),
+     [("Wait", 2, "team_quota")]),
     ("a team within its nominal quota takes its quota back: the borrower is paused whatever its priority",
      Snapshot(AB, [running(1, "a", 4, priority=10), queued(2, "b", 2)], cluster_workers=4),
-     [("Pause", 1), ("Wait", 2)]),
+     [("Pause", 1), ("Wait", 2, "releasing")]),
     ("a high-priority job preempts within its own team, never another team's job within its nominal quota",
      Snapshot(AB, [running(1, "a", 2), running(2, "b", 2), queued(3, "b", 2, priority=9)], cluster_workers=4),
-     [("Pause", 2), ("Wait", 3)]),
+     [("Pause", 2), ("Wait", 3, "releasing")]),
     ("a team over its nominal quota cannot preempt another team's equal-priority borrowed job",
      Snapshot([team("a", 2), team("b", 2), team("c", 2)],
               [running(1, "a", 4), running(2, "b", 2), queued(3, "b", 2)], cluster_workers=6),
-     [("Wait", 3)]),
+     [("Wait", 3, "cohort")]),
     ("the lending limit is respected: a team lends only that much of its unused quota",
      Snapshot([team("a", 2), team("b", 2, lend=1)], [running(1, "a", 2, min=1, max=4)], cluster_workers=4),
      [("Grow", 1, 3)]),
@@ -118,35 +120,48 @@ CASES = [
      Snapshot([team("a", 1), team("b", 1), team("lender", 4)],
               [running(1, "a", 3), queued(2, "a", 1, submitted=NOW - 2), queued(3, "b", 1, submitted=NOW - 1)],
               cluster_workers=4),
-     [("Admit", 3, 1), ("Wait", 2)]),
+     [("Admit", 3, 1), ("Wait", 2, "cluster_capacity")]),
     ("weighted fair share: a team of weight 3 borrowing 2 goes before a team of weight 1 borrowing 1",
      Snapshot([team("a", 1, weight=3.0), team("b", 1), team("lender", 6)],
               [running(1, "a", 3), running(2, "b", 2), queued(3, "b", 1, submitted=NOW - 2),
                queued(4, "a", 1, submitted=NOW - 1)], cluster_workers=6),
-     [("Admit", 4, 1), ("Wait", 3)]),
+     [("Admit", 4, 1), ("Wait", 3, "cluster_capacity")]),
     ("a shrink in flight is waited for, not repeated",
      Snapshot(AB, [running(1, "a", 4, min=1, max=4, target=2), queued(2, "b", 2)], cluster_workers=4),
-     [("Wait", 2)]),
+     [("Wait", 2, "releasing")]),
     ("a pause in flight is waited for: its workers are claimed, nothing else is preempted",
      Snapshot([team("a", 4)], [dataclasses.replace(running(1, "a", 2), state=JobState.PAUSING),
                                running(2, "a", 2), queued(3, "a", 2, priority=9)], cluster_workers=4),
-     [("Wait", 3)]),
+     [("Wait", 3, "releasing")]),
     ("a paused job is admitted again (resumes from its checkpoint) when workers are free",
      Snapshot([team("a", 4)], [queued(1, "a", 2, state=JobState.PAUSED)], cluster_workers=4),
      [("Admit", 1, 2)]),
     ("a job its team holds waits, whatever is free",
      Snapshot([team("a", 4)], [queued(1, "a", 2, held=True)], cluster_workers=4),
-     [("Wait", 1)]),
+     [("Wait", 1, "held")]),
     ("a job larger than its team could ever get waits and says so",
      Snapshot(AB, [queued(1, "a", 5)], cluster_workers=8),
-     [("Wait", 1)]),
+     [("Wait", 1, "never_fits")]),
     ("a job of an unknown team waits and says so",
      Snapshot(AB, [queued(1, "z", 1)], cluster_workers=4),
-     [("Wait", 1)]),
+     [("Wait", 1, "unknown_team")]),
     ("a job that waited past reserve_after_s keeps the free workers: nothing behind it starts or grows",
      Snapshot([team("a", 8)], [running(1, "a", 2, min=1, max=3, priority=5), queued(2, "a", 3, submitted=0.0),
                                queued(3, "a", 1, submitted=NOW - 1)], cluster_workers=4),
-     [("Wait", 2), ("Wait", 3)]),
+     [("Wait", 2, "cluster_capacity"), ("Wait", 3, "reserved")]),
+    # Why a job waits, one cause a case (the scheduler's WaitCause; the cases above assert theirs too).
+    ("team quota: a job past its team's borrowing limit waits on the team's quota, though the cohort has room",
+     Snapshot([team("a", 2, borrow=1), team("b", 4)], [running(1, "a", 3), queued(2, "a", 1)], cluster_workers=8),
+     [("Wait", 2, "team_quota")]),
+    ("team quota: a team alone in its cohort has nobody to borrow from",
+     Snapshot([team("a", 2, cohort=None)], [running(1, "a", 2), queued(2, "a", 1)], cluster_workers=8),
+     [("Wait", 2, "team_quota")]),
+    ("cohort: a job within its nominal quota waits while another team's growing job borrows it",
+     Snapshot(AB, [running(1, "b", 3, min=1, max=4, target=4), queued(2, "a", 2)], cluster_workers=8),
+     [("Wait", 2, "cohort")]),
+    ("cluster capacity: the quota allows it, the cluster has no free worker, the running job outranks it",
+     Snapshot([team("a", 4)], [running(1, "a", 2, priority=9), queued(2, "a", 2)], cluster_workers=2),
+     [("Wait", 2, "cluster_capacity")]),
 ]
 
 
@@ -155,6 +170,21 @@ def test_decide(snapshot, expected):
     actions = decide(snapshot, NOW)
     assert summary(actions) == expected, "\n".join(str(a) for a in actions)
     assert all(a.reason.strip() for a in actions)
+
+
+def test_a_waits_sentence_opens_with_its_cause():
+    by_case = {name: decide(snapshot, NOW) for name, snapshot, _ in CASES}
+    openings = {"team_quota": "over its team's quota: ", "cohort": "its cohort has no quota to lend it now: ",
+                "cluster_capacity": "the cluster is full: ", "held": "held by its team", "never_fits": "can never start",
+                "unknown_team": "unknown team", "reserved": "the free workers are kept for job",
+                "releasing": ""}  # "2 workers are being released/reclaimed for it"
+    seen = set()
+    for name, actions in by_case.items():
+        for wait in (a for a in actions if isinstance(a, Wait)):
+            seen.add(wait.cause)
+            assert wait.reason.startswith(openings[wait.cause.value]), (name, wait)
+            assert str(wait).startswith(f"job {wait.job_id} waits ({wait.cause.value}): ")
+    assert seen == {c for c in WaitCause if c.value in openings}, "a scheduler cause no named case shows"
 
 
 def test_the_reasons_say_why():
@@ -199,9 +229,9 @@ def test_issue_scenario_shrink_then_admit_then_grow_back():
     when B finishes A grows back to 4."""
     s = Snapshot(AB, [running(1, "a", 4, min=1, max=4), queued(2, "b", 2)], cluster_workers=4)
     first = decide(s, NOW)
-    assert summary(first) == [("Shrink", 1, 2), ("Wait", 2)]
+    assert summary(first) == [("Shrink", 1, 2), ("Wait", 2, "releasing")]
     s = apply(s, first, drained=False)
-    assert summary(decide(s, NOW)) == [("Wait", 2)], "the drain has not landed: wait, ask nothing new"
+    assert summary(decide(s, NOW)) == [("Wait", 2, "releasing")], "the drain has not landed: wait, ask nothing new"
     s = apply(s, [], drained=True)
     second = decide(s, NOW)
     assert summary(second) == [("Admit", 2, 2)]

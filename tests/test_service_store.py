@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, insert, select, update
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import Admit, JobState, Team, TransitionNotAllowed
+from raytrain_sys.service.model import Admit, JobState, Team, TransitionNotAllowed, WaitCause
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store, mask_url
 from raytrain_sys.service.tables import jobs, metadata, transitions
@@ -54,7 +54,7 @@ def test_a_fresh_database_is_made_by_alembic_and_matches_the_tables(store_url):
 
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0003"
+        assert store.schema_revision() == migrations.head() == "0004"
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), metadata)
         assert diff == [], f"tables.py and the migrations differ: {diff}"
@@ -92,6 +92,92 @@ def test_a_database_of_the_previous_revision_is_upgraded_and_keeps_its_jobs(stor
         assert store.package_data("0" * 64) == b"zip"
     finally:
         store.close()
+
+
+def test_a_database_at_0003_is_upgraded_and_its_jobs_wait_without_a_reason_until_one_is_noted(store_url):
+    """A store of the revision before wait reasons, with a queued and a starting job: both are
+    kept as they were, with no reason and no start given up, and take a reason once noted."""
+    from alembic import command
+
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        command.upgrade(migrations.config(conn), "0003")
+        conn.execute(metadata.tables["teams"].insert().values(
+            name="a", nominal_workers=2, weight=1.0, created_at_s=1.0, updated_at_s=1.0))
+        for name, state in (("waits", "queued"), ("starts", "starting")):
+            conn.execute(jobs.insert().values(
+                team="a", name=name, spec="{}", priority=0, state=state, held=False, min_workers=1, max_workers=1,
+                elastic=False, workers=0, target_workers=1 if state == "starting" else 0, restarts=0,
+                submitted_at_s=1.0, waiting_since_s=1.0, updated_at_s=1.0, message="submitted"))
+    engine.dispose()
+    store = Store.open(store_url)
+    try:
+        assert store.schema_revision() == migrations.head() == "0004"
+        waits, starts = store.jobs()
+        assert [(j.name, j.state, j.wait_cause, j.wait_reason, j.start_returns) for j in (waits, starts)] == [
+            ("waits", JobState.QUEUED, None, None, 0), ("starts", JobState.STARTING, None, None, 0)]
+        assert store.note_waits({waits.id: (JobState.QUEUED, WaitCause.TEAM_QUOTA, "over its team's quota")},
+                                now_s=7.0) == 1
+        assert (store.job(waits.id).wait_cause, store.job(waits.id).wait_cause_since_s) == (WaitCause.TEAM_QUOTA, 7.0)
+    finally:
+        store.close()
+
+
+def test_wait_reasons_are_written_only_when_they_change_and_cleared_when_the_job_moves_on(store):
+    job = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", now_s=1.0)
+    other = store.submit(team="a", name="k", spec="{}", min_workers=1, actor="a", now_s=1.0)
+    quota = (JobState.QUEUED, WaitCause.TEAM_QUOTA, "over its team's quota: team a uses 2 of nominal 2")
+    assert store.note_waits({job.id: quota, other.id: quota}, now_s=10.0) == 2
+    assert store.note_waits({job.id: quota, other.id: quota}, now_s=11.0) == 0, "nothing changed: nothing written"
+    noted = store.job(job.id)
+    assert (noted.wait_cause, noted.wait_reason, noted.wait_cause_since_s) == (WaitCause.TEAM_QUOTA, quota[2], 10.0)
+    assert noted.updated_at_s == 1.0 and [t.to_state for t in store.history(job.id)] == [JobState.QUEUED]
+    # The same cause in other words keeps its since; another cause starts its own.
+    assert store.note_waits({job.id: (JobState.QUEUED, WaitCause.TEAM_QUOTA, "over its team's quota: 3 of 2")},
+                            now_s=12.0) == 1
+    assert (store.job(job.id).wait_reason, store.job(job.id).wait_cause_since_s) == ("over its team's quota: 3 of 2",
+                                                                                      10.0)
+    store.note_waits({job.id: (JobState.QUEUED, WaitCause.CLUSTER, "the cluster is full")}, now_s=13.0)
+    assert (store.job(job.id).wait_cause, store.job(job.id).wait_cause_since_s) == (WaitCause.CLUSTER, 13.0)
+    # Guarded by the state it was seen in: a job that moved meanwhile keeps what its move wrote.
+    store.transition(other.id, JobState.QUEUED, JobState.CANCELLED, actor="a", reason="cancelled by its team")
+    assert store.note_waits({other.id: quota}, now_s=14.0) == 0
+    assert (store.job(other.id).wait_cause, store.job(other.id).wait_reason) == (None, None), "ended: no reason"
+    # A move sets the reason of its new state, or clears the old one; a note in the same state keeps it.
+    held = store.transition(job.id, JobState.QUEUED, JobState.QUEUED, actor="a", reason="held", held=True)
+    assert held.wait_cause is WaitCause.CLUSTER
+    starting = store.transition(job.id, JobState.QUEUED, JobState.STARTING, actor="scheduler", reason="admitted",
+                                wait_cause=WaitCause.RUNNER_START, wait_reason="its runner is starting", now_s=15.0)
+    assert (starting.wait_cause, starting.wait_reason, starting.wait_cause_since_s) == (
+        WaitCause.RUNNER_START, "its runner is starting", 15.0)
+    running = store.transition(job.id, JobState.STARTING, JobState.RUNNING, actor="reconciler", reason="training")
+    assert (running.wait_cause, running.wait_reason, running.wait_cause_since_s) == (None, None, None)
+    with pytest.raises(ValueError, match="a wait reason is set with both"):
+        store.transition(job.id, JobState.RUNNING, JobState.RUNNING, actor="reconciler", reason="x",
+                         wait_cause=WaitCause.PLACEMENT, wait_reason="a running job does not wait")
+
+
+def test_a_pass_over_hundreds_of_waiting_jobs_writes_nothing_when_nothing_changed(store):
+    """The reconciler's real pass (no runner is needed for waiting jobs) over 300 queued jobs on a
+    cluster with no workers: the first pass writes their reasons in one statement batch, the next
+    passes issue no UPDATE at all."""
+    from sqlalchemy import event
+
+    from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
+
+    ids = [store.submit(team="a", name=f"j{i}", spec="{}", min_workers=1, actor="a").id for i in range(300)]
+    statements = []
+    event.listen(store.engine, "before_cursor_execute",
+                 lambda conn, cursor, sql, params, context, many: statements.append((sql.split()[0], many)))
+    reconciler = Reconciler(store, ReconcilerConfig(log_dir=".", spare_runners=0), cluster_workers=lambda: 0)
+    reconciler.run_once()
+    updates = [many for verb, many in statements if verb == "UPDATE"]
+    assert updates == [True], "the first pass's 300 reasons: one executemany"
+    assert {store.job(i).wait_cause for i in ids} == {WaitCause.NEVER_FITS}
+    statements.clear()
+    for _ in range(3):
+        reconciler.run_once()
+    assert [s for s in statements if s[0] in ("UPDATE", "INSERT", "DELETE")] == []
 
 
 def test_submit_and_read_back(store):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from datetime import datetime
@@ -20,7 +21,9 @@ from typing import Any, Optional
 DB_ENV = "RAYTRAIN_SYS_SERVICE_DB"
 STATES = ("queued", "starting", "running", "pausing", "paused", "resuming", "cancelling", "finished", "failed",
           "cancelled")
-MESSAGE_WIDTH = 60  # a job's last reason is cut to this in `jobs list`
+# `jobs list` cuts a job's reason to what the terminal leaves it, but to no fewer than this
+# (a piped listing: to what 120 columns leave, shutil's fallback).
+MIN_REASON_WIDTH = 40
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -138,11 +141,19 @@ def _submit(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     jobs = _client(args).jobs(states=args.state, team=args.team)
+    header = ("ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "REASON")
     rows = [(j["id"], j["team"], j["name"], j["state"] + (" (held)" if j["held"] else ""), j["priority"],
-             f"{j['workers']}/{_workers(j)}", _age(j["submitted_at_s"]), _cut(j["message"]))
-            for j in jobs]
-    _table(("ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "MESSAGE"), rows)
+             f"{j['workers']}/{_workers(j)}", _age(j["submitted_at_s"]), _reason(j)) for j in jobs]
+    used = sum(max(len(str(r[i])) for r in [header, *rows]) + 2 for i in range(len(header) - 1))
+    width = max(MIN_REASON_WIDTH, shutil.get_terminal_size((120, 24)).columns - used)
+    _table(header, [(*r[:-1], _cut(r[-1], width)) for r in rows])
     return 0
+
+
+def _reason(job: dict) -> str:
+    """Why the job is where it is: a job not running yet, why it waits (its wait reason, once the
+    service has looked at it); any other, its last transition's reason."""
+    return job.get("wait_reason") or job["message"]
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -155,6 +166,12 @@ def _status(args: argparse.Namespace) -> int:
               ("restarts", job["restarts"]), ("checkpoint", "none" if job["last_checkpoint_step"] is None
                                               else f"step {job['last_checkpoint_step']}"),
               ("mlflow run", job["mlflow_run_id"] or "-"), ("message", job["message"])]
+    if job.get("wait_cause"):
+        fields[4:4] = [("reason", job["wait_reason"]),
+                       ("waits on", f"{job['wait_cause']} since {_when(job['wait_cause_since_s'])} "
+                                    f"({_age(job['wait_cause_since_s'])} ago)")]
+    if job.get("start_returns"):
+        fields.append(("starts given up", f"{job['start_returns']} in a row (the transitions say why)"))
     if job.get("package"):
         fields.append(("code", f"package {job['package']} (its working directory)"))
     if job["delete_checkpoints"]:
@@ -297,9 +314,9 @@ def _limit(value: Optional[int]) -> str:
     return "-" if value is None else str(value)
 
 
-def _cut(text: str) -> str:
+def _cut(text: str, width: int) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= MESSAGE_WIDTH else text[:MESSAGE_WIDTH - 3] + "..."
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 def _when(at_s: float) -> str:

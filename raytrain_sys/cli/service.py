@@ -38,6 +38,11 @@ def add_parser(sub) -> None:
     start.add_argument("--package-retention-days", type=float, default=7.0,
                        help="delete a code package (jobs submit --working-dir) no waiting or running job uses and "
                             "none submitted within this many days used; 0: keep every package")
+    start.add_argument("--start-stall-s", type=float, default=None,
+                       help="a start that stays this long in one step (its runner not answering, its workers not "
+                            "placed or not starting) goes back to the queue, saying why (default 600)")
+    start.add_argument("--max-start-returns", type=int, default=None,
+                       help="starts given up in a row before the job fails with the reason (default 3)")
     start.set_defaults(func=_cmd_start)
     stop = cmds.add_parser("stop", help="stop the service (running jobs train on; the next start re-attaches)")
     stop.set_defaults(func=_cmd_stop)
@@ -75,6 +80,8 @@ def _cmd_start(args: argparse.Namespace) -> int:
                            cluster_workers=args.cluster_workers, cpus_per_worker=args.cpus_per_worker,
                            gpus_per_worker=args.gpus_per_worker, max_restarts=args.max_restarts,
                            package_retention_s=args.package_retention_days * 86400.0,
+                           **{k: v for k, v in (("start_stall_s", args.start_stall_s),
+                                                ("max_start_returns", args.max_start_returns)) if v is not None},
                            **({} if args.warm_workers is None else {"warm_workers_per_node": args.warm_workers}))
     info = ray.get(handle.info.remote())
     print(("already running: " if running else "started: ") + json.dumps(info, indent=1))

@@ -9,7 +9,8 @@ recoveries, and the reconciler's pass. Nothing here decides anything or is read 
 
 Labels are bounded: ``job`` (the spec's name), ``team`` (the service team, ``-`` outside the
 service), and for per-rank series ``rank`` and ``node`` (the node's IP); failures add ``kind``
-(a handful of values). No actor ids, so series survive restarts and a 512-rank job stays 512
+(a handful of values), and the service's waiting jobs ``cause`` (a ``WaitCause`` value, never the
+sentence). No actor ids, so series survive restarts and a 512-rank job stays 512
 series a metric. Ray adds its own labels (``WorkerId`` of the driver among them): the
 dashboard's queries aggregate them away.
 
@@ -200,10 +201,27 @@ class RunMetrics(_Emitter):
 
 
 class ServiceMetrics(_Emitter):
-    """The job service's queue and quota per team, from each reconciler pass's snapshot."""
+    """The job service's queue and quota per team, from each reconciler pass's snapshot, and its
+    jobs not running yet per team and cause."""
+
+    def __init__(self, enabled: bool = True):
+        super().__init__(enabled)
+        self._waiting: set[tuple[str, str]] = set()  # (team, cause) series set above 0 last time
 
     def observe(self, snapshot) -> None:
         self._safely(self._observe, snapshot)
+
+    def waiting(self, jobs) -> None:
+        """``raytrain_service_waiting_jobs{team, cause}`` from the jobs' stored wait reasons;
+        a series that had jobs and has none now is set to 0 (a gauge keeps its last value)."""
+        self._safely(self._waiting_jobs, jobs)
+
+    def _waiting_jobs(self, jobs) -> None:
+        counts = wait_counts(jobs)
+        for team, cause in self._waiting | set(counts):
+            _metric("Gauge", *WAITING_GAUGE, ("team", "cause")).set(counts.get((team, cause), 0),
+                                                                     tags={"team": team, "cause": cause})
+        self._waiting = set(counts)
 
     def _observe(self, snapshot) -> None:
         for team, row in team_usage(snapshot).items():
@@ -218,6 +236,21 @@ SERVICE_GAUGES = {
     "borrowed": ("raytrain_service_quota_borrowed_workers", "Workers used beyond the team's nominal quota"),
     "nominal": ("raytrain_service_quota_nominal_workers", "The team's nominal quota"),
 }
+
+
+WAITING_GAUGE = ("raytrain_service_waiting_jobs",
+                 "Jobs not running yet (queued, paused, starting, resuming), by team and the cause they wait on")
+
+
+def wait_counts(jobs) -> dict[tuple[str, str], int]:
+    """(team, cause) -> how many of ``jobs`` (``JobRecord``s) not running yet wait on that cause
+    (those with no reason written yet are left out)."""
+    counts: dict[tuple[str, str], int] = {}
+    for job in jobs:
+        if job.state.pending and job.wait_cause is not None:
+            key = (job.team, job.wait_cause.value)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def team_usage(snapshot) -> dict[str, dict[str, int]]:

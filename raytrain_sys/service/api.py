@@ -49,7 +49,7 @@ from starlette.concurrency import run_in_threadpool
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError
 from raytrain_sys.service import auth, packages, requests
-from raytrain_sys.service.model import JobRecord, JobState, Team
+from raytrain_sys.service.model import JobRecord, JobState, Team, WaitCause
 from raytrain_sys.service.store import Principal, Store
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,14 @@ class JobOut(BaseModel):
     message: str = Field(description="the last transition's reason")
     delete_checkpoints: bool
     package: Optional[str] = Field(None, description="the code package it runs with (sha256), if any")
+    wait_cause: Optional[WaitCause] = Field(
+        description="why it is not running yet (queued, paused, starting or resuming): the scheduler's cause "
+                    "(held ... releasing) or its start's step (runner_start ... restore); null once it runs or has "
+                    "ended, and before the service's first look at it")
+    wait_reason: Optional[str] = Field(description="that reason in a sentence (null with wait_cause)")
+    wait_cause_since_s: Optional[float] = Field(description="since when that cause holds (null with wait_cause)")
+    start_returns: int = Field(description="starts given up in a row (back to the queue, saying why); it fails "
+                                           "past the service's max_start_returns; 0 again once it runs")
     spec: Optional[str] = Field(None, description="the validated spec as stored: JSON text, local paths absolute (GET /v1/jobs/{id} only)")
 
     @classmethod

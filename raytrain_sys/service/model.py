@@ -3,7 +3,9 @@
 Owns: ``JobState`` (with ``terminal`` and ``allowed``: a move the table does not list raises
 ``TransitionNotAllowed``), ``Team`` (a Kueue-style quota), the stored job as the service sees it
 (``JobRecord``, ``TransitionRecord``, ``AuditRecord``), the scheduler's input (``Snapshot`` of
-``Team`` and ``JobView``) and its output (``Admit``, ``Grow``, ``Shrink``, ``Pause``, ``Wait``).
+``Team`` and ``JobView``) and its output (``Admit``, ``Grow``, ``Shrink``, ``Pause``, ``Wait``),
+and ``WaitCause``: why a job that is not running yet waits (the scheduler's causes for a queued
+or paused job, the start's steps for a starting or resuming one).
 Pure: no Ray, no SQL, no clock. Every time here is unix seconds (``_s``), every size a count of
 workers (``_workers``); one priority direction everywhere: a higher number is more important.
 """
@@ -53,6 +55,12 @@ class JobState(str, Enum):
         return self in (JobState.QUEUED, JobState.PAUSED)
 
     @property
+    def pending(self) -> bool:
+        """Not running yet: waiting for admission, or admitted and starting. Such a job has a
+        wait reason (``WaitCause`` and a sentence) once the reconciler has looked at it."""
+        return self in (JobState.QUEUED, JobState.PAUSED, JobState.STARTING, JobState.RESUMING)
+
+    @property
     def releasing(self) -> bool:
         """Still holds workers it is giving back: counted free for quotas, not yet for the
         cluster."""
@@ -71,8 +79,8 @@ class JobState(str, Enum):
 
 
 # Where each state leads (besides staying and failing). A queued or paused job holds nothing,
-# so cancelling it needs no stop; a starting or resuming job that could not be placed goes back
-# to where it waited, nothing having run since.
+# so cancelling it needs no stop; a starting or resuming job whose start was given up (not
+# placed, or no progress: service/starts.py) goes back to where it waited, nothing having run since.
 _MOVES: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.CANCELLED}),
     JobState.STARTING: frozenset({JobState.RUNNING, JobState.QUEUED, JobState.CANCELLING}),
@@ -85,6 +93,26 @@ _MOVES: dict[JobState, frozenset[JobState]] = {
 }
 
 LIVE_STATES = tuple(s for s in JobState if not s.terminal)
+
+
+class WaitCause(str, Enum):
+    """Why a job is not running yet: one word a reason, a metric label (bounded: this enum,
+    never the sentence). The first group is the scheduler's (``Wait``) for a queued or paused
+    job; the second the start's steps for a starting or resuming one (``service/starts.py``)."""
+
+    HELD = "held"  # its team paused it: it waits until resumed
+    UNKNOWN_TEAM = "unknown_team"  # its team was deleted
+    NEVER_FITS = "never_fits"  # min_workers is more than its team or the cluster could ever give
+    TEAM_QUOTA = "team_quota"  # over its team's nominal quota and borrowing limit (or no cohort to borrow from)
+    COHORT = "cohort"  # its cohort has no quota to lend now (others use or borrow it)
+    CLUSTER = "cluster_capacity"  # the quota allows it, the cluster has no free workers
+    RESERVED = "reserved"  # the free workers are kept for a job that has waited longer
+    RELEASING = "releasing"  # workers are being released for it (shrinks and pauses in flight)
+    RUNNER_START = "runner_start"  # admitted: its runner (a Ray actor) is starting or building the run
+    RUN_START = "run_start"  # the run prepares: pre-flight checks, Ray connection, first data reads
+    PLACEMENT = "placement"  # the cluster has not placed its workers' slots (placement groups)
+    WORKER_START = "worker_start"  # placed: worker processes, MLflow run, process group, first batch
+    RESTORE = "restore"  # loading its checkpoint to resume
 
 
 # ----------------------------------------------------------------------------- teams
@@ -173,6 +201,11 @@ class JobRecord:
     message: str  # the last transition's reason
     delete_checkpoints: bool = False  # a cancel asked for its checkpoints to go once it has ended
     package: Optional[str] = None  # the code package it runs with (sha256, service/packages.py)
+    # Why it is not running yet (pending states only; the reconciler writes them when they change):
+    wait_cause: Optional[WaitCause] = None
+    wait_reason: Optional[str] = None  # the sentence
+    wait_cause_since_s: Optional[float] = None  # since when this cause holds
+    start_returns: int = 0  # starts given up in a row (back to the queue); reset once it runs
 
     def view(self) -> "JobView":
         """What the scheduler sees of this job."""
@@ -316,13 +349,15 @@ class Pause:
 
 @dataclass(frozen=True)
 class Wait:
-    """Leave a waiting job waiting, and say why."""
+    """Leave a waiting job waiting, and say why: ``cause`` for machines (a metric label, a
+    filter), ``reason`` the sentence for people."""
 
     job_id: int
+    cause: WaitCause
     reason: str
 
     def __str__(self) -> str:
-        return f"job {self.job_id} waits: {self.reason}"
+        return f"job {self.job_id} waits ({self.cause.value}): {self.reason}"
 
 
 Action = Union[Admit, Grow, Shrink, Pause, Wait]
@@ -348,6 +383,6 @@ class Policy:
 
 DEFAULT_POLICY = Policy()
 
-__all__ = ["JobState", "TransitionNotAllowed", "LIVE_STATES", "Team", "JobRecord", "TransitionRecord",
+__all__ = ["JobState", "TransitionNotAllowed", "LIVE_STATES", "WaitCause", "Team", "JobRecord", "TransitionRecord",
            "AuditRecord", "JobView", "Snapshot", "Admit", "Grow", "Shrink", "Pause", "Wait", "Action",
            "Policy", "DEFAULT_POLICY"]

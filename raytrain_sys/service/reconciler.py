@@ -30,6 +30,18 @@ One pass (``run_once``), in order:
    runner has not heard of is sent again. After the actions, spare runners are started ahead
    up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
    The snapshot also feeds the queue and quota gauges per team (``monitor.metrics.ServiceMetrics``).
+5. **Say why**: every job not running yet has a wait reason (``WaitCause`` and a sentence): a
+   queued or paused job the scheduler's ``Wait``, a starting or resuming job the step its runner
+   reports (``service/starts.py``). They are written in one ``store.note_waits`` a pass, only
+   those that changed (hundreds of waiting jobs cost no write while nothing changes), and feed
+   the waiting-jobs gauge per team and cause.
+
+A start that stays in one step longer than ``start_stall_s`` (its runner not answering, its
+workers not placed, ...) is given up: the runner is killed (its placement groups and workers
+with it), then the job goes back to the queue (a resume: to paused) with that reason, or fails
+once ``max_start_returns`` starts in a row were given up (``starts.watch_start``); a start the
+run abandons itself (not placed within ``resources.start_timeout_s``) counts the same way. The
+count is reset when the job runs.
 
 Runner death (the actor gone while its job is live): a job that was starting, running or
 resuming is restarted from its newest committed checkpoint (a fresh start if it has none) as
@@ -53,12 +65,13 @@ from typing import Any, Callable, Optional
 import ray
 
 from raytrain_sys.control.spares import end_spares_of
-from raytrain_sys.errors import JobStateConflict, UserError
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
 from raytrain_sys.service import packages
 from raytrain_sys.service import runner as runners
+from raytrain_sys.service import starts
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
-                                        Shrink, TransitionNotAllowed, Wait)
+                                        Shrink, TransitionNotAllowed, Wait, WaitCause)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
 
@@ -69,6 +82,7 @@ SCHEDULER = "scheduler"
 PRUNE_EVERY_S = 3600.0  # how often unused code packages are looked for
 # States whose job has (or is being given) a runner.
 WITH_RUNNER = (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING, JobState.CANCELLING)
+STARTS = (JobState.STARTING, JobState.RESUMING)
 
 
 @dataclass
@@ -86,6 +100,22 @@ class ReconcilerConfig:
     # A code package (packages.py) that no waiting or running job names and no job submitted
     # within this long named is deleted from the store (looked at once an hour); 0 keeps all.
     package_retention_s: float = 7 * 86400.0
+    # A start that stays this long in one step (its runner not answering, its workers not placed
+    # or not starting, ...) is given up: back to the queue. 10 minutes: a healthy start's steps
+    # take seconds here (a minute on a loaded machine); the spec's own placement bound
+    # (resources.start_timeout_s, 60 s by default) usually acts first. Loading a checkpoint is
+    # not bounded (see starts.py).
+    start_stall_s: float = 600.0
+    # Starts given up in a row before the job fails with the reason: a job the cluster cannot
+    # start never bounces between queued and starting forever; 3 rides out a busy spell.
+    max_start_returns: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.start_stall_s > 0:
+            raise ServiceInputError("start_stall_s", f"got {self.start_stall_s!r}; must be a number of seconds > 0")
+        if isinstance(self.max_start_returns, bool) or not isinstance(self.max_start_returns, int) \
+                or self.max_start_returns < 0:
+            raise ServiceInputError("max_start_returns", f"got {self.max_start_returns!r}; must be an integer >= 0")
 
 
 @dataclass
@@ -108,6 +138,8 @@ class Reconciler:
         self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
         self._created: set[int] = set()  # jobs whose runner this process created or found alive
         self._waits: dict[int, str] = {}  # the last Wait reason logged per job
+        self._notes: dict[int, tuple[JobState, WaitCause, str]] = {}  # this pass's wait reasons
+        self._watching: dict[int, float] = {}  # job id -> when this process first watched its start
         self._delete_errors: dict[int, str] = {}  # job id -> why its checkpoints could not be deleted yet
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
@@ -120,6 +152,10 @@ class Reconciler:
     def run_once(self) -> list[Action]:
         now = self.clock()
         jobs = self.store.jobs(states=LIVE_STATES)
+        self._notes = {}
+        self.metrics.waiting(jobs)  # the reasons as the last pass wrote them
+        for job_id in set(self._watching) - {j.id for j in jobs if j.state in STARTS}:
+            del self._watching[job_id]
         seen = self._observe([j for j in jobs if j.state in WITH_RUNNER])
         for job in jobs:
             if job.state in WITH_RUNNER:
@@ -135,11 +171,15 @@ class Reconciler:
         snapshot = self.store.snapshot(self.cluster_workers())
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())
+        states = {j.id: j.state for j in snapshot.jobs}
         for action in actions:
             try:
                 self._carry_out(action)
             except JobStateConflict as exc:
                 log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
+            if isinstance(action, Wait):
+                self._notes[action.job_id] = (states[action.job_id], action.cause, action.reason)
+        self.store.note_waits(self._notes, now_s=self.clock())
         self._keep_spare_runners()
         self._delete_cancelled_checkpoints()
         self._prune_packages()
@@ -264,6 +304,8 @@ class Reconciler:
     def _reconcile(self, job: JobRecord, seen: _Seen, now: float) -> None:
         if seen.error and not seen.gone:
             log.warning("job %d: runner did not answer (%s); asked again next pass", job.id, seen.error)
+            if job.state in STARTS:
+                self._watch_start(job, None, now)
             return
         if seen.gone:
             self._runner_gone(job, seen)
@@ -281,7 +323,10 @@ class Reconciler:
                 job.id, job.state, JobState.RUNNING, actor=ACTOR,
                 reason=f"training at step {status['committed_step']} on {status['world_size']} workers "
                        f"(MLflow run {status['mlflow_run_id']}, {status['run_dir']})",
-                workers=status["world_size"], mlflow_run_id=status["mlflow_run_id"] or None, started_at_s=now)
+                workers=status["world_size"], mlflow_run_id=status["mlflow_run_id"] or None, started_at_s=now,
+                start_returns=0)
+        elif job.state in STARTS and status["start_step"]:
+            self._watch_start(job, status["start_step"], now)
         if job.state is JobState.RUNNING:
             if trains and status["world_size"] != job.workers:
                 job = self.store.transition(
@@ -352,11 +397,9 @@ class Reconciler:
                                             reason=f"the run was cancelled: {why}")
             self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; stopped {at}", workers=0, target_workers=0, **ids)
-        elif (result.get("error_type") == "ClusterCapacityError"
-              and job.state in (JobState.STARTING, JobState.RESUMING)):
-            back = JobState.QUEUED if job.state is JobState.STARTING else JobState.PAUSED
-            self.store.transition(job.id, job.state, back, actor=ACTOR, workers=0, target_workers=0,
-                                  reason=f"could not be placed, waits again: {why}")
+        elif result.get("error_type") == "ClusterCapacityError" and job.state in STARTS:
+            self._give_up(job, starts.give_up(self._start_view(job, self.clock()), WaitCause.PLACEMENT,
+                                              f"could not be placed: {why}", self.config.max_start_returns))
         elif job.state is JobState.CANCELLING:
             self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; the run ended {outcome}: {why}", workers=0, target_workers=0)
@@ -410,7 +453,9 @@ class Reconciler:
         job = self.store.transition(job.id, job.state, job.state, actor=ACTOR, restarts=job.restarts + 1,
                                     workers=0, target_workers=workers,
                                     reason=f"{lost}; restarting {where} on {workers} workers (restart "
-                                           f"{job.restarts + 1} of {self.config.max_restarts})")
+                                           f"{job.restarts + 1} of {self.config.max_restarts})",
+                                    **(self._admitted(workers) if job.state.pending else {}))
+        self._watching.pop(job.id, None)
         log.warning("job %d: %s", job.id, job.message)
         self._launch(job, workers, job.message, resume=True)
 
@@ -428,7 +473,7 @@ class Reconciler:
             resume = job.state is JobState.PAUSED
             to = JobState.RESUMING if resume else JobState.STARTING
             job = self.store.transition(job.id, job.state, to, actor=SCHEDULER, reason=action.reason,
-                                        workers=0, target_workers=action.workers)
+                                        workers=0, target_workers=action.workers, **self._admitted(action.workers))
             self._launch(job, action.workers, action.reason, resume=resume)
         elif isinstance(action, (Grow, Shrink)):
             verb = "grow" if isinstance(action, Grow) else "shrink"
@@ -442,6 +487,41 @@ class Reconciler:
             self._handle(job.id).pause.remote(job.message, SCHEDULER)
         else:
             raise TypeError(f"unknown scheduler action {action!r}")
+
+    # ------------------------------------------------------------------ starts
+    @staticmethod
+    def _admitted(workers: int) -> dict:
+        """A new start's wait reason, written with its transition (the intent)."""
+        return {"wait_cause": WaitCause.RUNNER_START, "wait_reason": starts.admitted_reason(workers)}
+
+    def _start_view(self, job: JobRecord, now: float) -> starts.StartView:
+        watched = self._watching.setdefault(job.id, now)
+        since = watched if job.wait_cause_since_s is None else max(job.wait_cause_since_s, watched)
+        return starts.StartView(state=job.state, workers=job.target_workers, checkpoint_step=job.last_checkpoint_step,
+                                cause=job.wait_cause, reason=job.wait_reason, since_s=since,
+                                start_returns=job.start_returns)
+
+    def _watch_start(self, job: JobRecord, step: Optional[str], now: float) -> None:
+        """Note why a start is not running yet (``step``: its runner's, None when it did not
+        answer), or give it up (``starts.watch_start``)."""
+        outcome = starts.watch_start(self._start_view(job, now), step, now, self.config.start_stall_s,
+                                     self.config.max_start_returns)
+        if isinstance(outcome, starts.GiveUp):
+            # The act before the write, unlike an admission: a service that dies in between
+            # leaves a starting job with no runner, which the next pass starts afresh; the other
+            # order would leave a queued job whose stalled runner a new admission adopts by name.
+            self._kill(job.id, f"its start was given up: {outcome.reason}")
+            self._give_up(job, outcome)
+        else:
+            self._notes[job.id] = (job.state, outcome.cause, outcome.reason)
+
+    def _give_up(self, job: JobRecord, outcome: starts.GiveUp) -> None:
+        """A start ended without running (its runner is gone or being ended): back where the job
+        waited, with the reason, or failed."""
+        wait = ({"wait_cause": outcome.cause, "wait_reason": outcome.reason} if outcome.to.pending else {})
+        self.store.transition(job.id, job.state, outcome.to, actor=ACTOR, reason=outcome.reason, workers=0,
+                              target_workers=0, start_returns=outcome.start_returns, **wait)
+        (log.error if outcome.to is JobState.FAILED else log.warning)("job %d: %s", job.id, outcome.reason)
 
     # ------------------------------------------------------------------ runners
     def _launch(self, job: JobRecord, workers: int, reason: str, resume: bool) -> None:

@@ -277,4 +277,5 @@ def job_dict(job: JobRecord) -> dict[str, Any]:
     """A job as plain data (the API's and the service actor's answer)."""
     out = asdict(job)
     out["state"] = job.state.value
+    out["wait_cause"] = job.wait_cause.value if job.wait_cause is not None else None
     return out

@@ -186,8 +186,8 @@ class JobRunner:
 
     # ------------------------------------------------------------------ what the reconciler calls
     def status(self) -> dict:
-        """The run as it is now: the Supervisor's state, committed step, world size, MLflow run
-        id, newest checkpoint (step and when this runner saw it committed), run dir; ``done``
+        """The run as it is now: the Supervisor's state, the step of its start (``start_step``),
+        committed step, world size, MLflow run id, newest checkpoint (step and when this runner saw it committed), run dir; ``done``
         and ``result`` once the Supervisor has returned."""
         sup = self._sup
         state = sup.state.value if sup is not None else "launching"
@@ -204,12 +204,33 @@ class JobRunner:
                 checkpoint_step = int(checkpoints[-1]["step"])
                 checkpoint_at_s = self._checkpoint_seen_at.setdefault(checkpoint_step, time.time())
         ceiling, _ = self.requests.max_workers()
-        return {"job_id": self.job_id, "state": state, "committed_step": committed, "world_size": world_size,
+        return {"job_id": self.job_id, "state": state, "start_step": self._start_step(), "committed_step": committed,
+                "world_size": world_size,
                 "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
                 "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
                 "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
                 "actor_id": ray.get_runtime_context().get_actor_id(),
                 "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
+
+    def _start_step(self) -> str:
+        """Where the run's start is, for the job's wait reason (``service/starts.py``):
+        ``supervisor`` (the Supervisor is being built: a resume first reads its run's record),
+        ``preparing`` (pre-flight checks, Ray, the first reads), ``placement`` (the workers'
+        slots asked of the cluster), ``workers`` (their processes, the MLflow run, the process
+        group, the first batch), ``restore`` (a checkpoint loading); "" once it trains or ended."""
+        sup = self._sup
+        if self._done.is_set():
+            return ""
+        if sup is None:
+            return "supervisor"
+        if sup.state.value not in STARTING_STATES:
+            return ""
+        if sup.state.value == "restoring":
+            return "restore"
+        group = sup.group  # made once the data plane is set up (Supervisor.run)
+        if group is None:
+            return "preparing"
+        return "placement" if "placement" not in group.start_phases else "workers"
 
     def progress(self) -> Optional[dict]:
         """The run's live numbers for the jobs page (``monitor.report.progress``: recent losses,

@@ -75,7 +75,9 @@ class ServiceActor:
                  gpus_per_worker: float = 0.0, max_restarts: int = 3, stop_deadline_s: float = 120.0,
                  serve_api: bool = True, step_hook: Optional[Callable] = None,
                  warm_workers_per_node: int = DEFAULT_WARM_WORKERS,
-                 package_retention_s: float = ReconcilerConfig.package_retention_s):
+                 package_retention_s: float = ReconcilerConfig.package_retention_s,
+                 start_stall_s: float = ReconcilerConfig.start_stall_s,
+                 max_start_returns: int = ReconcilerConfig.max_start_returns):
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.base_dir = base_dir
@@ -87,7 +89,9 @@ class ServiceActor:
         self.reconciler = Reconciler(self.store, ReconcilerConfig(log_dir=log_dir, max_restarts=max_restarts,
                                                                   stop_deadline_s=stop_deadline_s,
                                                                   spare_runners=2 if warm_workers_per_node > 0 else 0,
-                                                                  package_retention_s=package_retention_s),
+                                                                  package_retention_s=package_retention_s,
+                                                                  start_stall_s=start_stall_s,
+                                                                  max_start_returns=max_start_returns),
                                      cluster_workers=self.cluster_workers, step_hook=step_hook)
         self.last_error = ""
         self._stop = threading.Event()
@@ -245,7 +249,7 @@ def start_service(db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int
     """Start the service actor on the connected cluster and wait until it runs (or return the
     one that runs already). ``config``: ``poll_s``, ``cluster_workers``, ``cpus_per_worker``,
     ``gpus_per_worker``, ``max_restarts``, ``stop_deadline_s``, ``serve_api``, ``step_hook``,
-    ``warm_workers_per_node``, ``package_retention_s``."""
+    ``warm_workers_per_node``, ``package_retention_s``, ``start_stall_s``, ``max_start_returns``."""
     existing = get_service()
     if existing is not None:
         return existing

@@ -11,6 +11,10 @@ and upgraded only by the Alembic migrations, run when the store opens). Rules it
 * **Claims under a row lock**: ``claim`` picks the next job with ``FOR UPDATE SKIP LOCKED`` on
   PostgreSQL (two service processes never get the same job); on SQLite every transaction is
   ``BEGIN IMMEDIATE``, which serializes writers.
+* **A wait reason belongs to the state it was given in**: a transition that changes the state
+  clears ``wait_cause``/``wait_reason`` unless it sets new ones (so a job that runs or ends has
+  none, whoever moved it); ``note_waits`` writes the reconciler's reasons for jobs still where
+  it saw them, only those that changed, in one transaction a pass.
 * **Tokens are never stored or logged**: only their HMAC-SHA256 under a per-database key
   (``store_meta``), looked up by hash. ``issue_token`` returns the token once.
 * **Errors name their cause**: an unreachable database raises ``ServiceStoreError`` naming the
@@ -32,14 +36,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sqlalchemy import create_engine, delete, event, func, insert, or_, select, text, update
+from sqlalchemy import bindparam, create_engine, delete, event, func, insert, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
 from raytrain_sys.service import migrations
 from raytrain_sys.service.model import (LIVE_STATES, AuditRecord, JobRecord, JobState, Snapshot, Team,
-                                        TransitionRecord)
+                                        TransitionRecord, WaitCause)
 from raytrain_sys.service.scheduler.quota import never_fits_reason
 from raytrain_sys.service.tables import audit, jobs, packages, store_meta, teams, tokens, transitions
 
@@ -51,7 +55,9 @@ CLAIM_ATTEMPTS = 5  # a claim that loses a race to another writer tries the next
 
 # The columns ``transition`` may set beside the state (everything else is fixed at submit).
 RUN_FIELDS = frozenset({"held", "delete_checkpoints", "workers", "target_workers", "restarts", "mlflow_run_id", "last_checkpoint_step",
-                        "last_checkpoint_at_s", "started_at_s", "waiting_since_s"})
+                        "last_checkpoint_at_s", "started_at_s", "waiting_since_s", "wait_cause", "wait_reason",
+                        "start_returns"})
+WAIT_FIELDS = ("wait_cause", "wait_reason")  # set together; wait_cause_since_s is the store's
 
 
 @dataclass(frozen=True)
@@ -339,6 +345,14 @@ class Store:
         guard = [jobs.c.id == job_id, jobs.c.state.in_([s.value for s in expected])]
         if expected_held is not None:
             guard.append(jobs.c.held.is_(True) if expected_held else jobs.c.held.is_(False))
+        changes = dict(changes)
+        if any(f in changes for f in WAIT_FIELDS):
+            if not all(f in changes for f in WAIT_FIELDS) or not to.pending:
+                raise ValueError(f"a wait reason is set with both {WAIT_FIELDS}, on a move to a state not running yet")
+            changes["wait_cause"] = WaitCause(changes["wait_cause"]).value
+            changes["wait_cause_since_s"] = now
+        elif current != to.value:  # a reason said why it waited in the state it leaves
+            changes.update(wait_cause=None, wait_reason=None, wait_cause_since_s=None)
         result = conn.execute(update(jobs).where(*guard).values(state=to.value, updated_at_s=now, message=reason,
                                                                 **changes))
         if result.rowcount != 1:
@@ -353,6 +367,35 @@ class Store:
         conn.execute(insert(transitions).values(job_id=job_id, from_state=current, to_state=to.value, at_s=now,
                                                 actor=actor, reason=reason))
         return _job(conn.execute(select(jobs).where(jobs.c.id == job_id)).one())
+
+    def note_waits(self, notes: dict[int, tuple[JobState, WaitCause, str]], *,
+                   now_s: Optional[float] = None) -> int:
+        """Record why jobs not running yet wait: ``notes`` maps a job id to (the state it was
+        seen in, the cause, the sentence). Written only for a job still in that state and only
+        when the cause or the sentence differs from what is stored (no statement at all when
+        nothing changed); ``wait_cause_since_s`` moves only when the cause does. No transitions
+        row (the state does not change) and ``updated_at_s`` is left alone. One transaction;
+        returns how many jobs were written."""
+        if not notes:
+            return 0
+        now = _now(now_s)
+        with self._tx() as conn:
+            stored = conn.execute(select(jobs.c.id, jobs.c.state, jobs.c.wait_cause, jobs.c.wait_reason,
+                                         jobs.c.wait_cause_since_s).where(jobs.c.id.in_(list(notes)))).all()
+            rows = []
+            for row in stored:
+                state, cause, reason = notes[row.id]
+                if row.state != state.value or not state.pending or (row.wait_cause, row.wait_reason) == (
+                        cause.value, reason):
+                    continue
+                since = row.wait_cause_since_s if row.wait_cause == cause.value and row.wait_cause_since_s else now
+                rows.append({"_id": row.id, "_state": state.value, "_cause": cause.value, "_reason": reason,
+                             "_since": since})
+            if rows:
+                conn.execute(update(jobs).where(jobs.c.id == bindparam("_id"), jobs.c.state == bindparam("_state"))
+                             .values(wait_cause=bindparam("_cause"), wait_reason=bindparam("_reason"),
+                                     wait_cause_since_s=bindparam("_since")), rows)
+        return len(rows)
 
     def cancelled_with_checkpoints_to_delete(self) -> list[JobRecord]:
         """Cancelled jobs whose cancel asked for their checkpoints to go, not yet done."""
@@ -555,4 +598,6 @@ def _job(row) -> JobRecord:
                      last_checkpoint_step=row.last_checkpoint_step, last_checkpoint_at_s=row.last_checkpoint_at_s,
                      submitted_at_s=row.submitted_at_s, waiting_since_s=row.waiting_since_s,
                      started_at_s=row.started_at_s, updated_at_s=row.updated_at_s, message=row.message,
-                     delete_checkpoints=bool(row.delete_checkpoints), package=row.package)
+                     delete_checkpoints=bool(row.delete_checkpoints), package=row.package,
+                     wait_cause=WaitCause(row.wait_cause) if row.wait_cause else None, wait_reason=row.wait_reason,
+                     wait_cause_since_s=row.wait_cause_since_s, start_returns=row.start_returns)

@@ -63,6 +63,14 @@ jobs = Table(
     Column("delete_checkpoints", Boolean, nullable=False, server_default=false()),
     # The code package the job runs with (its sha256, see packages.py; migration 0003); NULL: none.
     Column("package", String(64), nullable=True),
+    # Why a job not running yet waits (migration 0004; NULL once it runs or ends, and before the
+    # reconciler's first look): a WaitCause value, its sentence, since when that cause holds.
+    Column("wait_cause", String(32), nullable=True),
+    Column("wait_reason", Text, nullable=True),
+    Column("wait_cause_since_s", Double, nullable=True),
+    # Starts given up in a row (no progress past the bound, or not placed): back to the queue
+    # until max_start_returns, then failed; 0 again once it runs.
+    Column("start_returns", Integer, nullable=False, server_default="0"),
     UniqueConstraint("team", "idempotency_key"),
     Index(None, "state"),
 )

@@ -2,7 +2,7 @@
 
 Owns: the choice of which waiting job starts (``Admit``), which running elastic job grows or
 shrinks (``Grow``, ``Shrink``), which running job is paused (``Pause``), and why every waiting
-job still waits (``Wait``). It writes nothing: every action is a value with a reason, carried
+job still waits (``Wait``, with its ``WaitCause``). It writes nothing: every action is a value with a reason, carried
 out by the reconciler (the one writer of run-time transitions), which logs each one. Pure: no
 Ray, no SQL, no clock of its own; the snapshot is never changed (all simulation happens on
 private copies: ``Quotas`` and the ``_Pass`` counters).
@@ -39,10 +39,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_sys.service.model import (DEFAULT_POLICY, Action, Admit, Grow, JobState, JobView, Pause,
-                                        Policy, Shrink, Snapshot, Team, Wait)
+                                        Policy, Shrink, Snapshot, Team, Wait, WaitCause)
 from raytrain_sys.service.scheduler.ordering import (admission_order, effective_priority, growth_order,
                                                      pause_order, shrink_order)
 from raytrain_sys.service.scheduler.quota import Quotas, never_fits_reason, team_ceiling_workers
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'' if n == 1 else 's'}"
 
 
 def decide(snapshot: Snapshot, now_s: float, policy: Policy = DEFAULT_POLICY) -> list[Action]:
@@ -117,9 +121,9 @@ class _Pass:
         queues: dict[str, deque[JobView]] = {}
         for job in self.waiting:
             if job.held:
-                self.waits.append(Wait(job.id, "held by its team: resume it to queue it again"))
+                self.waits.append(Wait(job.id, WaitCause.HELD, "held by its team: resume it to queue it again"))
             elif job.team not in self.teams:
-                self.waits.append(Wait(job.id, f"unknown team {job.team!r}"))
+                self.waits.append(Wait(job.id, WaitCause.UNKNOWN_TEAM, f"unknown team {job.team!r}"))
             else:
                 queues.setdefault(job.team, []).append(job)  # type: ignore[arg-type]
         for name, jobs in queues.items():
@@ -150,12 +154,13 @@ class _Pass:
         need = max(1, job.min_workers)
         if need > self.ceiling[job.team]:
             never = never_fits_reason(job.team, need, self.teams.values(), self.cluster_workers)
-            self.waits.append(Wait(job.id, f"can never start: {never}"))
+            self.waits.append(Wait(job.id, WaitCause.NEVER_FITS, f"can never start: {never}"))
             return
         room = self.quotas.headroom(job.team)
         if self.reserved_for is not None and need <= room and need > self.free_now:
-            self.waits.append(Wait(job.id, f"the free workers are kept for job {self.reserved_for.id}, "
-                                           f"which has waited since {self.reserved_for.waited_since_s:.0f}"))
+            self.waits.append(Wait(job.id, WaitCause.RESERVED,
+                                   f"the free workers are kept for job {self.reserved_for.id}, "
+                                   f"which has waited since {self.reserved_for.waited_since_s:.0f}"))
             return
         if need <= room and need <= self.free_now:
             self.admit_reason[job.id] = (
@@ -168,14 +173,15 @@ class _Pass:
             return
         if need <= room and need <= self.free_after_release:
             self._claim(job, need)
-            self.waits.append(Wait(job.id, f"{need} workers are being released for it (drains and pauses "
-                                           f"in flight); starts once they are free"))
+            self.waits.append(Wait(job.id, WaitCause.RELEASING,
+                                   f"{need} workers are being released for it (drains and pauses "
+                                   f"in flight); starts once they are free"))
             return
         plan = self._plan_reclaim(job, team, need)
         if plan is not None:
             self._apply(job, need, plan)
             return
-        self.waits.append(Wait(job.id, self._blocked_reason(job, need, room)))
+        self.waits.append(self._blocked(job, need, room))
         if (need <= room and self.reserved_for is None
                 and self.now_s - job.waited_since_s >= self.policy.reserve_after_s):
             self.reserved_for = job
@@ -188,13 +194,34 @@ class _Pass:
         self.free_now -= min(max(0, self.free_now), workers)
         self.free_after_release -= workers
 
-    def _blocked_reason(self, job: JobView, need: int, room: int) -> str:
-        if need > room:
-            return (f"needs {need} workers (min_workers), the team may take {room} more: "
-                    f"{self.quotas.explain(job.team)}; nothing it may reclaim would make room")
-        return (f"needs {need} workers (min_workers), the cluster has {max(0, self.free_now)} free "
-                f"and {max(0, self.free_after_release - max(0, self.free_now))} being released; "
-                f"nothing it may reclaim would make room")
+    def _blocked(self, job: JobView, need: int, room: int) -> Wait:
+        """Why a job that neither fits nor can reclaim waits: its team's quota, its cohort's, or
+        the cluster's free workers (each sentence opens with it)."""
+        if need <= room:
+            return Wait(job.id, WaitCause.CLUSTER,
+                        f"the cluster is full: needs {_workers(need)} (min_workers), the cluster has "
+                        f"{max(0, self.free_now)} free and "
+                        f"{max(0, self.free_after_release - max(0, self.free_now))} being released; "
+                        f"nothing it may reclaim would make room")
+        cause = self._quota_cause(job, need)
+        opening = ("over its team's quota" if cause is WaitCause.TEAM_QUOTA
+                   else "its cohort has no quota to lend it now")
+        return Wait(job.id, cause, f"{opening}: needs {_workers(need)} (min_workers), the team may take {room} more: "
+                                   f"{self.quotas.explain(job.team)}; nothing it may reclaim would make room")
+
+    def _quota_cause(self, job: JobView, need: int) -> WaitCause:
+        """TEAM_QUOTA when the team's own limits stop it (beyond its nominal quota: its borrowing
+        limit, or a cohort with nobody to borrow from); COHORT when they would allow it and the
+        cohort's pool is what is used up (its own lendable part lent out, or nothing left to borrow)."""
+        team = self.teams[job.team]
+        after = self.quotas.usage[job.team] + need
+        if after <= team.nominal_workers:
+            return WaitCause.COHORT
+        limit = team.borrowing_limit_workers
+        if limit is not None and after > team.nominal_workers + limit:
+            return WaitCause.TEAM_QUOTA
+        lenders = [t for t in self.teams.values() if t.cohort_key == team.cohort_key and t.name != team.name]
+        return WaitCause.COHORT if lenders else WaitCause.TEAM_QUOTA
 
     # ------------------------------------------------------------------ reclaim
 
@@ -311,8 +338,9 @@ class _Pass:
             self.target[victim.id] = 0
         self.free_after_release += plan.released_workers
         self._claim(job, need)
-        self.waits.append(Wait(job.id, f"{need} workers are being reclaimed for it ({', '.join(names)}); "
-                                       f"starts once they are free"))
+        self.waits.append(Wait(job.id, WaitCause.RELEASING,
+                               f"{need} workers are being reclaimed for it ({', '.join(names)}); "
+                               f"starts once they are free"))
 
     def _reclaim_cause(self, job: JobView, need: int, victim: JobView, within_nominal: bool) -> str:
         wants = f"job {job.id} (team {job.team}, priority {job.priority}) needs {need} workers"
