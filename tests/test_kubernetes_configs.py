@@ -371,3 +371,33 @@ def test_spot_and_on_demand_gpu_groups_by_priority():
     readers = [g for g in spec["workerGroupSpecs"] if roles.READ_RESOURCE in g.get("resources", {})]
     assert readers and all("nvidia.com/gpu" not in c["resources"]["limits"]
                            for g in readers for c in g["template"]["spec"]["containers"])
+
+
+def test_the_walk_through_commands_parse():
+    """docs/KUBERNETES.md's raytrain-sys commands parse, its job's overrides name real spec
+    fields, and the files it applies exist."""
+    text = (ROOT / "docs" / "KUBERNETES.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    parsed = []
+    for line in lines:
+        line = line.split("#")[0]
+        for applied in re.findall(r"kubectl apply -f (\S+)", line):
+            assert (K8S_DIR / applied).exists(), applied
+        for part in re.split(r"\$\(|\)|;|&&|\|\||&", line):
+            if "raytrain-sys " not in part:
+                continue
+            argv = shlex.split(part)
+            argv = argv[argv.index("raytrain-sys") + 1:]
+            try:
+                parsed.append(build_parser().parse_args(argv))
+            except SystemExit:
+                pytest.fail(f"docs/KUBERNETES.md: `raytrain-sys {' '.join(argv)}` does not parse")
+    commands = {(a.command, getattr(a, "jobs_command", None) or getattr(a, "service_command", None)
+                 or getattr(a, "teams_command", None))
+                for a in parsed}
+    assert {("service", "init-admin"), ("teams", "add"), ("jobs", "submit")} <= commands
+    submit = next(a for a in parsed if a.command == "jobs" and a.jobs_command == "submit")
+    spec = load_spec(ROOT / submit.spec, submit.set)
+    assert spec.checkpoint.uri.startswith("s3://") and spec.tracking.uri == "http://raytrain-mlflow:5000"
+    assert spec.data.path.startswith("/mnt/shared/") and spec.output_dir.startswith("/mnt/shared/")
