@@ -321,14 +321,27 @@ def test_prestop_drain_fits_the_grace_period():
     assert hooked >= 4
 
 
-def test_ray_start_is_the_process_that_gets_sigterm():
+def test_ray_start_is_the_process_that_gets_sigterm(tmp_path):
     """RayCluster pods run KubeRay's generated `ray start --block` with exec (our own command,
     ray.io/overwrite-container-cmd): SIGTERM reaches Ray's drain whatever the shell does."""
     _, cluster = next(d for d in DOCS if d[1]["kind"] == "RayCluster")
     assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
-    for c in containers(cluster):
-        script = c["args"][0]
-        assert script.rstrip().endswith('eval "exec ${KUBERAY_GEN_RAY_START_CMD}"'), script
+    scripts = {tuple(c["command"] + c["args"]) for c in containers(cluster)}
+    assert len(scripts) == 1, scripts  # every group starts Ray the same way
+    # Run it as the container would, with a stand-in `ray` that reports its pid and arguments,
+    # and a command shaped like the one KubeRay generates (JSON in quotes, an env reference).
+    stub = tmp_path / "ray"
+    stub.write_text('#!/bin/sh\necho "pid $$"\nfor a in "$@"; do echo "arg $a"; done\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "REDIS_PASSWORD": "pw",
+           "KUBERAY_GEN_RAY_START_CMD": "ray start --block --num-cpus=0 "
+                                        "--resources='{\"raytrain_control\":1000}' "
+                                        "--redis-password=$REDIS_PASSWORD"}
+    proc = subprocess.Popen(list(scripts.pop()), env=env, stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=30)
+    assert f"pid {proc.pid}" in out.splitlines()  # exec'ed: Ray's process is the one signalled
+    assert 'arg --resources={"raytrain_control":1000}' in out.splitlines()
+    assert "arg --redis-password=pw" in out.splitlines()
 
 
 # --------------------------------------------------------------------------- node roles
