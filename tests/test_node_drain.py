@@ -165,6 +165,27 @@ def assert_left_at_a_boundary(result, summary):
     assert len(draining) == 1 and "worker(s) on draining node(s)" in draining[0]["reason"], draining
 
 
+def test_hook_without_a_node_of_its_own(ray_nodes):
+    """A pod whose Ray node is already gone (or never started) has nothing to drain: success,
+    said in one line. Several nodes that could be this one (here: every session node shares
+    one IP) is a one-line error naming --node-id, not a guess."""
+    gone = pod_env("a-pod-that-is-gone", ray_nodes.address)
+    run = subprocess.run([RAYTRAIN_SYS, "node", "drain", "--wait"], env=gone,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("nothing to drain: no alive Ray node with instance id "
+                                 "'a-pod-that-is-gone'")
+    ambiguous = dict(gone)
+    del ambiguous["RAY_CLOUD_INSTANCE_ID"]
+    run = subprocess.run([RAYTRAIN_SYS, "node", "drain", "--wait"], env=ambiguous,
+                         capture_output=True, text=True, timeout=120)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("raytrain-sys: error")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr[-2000:]
+    assert "alive Ray nodes have IP" in errors[0] and "pass --node-id" in errors[0]
+    session = {n.node_id for n in ray_nodes.worker_nodes} | {ray_nodes.head_node.node_id}
+    assert not session & set(drain.draining_nodes())  # nothing was drained
+
+
 # --------------------------------------------------------------------------- the two paths
 @pytest.mark.timeout(400)
 def test_prestop_hook_drains_the_node_and_returns_once_our_worker_left(

@@ -69,6 +69,10 @@ class DrainError(Exception):
     """A drain request could not be sent (bad argument or GCS unreachable)."""
 
 
+class NodeNotFound(LookupError):
+    """No alive Ray node matches (``local_node``): it is gone, or never started."""
+
+
 @dataclass(frozen=True)
 class DrainInfo:
     """One alive node's drain, as the GCS reports it."""
@@ -400,7 +404,7 @@ def local_node(node_id: Optional[str] = None, instance_id: Optional[str] = None,
     acts for, in this order: ``node_id`` if given; else the alive node whose instance id is
     ``instance_id`` (default ``$RAY_CLOUD_INSTANCE_ID``: on KubeRay the pod's name, which one
     pod's processes share); else the only alive node on ``ip`` (default: this host's IP as Ray
-    detects it). Raises LookupError when none or several match."""
+    detects it). Raises NodeNotFound when none matches, LookupError when several do."""
     if node_id:
         return normalize_node_id(node_id)
     instance_id = os.environ.get(INSTANCE_ID_ENV, "") if instance_id is None else instance_id
@@ -415,7 +419,7 @@ def local_node(node_id: Optional[str] = None, instance_id: Optional[str] = None,
         found = nodes_on_ip(ip, gcs_address)
         what = f"IP {ip}"
     if not found:
-        raise LookupError(f"no alive Ray node with {what} in the cluster at "
+        raise NodeNotFound(f"no alive Ray node with {what} in the cluster at "
                           f"{resolve_gcs_address(gcs_address)}")
     if len(found) > 1:
         raise LookupError(f"{len(found)} alive Ray nodes have {what}: pass --node-id "

@@ -107,9 +107,7 @@ def drain_this_node(deadline_s: float, *, reason: str = "PREEMPTION", wait: bool
     t0 = clock()
     try:
         node = drain.local_node(node_id, instance_id, gcs_address=gcs_address)
-    except LookupError as e:
-        if "alive Ray nodes have" in str(e):  # several: the caller must say which
-            raise
+    except drain.NodeNotFound as e:  # gone already, or never started: nothing to protect
         return DrainOutcome(note=str(e))
     current = drain.draining_nodes(gcs_address).get(node)
     plan = plan_drain(current, t0 + deadline_s)
