@@ -30,14 +30,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
+from raytrain_sys.control import NAME_PREFIX
 from raytrain_sys.control.spares import SpareSource, takes_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
 
 log = logging.getLogger(__name__)
-
-NAME_PREFIX = "raytrain-sys"
 
 
 def run_name_prefix(run_key: str) -> str:
