@@ -359,6 +359,38 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
     assert_cluster_idle()
 
 
+def test_a_runner_that_does_not_answer_holds_up_no_other_job(ray_cluster, tiny_dataset, tmp_path, gates):
+    """A running job's runner stopped (SIGSTOP: alive, silent): the service's passes go on, each
+    waiting for it at most ``status_wait_s``, so another job submitted meanwhile is admitted and
+    trains to its end; once the runner answers again its own job finishes, nothing lost. (Before,
+    every pass waited ``status_timeout_s``, 10 s, for the silent runner.)"""
+    spec = job_spec(tmp_path, tiny_dataset, "s1", steps=6, resources={"num_workers": 1})
+    spec2 = job_spec(tmp_path, tiny_dataset, "s2", steps=6, resources={"num_workers": 1})
+    with running_service(tmp_path / "svc.db", gates) as svc:
+        ray.get(svc.add_team.remote("a", 2))
+        gates.hold(1, 3)
+        silent = ray.get(svc.submit.remote("a", spec))["id"]
+        assert wait_until(lambda: gates.reached(silent, 3), WAIT_S), state_of(svc, silent)
+        wait_state(svc, silent, "running")
+        pid = ray.get(find_runner(silent).ping.remote())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            passes = ray.get(svc.info.remote())["passes"]
+            assert wait_until(lambda: ray.get(svc.info.remote())["passes"] >= passes + 5, 20), \
+                "the service's passes wait for a runner that does not answer"
+            other = ray.get(svc.submit.remote("a", spec2))["id"]
+            wait_state(svc, other, "finished")
+            assert state_of(svc, silent)["state"] == "running"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        gates.go(silent, 3)
+        job = wait_state(svc, silent, "finished")
+    assert job["restarts"] == 0
+    summary = read_summary(run_dir_of(tmp_path / "s1"))
+    assert summary["committed_steps"] == 6 and summary["steps_redone"] == 0
+    assert_cluster_idle()
+
+
 def test_a_job_over_its_teams_quota_says_why_everywhere_until_it_runs(ray_cluster, tiny_dataset, tmp_path, gates,
                                                                      capsys, monkeypatch):
     """Team q has one worker: its second job waits queued, saying it is over its team's quota in

@@ -92,7 +92,13 @@ class ReconcilerConfig:
     # A pause or cancel not done by then is made hard (the runner killed). Generous: a pause
     # first finishes the step in flight and writes a checkpoint.
     stop_deadline_s: float = 120.0
-    status_timeout_s: float = 10.0  # a runner that does not answer is asked again next pass, not declared dead
+    # A pass waits this long for the runners' answers; one that answers later is read by a later
+    # pass (its question stays asked), so a runner slow to answer (busy starting, or on a loaded
+    # node) never holds the other jobs' passes: 1 s, where a healthy runner answers in ms.
+    status_wait_s: float = 1.0
+    # A question unanswered this long is dropped and asked again; the runner is not declared dead
+    # (Ray says when it is), the start it is in is watched by start_stall_s.
+    status_timeout_s: float = 10.0
     # Runners started ahead for the next launches (runner.new_spare_runner): two, so that a job
     # admitted right after another (a reclaim) does not wait for the spare the first one used
     # to be replaced while the cluster is busy; 0 for none.
@@ -125,6 +131,7 @@ class _Seen:
     status: Optional[dict] = None
     gone: bool = False
     error: str = ""
+    pending: bool = False  # asked, no answer yet (within status_timeout_s): read by a later pass
 
 
 class Reconciler:
@@ -142,6 +149,7 @@ class Reconciler:
         self._watching: dict[int, float] = {}  # job id -> when this process first watched its start
         self._delete_errors: dict[int, str] = {}  # job id -> why its checkpoints could not be deleted yet
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
+        self._asked: dict[int, tuple[Any, float]] = {}  # job id -> its runner's status question, asked when (monotonic)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self._next_prune_s = 0.0  # when the store's unused code packages are looked at next
@@ -270,8 +278,10 @@ class Reconciler:
 
     # ------------------------------------------------------------------ observe
     def _observe(self, jobs: list[JobRecord]) -> dict[int, _Seen]:
+        """Each runner's status. A question is asked once and waited for at most
+        ``status_wait_s`` by this pass; an answer not in yet is read by a later pass, and a
+        question unanswered for ``status_timeout_s`` is dropped (asked again next pass)."""
         seen: dict[int, _Seen] = {}
-        refs = {}
         for job in jobs:
             handle = self._handles.get(job.id)
             if handle is None:
@@ -282,26 +292,37 @@ class Reconciler:
                 log.info("job %d: re-attached to its runner", job.id)
                 self._handles[job.id] = handle
                 self._created.add(job.id)
-            refs[job.id] = handle.status.remote()
-        if refs:
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.status_timeout_s)
-            ready_set = set(ready)
-            for job_id, ref in refs.items():
-                if ref not in ready_set:
-                    seen[job_id] = _Seen(error="no answer")
+            if job.id not in self._asked:
+                self._asked[job.id] = (handle.status.remote(), time.monotonic())
+        asked = {job.id: self._asked[job.id] for job in jobs if job.id in self._asked}
+        if not asked:
+            return seen
+        ready, _ = ray.wait([ref for ref, _ in asked.values()], num_returns=len(asked),
+                            timeout=self.config.status_wait_s)
+        ready_set, now = set(ready), time.monotonic()
+        for job_id, (ref, asked_at) in asked.items():
+            if ref not in ready_set:
+                if now - asked_at < self.config.status_timeout_s:
+                    seen[job_id] = _Seen(pending=True)
                     continue
-                try:
-                    seen[job_id] = _Seen(status=ray.get(ref))
-                    self._runner_ids[job_id] = seen[job_id].status.get("actor_id", "")
-                except ray.exceptions.RayActorError as exc:
-                    seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
-                    self._handles.pop(job_id, None)
-                except ray.exceptions.RayError as exc:
-                    seen[job_id] = _Seen(error=str(exc).splitlines()[0])
+                del self._asked[job_id]
+                seen[job_id] = _Seen(error=f"no answer in {now - asked_at:.0f} s")
+                continue
+            del self._asked[job_id]
+            try:
+                seen[job_id] = _Seen(status=ray.get(ref))
+                self._runner_ids[job_id] = seen[job_id].status.get("actor_id", "")
+            except ray.exceptions.RayActorError as exc:
+                seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
+                self._handles.pop(job_id, None)
+            except ray.exceptions.RayError as exc:
+                seen[job_id] = _Seen(error=str(exc).splitlines()[0])
         return seen
 
     # ------------------------------------------------------------------ record and carry out requests
     def _reconcile(self, job: JobRecord, seen: _Seen, now: float) -> None:
+        if seen.pending:  # its answer is read by a later pass; nothing new is known of it
+            return
         if seen.error and not seen.gone:
             log.warning("job %d: runner did not answer (%s); asked again next pass", job.id, seen.error)
             if job.state in STARTS:
@@ -567,6 +588,7 @@ class Reconciler:
         """The job's runner is gone or being ended: its warm spares (workers a killed runner
         cannot end) are ended now rather than when they notice."""
         self._handles.pop(job_id, None)
+        self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
         end_spares_of(self._runner_ids.pop(job_id, ""))
 
