@@ -725,7 +725,8 @@ def validate_parallel(spec: JobSpec) -> None:
                                          "(e.g. the workers of one node)")
     for name in ("tp", "pp"):
         if getattr(par, name) > 1 and (model.factory or model.name not in MODELS_WITH_PARALLEL_PLANS):
-            which = f"model.factory {quote(_plain(model.factory))}" if model.factory else f"model.name {quote(model.name)}"
+            which = (f"model.factory {quote(_plain(model.factory))}" if model.factory
+                     else f"model.name {quote(model.name)}")
             raise SpecError(f"parallel.{name}", f"got {quote(getattr(par, name))}; {which} has no tensor or "
                                                 f"pipeline plan (models with one: "
                                                 f"{', '.join(sorted(MODELS_WITH_PARALLEL_PLANS))}); "
