@@ -878,6 +878,26 @@ def test_a_malformed_body_is_a_400_in_the_documented_shape_and_audited(door_serv
     assert len(rows) == rows_before + 1 and rows[-1].result == f"refused (400): {message}", rows[-1]
 
 
+def test_a_spec_too_large_to_be_one_is_refused_before_it_is_expanded(door_service):
+    """YAML aliases can make 1 KB of text a billion values: counted as reached, the spec is
+    refused at 10,000 values (or 32 levels), in milliseconds, naming the field."""
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8))
+    bomb += "model: {args: {blow: *i}}\n"
+    deep = {"model": {"args": {}}}
+    node = deep["model"]["args"]
+    for _ in range(40):
+        node["x"] = {}
+        node = node["x"]
+    for spec, words in ((bomb, "holds more than 10000 values"), (deep, "is nested more than 32 deep")):
+        start = time.monotonic()
+        status, answer, headers = send(door_service, "POST", "/v1/jobs", door_service.a,
+                                       json.dumps({"spec": spec}).encode())
+        refused_shape(status, answer, headers)
+        assert (status, answer["field"]) == (400, "spec") and words in answer["error"], answer
+        assert time.monotonic() - start < 5
+
+
 def test_a_cancel_only_field_is_declared_on_cancel_alone(door_service):
     job = door_service.client(door_service.a).submit(SPEC)["id"]
     for action in ("pause", "resume"):
