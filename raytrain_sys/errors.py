@@ -3,7 +3,25 @@
 Every error that reaches the CLI as a one-line message derives from ``UserError``: it says what
 was wrong, where, and what to do next. Anything else is a bug in raytrain-sys and is shown with
 its traceback.
+
+A message quotes a user's value with ``quote``: its ``repr``, cut to ``QUOTE_CHARS`` characters,
+so a 10 MB value is never echoed whole into an error, a log line or an audit row.
 """
+
+QUOTE_CHARS = 80  # enough to recognise a value; a whole value is the user's to keep, not ours to echo
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` for a message, at most ``limit`` characters of it, then how long the whole
+    was. Control characters come out escaped (``repr``), so the quote stays on one line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"an integer of {value.bit_length()} bits"  # repr may refuse it (int_max_str_digits)
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{repr(value[:limit])[:limit]}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class UserError(Exception):

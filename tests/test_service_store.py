@@ -21,7 +21,7 @@ from raytrain_sys.service import migrations
 from raytrain_sys.service.model import Admit, JobState, Team, TransitionNotAllowed, WaitCause
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store, mask_url
-from raytrain_sys.service.tables import jobs, metadata, transitions
+from raytrain_sys.service.tables import jobs, metadata, teams, transitions
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -210,6 +210,51 @@ def test_bad_submit_names_the_field_and_writes_nothing(store, kwargs, field, wor
         store.submit(name="j", spec="{}", actor="a", **kwargs)
     assert err.value.field == field and words in str(err.value)
     assert all_rows_text(store) == before
+
+
+@pytest.mark.parametrize("write, field, words", [
+    (lambda s: s.add_team(Team("big", 100_001)), "team.nominal_workers", "at most 100000"),
+    (lambda s: s.add_team(Team("big", 1, borrowing_limit_workers=2 ** 40)), "team.borrowing_limit_workers",
+     "at most 100000"),
+    (lambda s: s.add_team(Team("heavy", 1, weight=1e12)), "team.weight", "(0, 1e+06]"),
+    (lambda s: s.add_team(Team("Not A Name", 1)), "team.name", "a team name is 1-63 lowercase letters"),
+    (lambda s: s.add_team(Team("c", 1, cohort="Bad Cohort")), "team.cohort", "a cohort name is 1-63"),
+    (lambda s: s.update_team(Team("a", 2, cohort="New Cohort")), "team.cohort", "a cohort name is 1-63"),
+    (lambda s: s.submit(team="a", name="j", spec="{}", min_workers=1, max_workers=2 ** 40, actor="a"),
+     "elastic.max_workers", "at most 100000"),
+    (lambda s: s.submit(team="a", name="j", spec="{}", min_workers=1, priority=-2 ** 63, actor="a"), "priority",
+     "at least -1000000"),
+    (lambda s: s.submit(team="a", name="two\nlines", spec="{}", min_workers=1, actor="a"), "name", "one line"),
+], ids=["a nominal quota past any cluster", "a borrowing limit of 41 bits", "a weight of 1e12", "a name off the rule",
+        "a new cohort off the rule", "a cohort changed to one off the rule", "a job of 2**40 workers",
+        "a priority of 64 bits", "a job name on two lines"])
+def test_the_store_writes_nothing_out_of_bounds_whoever_asks(store, write, field, words):
+    """The bounds the API's schema publishes are the store's own too (the service actor and
+    scripts write through it): within the 32-bit columns, names on the rule."""
+    before = all_rows_text(store)
+    with pytest.raises(ServiceInputError) as err:
+        write(store)
+    assert err.value.field == field and words in str(err.value), str(err.value)
+    assert all_rows_text(store) == before
+
+
+def test_a_cohort_from_before_the_rule_is_kept_by_an_update(store):
+    with store.engine.begin() as conn:
+        conn.execute(update(teams).where(teams.c.name == "a").values(cohort="Old Cohort"))
+    assert store.update_team(Team("a", 3, cohort="Old Cohort")).nominal_workers == 3
+    assert store.team("a").cohort == "Old Cohort"
+
+
+def test_an_audit_row_holds_a_short_quote_of_what_a_user_sent(store):
+    """Whatever a refusal quotes, its row fits the columns (a 64-character action on PostgreSQL's
+    VARCHAR(64)) and holds no control character (PostgreSQL refuses a NUL) nor 10 MB."""
+    from raytrain_sys.service import auth
+
+    huge = "\x00" + "y" * 10_000_000
+    auth.record(store, "a", "GET /" + huge, "job " + huge, "refused (400): got " + huge)
+    row = store.audit_log(limit=1)[0]
+    assert len(row.action) == 64 and len(row.target) == 200 and len(row.result) == 1000
+    assert row.action.startswith("GET /\\x00yyy") and row.result.endswith("... (10000023 characters)")
 
 
 def test_guarded_transitions_and_their_history(store):

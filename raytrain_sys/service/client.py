@@ -11,7 +11,10 @@ text). Errors say what happened and never carry the token: a refused request rai
 ``ServiceRequestError`` with the HTTP status and the server's message (``ServiceRequestInvalid``,
 a ``ServiceInputError`` with ``.field``, for a 400; ``ServiceRequestConflict``, a
 ``JobStateConflict``, for a 409); a service that cannot be reached raises one
-``ServiceRequestError`` naming the URL.
+``ServiceRequestError`` naming the URL. A team's (or cohort's) name is checked before anything
+is sent, by the rule the service holds it to (``service/model.py``): a name the service would
+refuse raises the service's own answer (``ServiceRequestInvalid``, its field and message), so a
+caller handles one error wherever it came from, and a name no URL could carry is never sent.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any, Optional, Union
 from raytrain_sys.errors import (ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, SpecError,
                                  UserError)
 from raytrain_sys.service import packages
+from raytrain_sys.service.model import name_problem, team_ref_problem
 
 URL_ENV = "RAYTRAIN_SYS_SERVICE_URL"
 TOKEN_ENV = "RAYTRAIN_SYS_TOKEN"
@@ -73,7 +77,7 @@ class Client:
         job as stored (state ``queued``)."""
         body: dict[str, Any] = {"spec": _spec_body(spec_or_path), "overrides": list(overrides or [])}
         if team is not None:
-            body["team"] = team
+            body["team"] = _team_ref(team)
         if priority is not None:
             body["priority"] = priority
         if name is not None:
@@ -92,9 +96,9 @@ class Client:
                        excludes: Iterable[str] = ()) -> dict:
         """Pack ``directory`` (``service/packages.pack``) and upload it unless the service holds
         it for the team already. Returns its info (``sha256``, ``size_bytes``, ``files``)."""
+        query = [("team", _team_ref(team))] if team else None
         data = packages.pack(directory, excludes)
         sha = packages.digest(data)
-        query = [("team", team)] if team else None
         try:
             return self._json("GET", f"/v1/packages/{sha}", query=query)
         except ServiceRequestError as exc:
@@ -104,13 +108,13 @@ class Client:
         return json.loads(raw)
 
     def jobs(self, states: Optional[Iterable[str]] = None, team: Optional[str] = None) -> list[dict]:
-        query = [("state", s) for s in states or ()] + ([("team", team)] if team else [])
+        query = [("state", s) for s in states or ()] + ([("team", _team_ref(team))] if team else [])
         return self._json("GET", "/v1/jobs", query=query)
 
     def progress(self, team: Optional[str] = None) -> list[dict]:
         """The jobs this token may list, each as ``{"job": ..., "progress": ...}``: its run's live
         numbers (what the jobs page shows), None before its run started."""
-        return self._json("GET", "/v1/progress", query=[("team", team)] if team else None)
+        return self._json("GET", "/v1/progress", query=[("team", _team_ref(team))] if team else None)
 
     def job(self, job_id: int) -> dict:
         """The job, with its validated spec as stored (JSON text) under ``spec``."""
@@ -193,6 +197,8 @@ class Client:
     def add_team(self, name: str, nominal_workers: int, *, cohort: Optional[str] = None,
                  borrowing_limit_workers: Optional[int] = None, lending_limit_workers: Optional[int] = None,
                  weight: Optional[float] = None) -> dict:
+        _refuse("team.name", name_problem(name))
+        _refuse("team.cohort", cohort is not None and name_problem(cohort, "cohort name"))
         body = {"name": name, "nominal_workers": nominal_workers, "cohort": cohort,
                 "borrowing_limit_workers": borrowing_limit_workers, "lending_limit_workers": lending_limit_workers,
                 "weight": weight}
@@ -200,14 +206,15 @@ class Client:
 
     def update_team(self, name: str, **fields: Any) -> dict:
         """Change only the fields given (``None`` clears a limit or the cohort)."""
-        return self._json("PUT", f"/v1/teams/{urllib.parse.quote(name, safe='')}", fields)
+        _refuse("team.cohort", fields.get("cohort") is not None and name_problem(fields["cohort"], "cohort name"))
+        return self._json("PUT", _team_path(name), fields)
 
     def issue_token(self, team: str) -> str:
         """A new token for ``team``: the only time it is shown."""
-        return self._json("POST", f"/v1/teams/{urllib.parse.quote(team, safe='')}/tokens")["token"]
+        return self._json("POST", f"{_team_path(team)}/tokens")["token"]
 
     def revoke_tokens(self, team: str) -> int:
-        return self._json("DELETE", f"/v1/teams/{urllib.parse.quote(team, safe='')}/tokens")["revoked"]
+        return self._json("DELETE", f"{_team_path(team)}/tokens")["revoked"]
 
     def health(self) -> dict:
         return self._json("GET", "/healthz")
@@ -253,6 +260,23 @@ def _refusal(status: int, raw: bytes) -> ServiceRequestError:
     if status == 409:
         return ServiceRequestConflict(message)
     return ServiceRequestError(status, message)
+
+
+def _team_path(name: str) -> str:
+    """The team's URL path (its name checked first, then quoted: a name from before the rule may
+    hold characters a path must escape)."""
+    return f"/v1/teams/{urllib.parse.quote(_team_ref(name), safe='')}"
+
+
+def _team_ref(name: str) -> str:
+    _refuse("team", team_ref_problem(name))
+    return name
+
+
+def _refuse(field: str, problem) -> None:
+    """Raise what the service would answer (400 on ``field``) when ``problem`` names one."""
+    if problem:
+        raise ServiceRequestInvalid(field, f"field '{field}': {problem}")
 
 
 def _action(reason: Optional[str]) -> dict:

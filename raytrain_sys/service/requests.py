@@ -56,15 +56,16 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Optional, Union
 
-import yaml
-
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, SpecError
 from raytrain_sys.service import auth, packages
 from raytrain_sys.service.model import JobRecord, JobState
 from raytrain_sys.service.store import Store
-from raytrain_sys.spec import JobSpec, apply_overrides, describe_object, from_dict, from_text
+from raytrain_sys.spec import JobSpec, apply_overrides, describe_object, from_dict, parse_yaml
 
 RETRIES = 3  # a request that meets a job moving under it reads it again this many times
+# A full spec holds about 150 values in 3 levels; model.args and train.task_args add a user's own.
+SPEC_MAX_VALUES = 10_000
+SPEC_MAX_DEPTH = 32
 
 # What each request applies to (the 409's words; the edges are in pause/resume/cancel below).
 APPLIES_TO = {
@@ -82,19 +83,18 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
     (``spec`` for text that is not a mapping, ``overrides`` for a malformed override)."""
     raw = spec
     if isinstance(spec, str):
-        try:
-            raw = yaml.safe_load(spec)
-        except yaml.YAMLError:
-            raw = None
-        else:
-            raw = {} if raw is None else raw
+        try:  # its error names the line and column
+            raw = parse_yaml(spec, field="spec", source="the spec")
+        except SpecError as exc:
+            raise ServiceInputError("spec", str(exc).split(": ", 1)[-1]) from None
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
-            try:  # its error names the line and column, or what the text holds instead of a mapping
-                from_text(spec, field="spec", source="the spec")
-            except SpecError as exc:
-                raise ServiceInputError("spec", str(exc).split(": ", 1)[-1]) from None
+            raise ServiceInputError("spec", f"the spec must hold a mapping of sections, got {type(raw).__name__}")
     if not isinstance(raw, dict):
         raise ServiceInputError("spec", f"must be a mapping of spec sections, got {type(raw).__name__}")
+    too_big = _size_problem(raw)
+    if too_big:
+        raise ServiceInputError("spec", too_big)
     try:
         raw = apply_overrides(raw, list(overrides or []))
     except SpecError as exc:
@@ -126,6 +126,25 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
     parsed.checkpoint.uri = absolute(parsed.checkpoint.uri)
     parsed.checkpoint.resume_from = absolute(parsed.checkpoint.resume_from)
     return parsed
+
+
+def _size_problem(raw: Any) -> Optional[str]:
+    """Why ``raw`` is too large to be a spec (``SPEC_MAX_VALUES``, ``SPEC_MAX_DEPTH``), or None.
+    Counts a value each time it is reached, so YAML aliases that repeat one list a billion
+    times are stopped at the bound, not expanded."""
+    stack, count = [(raw, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > SPEC_MAX_VALUES:
+            return f"holds more than {SPEC_MAX_VALUES} values; a spec is a few sections of settings"
+        if depth > SPEC_MAX_DEPTH:
+            return f"is nested more than {SPEC_MAX_DEPTH} deep; a spec is a few sections of settings"
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
+    return None
 
 
 def _python_objects(raw: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -168,6 +187,8 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
                                idempotency_key=idempotency_key, cluster_workers=cluster_workers,
                                package=package or None)
         except ServiceInputError as exc:
+            if exc.field == "name" and not name:  # the spec's name: the store's bounds are the spec's too
+                raise ServiceInputError("spec.name", str(exc).split(": ", 1)[-1]) from None
             if exc.field not in ("elastic.min_workers", "elastic.max_workers"):
                 raise
             field = "spec.elastic.min_workers" if parsed.elastic.max_workers else "spec.resources.num_workers"

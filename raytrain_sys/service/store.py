@@ -20,6 +20,10 @@ and upgraded only by the Alembic migrations, run when the store opens). Rules it
 * **Errors name their cause**: an unreachable database raises ``ServiceStoreError`` naming the
   URL with its password masked; bad input raises ``ServiceInputError`` naming the field, before
   anything is written.
+* **Nothing out of bounds is written**, whoever asks (the API, the service actor, a script): a
+  new team's name and a cohort follow ``model.NAME_RULE``, every count and priority is within
+  ``model``'s bounds (well inside the 32-bit columns). A team made before the name rule is read,
+  listed and scheduled as it is.
 
 It decides nothing: which job starts, grows or pauses is the scheduler's; who may do what is the
 API's. Audit rows are written by whoever acts (``record_audit``), refusals included.
@@ -40,10 +44,11 @@ from sqlalchemy import bindparam, create_engine, delete, event, func, insert, or
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
-from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, quote
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import (LIVE_STATES, AuditRecord, JobRecord, JobState, Snapshot, Team,
-                                        TransitionRecord, WaitCause)
+from raytrain_sys.service.model import (LIVE_STATES, MAX_WEIGHT, PRIORITY_LIMIT, AuditRecord, JobRecord,
+                                        JobState, Snapshot, Team, TransitionRecord, WaitCause, check_count,
+                                        check_team_name, job_name_problem, name_problem)
 from raytrain_sys.service.scheduler.quota import never_fits_reason
 from raytrain_sys.service.tables import audit, jobs, packages, store_meta, teams, tokens, transitions
 
@@ -159,22 +164,28 @@ class Store:
     # ------------------------------------------------------------------ teams
 
     def add_team(self, team: Team, *, now_s: Optional[float] = None) -> Team:
-        """Create a team (its quota); a name taken raises ``ServiceInputError`` on team.name."""
+        """Create a team (its quota); a name taken or not following ``model.NAME_RULE``, or a
+        count out of bounds, raises ``ServiceInputError`` on the field."""
+        check_team_name(team.name)
+        _check_team_write(team)
         now = _now(now_s)
         try:
             with self._tx() as conn:
                 conn.execute(insert(teams).values(**_team_row(team), created_at_s=now, updated_at_s=now))
         except IntegrityError:
-            raise ServiceInputError("team.name", f"team {team.name!r} exists already") from None
+            raise ServiceInputError("team.name", f"team {quote(team.name)} exists already") from None
         return team
 
     def update_team(self, team: Team, *, now_s: Optional[float] = None) -> Team:
-        """Change a team's quota, cohort or weight."""
+        """Change a team's quota, cohort or weight (a cohort kept from before the name rule may
+        stay; a new one follows it)."""
         with self._tx() as conn:
-            changed = conn.execute(update(teams).where(teams.c.name == team.name)
-                                   .values(**_team_row(team), updated_at_s=_now(now_s))).rowcount
-        if changed != 1:
-            raise ServiceInputError("team", f"unknown team {team.name!r}")
+            cohort = conn.execute(select(teams.c.cohort).where(teams.c.name == team.name)).first()
+            if cohort is None:
+                raise ServiceInputError("team", f"unknown team {quote(team.name)}")
+            _check_team_write(team, kept_cohort=cohort.cohort)
+            conn.execute(update(teams).where(teams.c.name == team.name)
+                         .values(**_team_row(team), updated_at_s=_now(now_s)))
         return team
 
     def teams(self) -> list[Team]:
@@ -185,7 +196,7 @@ class Store:
         with self._tx() as conn:
             row = conn.execute(select(teams).where(teams.c.name == name)).first()
         if row is None:
-            raise ServiceInputError("team", f"unknown team {name!r}")
+            raise ServiceInputError("team", f"unknown team {quote(name)}")
         return _team(row)
 
     # ------------------------------------------------------------------ jobs
@@ -200,12 +211,13 @@ class Store:
         the team has not uploaded. A repeated ``idempotency_key`` of the same team returns the
         job it created first."""
         max_workers = min_workers if max_workers is None else max_workers
-        _check_int("elastic.min_workers", min_workers, low=1)
-        _check_int("elastic.max_workers", max_workers, low=min_workers,
-                   low_text=f"at least elastic.min_workers ({min_workers})")
-        _check_int("priority", priority)
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise ServiceInputError("name", f"got {name!r}; must be a non-empty string of at most 200 characters")
+        check_count("elastic.min_workers", min_workers, low=1)
+        check_count("elastic.max_workers", max_workers, low=min_workers,
+                    low_name=f"elastic.min_workers ({min_workers})")
+        check_count("priority", priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT)
+        problem = job_name_problem(name)
+        if problem:
+            raise ServiceInputError("name", problem)
         if not isinstance(spec, str):
             raise ServiceInputError("spec", "must be the job spec's YAML or JSON text")
         now = _now(now_s)
@@ -251,7 +263,7 @@ class Store:
         try:
             with self._tx() as conn:
                 if conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
-                    raise ServiceInputError("team", f"no team {team!r}")
+                    raise ServiceInputError("team", f"no team {quote(team)}")
                 if self._has_package(conn, sha256, team):
                     return False
                 conn.execute(insert(packages).values(sha256=sha256, team=team, size_bytes=len(data), files=files,
@@ -501,7 +513,7 @@ class Store:
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         with self._tx() as conn:
             if team is not None and conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
-                raise ServiceInputError("team", f"unknown team {team!r}")
+                raise ServiceInputError("team", f"unknown team {quote(team)}")
             conn.execute(insert(tokens).values(team=team, is_admin=team is None,
                                                token_hash=self._hash(conn, token), created_at_s=_now(now_s)))
         return token
@@ -571,11 +583,19 @@ def _states(expected: Union[JobState, str, Sequence[JobState]]) -> tuple[JobStat
     return tuple(JobState(s) for s in expected)
 
 
-def _check_int(field: str, value: Any, low: Optional[int] = None, low_text: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ServiceInputError(field, f"got {value!r}; must be an integer")
-    if low is not None and value < low:
-        raise ServiceInputError(field, f"got {value}; must be {low_text or f'at least {low}'}")
+def _check_team_write(team: Team, kept_cohort: Optional[str] = None) -> None:
+    """The bounds a team is written within (``Team`` itself checks signs and the lending limit;
+    rows from before a bound was set are read as they are)."""
+    for field in ("nominal_workers", "borrowing_limit_workers", "lending_limit_workers"):
+        value = getattr(team, field)
+        if value is not None:
+            check_count(f"team.{field}", value)
+    if not team.weight <= MAX_WEIGHT:
+        raise ServiceInputError("team.weight", f"got {quote(team.weight)}; must be a number in (0, {MAX_WEIGHT:g}]")
+    if team.cohort is not None and team.cohort != kept_cohort:
+        problem = name_problem(team.cohort, "cohort name")
+        if problem:
+            raise ServiceInputError("team.cohort", problem)
 
 
 def _team_row(team: Team) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from raytrain_sys.errors import quote
 from raytrain_sys.service.model import Team
 
 UNLIMITED = math.inf
@@ -101,7 +102,7 @@ def never_fits_reason(team_name: str, min_workers: int, teams: Iterable[Team],
     teams = list(teams)
     by_name = {t.name: t for t in teams}
     if team_name not in by_name:
-        return f"unknown team {team_name!r} (known: {', '.join(sorted(by_name)) or 'none'})"
+        return f"unknown team {quote(team_name)} (known: {', '.join(sorted(by_name)) or 'none'})"
     quota_ceiling = team_ceiling_workers(team_name, teams)
     if min_workers > quota_ceiling:
         team = by_name[team_name]
