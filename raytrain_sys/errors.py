@@ -5,6 +5,8 @@ was wrong, where, and what to do next. Anything else is a bug in raytrain-sys an
 its traceback.
 """
 
+import re
+
 
 class UserError(Exception):
     """An error caused by input or environment, reported as one line with exit code 2."""
@@ -111,7 +113,23 @@ def find_user_error(exc: BaseException) -> UserError | None:
             Exception.__init__(err, _our_line(line))
             return err
         stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
+    return _named_in_text(exc)
+
+
+# How a traceback's last line names one of ours: "raytrain_sys.errors.UserError: <message>".
+_OURS_IN_TEXT = re.compile(rf"^{re.escape(__name__)}\.(\w+): (.+)$", re.MULTILINE)
+
+
+def _named_in_text(exc: BaseException) -> UserError | None:
+    """The UserError a remote traceback's text ends with: all that Ray keeps of an exception
+    raised in an actor's constructor (its ActorDiedError carries the text, no cause)."""
+    found = _OURS_IN_TEXT.findall(str(exc))
+    cls = globals().get(found[-1][0]) if found else None
+    if not (isinstance(cls, type) and issubclass(cls, UserError)):
+        return None
+    err = cls.__new__(cls)
+    Exception.__init__(err, found[-1][1].strip())
+    return err
 
 
 def _our_line(lines: list[str]) -> str:

@@ -100,13 +100,16 @@ def add_admin_commands(cmds) -> None:
     db = argparse.ArgumentParser(add_help=False)
     db.add_argument("--db", default=None, help=f"the store's SQLAlchemy URL, default ${DB_ENV} "
                                                "or sqlite:///raytrain-service.db")
+    db.add_argument("--create", action="store_true",
+                    help="make a new, empty store when there is none at --db (else: refused, exit 2)")
     ia = cmds.add_parser("init-admin", parents=[db], help="issue an admin token and print it once")
     ia.add_argument("--rotate", action="store_true", help="revoke every earlier admin token first")
     ia.set_defaults(func=_init_admin)
     sv = cmds.add_parser("serve", parents=[db], help="serve the HTTP API in the foreground (no scheduler)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8470)
-    sv.add_argument("--log-dir", default=None, help="where job-<id>.log files are read from")
+    sv.add_argument("--log-dir", default=None,
+                    help="where job-<id>.log files are read from; default: the store's (where its runners write)")
     sv.set_defaults(func=_serve)
 
 
@@ -246,9 +249,17 @@ def _teams_revoke(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace):
-    from raytrain_sys.service.store import Store
+    """The store at --db, refused (exit 2) when there is none unless --create: a mistyped path
+    must not become a new, empty store whose token no running service accepts."""
+    from raytrain_sys.errors import UserError
+    from raytrain_sys.service.store import Store, mask_url
 
-    return Store.open(store_url(args.db))
+    url = store_url(args.db)
+    why = None if args.create else Store.missing(url)
+    if why is not None:
+        raise UserError(f"no job service store at {mask_url(url)} ({why}): check --db (or ${DB_ENV}), "
+                        f"or give --create to make a new, empty one")
+    return Store.open(url)
 
 
 def _init_admin(args: argparse.Namespace) -> int:
@@ -266,11 +277,12 @@ def _init_admin(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from raytrain_sys.service.api import DEFAULT_LOG_DIR, serve
+    from raytrain_sys.service.api import serve
 
     store = _store(args)
-    handle = serve(store, args.host, args.port, log_dir=args.log_dir or DEFAULT_LOG_DIR)
-    print(f"job service API at {handle.url} (store {store.url}); Ctrl-C stops it", file=sys.stderr)
+    handle = serve(store, args.host, args.port, log_dir=args.log_dir)
+    print(f"job service API at {handle.url} (store {store.url}, job logs in {store.log_dir()}); Ctrl-C stops it",
+          file=sys.stderr)
     try:
         while True:
             time.sleep(3600)
