@@ -153,34 +153,37 @@ def test_the_log_directory_is_the_stores_for_every_part(tmp_path):
         store.close()
 
 
-def test_service_serve_shows_the_log_a_runner_wrote(ray_cluster, tiny_dataset, tmp_path):
-    """A job run by the service (its runner writes the log), then `service serve` on the same
-    store from another directory, with no --log-dir: `jobs logs` shows the runner's lines."""
-    from tests.service_common import StepGates, running_service
-
+def test_two_jobs_start_at_once_on_a_fresh_service_and_serve_shows_their_logs(ray_cluster, tiny_dataset, tmp_path):
+    """Two jobs submitted together to a fresh service, one MLflow store between them that does
+    not exist yet: both finish (the service makes the store once, before their runners start).
+    Then `service serve` on the same store from another directory, with no --log-dir: `jobs
+    logs` shows the lines their runners wrote."""
+    from raytrain_sys.service.auth import init_admin
+    from raytrain_sys.service.model import Team
     from tests.helpers import tiny_spec
+    from tests.service_common import StepGates, running_service
 
     db = tmp_path / "svc.db"
     spec = tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 3}, resources={"num_workers": 1}).to_dict()
+    assert not (tmp_path / "runs").exists()
     (tmp_path / "gates").mkdir()
     store = Store.open(f"sqlite:///{db}")
     try:
-        from raytrain_sys.service.auth import init_admin
-        from raytrain_sys.service.model import Team
-
         store.add_team(Team("a", 2))
         token = init_admin(store)
     finally:
         store.close()
     # No log_dir: the store's default, beside the SQLite file.
     with running_service(db, StepGates(str(tmp_path / "gates")), log_dir="", warm_workers_per_node=0) as svc:
-        job = ray.get(svc.submit.remote("a", spec))["id"]
-        deadline = time.monotonic() + 180
-        while ray.get(svc.job.remote(job))["state"] != "finished":
-            assert time.monotonic() < deadline, ray.get(svc.job.remote(job))
+        jobs = [ray.get(svc.submit.remote("a", spec | {"name": name}))["id"] for name in ("one", "two")]
+        deadline = time.monotonic() + 240
+        while {ray.get(svc.job.remote(job))["state"] for job in jobs} != {"finished"}:
+            ended = [ray.get(svc.job.remote(job)) for job in jobs]
+            assert not [j for j in ended if j["state"] in ("failed", "cancelled")], ended
+            assert time.monotonic() < deadline, ended
             time.sleep(0.5)
-    written = (tmp_path / LOG_DIR_NAME / f"job-{job}.log").read_text()
-    assert f"job {job}: runner done" in written
+    written = {job: (tmp_path / LOG_DIR_NAME / f"job-{job}.log").read_text() for job in jobs}
+    assert all(f"job {job}: runner done" in text for job, text in written.items())
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -194,10 +197,10 @@ def test_service_serve_shows_the_log_a_runner_wrote(ray_cluster, tiny_dataset, t
             assert banner, "service serve ended before it served"
         assert f"job logs in {tmp_path / LOG_DIR_NAME}" in banner, banner
         env = {**os.environ, "RAYTRAIN_SYS_SERVICE_URL": f"http://127.0.0.1:{port}", "RAYTRAIN_SYS_TOKEN": token}
-        logs = subprocess.run([*CLI, "jobs", "logs", str(job)], capture_output=True, text=True, timeout=60,
-                              env=env, cwd=elsewhere)
-        assert logs.returncode == 0, logs.stderr
-        assert logs.stdout == written
+        for job, text in written.items():
+            logs = subprocess.run([*CLI, "jobs", "logs", str(job)], capture_output=True, text=True, timeout=60,
+                                  env=env, cwd=elsewhere)
+            assert logs.returncode == 0 and logs.stdout == text, logs.stderr
     finally:
         server.terminate()
         server.wait(timeout=30)

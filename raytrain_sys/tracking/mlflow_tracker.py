@@ -223,11 +223,43 @@ def _bound_http_client(tracking_uri: str) -> None:
             os.environ.setdefault(name, value)
 
 
+_made_stores: set[str] = set()  # SQLite files this process has seen made (ensure_store)
+_made_stores_lock = threading.Lock()
+
+
+def ensure_store(tracking_uri: str) -> None:
+    """Make (or migrate) a SQLite tracking store once, under an exclusive lock on
+    ``<file>.lock`` beside it: MLflow creates a new SQLite store's tables on first open, and two
+    processes opening one at the same moment both run the migrations and fail ("duplicate
+    column name", "table ... already exists"), leaving the file half-made. The lock holds every
+    other process (two runs, two service jobs, a resume) until the first has made it; after
+    that each opens a finished store. Other stores need nothing: a server or PostgreSQL makes
+    its own schema. Raises ``TrackingError`` when the store cannot be made."""
+    path = _sqlite_path(tracking_uri)
+    if path is None:
+        return
+    path = os.path.abspath(path)
+    with _made_stores_lock:  # threads of this process: one makes it, the others wait for it
+        if path in _made_stores:
+            return
+        check_reachable(tracking_uri)  # its directory made and writable, or a clear error
+        import fcntl
+
+        from mlflow import MlflowClient
+
+        with open(path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            _call(tracking_uri, "create its tables",
+                  lambda: MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1))
+        _made_stores.add(path)
+
+
 def _client(tracking_uri: str):
     from mlflow import MlflowClient
 
     _bound_http_client(tracking_uri)
     check_reachable(tracking_uri)
+    ensure_store(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
 
 
