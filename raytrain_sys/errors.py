@@ -38,6 +38,12 @@ class CheckpointError(UserError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint's files are not what its manifest records (found when loading:
+    a file missing, of another sha256 or step, or not covering the state); an older one may
+    still be intact."""
+
+
 class TrackingError(UserError):
     """The MLflow tracking store is unreachable or refuses a write."""
 
@@ -135,7 +141,7 @@ def _named_in_text(exc: BaseException) -> UserError | None:
 def _our_line(lines: list[str]) -> str:
     # RayTaskError text ends with "<ErrorClass>: <message>"; keep the message only.
     for line in reversed(lines):
-        for name in ("StorageError", "DataError", "CheckpointError", "TrackingError", "SpecError",
+        for name in ("StorageError", "DataError", "CheckpointError", "CheckpointCorrupt", "TrackingError", "SpecError",
                      "ClusterCapacityError", "ServiceInputError", "ServiceStoreError", "JobStateConflict",
                      "ServiceRequestError", "ServiceRequestInvalid", "ServiceRequestConflict",
                      "TrainingFailed", "UserError"):
