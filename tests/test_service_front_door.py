@@ -204,3 +204,59 @@ def test_two_jobs_start_at_once_on_a_fresh_service_and_serve_shows_their_logs(ra
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------- CLI gaps
+
+
+@pytest.fixture
+def api(tmp_path):
+    """The HTTP API over a fresh SQLite store (no Ray), an admin token and a team token."""
+    from raytrain_sys.service.api import serve
+    from raytrain_sys.service.auth import init_admin
+    from raytrain_sys.service.model import Team
+
+    store = Store.open(f"sqlite:///{tmp_path}/api.db")
+    store.add_team(Team("a", 2))
+    admin = init_admin(store)
+    with serve(store, "127.0.0.1", 0) as handle:
+        yield handle.url, admin, store.issue_token("a"), store
+    store.close()
+
+
+def cli(url: str, token: str, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAYTRAIN_SYS_SERVICE_URL": url, "RAYTRAIN_SYS_TOKEN": token, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
+
+
+def test_a_teams_limits_are_set_and_cleared_from_the_cli(api):
+    url, admin, _, store = api
+    limited = cli(url, admin, "teams", "update", "a", "--borrowing-limit", "3", "--lending-limit", "1")
+    assert limited.returncode == 0, limited.stderr
+    assert (store.team("a").borrowing_limit_workers, store.team("a").lending_limit_workers) == (3, 1)
+
+    cleared = cli(url, admin, "teams", "update", "a", "--borrowing-limit", "none")
+    assert cleared.returncode == 0, cleared.stderr
+    assert (store.team("a").borrowing_limit_workers, store.team("a").lending_limit_workers) == (None, 1)
+    cleared = cli(url, admin, "teams", "update", "a", "--lending-limit", "NONE")
+    assert cleared.returncode == 0 and store.team("a").lending_limit_workers is None, cleared.stderr
+    assert ["a", "2", "-", "-", "-", "1"] in [r.split() for r in cli(url, admin, "teams", "list").stdout.splitlines()]
+
+    added = cli(url, admin, "teams", "add", "b", "--nominal", "1", "--borrowing-limit", "none")
+    assert added.returncode == 0 and store.team("b").borrowing_limit_workers is None, added.stderr
+    wrong = cli(url, admin, "teams", "update", "a", "--borrowing-limit", "lots")
+    assert wrong.returncode == 2 and "expected a number of workers, or none for no limit; got 'lots'" in wrong.stderr
+
+
+def test_jobs_submit_of_a_directory_says_it_is_one_and_what_to_give(api, tmp_path):
+    url, _, team, _ = api
+    code = tmp_path / "my_job"
+    code.mkdir()
+    (code / "job.yaml").write_text("name: mine\n")
+    proc = cli(url, team, "jobs", "submit", str(code))
+    assert proc.returncode == 2
+    line = one_error_line(proc.stderr)
+    assert f"'{code}' is a directory (it holds job.yaml): give the job's spec file, e.g. {code}/job.yaml" in line
+    assert f"--working-dir {code}" in line and "does not exist" not in line
+    run = subprocess.run([*CLI, "run", str(code)], capture_output=True, text=True, timeout=60)  # the same rule
+    assert run.returncode == 2 and "is a directory (it holds job.yaml)" in one_error_line(run.stderr)

@@ -81,8 +81,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         t.add_argument("name")
         t.add_argument("--nominal", type=int, required=verb == "add", default=None, help="guaranteed workers")
         t.add_argument("--cohort", default=None, help="teams of a cohort lend each other unused quota")
-        t.add_argument("--borrowing-limit", type=int, default=None, help="workers beyond nominal it may borrow")
-        t.add_argument("--lending-limit", type=int, default=None, help="of its nominal, the most it lends")
+        t.add_argument("--borrowing-limit", type=_limit_arg, default=None, metavar="N|none",
+                       help="workers beyond nominal it may borrow; none: no limit (as much as the cohort lends)")
+        t.add_argument("--lending-limit", type=_limit_arg, default=None, metavar="N|none",
+                       help="of its nominal, the most it lends; none: no limit (lends all of it)")
         t.add_argument("--weight", type=float, default=None, help="fair-share weight (default 1)")
         t.set_defaults(func=_teams_add if verb == "add" else _teams_update)
     tk = ts.add_parser("token", parents=[conn], help="issue a token for a team (printed once)")
@@ -196,10 +198,24 @@ def _request(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- teams
 
 
+NO_LIMIT = "none"  # --borrowing-limit none: the limit cleared (the API's null)
+_CLEARED = object()
+
+
+def _limit_arg(text: str) -> Any:
+    if text.strip().lower() == NO_LIMIT:
+        return _CLEARED
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of workers, or {NO_LIMIT} for no limit; got {text!r}")
+
+
 def _team_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields given, a cleared limit as None (sent as null: the API clears it)."""
     given = {"nominal_workers": args.nominal, "cohort": args.cohort, "borrowing_limit_workers": args.borrowing_limit,
              "lending_limit_workers": args.lending_limit, "weight": args.weight}
-    return {k: v for k, v in given.items() if v is not None}
+    return {k: None if v is _CLEARED else v for k, v in given.items() if v is not None}
 
 
 def _teams_list(args: argparse.Namespace) -> int:
@@ -211,7 +227,7 @@ def _teams_list(args: argparse.Namespace) -> int:
 
 
 def _teams_add(args: argparse.Namespace) -> int:
-    fields = _team_fields(args)
+    fields = {k: v for k, v in _team_fields(args).items() if v is not None}  # a new team has no limit unless given
     team = _client(args).add_team(args.name, fields.pop("nominal_workers"), **fields)
     print(f"team {team['name']} added: nominal {team['nominal_workers']} workers")
     return 0
@@ -223,7 +239,7 @@ def _teams_update(args: argparse.Namespace) -> int:
     fields = _team_fields(args)
     if not fields:
         raise UserError("teams update: give at least one of --nominal, --cohort, --borrowing-limit, "
-                        "--lending-limit, --weight")
+                        "--lending-limit, --weight (a limit of none clears it)")
     team = _client(args).update_team(args.name, **fields)
     print(f"team {team['name']} updated: nominal {team['nominal_workers']}, cohort {team['cohort'] or '-'}, "
           f"borrowing limit {_limit(team['borrowing_limit_workers'])}, "
