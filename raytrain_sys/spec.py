@@ -235,8 +235,8 @@ class CheckpointSpec:
     resume_from: str = ""  # "" = fresh start, "latest" = newest complete in uri, or a URI
     save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
     # resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of
-    # another size than its manifest says): "fail" names the newest intact older one; "previous"
-    # resumes from it, recorded in MLflow
+    # another size than its manifest says) or its load (a file of another sha256): "fail" names
+    # the newest intact older one; "previous" resumes from it, recorded in MLflow
     on_corrupt: str = "fail"
     # also keep the checkpoint of the best eval.metric (saved when an evaluation improves on it)
     keep_best: bool = False

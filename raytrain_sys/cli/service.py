@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     start.add_argument("--max-restarts", type=int, default=3, help="runner losses a job survives")
     start.add_argument("--warm-workers", type=int, default=None,
                        help="idle worker processes (torch imported) kept on each node for the jobs' "
-                            "first gangs; 0: none (default 2, about 0.35 GB each)")
+                            "first gangs; 0: none (default 2, about 0.26 GB each, PSS)")
     start.add_argument("--package-retention-days", type=float, default=7.0,
                        help="delete a code package (jobs submit --working-dir) no waiting or running job uses and "
                             "none submitted within this many days used; 0: keep every package")

@@ -59,8 +59,8 @@ SERVICE_NAME = "raytrain-sys-service"
 DEFAULT_HOST = "127.0.0.1"  # the API listens on loopback unless told otherwise
 DEFAULT_PORT = 8470
 DEFAULT_POLL_S = 0.5  # a reconciler pass: a request is acted on within about this long
-# Idle worker processes kept per node (about 0.35 GB of memory each: torch imported). Two cover a
-# small job's first gang on one node; 0 turns the pool off.
+# Idle worker processes kept per node (about 0.26 GB of memory each, PSS: torch imported;
+# benchmarks/idle_footprint.py). Two cover a small job's first gang on one node; 0 turns the pool off.
 DEFAULT_WARM_WORKERS = 2
 API_MODULE = "raytrain_sys.service.api"
 API_CHECK_TIMEOUT_S = 3.0  # GET /healthz answers in milliseconds; seconds allow for a loaded node
