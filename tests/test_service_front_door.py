@@ -125,10 +125,16 @@ def test_init_admin_creates_a_store_when_asked_and_its_token_is_accepted(tmp_pat
     assert again.returncode == 0 and again.stdout.strip().startswith("rts_")  # an existing store needs no flag
 
 
-def test_a_postgres_database_without_the_services_tables_is_not_a_store(postgres_url):
-    assert Store.missing(postgres_url) in (None, "the database has no job service tables")
-    Store.open(postgres_url).close()
-    assert Store.missing(postgres_url) is None
+def test_a_postgres_database_without_the_services_tables_is_not_a_store(postgres_url, tmp_path):
+    assert Store.missing(postgres_url) == "the database has no job service tables"
+    store = Store.open(postgres_url)
+    try:
+        assert Store.missing(postgres_url) is None
+        # No file to put it beside: the first part's directory, recorded for every later part.
+        assert store.log_dir(base_dir=str(tmp_path)) == str(tmp_path / LOG_DIR_NAME)
+        assert store.log_dir(base_dir="/elsewhere") == str(tmp_path / LOG_DIR_NAME)
+    finally:
+        store.close()
 
 
 # ----------------------------------------------------------------------------- one log directory
