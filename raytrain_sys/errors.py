@@ -8,6 +8,8 @@ A message quotes a user's value with ``quote``: its ``repr``, cut to ``QUOTE_CHA
 so a 10 MB value is never echoed whole into an error, a log line or an audit row.
 """
 
+import re
+
 QUOTE_CHARS = 80  # enough to recognise a value; a whole value is the user's to keep, not ours to echo
 
 
@@ -52,6 +54,12 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, incomplete or corrupt."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint's files are not what its manifest records (found when loading:
+    a file missing, of another sha256 or step, or not covering the state); an older one may
+    still be intact."""
 
 
 class TrackingError(UserError):
@@ -129,13 +137,29 @@ def find_user_error(exc: BaseException) -> UserError | None:
             Exception.__init__(err, _our_line(line))
             return err
         stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
+    return _named_in_text(exc)
+
+
+# How a traceback's last line names one of ours: "raytrain_sys.errors.UserError: <message>".
+_OURS_IN_TEXT = re.compile(rf"^{re.escape(__name__)}\.(\w+): (.+)$", re.MULTILINE)
+
+
+def _named_in_text(exc: BaseException) -> UserError | None:
+    """The UserError a remote traceback's text ends with: all that Ray keeps of an exception
+    raised in an actor's constructor (its ActorDiedError carries the text, no cause)."""
+    found = _OURS_IN_TEXT.findall(str(exc))
+    cls = globals().get(found[-1][0]) if found else None
+    if not (isinstance(cls, type) and issubclass(cls, UserError)):
+        return None
+    err = cls.__new__(cls)
+    Exception.__init__(err, found[-1][1].strip())
+    return err
 
 
 def _our_line(lines: list[str]) -> str:
     # RayTaskError text ends with "<ErrorClass>: <message>"; keep the message only.
     for line in reversed(lines):
-        for name in ("StorageError", "DataError", "CheckpointError", "TrackingError", "SpecError",
+        for name in ("StorageError", "DataError", "CheckpointError", "CheckpointCorrupt", "TrackingError", "SpecError",
                      "ClusterCapacityError", "ServiceInputError", "ServiceStoreError", "JobStateConflict",
                      "ServiceRequestError", "ServiceRequestInvalid", "ServiceRequestConflict",
                      "TrainingFailed", "UserError"):

@@ -236,8 +236,8 @@ class CheckpointSpec:
     resume_from: str = ""  # "" = fresh start, "latest" = newest complete in uri, or a URI
     save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
     # resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of
-    # another size than its manifest says): "fail" names the newest intact older one; "previous"
-    # resumes from it, recorded in MLflow
+    # another size than its manifest says) or its load (a file of another sha256): "fail" names
+    # the newest intact older one; "previous" resumes from it, recorded in MLflow
     on_corrupt: str = "fail"
     # also keep the checkpoint of the best eval.metric (saved when an evaluation improves on it)
     keep_best: bool = False
@@ -817,11 +817,23 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> JobSpec:
     """Read a YAML job spec, apply ``--set`` overrides, validate."""
+    return from_text(read_spec_file(path), overrides, field="SPEC", source=os.fspath(path))
+
+
+def read_spec_file(path: str | os.PathLike) -> str:
+    """A spec file's text; a SpecError on ``SPEC`` when the path does not exist, or is a
+    directory (naming the YAML files in it, and --working-dir for a job's code)."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))[:3]
+        holds = f" (it holds {', '.join(found)})" if found else ""
+        raise SpecError("SPEC", f"{path!r} is a directory{holds}: give the job's spec file, e.g. "
+                                f"{os.path.join(path, found[0] if found else 'job.yaml')}; a job's code travels "
+                                f"with `jobs submit --working-dir {path}`")
     if not os.path.exists(path):
         raise SpecError("SPEC", f"file {path!r} does not exist")
     with open(path) as f:
-        return from_text(f.read(), overrides, field="SPEC", source=path)
+        return f.read()
 
 
 def parse_yaml(text: str, *, field: str = "spec", source: str = "the spec") -> Any:

@@ -84,8 +84,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         t.add_argument("name")
         t.add_argument("--nominal", type=int, required=verb == "add", default=None, help="guaranteed workers")
         t.add_argument("--cohort", default=None, help="teams of a cohort lend each other unused quota")
-        t.add_argument("--borrowing-limit", type=int, default=None, help="workers beyond nominal it may borrow")
-        t.add_argument("--lending-limit", type=int, default=None, help="of its nominal, the most it lends")
+        t.add_argument("--borrowing-limit", type=_limit_arg, default=None, metavar="N|none",
+                       help="workers beyond nominal it may borrow; none: no limit (as much as the cohort lends)")
+        t.add_argument("--lending-limit", type=_limit_arg, default=None, metavar="N|none",
+                       help="of its nominal, the most it lends; none: no limit (lends all of it)")
         t.add_argument("--weight", type=float, default=None, help="fair-share weight (default 1)")
         t.set_defaults(func=_teams_add if verb == "add" else _teams_update)
     tk = ts.add_parser("token", parents=[conn], help="issue a token for a team (printed once)")
@@ -103,13 +105,16 @@ def add_admin_commands(cmds) -> None:
     db = argparse.ArgumentParser(add_help=False)
     db.add_argument("--db", default=None, help=f"the store's SQLAlchemy URL, default ${DB_ENV} "
                                                "or sqlite:///raytrain-service.db")
+    db.add_argument("--create", action="store_true",
+                    help="make a new, empty store when there is none at --db (else: refused, exit 2)")
     ia = cmds.add_parser("init-admin", parents=[db], help="issue an admin token and print it once")
     ia.add_argument("--rotate", action="store_true", help="revoke every earlier admin token first")
     ia.set_defaults(func=_init_admin)
     sv = cmds.add_parser("serve", parents=[db], help="serve the HTTP API in the foreground (no scheduler)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8470)
-    sv.add_argument("--log-dir", default=None, help="where job-<id>.log files are read from")
+    sv.add_argument("--log-dir", default=None,
+                    help="where job-<id>.log files are read from; default: the store's (where its runners write)")
     sv.set_defaults(func=_serve)
 
 
@@ -210,10 +215,24 @@ def _request(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- teams
 
 
+NO_LIMIT = "none"  # --borrowing-limit none: the limit cleared (the API's null)
+_CLEARED = object()
+
+
+def _limit_arg(text: str) -> Any:
+    if text.strip().lower() == NO_LIMIT:
+        return _CLEARED
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of workers, or {NO_LIMIT} for no limit; got {text!r}")
+
+
 def _team_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The fields given, a cleared limit as None (sent as null: the API clears it)."""
     given = {"nominal_workers": args.nominal, "cohort": args.cohort, "borrowing_limit_workers": args.borrowing_limit,
              "lending_limit_workers": args.lending_limit, "weight": args.weight}
-    return {k: v for k, v in given.items() if v is not None}
+    return {k: None if v is _CLEARED else v for k, v in given.items() if v is not None}
 
 
 def _teams_list(args: argparse.Namespace) -> int:
@@ -225,7 +244,7 @@ def _teams_list(args: argparse.Namespace) -> int:
 
 
 def _teams_add(args: argparse.Namespace) -> int:
-    fields = _team_fields(args)
+    fields = {k: v for k, v in _team_fields(args).items() if v is not None}  # a new team has no limit unless given
     team = _client(args).add_team(args.name, fields.pop("nominal_workers"), **fields)
     print(f"team {team['name']} added: nominal {team['nominal_workers']} workers")
     return 0
@@ -237,7 +256,7 @@ def _teams_update(args: argparse.Namespace) -> int:
     fields = _team_fields(args)
     if not fields:
         raise UserError("teams update: give at least one of --nominal, --cohort, --borrowing-limit, "
-                        "--lending-limit, --weight")
+                        "--lending-limit, --weight (a limit of none clears it)")
     team = _client(args).update_team(args.name, **fields)
     print(f"team {team['name']} updated: nominal {team['nominal_workers']}, cohort {team['cohort'] or '-'}, "
           f"borrowing limit {_limit(team['borrowing_limit_workers'])}, "
@@ -263,9 +282,17 @@ def _teams_revoke(args: argparse.Namespace) -> int:
 
 
 def _store(args: argparse.Namespace):
-    from raytrain_sys.service.store import Store
+    """The store at --db, refused (exit 2) when there is none unless --create: a mistyped path
+    must not become a new, empty store whose token no running service accepts."""
+    from raytrain_sys.errors import UserError
+    from raytrain_sys.service.store import Store, mask_url
 
-    return Store.open(store_url(args.db))
+    url = store_url(args.db)
+    why = None if args.create else Store.missing(url)
+    if why is not None:
+        raise UserError(f"no job service store at {mask_url(url)} ({why}): check --db (or ${DB_ENV}), "
+                        f"or give --create to make a new, empty one")
+    return Store.open(url)
 
 
 def _init_admin(args: argparse.Namespace) -> int:
@@ -283,11 +310,12 @@ def _init_admin(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from raytrain_sys.service.api import DEFAULT_LOG_DIR, serve
+    from raytrain_sys.service.api import serve
 
     store = _store(args)
-    handle = serve(store, args.host, args.port, log_dir=args.log_dir or DEFAULT_LOG_DIR)
-    print(f"job service API at {handle.url} (store {store.url}); Ctrl-C stops it", file=sys.stderr)
+    handle = serve(store, args.host, args.port, log_dir=args.log_dir)
+    print(f"job service API at {handle.url} (store {store.url}, job logs in {store.log_dir()}); Ctrl-C stops it",
+          file=sys.stderr)
     try:
         while True:
             time.sleep(3600)

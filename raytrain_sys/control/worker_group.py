@@ -17,6 +17,7 @@ moment between a driver's death and Ray's clean-up, or a leak), see ``clean_up_l
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -62,10 +63,27 @@ def connect_ray(spec: JobSpec) -> bool:
     if spec.resources.num_workers * spec.resources.cpus_per_worker > num_cpus:  # no cluster started
         raise _local_capacity_error("CPU", num_cpus, spec.resources.num_workers, spec.resources.cpus_per_worker)
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(spec.resources.cpus_per_worker)))}}
-    # address="local" never attaches to some other cluster that happens to run on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             runtime_env=runtime_env, log_to_driver=True)
+    try:
+        # address="local" never attaches to some other cluster that happens to run on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=True)
+    except Exception as exc:  # Ray's own: a process of the node did not start (in time)
+        with contextlib.suppress(Exception):
+            ray.shutdown()  # whatever of the node did start
+        raise local_start_error(exc) from None
     return True
+
+
+def local_start_error(exc: BaseException) -> UserError:
+    """Ray's failure to start the local cluster, as one line saying what to do. On a loaded
+    machine a node's processes can miss Ray's waits (its GCS port file, 30 s by default; the
+    raylet's registration, 30 s, fixed), and Ray raises a bare RuntimeError or Exception with
+    its traceback."""
+    said = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return UserError(f"the local Ray cluster did not start ({said}); on a busy machine try again when it is "
+                     f"less loaded, or wait longer for Ray's GCS (RAY_gcs_server_port_wait_time_s=120), or "
+                     f"start Ray yourself (`ray start --head`) and give its address (RAY_ADDRESS or "
+                     f"resources.ray_address)")
 
 
 RAY_TOKEN_SOURCES = "$RAY_AUTH_TOKEN, else the file $RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token"

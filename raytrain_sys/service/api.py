@@ -42,6 +42,7 @@ a plain ASGI server with no cluster dependency, so the API and its tests need no
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -70,7 +71,6 @@ from raytrain_sys.service.store import Principal, Store
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/v1"
-DEFAULT_LOG_DIR = "service-logs"  # where the runner writes job-<id>.log, unless told otherwise
 LOG_CHUNK_BYTES = 1 << 20  # one logs answer at most (1 MiB); a follower asks again from next_offset
 SERVE_START_TIMEOUT_S = 10.0  # uvicorn binds no port itself (we pass the socket); startup is ~0.1 s
 PAGE_FILE = Path(__file__).with_name("page") / "jobs.html"
@@ -330,18 +330,18 @@ REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
 # ----------------------------------------------------------------------------- the app
 
 
-def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
+def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
                base_dir: Optional[str] = None,
                progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> FastAPI:
     """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
-    writes them). ``cluster_workers`` (a number, or a function returning the current one) also
+    writes them; None: the store's log directory, ``Store.log_dir``, which a given one replaces). ``cluster_workers`` (a number, or a function returning the current one) also
     rejects a submit whose min_workers the cluster could never hold; None: quotas only.
     ``base_dir``: where a submitted spec's relative paths point (default: this process's working
     directory; the runner runs elsewhere, so they are stored absolute). ``progress``: a job's
     live numbers for the jobs page (``service/progress.ProgressSource`` in the service); None:
     the page lists the jobs without them."""
-    log_root = Path(log_dir)
+    log_root = Path(store.log_dir(os.fspath(log_dir) if log_dir is not None else ""))
     auth.install_log_redaction()
     app = FastAPI(title="raytrain-sys job service", version="1",
                   description=__doc__.split("\n\nWhy FastAPI")[0],
@@ -631,7 +631,7 @@ class ServiceHandle:
 
 
 def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
-          log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
+          log_dir: Union[str, os.PathLike, None] = None,
           cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
           base_dir: Optional[str] = None,
           progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> ServiceHandle:
@@ -650,7 +650,11 @@ def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UserError(f"the job service cannot listen on {host}:{port}: {e.strerror or e}") from None
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} on {host} is taken (another process listens on it): give the job "
+                            f"service another --port, or stop that process") from None
+        raise UserError(f"the job service cannot listen on {host}:{port}: {e.strerror or e}; check --host "
+                        f"and --port") from None
     # log_config=None: uvicorn leaves the process's logging as it is (its records propagate).
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=True, lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="raytrain-sys-api", daemon=True)
@@ -668,4 +672,4 @@ def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
     return ServiceHandle(server, thread, sock, url)
 
 
-__all__ = ["create_app", "serve", "ServiceHandle", "API_PREFIX", "DEFAULT_LOG_DIR"]
+__all__ = ["create_app", "serve", "ServiceHandle", "API_PREFIX"]

@@ -28,13 +28,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any, Optional, Union
 
-from raytrain_sys.errors import (ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, SpecError,
-                                 UserError)
+from raytrain_sys.errors import ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, UserError
 from raytrain_sys.service import packages
 from raytrain_sys.service.model import name_problem, team_ref_problem
+from raytrain_sys.spec import read_spec_file
 
 URL_ENV = "RAYTRAIN_SYS_SERVICE_URL"
 TOKEN_ENV = "RAYTRAIN_SYS_TOKEN"
@@ -290,12 +289,9 @@ def _spec_body(spec_or_path: Union[str, os.PathLike, dict]) -> Union[dict, str]:
         return spec_or_path
     text = os.fspath(spec_or_path)
     looks_like_path = isinstance(spec_or_path, os.PathLike) or (
-        "\n" not in text and (text.endswith((".yaml", ".yml")) or Path(text).is_file()))
+        "\n" not in text and (text.endswith((".yaml", ".yml")) or os.path.exists(text)))
     if looks_like_path:
-        path = Path(text)
-        if not path.is_file():
-            raise SpecError("SPEC", f"file {text!r} does not exist")
-        text = path.read_text()
+        text = read_spec_file(text)
     return text  # YAML text: the server parses it and names a bad line and column
 
 

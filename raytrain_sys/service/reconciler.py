@@ -27,7 +27,9 @@ One pass (``run_once``), in order:
    the two leaves the intent, and the next pass (of this service or a restarted one) finishes
    it: a starting job with no runner gets one (only when ``find_runner`` finds none; a named
    create uses ``get_if_exists``: an existing runner is adopted, never a second), a target the
-   runner has not heard of is sent again. After the actions, spare runners are started ahead
+   runner has not heard of is sent again. Before a runner is created, the job's SQLite MLflow
+   store is made here, once (``mlflow_tracker.ensure_store``): jobs admitted together never
+   make one at the same moment. After the actions, spare runners are started ahead
    up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
    The snapshot also feeds the queue and quota gauges per team (``monitor.metrics.ServiceMetrics``).
 5. **Say why**: every job not running yet has a wait reason (``WaitCause`` and a sentence): a
@@ -554,6 +556,7 @@ class Reconciler:
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
                                 resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason,
                                 team=job.team, package=job.package or "")
+        self._make_tracking_store(job.id, spec, launch.tracking_uri)
         runtime_env = None
         if job.package:
             try:
@@ -569,6 +572,20 @@ class Reconciler:
         log.info("job %d: runner %s launched (%s on %d workers)", job.id,
                  "(a spare)" if spare is not None else runners.runner_name(job.id),
                  f"resume of MLflow run {run_id}" if run_id else "start", workers)
+
+    def _make_tracking_store(self, job_id: int, spec: dict, tracking_uri: str) -> None:
+        """The job's MLflow store made here, once (``mlflow_tracker.ensure_store``; a second job on it
+        costs nothing), before its runner starts: the runners of jobs admitted together never
+        make a new store at the same moment. A store that cannot be made is left to the runner,
+        whose start fails saying why."""
+        if not (spec.get("tracking") or {}).get("enabled", True):
+            return
+        from raytrain_sys.tracking import mlflow_tracker as mt
+
+        try:
+            mt.ensure_store(tracking_uri)
+        except UserError as exc:
+            log.warning("job %d: its MLflow store is not ready (its start will say why): %s", job_id, exc)
 
     def _handle(self, job_id: int):
         handle = self._handles.get(job_id) or runners.find_runner(job_id)

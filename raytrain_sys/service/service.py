@@ -3,9 +3,13 @@
 Owns: the store it opens (SQLite file by default, a ``postgresql://`` URL allowed), the
 reconciler loop (a thread, one pass every ``poll_s``), the HTTP API when
 ``raytrain_sys/service/api.py`` is installed (imported lazily; ``api.serve(store, host, port)``
-in a thread; without it the service runs and says so), and the cluster's capacity in workers for
-the scheduler (CPU slots / ``cpus_per_worker``, or GPUs / ``gpus_per_worker``, read each pass,
-unless ``cluster_workers`` is configured).
+binds the port before anything else starts, so a port that is taken fails the start with that
+reason and leaves nothing running; without the module the service runs and says so), and the
+cluster's capacity in workers for the scheduler (CPU slots / ``cpus_per_worker``, or GPUs /
+``gpus_per_worker``, read each pass, unless ``cluster_workers`` is configured). Its logs
+(``service.log``, and the runners' ``job-<id>.log``) go to the store's one log directory
+(``Store.log_dir``). ``info`` says what really serves: the actor answers it, and
+``api_problem`` is "" only when the API answers ``GET /healthz`` at its address.
 
 Why an actor: it lives in the cluster, not in the shell that started it (``raytrain-sys service
 start`` returns; the service runs on). Detached and named (``raytrain-sys-service`` in namespace
@@ -25,12 +29,16 @@ actor's own working directory is Ray's.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import json
 import logging
 import os
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict
 from typing import Any, Callable, Optional, Union
 
@@ -51,10 +59,11 @@ SERVICE_NAME = "raytrain-sys-service"
 DEFAULT_HOST = "127.0.0.1"  # the API listens on loopback unless told otherwise
 DEFAULT_PORT = 8470
 DEFAULT_POLL_S = 0.5  # a reconciler pass: a request is acted on within about this long
-# Idle worker processes kept per node (about 0.35 GB of memory each: torch imported). Two cover a
-# small job's first gang on one node; 0 turns the pool off.
+# Idle worker processes kept per node (about 0.26 GB of memory each, PSS: torch imported;
+# benchmarks/idle_footprint.py). Two cover a small job's first gang on one node; 0 turns the pool off.
 DEFAULT_WARM_WORKERS = 2
 API_MODULE = "raytrain_sys.service.api"
+API_CHECK_TIMEOUT_S = 3.0  # GET /healthz answers in milliseconds; seconds allow for a loaded node
 
 
 def cluster_capacity_workers(cpus_per_worker: float = 1.0, gpus_per_worker: float = 0.0) -> int:
@@ -70,7 +79,7 @@ class ServiceActor:
     """See the module docstring. Start with ``start_service``."""
 
     def __init__(self, db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *,
-                 log_dir: str, base_dir: str, poll_s: float = DEFAULT_POLL_S,
+                 log_dir: str = "", base_dir: str, poll_s: float = DEFAULT_POLL_S,
                  cluster_workers: Optional[int] = None, cpus_per_worker: float = 1.0,
                  gpus_per_worker: float = 0.0, max_restarts: int = 3, stop_deadline_s: float = 120.0,
                  serve_api: bool = True, step_hook: Optional[Callable] = None,
@@ -78,15 +87,15 @@ class ServiceActor:
                  package_retention_s: float = ReconcilerConfig.package_retention_s,
                  start_stall_s: float = ReconcilerConfig.start_stall_s,
                  max_start_returns: int = ReconcilerConfig.max_start_returns):
-        os.makedirs(log_dir, exist_ok=True)
-        self.log_dir = log_dir
         self.base_dir = base_dir
-        self._handler = log_to_file(os.path.join(log_dir, "service.log"))
         self.store = Store.open(db_url)
+        self.log_dir = self.store.log_dir(log_dir, base_dir)  # the store's one rule (Store.log_dir)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._handler = log_to_file(os.path.join(self.log_dir, "service.log"))
         self.host, self.port, self.poll_s = host, port, poll_s
         self._cluster_workers = cluster_workers
         self._cpus_per_worker, self._gpus_per_worker = cpus_per_worker, gpus_per_worker
-        self.reconciler = Reconciler(self.store, ReconcilerConfig(log_dir=log_dir, max_restarts=max_restarts,
+        self.reconciler = Reconciler(self.store, ReconcilerConfig(log_dir=self.log_dir, max_restarts=max_restarts,
                                                                   stop_deadline_s=stop_deadline_s,
                                                                   spare_runners=2 if warm_workers_per_node > 0 else 0,
                                                                   package_retention_s=package_retention_s,
@@ -97,17 +106,23 @@ class ServiceActor:
         self._stop = threading.Event()
         self._wake = threading.Event()  # a request was made: pass now (see _loop)
         self.store.add_waker(self._wake.set)
+        self.api, self._api = "not served", None
+        try:
+            # Before anything else starts: a port that is taken fails the start here, and the
+            # caller gets the reason (start_service), with nothing left running.
+            if serve_api:
+                self._serve_api()
+        except BaseException:
+            self._close_api_and_store()
+            raise
         # Warm spares: worker processes with torch imported on every node, for the jobs' first
         # gangs (raytrain_sys.control.spares); a pool left by an earlier start is adopted.
         self.warm_workers_per_node = warm_workers_per_node
         if warm_workers_per_node > 0:
             start_pool(warm_workers_per_node)
-        self.api = "not served"
-        if serve_api:
-            self._serve_api()
         self._loop_thread = threading.Thread(target=self._loop, name="reconciler", daemon=True)
         self._loop_thread.start()
-        log.info("service started: store %s, %s, logs in %s, pid %d", self.store.url, self.api, log_dir,
+        log.info("service started: store %s, %s, logs in %s, pid %d", self.store.url, self.api, self.log_dir,
                  os.getpid())
 
     # ------------------------------------------------------------------ threads
@@ -126,6 +141,8 @@ class ServiceActor:
             self._wake.clear()
 
     def _serve_api(self) -> None:
+        """Serve the HTTP API (``api.serve``: it returns once the port is bound and uvicorn
+        accepts connections, and raises a UserError when the port is taken)."""
         try:
             api = importlib.import_module(API_MODULE)
         except ModuleNotFoundError as exc:
@@ -138,10 +155,16 @@ class ServiceActor:
                    "progress": ProgressSource()}
         accepted = inspect.signature(api.serve).parameters
         kwargs = {k: v for k, v in offered.items() if k in accepted}
-        thread = threading.Thread(target=api.serve, args=(self.store, self.host, self.port), kwargs=kwargs,
-                                  name="api", daemon=True)
-        thread.start()
-        self.api = f"HTTP API on http://{self.host}:{self.port}"
+        self._api = api.serve(self.store, self.host, self.port, **kwargs)
+        self.api = f"HTTP API on {self._api.url}"
+
+    def api_answers(self, timeout_s: float = API_CHECK_TIMEOUT_S) -> str:
+        """"" when the API answers ``GET /healthz`` at its address, else why not. Asked from
+        this process: it runs on the node the API listens on, so a loopback address (the
+        default) is checked too, and a client elsewhere is not taken for the service."""
+        if self._api is None:
+            return self.api
+        return healthz_problem(local_url(self._api.url), timeout_s)
 
     def cluster_workers(self) -> int:
         if self._cluster_workers is not None:
@@ -202,7 +225,9 @@ class ServiceActor:
         return job_log_path(self.log_dir, job_id)
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "db": self.store.url, "api": self.api, "host": self.host, "port": self.port,
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "db": self.store.url,
+                "api": self.api, "url": self._api.url if self._api is not None else None,
+                "api_problem": self.api_answers(), "host": self.host, "port": self.port,
                 "log_dir": self.log_dir, "poll_s": self.poll_s, "passes": self.reconciler.passes,
                 "last_error": self.last_error, "cluster_workers": self.cluster_workers(),
                 "jobs": self.store.count_jobs(), "warm_spares": self.warm_spares(),
@@ -226,8 +251,15 @@ class ServiceActor:
         self._loop_thread.join(timeout=30)
         self.reconciler.close()
         stop_pool()
+        self._close_api_and_store()
+
+    def _close_api_and_store(self) -> None:
+        if self._api is not None:
+            self._api.stop()
         self.store.close()
         self._handler.flush()
+        logging.getLogger("raytrain_sys").removeHandler(self._handler)
+        self._handler.close()
 
 
 RemoteServiceActor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=8)(ServiceActor)
@@ -255,20 +287,37 @@ def start_service(db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int
         return existing
     base_dir = os.path.abspath(base_dir or os.getcwd())
     db_url = absolute_db_url(db_url, base_dir)
-    if not log_dir:
-        if db_url.startswith("sqlite:///") and db_url != "sqlite:///:memory:":
-            log_dir = os.path.join(os.path.dirname(db_url[len("sqlite:///"):]), "raytrain-sys-logs")
-        else:
-            log_dir = os.path.join(base_dir, "raytrain-sys-logs")
+    log_dir = os.path.abspath(os.path.join(base_dir, log_dir)) if log_dir else ""  # "": the store's (Store.log_dir)
     handle = RemoteServiceActor.options(name=SERVICE_NAME, namespace=NAMESPACE, lifetime="detached").remote(
-        db_url, host, port, log_dir=os.path.abspath(os.path.join(base_dir, log_dir)), base_dir=base_dir, **config)
+        db_url, host, port, log_dir=log_dir, base_dir=base_dir, **config)
     try:
         ray.get(handle.info.remote())
     except ray.exceptions.RayActorError as exc:
+        with contextlib.suppress(Exception):  # dead already: its constructor raised; nothing left half-started
+            ray.kill(handle, no_restart=True)
         cause = find_user_error(exc)
         raise (cause if cause is not None else UserError(
             f"the job service did not start on {mask_url(db_url)}: {str(exc).splitlines()[0]}")) from None
     return handle
+
+
+def local_url(url: str) -> str:
+    """The URL a client on the API's own node reaches it at (a wildcard address is not one)."""
+    return url.replace("://0.0.0.0:", "://127.0.0.1:").replace("://[::]:", "://[::1]:")
+
+
+def healthz_problem(url: str, timeout_s: float = API_CHECK_TIMEOUT_S) -> str:
+    """"" when ``GET <url>/healthz`` answers ok, else why not, in a few words."""
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=timeout_s) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:  # 503: its database is unreachable
+        detail = exc.read().decode(errors="replace").strip()[:200]
+        return f"GET {url}/healthz answered HTTP {exc.code} {detail}".rstrip()
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        return f"GET {url}/healthz failed: {reason}"
+    return "" if isinstance(answer, dict) and answer.get("ok") is True else f"GET {url}/healthz answered {answer!r:.200}"
 
 
 def get_service():

@@ -17,6 +17,9 @@ and upgraded only by the Alembic migrations, run when the store opens). Rules it
   it saw them, only those that changed, in one transaction a pass.
 * **Tokens are never stored or logged**: only their HMAC-SHA256 under a per-database key
   (``store_meta``), looked up by hash. ``issue_token`` returns the token once.
+* **One log directory per store** (``log_dir``): recorded in ``store_meta`` by the first part
+  of the service that opens the store for it (or told another one), read by every later part,
+  so that runners write job logs where ``service serve`` and ``jobs logs`` read them.
 * **Errors name their cause**: an unreachable database raises ``ServiceStoreError`` naming the
   URL with its password masked; bad input raises ``ServiceInputError`` naming the field, before
   anything is written.
@@ -34,13 +37,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sqlalchemy import bindparam, create_engine, delete, event, func, insert, or_, select, text, update
+from sqlalchemy import bindparam, create_engine, delete, event, func, insert, inspect, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
@@ -53,6 +57,8 @@ from raytrain_sys.service.scheduler.quota import never_fits_reason
 from raytrain_sys.service.tables import audit, jobs, packages, store_meta, teams, tokens, transitions
 
 DEFAULT_URL = "sqlite:///raytrain-service.db"
+LOG_DIR_NAME = "raytrain-sys-logs"  # the default log directory's name, beside a SQLite store's file
+LOG_DIR_KEY = "log_dir"  # store_meta: the log directory every part of the service uses
 TOKEN_PREFIX = "rts_"  # makes a leaked token easy to spot (secret scanners, logs)
 CONNECT_TIMEOUT_S = 5  # a PostgreSQL host that does not answer fails the open in 5 s, not minutes
 SQLITE_BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another (BEGIN IMMEDIATE) before failing
@@ -133,8 +139,53 @@ class Store:
             raise
         return store
 
+    @classmethod
+    def missing(cls, url: str) -> Optional[str]:
+        """Why there is no job service store at ``url`` (None: there is one), found without
+        creating anything: a SQLite file that does not exist, or a database without the
+        service's tables. ``open`` would make a new, empty store there."""
+        try:
+            parsed = make_url(url)
+            engine = _engine(parsed)
+        except (ArgumentError, ImportError) as e:
+            raise ServiceStoreError(f"cannot use database URL {mask_url(url)}: {e}") from None
+        if parsed.get_backend_name() == "sqlite":
+            path = parsed.database or ""
+            if path in ("", ":memory:"):
+                return "an in-memory database holds no store"
+            if not os.path.isfile(path):
+                return f"no such file {os.path.abspath(path)}"
+        store = cls(engine, url)
+        try:
+            with store._tx() as conn:
+                has_schema = inspect(conn).has_table("alembic_version")
+        finally:
+            store.close()
+        return None if has_schema else "the database has no job service tables"
+
     def close(self) -> None:
         self.engine.dispose()
+
+    def log_dir(self, given: str = "", base_dir: str = "") -> str:
+        """The directory of the service's logs (``job-<id>.log``, ``service.log``): ``given``
+        when given (recorded, so that every later part uses it too), else the one recorded in
+        this store, else the default, recorded: ``raytrain-sys-logs`` beside a SQLite file, or
+        in ``base_dir`` (default: here) for a database that has no file. Absolute."""
+        with self._tx() as conn:
+            recorded = conn.execute(select(store_meta.c.value).where(store_meta.c.key == LOG_DIR_KEY)).scalar()
+            chosen = os.path.abspath(given) if given else recorded or self._default_log_dir(base_dir)
+            if chosen != recorded:
+                if recorded is None:
+                    conn.execute(insert(store_meta).values(key=LOG_DIR_KEY, value=chosen))
+                else:
+                    conn.execute(update(store_meta).where(store_meta.c.key == LOG_DIR_KEY).values(value=chosen))
+        return chosen
+
+    def _default_log_dir(self, base_dir: str) -> str:
+        database = self.engine.url.database if self.engine.url.get_backend_name() == "sqlite" else None
+        if database and database != ":memory:":
+            return os.path.join(os.path.dirname(os.path.abspath(database)), LOG_DIR_NAME)
+        return os.path.join(os.path.abspath(base_dir or os.getcwd()), LOG_DIR_NAME)
 
     def schema_revision(self) -> Optional[str]:
         """The Alembic revision the database is at."""

@@ -48,7 +48,8 @@ from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch
 from raytrain_sys.control.supervisor.stragglers import Rebalance, Replace, Stragglers
 from raytrain_sys.control.worker_group import Worker, WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
-from raytrain_sys.errors import CheckpointError, DataError, StorageError, TrainingFailed, find_user_error
+from raytrain_sys.errors import (CheckpointCorrupt, CheckpointError, DataError, StorageError, TrainingFailed,
+                                 find_user_error)
 from raytrain_sys.monitor.cost import CostMeter
 from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.parallel.mesh import is_data_leader_rank
@@ -234,7 +235,7 @@ class Supervisor:
             self.membership.form_group()
             phase("group")
             if resume_info is not None:
-                self._restore(resume_info)
+                self._restore_at_start(resume_info, found.checkpointer)
                 phase("restore")
             if warm is not None:
                 warm.join()
@@ -276,6 +277,22 @@ class Supervisor:
             raise
         finally:
             self._teardown()
+
+    def _restore_at_start(self, info: CheckpointInfo, checkpointer) -> None:
+        """Load the checkpoint the run resumes from. One whose files are found corrupt while
+        loading (a sha256 the pre-flight size check cannot see) is refused naming the newest
+        intact older checkpoint and the field that resumes from it, or with
+        checkpoint.on_corrupt=previous replaced by it (``launch.fall_back``)."""
+        while True:
+            try:
+                self._restore(info)
+                return
+            except Exception as exc:
+                corrupt = find_user_error(exc)
+                if not isinstance(corrupt, CheckpointCorrupt):
+                    raise
+                info, note = launch.fall_back(self.spec, checkpointer, info, str(corrupt))
+                self._transition(State.RESTORING, note)  # recorded in summary.json and as an MLflow event
 
     def _restore(self, info: CheckpointInfo) -> None:
         """Load a durable checkpoint into every member: the fallback when no replica holds state."""
