@@ -3,7 +3,7 @@ and agree with the project.
 
 Offline, no cluster:
 
-* RayCluster and RayJob against KubeRay's CRDs (``../shared/kuberay-crds/``, the served
+* RayCluster and RayJob against KubeRay's CRDs (``tests/fixtures/kuberay-crds/``, the served
   storage version's ``openAPIV3Schema``) with jsonschema, PLUS a walk that finds every key the
   schema does not name: the API server drops unknown fields of a custom resource silently, so
   a misspelt ``terminationGracePeriodSecond`` would otherwise pass and do nothing.
@@ -37,11 +37,9 @@ from raytrain_sys.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S_DIR = ROOT / "cluster_configs" / "kubernetes"
-# KubeRay's CRDs (shared/kuberay-crds/README.md says where they come from): beside the clone, as
-# CI lays it, or beside one of its parents (a worktree of a checkout that has them beside it).
-CRD_DIR = next((p / "shared" / "kuberay-crds" for p in ROOT.parents
-                if (p / "shared" / "kuberay-crds" / "ray.io_rayclusters.yaml").exists()),
-               ROOT.parent / "shared" / "kuberay-crds")
+# KubeRay's CRDs: the project's own copy (tests/fixtures/kuberay-crds/README.md says where they
+# come from), so a clean clone validates with nothing beside it.
+CRD_DIR = ROOT / "tests" / "fixtures" / "kuberay-crds"
 MANIFESTS = sorted(K8S_DIR.glob("*.yaml"))
 # The oldest Kubernetes these manifests are written for (policy/v1 PDBs, batch/v1 Jobs).
 K8S_VERSION = "1.30"
@@ -82,7 +80,7 @@ def doc_id(item) -> str:
 
 @functools.lru_cache(maxsize=None)
 def crd_schema(kind: str) -> dict:
-    assert (CRD_DIR / CRDS[kind]).exists(), f"KubeRay's CRDs not found: {CRD_DIR} (../shared/kuberay-crds)"
+    assert (CRD_DIR / CRDS[kind]).exists(), f"KubeRay's CRDs not found: {CRD_DIR}"
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # 2 MB of YAML: libyaml's parser
     crd = yaml.load((CRD_DIR / CRDS[kind]).read_text(), Loader=loader)
     served = [v for v in crd["spec"]["versions"] if v.get("served") and v.get("storage")]

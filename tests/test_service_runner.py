@@ -275,6 +275,10 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         runner_heard(tmp_path, held, "pause")
         gates.go(held, 2)
         wait_for(svc, held, lambda j: j["state"] == "paused" and j["held"], "held")
+        # Both waiting jobs' reasons written by a pass (a pass after the restart writes them too,
+        # so the records compared below are the settled ones).
+        for job_id, cause in ((queued, "team_quota"), (held, "held")):
+            wait_for(svc, job_id, lambda j, cause=cause: j["wait_cause"] == cause, f"its wait reason ({cause})")
         before = {j["id"]: j for j in ray.get(svc.jobs.remote())}
         audit = ray.get(svc.audit_log.remote())
         teams = ray.get(svc.teams.remote())
