@@ -94,6 +94,7 @@ jobs = [JobView(id=i, team=t.name, priority=0, state=JobState.QUEUED, min_worker
 service = ServiceMetrics()
 service.observe(Snapshot(teams, jobs, cluster_workers=4))
 service.observe(Snapshot(teams, jobs, cluster_workers=4))
+service.waiting([])  # the waiting-jobs gauge shares the emitter: its first call must not turn it off
 print("service metrics:", "on" if service.enabled and not service._failed_teams else "off")
 """
     root = Path(__file__).resolve().parent.parent

@@ -224,9 +224,6 @@ class ServiceMetrics(_Emitter):
     def __init__(self, enabled: bool = True):
         super().__init__(enabled)
         self._waiting: set[tuple[str, str]] = set()  # (team, cause) series set above 0 last time
-
-    def __init__(self, enabled: bool = True):
-        super().__init__(enabled)
         self._failed_teams: set[str] = set()  # logged once each
 
     def observe(self, snapshot) -> None:
