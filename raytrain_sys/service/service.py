@@ -12,7 +12,9 @@ start`` returns; the service runs on). Detached and named (``raytrain-sys-servic
 ``raytrain-sys``), num_cpus=0, never restarted by Ray: a service started again (after a crash,
 or ``service stop`` then ``start``) opens the same database and its reconciler reads back what
 was recorded, re-attaches to the runners by name and finishes the intents it finds. The jobs
-themselves live in their runners (detached too): stopping the service stops no training.
+themselves live in their runners (detached too): stopping the service stops no training. On a
+cluster with safe nodes (``raytrain_control``, ``control/control_actors.py``) it runs on one, as
+do the runners, the spare runners and the warm spares' pool: a spot reclaim takes none of them.
 
 The actor's Python methods (submit, pause, resume, cancel, jobs, job, history, audit_log,
 add_team, info) do what the API does, through the same functions (``service/requests.py``), for
@@ -36,6 +38,8 @@ from typing import Any, Callable, Optional, Union
 
 import ray
 
+from raytrain_sys.control import control_actors
+from raytrain_sys.control.control_actors import control_options
 from raytrain_sys.control.spares import find_pool, start_pool, stop_pool
 from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
 from raytrain_sys.service import requests as user_requests
@@ -206,6 +210,7 @@ class ServiceActor:
                 "log_dir": self.log_dir, "poll_s": self.poll_s, "passes": self.reconciler.passes,
                 "last_error": self.last_error, "cluster_workers": self.cluster_workers(),
                 "jobs": self.store.count_jobs(), "warm_spares": self.warm_spares(),
+                "control_nodes": control_actors.placement().where,
                 "spare_runners": self.reconciler.spare_runners()}
 
     def warm_spares(self) -> dict:
@@ -260,7 +265,8 @@ def start_service(db_url: str = DEFAULT_URL, host: str = DEFAULT_HOST, port: int
             log_dir = os.path.join(os.path.dirname(db_url[len("sqlite:///"):]), "raytrain-sys-logs")
         else:
             log_dir = os.path.join(base_dir, "raytrain-sys-logs")
-    handle = RemoteServiceActor.options(name=SERVICE_NAME, namespace=NAMESPACE, lifetime="detached").remote(
+    handle = RemoteServiceActor.options(name=SERVICE_NAME, namespace=NAMESPACE, lifetime="detached",
+                                        **control_options()).remote(
         db_url, host, port, log_dir=os.path.abspath(os.path.join(base_dir, log_dir)), base_dir=base_dir, **config)
     try:
         ray.get(handle.info.remote())
