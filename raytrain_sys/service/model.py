@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional, Union
 
+from raytrain_sys.control.node_roles import MARKETS  # a flavor's market: Ray's ray.io/market-type values
 from raytrain_sys.errors import ServiceInputError, quote
+from raytrain_sys.spec import ACCELERATOR_TYPE_PATTERN
 
 
 class TransitionNotAllowed(RuntimeError):
@@ -205,9 +207,8 @@ RESOURCES = ("workers", "cpu", "gpu", "memory_gb")
 # with the team's nominal_workers (and limits) as its quota: the service as it was before flavors.
 DEFAULT_FLAVOR = "default"
 ANY_MARKET = "any"  # a job's market when either will do (the flavor table's order decides)
-MARKETS = ("spot", "on-demand")  # node_roles.MARKETS: a flavor's market (no Ray import here)
 MAX_AMOUNT = 1e9  # a quota or a ceiling in cpu, gpu or GB: beyond any cluster, within a double
-ACCELERATOR_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # Ray's accelerator types: A10G, H100, TPU-V4...
+ACCELERATOR_PATTERN = f"^{ACCELERATOR_TYPE_PATTERN}$"  # the spec's resources.accelerator_type
 _ACCELERATOR_RE = re.compile(ACCELERATOR_PATTERN)
 
 
