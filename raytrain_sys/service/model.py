@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Optional, Union
 
@@ -357,6 +357,34 @@ def check_flavor_table(flavors: "tuple[ResourceFlavor, ...] | list[ResourceFlavo
                                                      f"per kind of node")
         kinds[kind] = f.name
     return tuple(flavors)
+
+
+def no_flavor_reason(shape: WorkerShape, flavors: "tuple[ResourceFlavor, ...] | list[ResourceFlavor]") -> str:
+    """Why a worker of ``shape`` may draw from none of ``flavors`` (each one's refusal)."""
+    if not flavors:
+        return "the service has no flavor"
+    return "fits no flavor: " + "; ".join(f.refuses(shape) or f.name for f in flavors)
+
+
+def shape_refusal(shape: WorkerShape, flavors: "tuple[ResourceFlavor, ...] | list[ResourceFlavor]"
+                  ) -> Optional[tuple[str, str]]:
+    """(the spec field at fault, why) when a worker of ``shape`` may draw from none of ``flavors``;
+    None when it may (or the service has no table). The field is the one whose change alone would
+    let it: ``resources.market``, else ``resources.accelerator_type``, else
+    ``resources.gpus_per_worker``."""
+    if not flavors or any(f.refuses(shape) is None for f in flavors):
+        return None
+
+    def fits(**change) -> bool:
+        return any(f.refuses(replace(shape, **change)) is None for f in flavors)
+
+    if shape.market != ANY_MARKET and fits(market=ANY_MARKET):
+        field = "resources.market"
+    elif shape.accelerator and fits(accelerator=""):
+        field = "resources.accelerator_type"
+    else:
+        field = "resources.gpus_per_worker"
+    return field, f"a worker of {shape.describe()} {no_flavor_reason(shape, flavors)}"
 
 
 @dataclass(frozen=True)
@@ -739,6 +767,6 @@ __all__ = ["NAME_PATTERN", "NAME_RULE", "RESERVED_TEAM_NAMES", "TEAM_REF_PATTERN
            "team_ref_problem", "check_team_name",
            "check_count", "JobState", "TransitionNotAllowed", "LIVE_STATES", "WaitCause", "RESOURCES", "DEFAULT_FLAVOR",
            "ANY_MARKET", "MARKETS", "MAX_AMOUNT", "ACCELERATOR_PATTERN", "WorkerShape", "DEFAULT_SHAPE", "ResourceFlavor",
-           "check_flavor_table", "FlavorQuota", "FlavorState", "Team", "JobRecord", "TransitionRecord",
+           "check_flavor_table", "no_flavor_reason", "shape_refusal", "FlavorQuota", "FlavorState", "Team", "JobRecord", "TransitionRecord",
            "AuditRecord", "JobView", "Snapshot", "Admit", "Grow", "Shrink", "Pause", "Wait", "Action",
            "Policy", "DEFAULT_POLICY"]

@@ -50,11 +50,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from raytrain_sys.service.model import (DEFAULT_POLICY, Action, Admit, FlavorState, Grow, JobState, JobView, Pause,
-                                        Policy, Shrink, Snapshot, Team, Wait, WaitCause, WorkerShape)
+                                        Policy, Shrink, Snapshot, Team, Wait, WaitCause, WorkerShape, no_flavor_reason)
 from raytrain_sys.service.scheduler.ordering import (admission_order, effective_priority, growth_order,
                                                      pause_order, shrink_order)
-from raytrain_sys.service.scheduler.quota import (EPS, UNITS, FlavorQuotas, fitting, never_fits_reason,
-                                                  no_flavor_reason)
+from raytrain_sys.service.scheduler.quota import EPS, FlavorQuotas, fitting, never_fits_reason
 
 
 def _workers(n: float) -> str:

@@ -25,7 +25,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from raytrain_sys.errors import quote
-from raytrain_sys.service.model import DEFAULT_FLAVOR, DEFAULT_SHAPE, FlavorState, ResourceFlavor, Team, WorkerShape
+from raytrain_sys.service.model import (DEFAULT_FLAVOR, DEFAULT_SHAPE, FlavorState, ResourceFlavor, Team, WorkerShape,
+                                        no_flavor_reason)
 
 UNLIMITED = math.inf
 EPS = 1e-9  # amounts are sums of fractional CPUs and GBs: a worker that fits to rounding fits
@@ -256,13 +257,6 @@ def _never_fits_on(team: Team, min_workers: int, teams: list[Team], flavor: Reso
             return (f"min_workers {min_workers} of {shape.describe()} is more than its capacity holds: "
                     f"{_count(most)} ({held or 'nothing'})")
     return None
-
-
-def no_flavor_reason(shape: WorkerShape, flavors: Sequence[ResourceFlavor]) -> str:
-    """Why a worker of ``shape`` may draw from none of ``flavors`` (each one's refusal)."""
-    if not flavors:
-        return "the service has no flavor"
-    return "fits no flavor: " + "; ".join(f.refuses(shape) or f.name for f in flavors)
 
 
 def _count(x: float) -> str:
