@@ -342,6 +342,27 @@ class ResourceFlavor:
         return {r: v for r, v in caps.items() if v is not None}
 
 
+def flavor_from_dict(raw: object, where: str = "flavor") -> ResourceFlavor:
+    """A flavor of a table file (``service start --flavors``): its fields, checked, an unknown key
+    or a wrong type named (``where``: how the errors name it)."""
+    fields = [f for f in ResourceFlavor.__dataclass_fields__]
+    if not isinstance(raw, dict):
+        raise ServiceInputError(where, f"got {quote(raw)}; a flavor is a mapping of {', '.join(fields)}")
+    unknown = sorted(set(map(str, raw)) - set(fields))
+    if unknown:
+        raise ServiceInputError(f"{where}.{unknown[0]}", f"unknown field; a flavor has {', '.join(fields)}")
+    values = dict(raw)
+    if isinstance(values.get("resources"), list):
+        values["resources"] = tuple(values["resources"])
+    for key in ("name", "market", "accelerator"):
+        if key in values and not isinstance(values[key], str):
+            raise ServiceInputError(f"{where}.{key}", f"got {quote(values[key])}; a string")
+    try:
+        return ResourceFlavor(**values)
+    except TypeError as exc:  # a required field left out
+        raise ServiceInputError(where, f"{exc}; a flavor needs at least name and market") from None
+
+
 def check_flavor_table(flavors: "tuple[ResourceFlavor, ...] | list[ResourceFlavor]") -> tuple[ResourceFlavor, ...]:
     """A flavor table as the service keeps it: names unique, and no two flavors of one market and
     accelerator (they would select the same nodes and count them twice)."""
@@ -767,6 +788,6 @@ __all__ = ["NAME_PATTERN", "NAME_RULE", "RESERVED_TEAM_NAMES", "TEAM_REF_PATTERN
            "team_ref_problem", "check_team_name",
            "check_count", "JobState", "TransitionNotAllowed", "LIVE_STATES", "WaitCause", "RESOURCES", "DEFAULT_FLAVOR",
            "ANY_MARKET", "MARKETS", "MAX_AMOUNT", "ACCELERATOR_PATTERN", "WorkerShape", "DEFAULT_SHAPE", "ResourceFlavor",
-           "check_flavor_table", "no_flavor_reason", "shape_refusal", "FlavorQuota", "FlavorState", "Team", "JobRecord", "TransitionRecord",
+           "check_flavor_table", "flavor_from_dict", "no_flavor_reason", "shape_refusal", "FlavorQuota", "FlavorState", "Team", "JobRecord", "TransitionRecord",
            "AuditRecord", "JobView", "Snapshot", "Admit", "Grow", "Shrink", "Pause", "Wait", "Action",
            "Policy", "DEFAULT_POLICY"]

@@ -90,11 +90,23 @@ class Launch:
     reason: str = ""  # why it was admitted (the scheduler's words)
     team: str = "-"  # the job's team: the run's metrics carry it
     package: str = ""  # the code package it runs with (its runner's working_dir): no warm spare then
+    # Set by the service at each launch ("dotted.key=value"): the flavor it was admitted on (its
+    # market and accelerator type: the workers' label selector), the flavor's price per worker
+    # hour, and a provisioning start's placement bound (the reconciler's launch_overrides).
+    overrides: tuple[str, ...] = ()
+
+    def run_overrides(self) -> list[str]:
+        return run_overrides(self.workers, self.overrides)
 
 
-def start_spec(spec: dict, workers: int) -> dict:
-    """The spec a start runs: the job's, on the admitted number of workers."""
-    return apply_overrides(spec, [f"resources.num_workers={int(workers)}"])
+def run_overrides(workers: int, overrides: tuple[str, ...] = ()) -> list[str]:
+    """What a start or a resume changes in the job's spec: the admitted workers, then ``overrides``."""
+    return [f"resources.num_workers={int(workers)}", *overrides]
+
+
+def start_spec(spec: dict, workers: int, overrides: tuple[str, ...] = ()) -> dict:
+    """The spec a start runs: the job's, on the admitted number of workers, with ``overrides``."""
+    return apply_overrides(spec, run_overrides(workers, overrides))
 
 
 class JobRunner:
@@ -153,11 +165,11 @@ class JobRunner:
             if launch.resume_run_id:
                 self._sup = resume_supervisor(
                     launch.resume_run_id, tracking_uri=launch.tracking_uri,
-                    overrides=[f"resources.num_workers={int(launch.workers)}"],
+                    overrides=launch.run_overrides(),
                     on_step=self._on_step, requests=self.requests, spares=self._spares(),
                     team=launch.team)
             else:
-                self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers)),
+                self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers, launch.overrides)),
                                        on_step=self._on_step, requests=self.requests,
                                        spares=self._spares(), team=launch.team)
             result = self._sup.run()
