@@ -35,7 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
-from raytrain_sys.control import NAME_PREFIX
+from raytrain_sys.control import GB, NAME_PREFIX, slot_bundle
 from raytrain_sys.control.node_roles import ACCELERATOR_LABEL, MARKET_LABEL
 from raytrain_sys.control.spares import SpareSource, takes_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
@@ -43,9 +43,6 @@ from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
 
 log = logging.getLogger(__name__)
-
-GB = 1024 ** 3  # resources.memory_per_worker_gb: Ray's memory resource counts bytes
-
 
 def selector_of(spec: JobSpec) -> dict[str, str]:
     """The label selector of a spec's worker slots: ``resources.market`` (unless any) and
@@ -205,12 +202,7 @@ class WorkerGroup:
     # ------------------------------------------------------------------ resources
     def _bundle(self) -> dict[str, float]:
         r = self.spec.resources
-        bundle = {"CPU": r.cpus_per_worker}
-        if r.gpus_per_worker:
-            bundle["GPU"] = r.gpus_per_worker
-        if r.memory_per_worker_gb:
-            bundle["memory"] = r.memory_per_worker_gb * GB
-        return bundle
+        return slot_bundle(r.cpus_per_worker, r.gpus_per_worker, r.memory_per_worker_gb)
 
     def _selector(self) -> dict[str, str]:
         """The node labels a slot's bundle asks (``node_roles``: Ray's own market and accelerator

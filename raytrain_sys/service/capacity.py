@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Optional
 
+from raytrain_sys.control import GB  # Ray counts memory in bytes, flavors in GB
 from raytrain_sys.control.node_roles import flavor_of
 from raytrain_sys.service.model import FlavorState, ResourceFlavor
 
-GB = 1024 ** 3  # Ray counts memory in bytes, flavors in GB
 RAY_RESOURCES = {"cpu": "CPU", "gpu": "GPU", "memory_gb": "memory"}
 
 

@@ -31,6 +31,9 @@ One pass (``run_once``), in order:
    runner has not heard of is sent again. After the actions, spare runners are started ahead
    up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
    The snapshot also feeds the queue and quota gauges per team (``monitor.metrics.ServiceMetrics``).
+   With autoscaling on, the pass ends by asking Ray's autoscaler for the queue's demand
+   (``autoscale.demand``: every admitted job at its target, the head of the queue per flavor),
+   only when it changed, and clearing it when nothing waits (``_ask_autoscaler``).
 5. **Say why**: every job not running yet has a wait reason (``WaitCause`` and a sentence): a
    queued or paused job the scheduler's ``Wait``, a starting or resuming job the step its runner
    reports (``service/starts.py``). They are written in one ``store.note_waits`` a pass, only
@@ -68,7 +71,7 @@ import ray
 from raytrain_sys.control.spares import end_spares_of
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
-from raytrain_sys.service import packages
+from raytrain_sys.service import autoscale, packages
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service import starts
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState, Grow, JobRecord, JobState, Pause,
@@ -120,6 +123,9 @@ class ReconcilerConfig:
     # nodes before it is given up: 10 minutes, where a cloud VM's boot, image pull and Ray's join
     # take 2-5 (a GPU node's drivers more); its run's own placement bound is set to it at launch.
     provisioning_timeout_s: float = 600.0
+    # Ask Ray's autoscaler for the queue's demand after each pass (service/autoscale.py); the
+    # scheduler then admits against the ceiling (service/capacity.py). Off: a fixed cluster.
+    autoscaling: bool = False
 
     def __post_init__(self) -> None:
         if not self.start_stall_s > 0:
@@ -145,7 +151,8 @@ class _Seen:
 class Reconciler:
     def __init__(self, store: Store, config: ReconcilerConfig, cluster_workers: Callable[[], int],
                  step_hook: Optional[Callable] = None, clock: Callable[[], float] = time.time,
-                 flavor_states: Optional[Callable[[tuple[ResourceFlavor, ...]], tuple[FlavorState, ...]]] = None):
+                 flavor_states: Optional[Callable[[tuple[ResourceFlavor, ...]], tuple[FlavorState, ...]]] = None,
+                 request_resources: Optional[Callable[[list, Optional[list]], None]] = None):
         self.store = store
         self.config = config
         self.cluster_workers = cluster_workers
@@ -153,6 +160,10 @@ class Reconciler:
         # flavor of cluster_workers, and a table's flavors of unknown capacity (quotas only).
         self.flavor_states = flavor_states
         self._table: dict[str, ResourceFlavor] = {}  # the flavor table as this pass read it
+        # Ray's autoscaler SDK (bundles, label selectors); a test may watch the calls.
+        self.request_resources = request_resources or _request_resources
+        self.requested: Optional[autoscale.Request] = None  # the last request Ray accepted
+        self.requested_at_s: Optional[float] = None
         self.step_hook = step_hook
         self.clock = clock
         self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
@@ -202,11 +213,28 @@ class Reconciler:
             if isinstance(action, Wait):
                 self._notes[action.job_id] = (states[action.job_id], action.cause, action.reason)
         self.store.note_waits(self._notes, now_s=self.clock())
+        self._ask_autoscaler(snapshot, actions)
         self._keep_spare_runners()
         self._delete_cancelled_checkpoints()
         self._prune_packages()
         self.passes += 1
         return actions
+
+    def _ask_autoscaler(self, snapshot, actions: list[Action]) -> None:
+        """With autoscaling: ask Ray's autoscaler for the queue's demand (``autoscale.demand``),
+        when it changed; clear it when nothing waits. A failure is logged and asked again next pass."""
+        if not self.config.autoscaling:
+            return
+        request = autoscale.demand(snapshot, actions)
+        if request == self.requested:
+            return
+        try:
+            self.request_resources(request.bundle_dicts(), request.selector_dicts())
+        except Exception as exc:  # noqa: BLE001: the GCS briefly away: the next pass asks again
+            log.warning("could not ask Ray's autoscaler (asked again next pass): %s", exc)
+            return
+        self.requested, self.requested_at_s = request, self.clock()
+        log.info("asked Ray's autoscaler for %s", request.describe())
 
     def _flavor_states(self) -> tuple[FlavorState, ...]:
         table = tuple(self._table.values())
@@ -496,7 +524,8 @@ class Reconciler:
                                     workers=0, target_workers=workers,
                                     reason=f"{lost}; restarting {where} on {workers} workers (restart "
                                            f"{job.restarts + 1} of {self.config.max_restarts})",
-                                    **(self._admitted(workers) if job.state.pending else {}))
+                                    **(self._admitted(workers, job.wait_cause is WaitCause.PROVISIONING)
+                                       if job.state.pending else {}))
         self._watching.pop(job.id, None)
         log.warning("job %d: %s", job.id, job.message)
         self._launch(job, workers, job.message, resume=True)
@@ -651,6 +680,14 @@ class Reconciler:
             if t.from_state is not job.state:
                 return t.at_s
         return job.updated_at_s
+
+
+def _request_resources(bundles: list, selectors: Optional[list]) -> None:
+    """``ray.autoscaler.sdk.request_resources``: the bundles the cluster should hold (a floor on
+    its size, replacing the last request; [] clears it), each with its label selector."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles, bundle_label_selectors=selectors)
 
 
 def checkpoint_root(spec: dict, mlflow_run_id: Optional[str]) -> str:

@@ -105,7 +105,8 @@ class ServiceActor:
                                                                   package_retention_s=package_retention_s,
                                                                   start_stall_s=start_stall_s,
                                                                   max_start_returns=max_start_returns,
-                                                                  provisioning_timeout_s=provisioning_timeout_s),
+                                                                  provisioning_timeout_s=provisioning_timeout_s,
+                                                                  autoscaling=autoscaling),
                                      cluster_workers=self.cluster_workers, step_hook=step_hook,
                                      flavor_states=self.flavor_states)
         self.last_error = ""
@@ -295,8 +296,12 @@ class ServiceActor:
         """Whether the scheduler admits against a ceiling, and what it asked Ray's autoscaler for."""
         if not self.autoscaling:
             return {"on": False}
+        asked = self.reconciler.requested
         return {"on": True, "max_cluster_workers": self.max_cluster_workers(),
-                "provisioning_timeout_s": self.reconciler.config.provisioning_timeout_s}
+                "provisioning_timeout_s": self.reconciler.config.provisioning_timeout_s,
+                "requested": None if asked is None else asked.describe(),
+                "requested_bundles": None if asked is None else len(asked.bundles),
+                "requested_at_s": self.reconciler.requested_at_s}
 
     def warm_spares(self) -> dict:
         """The pool's counts (idle and starting spares by node, taken, missed), or why none."""
