@@ -25,6 +25,8 @@ import json
 import os
 from typing import Iterator, Optional
 
+from raytrain_sys.control.node_roles import CONTROL_RESOURCE
+from raytrain_sys.control.node_roles import CONTROL_RESOURCE_PER_NODE as CONTROL_PER_NODE
 from tests.fixtures.ray_head import RayHead, start_ray_head
 
 PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
@@ -42,7 +44,8 @@ def cluster_config(worker_types: dict, gcs_address: str, *, idle_timeout_s: floa
     ``head_resources``, nodes idle ``idle_timeout_s`` released (the config takes minutes, as a
     fraction)."""
     types = {name: {"node_config": {}, "min_workers": 0, **spec} for name, spec in worker_types.items()}
-    types["ray.head.default"] = {"resources": dict(head_resources or {"CPU": 0}), "node_config": {}, "max_workers": 0}
+    head = dict(head_resources or {"CPU": 0, CONTROL_RESOURCE: CONTROL_PER_NODE})  # what `ray start` gives it
+    types["ray.head.default"] = {"resources": head, "node_config": {}, "max_workers": 0}
     provider = {"type": "external", "module": PROVIDER, "gcs_address": gcs_address, "use_node_id_as_ip": True,
                 "disable_node_updaters": True, "disable_launch_config_check": True}
     if v2:
@@ -59,9 +62,9 @@ def cluster_config(worker_types: dict, gcs_address: str, *, idle_timeout_s: floa
 @contextlib.contextmanager
 def autoscaling_cluster(worker_types: dict, *, idle_timeout_s: float = 6.0, v2: bool = False,
                         head_cpus: int = 0, ready_timeout_s: float = 120.0) -> Iterator[RayHead]:
-    """Start the fake autoscaling cluster (see the module docstring) and yield its head; every
-    process of it is ended on exit. The autoscaler looks every second
-    (``AUTOSCALER_UPDATE_INTERVAL_S``)."""
+    """Start the fake autoscaling cluster (see the module docstring) and yield its head, the
+    safe node (``raytrain_control``); every process of it is ended on exit. The autoscaler looks
+    every second (``AUTOSCALER_UPDATE_INTERVAL_S``)."""
     import ray._private.services
 
     node_ip = ray._private.services.get_node_ip_address()
@@ -76,7 +79,9 @@ def autoscaling_cluster(worker_types: dict, *, idle_timeout_s: float = 6.0, v2: 
         path = os.path.join(temp_dir, "autoscaling.json")
         with open(path, "w") as f:
             json.dump(config, f)
-        return [f"--autoscaling-config={path}"]
+        # The head is the safe node (as the KubeRay and AWS configs make it): the service's actors
+        # run there, never on a node the autoscaler adds (they would keep it from going idle).
+        return [f"--autoscaling-config={path}", f"--resources={json.dumps({CONTROL_RESOURCE: CONTROL_PER_NODE})}"]
 
     for attempt in range(HEAD_STARTS):
         stack = contextlib.ExitStack()

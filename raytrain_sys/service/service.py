@@ -42,6 +42,7 @@ import ray
 
 from raytrain_sys.control import control_actors
 from raytrain_sys.control.control_actors import control_options
+from raytrain_sys.control.node_roles import CONTROL_RESOURCE
 from raytrain_sys.control.spares import find_pool, start_pool, stop_pool
 from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
 from raytrain_sys.service import requests as user_requests
@@ -114,10 +115,17 @@ class ServiceActor:
         self._wake = threading.Event()  # a request was made: pass now (see _loop)
         self.store.add_waker(self._wake.set)
         # Warm spares: worker processes with torch imported on every node, for the jobs' first
-        # gangs (raytrain_sys.control.spares); a pool left by an earlier start is adopted.
-        self.warm_workers_per_node = warm_workers_per_node
-        if warm_workers_per_node > 0:
-            start_pool(warm_workers_per_node)
+        # gangs (raytrain_sys.control.spares); a pool left by an earlier start is adopted. None
+        # with autoscaling: an idle spare is a live actor on its node, and Ray's autoscaler never
+        # releases a node with an actor on it (measured: a 0-CPU actor kept a fake node 40 s past
+        # its 6 s idle timeout; it went 7 s after the actor ended), so the nodes a queue brought
+        # would stay. The spare runners stay: they run on the safe nodes, which are not scaled.
+        self.warm_workers_per_node = 0 if autoscaling else warm_workers_per_node
+        if self.warm_workers_per_node > 0:
+            start_pool(self.warm_workers_per_node)
+        if autoscaling and control_actors.placement().safe_nodes == 0:
+            log.warning("autoscaling on a cluster with no safe node (%s): the service's runners may land on nodes "
+                        "the autoscaler adds, and keep them from being released", CONTROL_RESOURCE)
         self.api = "not served"
         if serve_api:
             self._serve_api()
@@ -297,7 +305,8 @@ class ServiceActor:
         if not self.autoscaling:
             return {"on": False}
         asked = self.reconciler.requested
-        return {"on": True, "max_cluster_workers": self.max_cluster_workers(),
+        return {"on": True, "warm_spares": "off: an idle spare would keep its node from being released",
+                "max_cluster_workers": self.max_cluster_workers(),
                 "provisioning_timeout_s": self.reconciler.config.provisioning_timeout_s,
                 "requested": None if asked is None else asked.describe(),
                 "requested_bundles": None if asked is None else len(asked.bundles),
