@@ -784,10 +784,10 @@ class Policy:
 DEFAULT_POLICY = Policy()
 
 __all__ = ["NAME_PATTERN", "NAME_RULE", "RESERVED_TEAM_NAMES", "TEAM_REF_PATTERN", "MAX_WORKERS", "PRIORITY_LIMIT",
-           "MAX_WEIGHT", "MAX_JOB_ID", "JOB_NAME_MAX_CHARS", "JOB_NAME_PATTERN", "job_name_problem", "name_problem",
-           "team_ref_problem", "check_team_name",
-           "check_count", "JobState", "TransitionNotAllowed", "LIVE_STATES", "WaitCause", "RESOURCES", "DEFAULT_FLAVOR",
-           "ANY_MARKET", "MARKETS", "MAX_AMOUNT", "ACCELERATOR_PATTERN", "WorkerShape", "DEFAULT_SHAPE", "ResourceFlavor",
-           "check_flavor_table", "flavor_from_dict", "no_flavor_reason", "shape_refusal", "FlavorQuota", "FlavorState", "Team", "JobRecord", "TransitionRecord",
-           "AuditRecord", "JobView", "Snapshot", "Admit", "Grow", "Shrink", "Pause", "Wait", "Action",
-           "Policy", "DEFAULT_POLICY"]
+           "MAX_WEIGHT", "MAX_JOB_ID", "JOB_NAME_MAX_CHARS", "JOB_NAME_PATTERN", "job_name_problem",
+           "name_problem", "team_ref_problem", "check_team_name", "check_count", "JobState",
+           "TransitionNotAllowed", "LIVE_STATES", "WaitCause", "RESOURCES", "DEFAULT_FLAVOR", "ANY_MARKET",
+           "MARKETS", "MAX_AMOUNT", "ACCELERATOR_PATTERN", "WorkerShape", "DEFAULT_SHAPE", "ResourceFlavor",
+           "check_flavor_table", "flavor_from_dict", "no_flavor_reason", "shape_refusal", "FlavorQuota",
+           "FlavorState", "Team", "JobRecord", "TransitionRecord", "AuditRecord", "JobView", "Snapshot", "Admit",
+           "Grow", "Shrink", "Pause", "Wait", "Action", "Policy", "DEFAULT_POLICY"]

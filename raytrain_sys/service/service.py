@@ -19,8 +19,8 @@ cluster with safe nodes (``raytrain_control``, ``control/control_actors.py``) it
 do the runners, the spare runners and the warm spares' pool: a spot reclaim takes none of them.
 
 The actor's Python methods (submit, pause, resume, cancel, jobs, job, history, audit_log,
-add_team, set_quotas, flavors, set_flavors, info) do what the API does, through the same functions (``service/requests.py``), for
-tests and notebooks; the API adds authentication and HTTP.
+add_team, set_quotas, flavors, set_flavors, info) do what the API does, through the same
+functions (``service/requests.py``), for tests and notebooks; the API adds authentication and HTTP.
 
 Relative paths given to ``start_service`` (the SQLite file, the log dir, a spec's output_dir,
 data path and checkpoint dir) are made absolute against the caller's working directory: the

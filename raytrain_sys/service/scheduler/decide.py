@@ -259,8 +259,9 @@ class _Pass:
         need = max(1, job.min_workers)
         rooms = self._fitting_rooms(job.shape)
         if not rooms:
-            self.waits.append(Wait(job.id, WaitCause.NEVER_FITS, f"can never start: its shape "
-                                   f"({job.shape.describe()}) {no_flavor_reason(job.shape, [s.flavor for s in self.states])}"))
+            refused = no_flavor_reason(job.shape, [s.flavor for s in self.states])
+            self.waits.append(Wait(job.id, WaitCause.NEVER_FITS,
+                                   f"can never start: its shape ({job.shape.describe()}) {refused}"))
             return
         rooms = [room for room in rooms if need <= self._ceiling(job, room)]
         if not rooms:
@@ -480,7 +481,8 @@ class _Pass:
                                f"({', '.join(names)}); starts once they are free"))
 
     def _reclaim_cause(self, job: JobView, need: int, victim: JobView, within_nominal: bool, room: _Room) -> str:
-        wants = f"job {job.id} (team {job.team}, priority {job.priority}) needs {need} workers{self._where(room, job.shape)}"
+        wants = (f"job {job.id} (team {job.team}, priority {job.priority}) needs {need} "
+                 f"workers{self._where(room, job.shape)}")
         if victim.team != job.team and within_nominal:
             nominal = (f"({self.teams[job.team].nominal_workers})" if self.implicit
                        else f"on {room.name}")
