@@ -71,8 +71,13 @@ class ServiceInputError(UserError):
     more than the team could ever get; nothing was written."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"field '{field}': {message}")
+
+    def __reduce__(self):
+        # Rebuilt from (field, message), not from the formatted text: a refusal raised in the
+        # service actor reaches its caller (a notebook, a test) as itself, field included.
+        return type(self), (self.field, self.message)
 
 
 class ServiceStoreError(UserError):

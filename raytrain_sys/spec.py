@@ -294,6 +294,15 @@ class ResourcesSpec:
     num_workers: int = 2  # workers at the start: one Ray actor per GPU or CPU slot
     cpus_per_worker: float = 1.0  # also the worker's torch thread count
     gpus_per_worker: float = 0.0  # > 0 on a CUDA machine selects NCCL (parallel.backend auto)
+    # Memory reserved for each worker, in GB (Ray's logical memory resource, on its placement
+    # bundle); 0 = none reserved. The job service counts it in quotas of flavors that count memory_gb
+    memory_per_worker_gb: float = 0.0
+    # The GPU type the workers need: nodes whose Ray label ray.io/accelerator-type is this (Ray sets
+    # it from the GPU it finds: A10G, L4, H100...); needs gpus_per_worker > 0; "" = any GPU
+    accelerator_type: str = ""
+    # spot | on-demand | any: the nodes (Ray label ray.io/market-type) the workers may run on; the
+    # job service draws a job of any market from the first flavor in its table with room
+    market: str = "any"
     # Peak dense TFLOP/s of one worker's device at the training precision, for the MFU metric
     # (e.g. 989 for an H100 SXM in bf16); 0 = MFU not reported
     peak_tflops_per_worker: float = 0.0
@@ -385,6 +394,8 @@ class JobSpec:
 
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim")
+# Ray's accelerator types (ray.util.accelerators: A10G, H100, TPU-V4...), as node labels carry them.
+ACCELERATOR_TYPE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
 # model.name values with a registered factory (raytrain_sys.models.register_model adds to it;
 # kept here so that a spec is checked without importing torch), and those with TP/PP plans.
@@ -436,6 +447,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "lamb", "lars"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
     "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "resources.market": ("any", "spot", "on-demand"),
     "eval.metric": ("loss", "accuracy"),
     "data.on_bad_shard": ("fail", "skip"),
     "checkpoint.on_corrupt": ("fail", "previous"),
@@ -461,7 +473,8 @@ _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "train.steps_per_call", "optim.min_lr_ratio", "optim.warmup_steps",
     "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
-    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "resources.cost_per_worker_hour", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
+    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "resources.cost_per_worker_hour",
+    "resources.memory_per_worker_gb", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
     "elastic.straggler_margin", "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
 ]
 
@@ -609,6 +622,13 @@ def validate(spec: JobSpec) -> JobSpec:
         raise SpecError("elastic.fault_slow_factor", f"got {quote(e.fault_slow_factor)}; must be at least 1 (1: no slowdown)")
     if e.fault_slow_rank < -1:
         raise SpecError("elastic.fault_slow_rank", f"got {quote(e.fault_slow_rank)}; must be a rank, or -1 for off")
+    accelerator = spec.resources.accelerator_type
+    if accelerator and not re.fullmatch(ACCELERATOR_TYPE_PATTERN, accelerator):
+        raise SpecError("resources.accelerator_type", f"got {quote(accelerator)}; Ray's accelerator type, as its "
+                                                      f"node label ray.io/accelerator-type reads (e.g. A10G, H100)")
+    if accelerator and not spec.resources.gpus_per_worker:
+        raise SpecError("resources.accelerator_type", f"got {quote(accelerator)} with resources.gpus_per_worker=0; "
+                                                      f"a GPU type needs GPUs: set gpus_per_worker, or leave it empty")
     nice = spec.resources.worker_niceness
     if nice is not None and not -20 <= nice <= 19:
         raise SpecError("resources.worker_niceness", f"got {quote(nice)}; must be in -20..19, or null for Ray's")

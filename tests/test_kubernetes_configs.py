@@ -412,3 +412,30 @@ def test_the_walk_through_commands_parse():
     spec = load_spec(ROOT / submit.spec, submit.set)
     assert spec.checkpoint.uri.startswith("s3://") and spec.tracking.uri == "http://raytrain-mlflow:5000"
     assert spec.data.path.startswith("/mnt/shared/") and spec.output_dir.startswith("/mnt/shared/")
+
+
+def test_the_flavor_table_is_the_clusters_worker_groups():
+    """service-start.yaml's flavor table loads as the service reads it, and names the
+    RayCluster's training groups: each flavor a group of its market and accelerator, its ceilings
+    the group's maxReplicas times what one pod gives Ray; service start takes it with
+    --autoscaling."""
+    from raytrain_sys.service.model import check_flavor_table, flavor_from_dict
+
+    config = next(doc for name, doc in DOCS if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] ==
+                  "raytrain-flavors")
+    table = check_flavor_table([flavor_from_dict(f) for f in yaml.safe_load(config["data"]["flavors.yaml"])["flavors"]])
+    _, cluster = next(d for d in DOCS if d[1]["kind"] == "RayCluster")
+    groups = {}
+    for group in cluster["spec"]["workerGroupSpecs"]:
+        flavor = roles.flavor_of(group.get("labels", {}))
+        if roles.CONTROL_RESOURCE not in group.get("resources", {}):
+            groups[(flavor.market, flavor.accelerator)] = group
+    assert {(f.market, f.accelerator) for f in table} == set(groups)
+    for f in table:
+        group = groups[(f.market, f.accelerator)]
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert f.max_cpu == group["maxReplicas"] * float(limits["cpu"]), f.name
+        assert (f.max_gpu or 0) == group["maxReplicas"] * float(limits.get("nvidia.com/gpu", 0)), f.name
+    start = raytrain_sys_commands()["service-start.yaml"][0]
+    args = build_parser().parse_args(start)
+    assert args.autoscaling and args.flavors == "flavors.yaml"

@@ -29,7 +29,7 @@ from raytrain_sys.service import packages
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
 from raytrain_sys.service.client import Client
-from raytrain_sys.service.model import JobState, Team, WaitCause
+from raytrain_sys.service.model import ResourceFlavor, JobState, Team, WaitCause
 from raytrain_sys.service.store import Store
 from raytrain_sys.service.tables import metadata
 
@@ -332,7 +332,7 @@ def test_the_admin_manages_teams_and_tokens(sqlite_service):
     admin = svc.client(svc.admin)
     team = admin.add_team("ml", 3, cohort="c", borrowing_limit_workers=1, weight=2)
     assert team == {"name": "ml", "nominal_workers": 3, "cohort": "c", "borrowing_limit_workers": 1,
-                    "lending_limit_workers": None, "weight": 2.0}
+                    "lending_limit_workers": None, "weight": 2.0, "quotas": []}
     assert svc.store.team("ml") == Team("ml", 3, cohort="c", borrowing_limit_workers=1, weight=2.0)
     changed = admin.update_team("ml", nominal_workers=5, borrowing_limit_workers=None)  # null clears the limit
     assert (changed["nominal_workers"], changed["borrowing_limit_workers"], changed["cohort"]) == (5, None, "c")
@@ -360,6 +360,63 @@ def test_the_admin_manages_teams_and_tokens(sqlite_service):
     results = [(r.action, r.target, r.result) for r in svc.store.audit_log(actor="admin")]
     assert ("add_team", "team ml", "ok") in results and ("issue_token", "team ml", "ok") in results
     assert ("revoke_tokens", "team ml", "ok") in results
+
+
+FLAVORS = [{"name": "spot-cpu", "market": "spot", "resources": ["cpu"], "usd_per_cpu_hour": 0.01, "max_cpu": 64},
+           {"name": "on-demand-cpu", "market": "on-demand", "resources": ["cpu", "memory_gb"],
+            "usd_per_cpu_hour": 0.04},
+           {"name": "spot-a10g", "market": "spot", "accelerator": "A10G", "resources": ["gpu"],
+            "usd_per_gpu_hour": 0.35}]
+
+
+def test_the_admin_sets_flavors_and_a_teams_quotas_per_flavor(sqlite_service):
+    """The flavor table and per-flavor quotas through the API and the client: set, read back by any
+    token, checked (a quota on a flavor the table does not have, a resource it does not count), and
+    a submit whose shape fits no flavor is refused on the spec's field, writing nothing."""
+    svc = sqlite_service
+    admin, team = svc.client(svc.admin), svc.client(svc.a)
+    assert team.flavors() == []
+    try:
+        _flavors_and_quotas(svc, admin, team)
+    finally:  # the module's service is shared: back to no table for the tests after this one
+        admin.set_flavors([])
+
+
+def _flavors_and_quotas(svc, admin, team) -> None:
+    jobs_before = len(svc.store.jobs())
+    with pytest.raises(ServiceRequestError, match="HTTP 403: setting the flavor table needs an admin token"):
+        team.set_flavors(FLAVORS)
+    table = admin.set_flavors(FLAVORS)
+    assert [f["name"] for f in table] == ["spot-cpu", "on-demand-cpu", "spot-a10g"]
+    assert table[0] | {"capacity": None} == {"name": "spot-cpu", "market": "spot", "accelerator": "", "resources": ["cpu"],
+                                             "usd_per_cpu_hour": 0.01, "usd_per_gpu_hour": 0.0,
+                                             "usd_per_memory_gb_hour": 0.0, "max_cpu": 64.0, "max_gpu": None,
+                                             "max_memory_gb": None, "capacity": None}
+    assert team.flavors() == table
+    assert svc.store.flavors()[2] == ResourceFlavor("spot-a10g", "spot", "A10G", ("gpu",), usd_per_gpu_hour=0.35)
+
+    changed = admin.set_quotas("a", "spot-cpu", {"cpu": {"nominal": 16, "borrowing_limit": 8}})
+    assert changed["quotas"] == [{"flavor": "spot-cpu", "resource": "cpu", "nominal": 16.0, "borrowing_limit": 8.0,
+                                  "lending_limit": None}]
+    assert svc.store.team("a").quota("spot-cpu", "cpu") == (16.0, 8.0, None)
+    for call, status, field, words in (
+            (lambda: admin.set_quotas("a", "gpu-x", {"gpu": 1}), 400, "quota.flavor", "the service's flavors: spot-cpu"),
+            (lambda: admin.set_quotas("a", "spot-cpu", {"gpu": 1}), 400, "quotas[0].resource", "spot-cpu counts cpu"),
+            (lambda: admin.set_quotas("a", "spot-cpu", {"cpu": {"nominal": 1, "lending_limit": 2}}), 400,
+             "quota.lending_limit", "must not exceed nominal"),
+            (lambda: admin.set_flavors(FLAVORS + [dict(FLAVORS[0], name="spot-again")]), 400, "flavors[3]",
+             "one flavor per kind of node")):
+        with pytest.raises(ServiceRequestError) as bad:
+            call()
+        assert (bad.value.status, getattr(bad.value, "field", None)) == (status, field) and words in str(bad.value)
+    assert admin.set_quotas("a", "spot-cpu", {})["quotas"] == []  # cleared
+
+    with pytest.raises(ServiceRequestInvalid) as bad:
+        team.submit(SPEC, overrides=["resources.gpus_per_worker=1", "resources.accelerator_type=H100"])
+    assert bad.value.field == "spec.resources.accelerator_type" and "spot-a10g has A10G" in str(bad.value)
+    assert len(svc.store.jobs()) == jobs_before
+    results = [(r.action, r.result) for r in svc.store.audit_log(actor="admin")]
+    assert ("set_flavors", "ok") in results and ("set_quotas", "ok") in results
 
 
 # ----------------------------------------------------------------------------- rejected submits
@@ -606,6 +663,32 @@ def test_cli_teams_and_init_admin(sqlite_service):
     assert "--nominal" in one_line_error(cli(svc, "teams", "update", "vision", token=admin))
     assert "HTTP 403: listing teams needs an admin token" in one_line_error(cli(svc, "teams", "list"))
     assert "team.nominal_workers" in one_line_error(cli(svc, "teams", "add", "x", "--nominal", "-1", token=admin))
+
+
+def test_cli_flavors_and_quotas(sqlite_service, tmp_path):
+    """`flavors set FILE`, `flavors list`, `teams quota NAME FLAVOR cpu=32/8/-` and what `teams
+    list` then shows; a malformed quota is one line naming the form."""
+    svc = sqlite_service
+    table = tmp_path / "flavors.yaml"
+    table.write_text("flavors:\n  - {name: spot-cpu, market: spot, resources: [cpu], usd_per_cpu_hour: 0.01, "
+                     "max_cpu: 64}\n  - {name: on-demand-cpu, market: on-demand, resources: [cpu]}\n")
+    try:
+        made = cli(svc, "flavors", "set", str(table), token=svc.admin)
+        assert (made.returncode, made.stdout.strip()) == (0, "flavor table set: spot-cpu, on-demand-cpu"), made
+        listed = cli(svc, "flavors")
+        assert listed.stdout.splitlines()[0].split()[:4] == ["FLAVOR", "MARKET", "ACCELERATOR", "COUNTS"]
+        assert listed.stdout.splitlines()[1].split()[:4] == ["spot-cpu", "spot", "-", "cpu"] and "cpu 64" in listed.stdout
+        quota = cli(svc, "teams", "quota", "a", "spot-cpu", "cpu=32/8/-", token=svc.admin)
+        assert (quota.returncode, quota.stdout.strip()) == (0, "team a on spot-cpu: cpu 32/8/-"), quota
+        teams = cli(svc, "teams", "list", token=svc.admin).stdout.splitlines()
+        assert teams[0].split()[-1] == "QUOTAS" and any(r.endswith("spot-cpu cpu 32/8/-") for r in teams), teams
+        assert "RESOURCE=NOMINAL[/BORROW[/LEND]]" in one_line_error(
+            cli(svc, "teams", "quota", "a", "spot-cpu", "cpu:32", token=svc.admin))
+        cleared = cli(svc, "teams", "quota", "a", "spot-cpu", token=svc.admin)
+        assert cleared.stdout.strip() == "team a on spot-cpu: no quota (nominal 0, borrowing from its cohort)"
+    finally:
+        svc.store.set_flavors([])
+    assert cli(svc, "flavors").stdout.startswith("no flavor table: one implicit flavor counts workers")
 
 
 # ----------------------------------------------------------------------------- code packages

@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from raytrain_sys.service.runner import NAMESPACE
-from raytrain_sys.service.service import get_service, start_service, stop_service
+from raytrain_sys.service.service import get_service, stop_service
 from raytrain_sys.service.store import LOG_DIR_NAME, Store
 
 CLI = [sys.executable, "-m", "raytrain_sys.cli.main"]

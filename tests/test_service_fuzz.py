@@ -42,6 +42,10 @@ POSITIVE_400 = {
     ("GET", "/v1/packages/{sha256}"): "an admin token must name the team",
     ("POST", "/v1/teams"): "a name taken, a lending limit above the nominal quota",
     ("PUT", "/v1/teams/{name}"): "a lending limit above the nominal quota",
+    ("PUT", "/v1/teams/{name}/quotas/{flavor}"): "a flavor the table does not have, a resource the flavor does not "
+                                                  "count, one resource twice, a lending limit above the nominal quota",
+    ("PUT", "/v1/flavors"): "two flavors of one name or one kind of node (market and accelerator), removing a flavor "
+                            "live jobs run on",
 }
 
 

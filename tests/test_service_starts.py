@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from raytrain_sys.service.model import JobState, WaitCause
-from raytrain_sys.service.starts import (BOUNDED, NO_ANSWER, STEP_CAUSES, GiveUp, Starting, StartView, give_up,
-                                         step_reason, watch_start)
+from raytrain_sys.service.starts import (BOUNDED, NO_ANSWER, STEP_CAUSES, GiveUp, Starting, StartView,
+                                         admitted_reason, give_up, step_reason, watch_start)
 
 STALL_S, MAX_RETURNS, NOW = 60.0, 2, 1000.0
 
@@ -94,3 +94,21 @@ def test_every_step_has_a_cause_and_a_sentence_without_a_clock():
         assert first.cause is STEP_CAUSES[step] and first.reason
     with pytest.raises(ValueError, match="unknown start step 'warming'"):
         step_reason("warming", view(), MAX_RETURNS)
+
+
+def test_a_start_admitted_against_capacity_being_provisioned_waits_its_own_bound():
+    """Autoscaling: from its admission until its workers are placed the start shows
+    provisioning, bounded by provisioning_timeout_s (not start_stall_s); once placed, the usual
+    steps and bound again."""
+    timeout = 900.0
+    reason = admitted_reason(2, timeout)
+    start = dataclasses.replace(view(), cause=WaitCause.PROVISIONING, reason=reason, since_s=NOW)
+    assert reason.startswith("admitted on 2 workers against capacity being provisioned") and "15 min" in reason
+    for step in (None, "supervisor", "preparing", "placement"):
+        later = watch_start(start, step, NOW + STALL_S * 3, STALL_S, MAX_RETURNS, timeout)
+        assert later == Starting(WaitCause.PROVISIONING, reason), step  # past start_stall_s, still waiting
+    gone = watch_start(start, "placement", NOW + timeout, STALL_S, MAX_RETURNS, timeout)
+    assert isinstance(gone, GiveUp) and gone.to is JobState.QUEUED
+    assert gone.reason.startswith(f"{reason}: its nodes did not come for {timeout:g} s (provisioning_timeout_s)")
+    placed = watch_start(start, "workers", NOW + 1, STALL_S, MAX_RETURNS, timeout)
+    assert placed.cause is WaitCause.WORKER_START

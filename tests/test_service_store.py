@@ -14,14 +14,15 @@ import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, insert, select, update
+from sqlalchemy import create_engine, select, update
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import Admit, JobState, Team, TransitionNotAllowed, WaitCause
+from raytrain_sys.service.model import (Admit, FlavorQuota, FlavorState, JobState, ResourceFlavor, Team,
+                                        TransitionNotAllowed, WaitCause, WorkerShape)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store, mask_url
-from raytrain_sys.service.tables import jobs, metadata, teams, transitions
+from raytrain_sys.service.tables import jobs, metadata, teams
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def test_a_fresh_database_is_made_by_alembic_and_matches_the_tables(store_url):
 
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0004"
+        assert store.schema_revision() == migrations.head() == "0005"
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), metadata)
         assert diff == [], f"tables.py and the migrations differ: {diff}"
@@ -112,7 +113,7 @@ def test_a_database_at_0003_is_upgraded_and_its_jobs_wait_without_a_reason_until
     engine.dispose()
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0004"
+        assert store.schema_revision() == migrations.head() == "0005"
         waits, starts = store.jobs()
         assert [(j.name, j.state, j.wait_cause, j.wait_reason, j.start_returns) for j in (waits, starts)] == [
             ("waits", JobState.QUEUED, None, None, 0), ("starts", JobState.STARTING, None, None, 0)]
@@ -555,3 +556,94 @@ def test_unused_code_packages_are_pruned_and_used_ones_kept(store):
     assert store.package_data(waiting) == b"2"
     with pytest.raises(ServiceInputError, match="team a has uploaded no package"):
         store.submit(team="a", name="again", spec="{}", min_workers=1, actor="a", package=recent)
+
+
+def test_a_database_at_0004_is_upgraded_keeping_its_teams_jobs_and_decisions(store_url):
+    """A store of the revision before flavors, with a queued 2-CPU job and a running one: both
+    keep what they were, take their shape from their stored spec, and the service (no flavor
+    table: the implicit flavor) decides as it did; a flavor table and per-flavor quotas can then
+    be set, and the queued job counts CPUs on the flavor its shape fits."""
+    from alembic import command
+
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        command.upgrade(migrations.config(conn), "0004")
+        conn.execute(metadata.tables["teams"].insert().values(
+            name="a", nominal_workers=3, weight=1.0, created_at_s=1.0, updated_at_s=1.0))
+        for name, state, spec in (("waits", "queued", {"resources": {"cpus_per_worker": 2, "market": "spot"}}),
+                                  ("runs", "running", {"resources": {"num_workers": 2}}),
+                                  ("odd", "queued", "not json")):
+            conn.execute(jobs.insert().values(
+                team="a", name=name, spec=spec if isinstance(spec, str) else json.dumps(spec), priority=0,
+                state=state, held=False, min_workers=2 if name == "runs" else 1, max_workers=2, elastic=False,
+                workers=2 if state == "running" else 0, target_workers=2 if state == "running" else 0, restarts=0,
+                submitted_at_s=1.0, waiting_since_s=1.0, updated_at_s=1.0, message="submitted"))
+    engine.dispose()
+    store = Store.open(store_url)
+    try:
+        assert store.schema_revision() == migrations.head() == "0005"
+        waits, runs, odd = store.jobs()
+        assert (waits.shape.cpu, waits.shape.market, waits.flavor) == (2.0, "spot", None)
+        assert (runs.shape.cpu, runs.shape.market, runs.state, runs.workers) == (1.0, "any", JobState.RUNNING, 2)
+        assert (odd.shape.cpu, odd.shape.market) == (1.0, "any")  # a spec it cannot read keeps the defaults
+        assert store.flavors() == () and store.team("a").quotas == ()
+        [admit, wait] = decide(store.snapshot(cluster_workers=4), 10.0)
+        assert (type(admit).__name__, admit.job_id, admit.workers, admit.flavor) == ("Admit", waits.id, 1, "default")
+        assert wait.job_id == odd.id and wait.cause is WaitCause.TEAM_QUOTA  # 2 + 1 of nominal 3, as before
+
+        store.set_flavors([ResourceFlavor("spot-cpu", "spot", resources=("cpu",)),
+                           ResourceFlavor("on-demand-cpu", "on-demand", resources=("cpu",))])
+        store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 4)])
+        assert store.team("a").quotas == (FlavorQuota("spot-cpu", "cpu", 4.0),)
+        states = [FlavorState(f, {"cpu": 8.0}) for f in store.flavors()]
+        actions = decide(store.snapshot(cluster_workers=0, flavor_states=states), 10.0)
+        # The running job (1 CPU a worker, no flavor recorded) counts 2 CPUs on spot-cpu, the first it
+        # fits; the 2-CPU spot job takes the other 2 of the team's 4; a third CPU is over its quota (a
+        # team of no cohort, with no quota on on-demand-cpu, may not borrow there).
+        assert [(type(a).__name__, a.job_id, getattr(a, "flavor", None), getattr(a, "cause", None))
+                for a in actions] == [("Admit", waits.id, "spot-cpu", None),
+                                      ("Wait", odd.id, None, WaitCause.TEAM_QUOTA)], actions
+    finally:
+        store.close()
+
+
+def test_flavors_and_quotas_are_checked_before_they_are_written(store):
+    spot = ResourceFlavor("spot-cpu", "spot", resources=("cpu",))
+    with pytest.raises(ServiceInputError) as err:
+        store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 4)])
+    assert err.value.field == "quota.flavor" and "no flavor table" in str(err.value)
+    store.set_flavors([spot])
+    with pytest.raises(ServiceInputError) as err:
+        store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "gpu", 1)])
+    assert err.value.field == "quotas[0].resource" and "spot-cpu counts cpu" in str(err.value)
+    with pytest.raises(ServiceInputError) as err:
+        store.set_flavors([spot, ResourceFlavor("spot-again", "spot", resources=("cpu",))])
+    assert err.value.field == "flavors[1]" and "one flavor per kind of node" in str(err.value)
+    with pytest.raises(ServiceInputError) as err:
+        ResourceFlavor("spot", "preemptible")
+    assert err.value.field == "flavor.market"
+    store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 4)])
+    job = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", shape=WorkerShape(market="spot"))
+    store.transition(job.id, JobState.QUEUED, JobState.STARTING, actor="scheduler", reason="admitted",
+                     target_workers=1, flavor="spot-cpu")
+    with pytest.raises(ServiceInputError) as err:
+        store.set_flavors([ResourceFlavor("on-demand-cpu", "on-demand", resources=("cpu",))])
+    assert err.value.field == "flavors" and f"job {job.id} on spot-cpu" in str(err.value)
+    assert store.flavors() == (spot,)
+
+
+@pytest.mark.parametrize("shape, field, words", [
+    (WorkerShape(market="on-demand"), "resources.market", "spot-cpu is spot, the job asks resources.market=on-demand"),
+    (WorkerShape(gpu=1.0, accelerator="H100"), "resources.accelerator_type",
+     "spot-a10g has A10G, the job asks resources.accelerator_type=H100"),
+    (WorkerShape(cpu=64.0), "elastic.min_workers", "is more than its capacity holds: 0 (8 CPU, 2 GPU)"),
+], ids=["a market no flavor has", "a GPU type no flavor has", "a worker bigger than the flavor's ceiling"])
+def test_a_submit_whose_shape_fits_no_flavor_names_the_field(store, shape, field, words):
+    store.set_flavors([ResourceFlavor("spot-cpu", "spot", resources=("cpu",)),
+                       ResourceFlavor("spot-a10g", "spot", "A10G", resources=("gpu",))])
+    store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 100)])
+    with pytest.raises(ServiceInputError) as err:
+        store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", shape=shape,
+                     capacity={"spot-cpu": {"cpu": 8.0, "gpu": 2.0}})
+    assert err.value.field == field and words in str(err.value), str(err.value)
+    assert store.jobs() == []

@@ -1,6 +1,6 @@
-"""`raytrain-sys jobs|teams` (and `service init-admin|serve`): the job service from a shell.
+"""`raytrain-sys jobs|teams|flavors` (and `service init-admin|serve`): the job service from a shell.
 
-``jobs`` and ``teams`` talk to a running service through ``raytrain_sys.service.client`` (URL and
+``jobs``, ``teams`` and ``flavors`` talk to a running service through ``raytrain_sys.service.client`` (URL and
 token from ``--url``/``--token`` or ``RAYTRAIN_SYS_SERVICE_URL``/``RAYTRAIN_SYS_TOKEN``);
 ``service init-admin`` and ``service serve`` open the store directly (``--db`` or
 ``RAYTRAIN_SYS_SERVICE_DB``). Errors are the CLI's: one line, exit 2. A token is printed only
@@ -96,6 +96,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     rv = ts.add_parser("revoke", parents=[conn], help="revoke every token of a team")
     rv.add_argument("name")
     rv.set_defaults(func=_teams_revoke)
+    qt = ts.add_parser("quota", parents=[conn], help="set a team's quotas on one flavor (admin)")
+    qt.add_argument("name")
+    qt.add_argument("flavor")
+    qt.add_argument("quotas", nargs="*", metavar="RESOURCE=NOMINAL[/BORROW[/LEND]]",
+                    help="e.g. cpu=32 gpu=4/2/0: nominal 4 GPUs, borrowing at most 2, lending none ('-': no "
+                         "limit); none given: clear the team's quotas on the flavor")
+    qt.set_defaults(func=_teams_quota)
+
+    flavors = sub.add_parser("flavors", parents=[group_conn],
+                             help="the service's flavor table (kinds of node, their prices and ceilings)")
+    fs = flavors.add_subparsers(dest="flavors_command")
+    flavors.set_defaults(func=_flavors_list)
+    fs.add_parser("list", parents=[conn], help="every flavor, its prices and capacity").set_defaults(
+        func=_flavors_list)
+    fset = fs.add_parser("set", parents=[conn], help="replace the flavor table from a YAML file (admin)")
+    fset.add_argument("file", help="a YAML list of flavors, or {flavors: [...]} (docs/SERVICE.md)")
+    fset.set_defaults(func=_flavors_set)
 
 
 
@@ -168,6 +185,7 @@ def _status(args: argparse.Namespace) -> int:
               ("state", job["state"] + (" (held by its team)" if job["held"] else "")),
               ("priority", job["priority"]), ("workers", f"{job['workers']} (target {job['target_workers']}, "
                                                          f"range {_workers(job)})"),
+              ("worker", _shape(job) + (f", on flavor {job['flavor']}" if job.get("flavor") else "")),
               ("restarts", job["restarts"]), ("checkpoint", "none" if job["last_checkpoint_step"] is None
                                               else f"step {job['last_checkpoint_step']}"),
               ("mlflow run", job["mlflow_run_id"] or "-"), ("message", job["message"])]
@@ -237,9 +255,14 @@ def _team_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 def _teams_list(args: argparse.Namespace) -> int:
     teams = _client(args).teams()
-    _table(("TEAM", "NOMINAL", "COHORT", "BORROW", "LEND", "WEIGHT"),
-           [(t["name"], t["nominal_workers"], t["cohort"] or "-", _limit(t["borrowing_limit_workers"]),
-             _limit(t["lending_limit_workers"]), f"{t['weight']:g}") for t in teams])
+    rows = [(t["name"], t["nominal_workers"], t["cohort"] or "-", _limit(t["borrowing_limit_workers"]),
+             _limit(t["lending_limit_workers"]), f"{t['weight']:g}") for t in teams]
+    if any(t.get("quotas") for t in teams):  # per flavor: FLAVOR RESOURCE NOMINAL/BORROW/LEND
+        _table(("TEAM", "NOMINAL", "COHORT", "BORROW", "LEND", "WEIGHT", "QUOTAS"),
+               [(*row, "; ".join(f"{q['flavor']} {_quota(q)}" for q in t["quotas"]) or "-")
+                for row, t in zip(rows, teams)])
+    else:
+        _table(("TEAM", "NOMINAL", "COHORT", "BORROW", "LEND", "WEIGHT"), rows)
     return 0
 
 
@@ -262,6 +285,86 @@ def _teams_update(args: argparse.Namespace) -> int:
           f"borrowing limit {_limit(team['borrowing_limit_workers'])}, "
           f"lending limit {_limit(team['lending_limit_workers'])}, weight {team['weight']:g}")
     return 0
+
+
+def _teams_quota(args: argparse.Namespace) -> int:
+    quotas = {}
+    for item in args.quotas:
+        resource, nominal, borrow, lend = _quota_arg(item)
+        quotas[resource] = {"nominal": nominal, "borrowing_limit": borrow, "lending_limit": lend}
+    team = _client(args).set_quotas(args.name, args.flavor, quotas)
+    mine = [q for q in team["quotas"] if q["flavor"] == args.flavor]
+    print(f"team {team['name']} on {args.flavor}: " + (", ".join(_quota(q) for q in mine) or
+                                                       "no quota (nominal 0, borrowing from its cohort)"))
+    return 0
+
+
+def _quota_arg(item: str) -> tuple[str, float, Optional[float], Optional[float]]:
+    """RESOURCE=NOMINAL[/BORROW[/LEND]] ('-' for no limit)."""
+    from raytrain_sys.errors import UserError
+
+    resource, _, amounts = item.partition("=")
+    parts = amounts.split("/")
+    try:
+        if not resource or not amounts or len(parts) > 3:
+            raise ValueError
+        values = [None if p.strip() in ("-", "") and i else float(p) for i, p in enumerate(parts)]
+    except ValueError:
+        raise UserError(f"teams quota: got {item!r}; each quota is RESOURCE=NOMINAL[/BORROW[/LEND]], e.g. cpu=32 "
+                        f"or gpu=4/2/0 ('-': no limit)") from None
+    values += [None] * (3 - len(values))
+    return resource.strip(), values[0], values[1], values[2]
+
+
+def _quota(q: dict) -> str:
+    return f"{q['resource']} {q['nominal']:g}/{_limit(q['borrowing_limit'])}/{_limit(q['lending_limit'])}"
+
+
+# ----------------------------------------------------------------------------- flavors
+
+
+def _flavors_list(args: argparse.Namespace) -> int:
+    flavors = _client(args).flavors()
+    if not flavors:
+        print("no flavor table: one implicit flavor counts workers of any shape on any node, with each team's "
+              "nominal_workers as its quota")
+        return 0
+    _table(("FLAVOR", "MARKET", "ACCELERATOR", "COUNTS", "USD/H (CPU, GPU, GB)", "CEILING", "CAPACITY"),
+           [(f["name"], f["market"], f["accelerator"] or "-", ",".join(f["resources"]),
+             f"{f['usd_per_cpu_hour']:g}, {f['usd_per_gpu_hour']:g}, {f['usd_per_memory_gb_hour']:g}",
+             _amounts({"cpu": f["max_cpu"], "gpu": f["max_gpu"], "memory_gb": f["max_memory_gb"]}),
+             _amounts(f["capacity"] or {})) for f in flavors])
+    return 0
+
+
+def _flavors_set(args: argparse.Namespace) -> int:
+    flavors = _client(args).set_flavors(read_flavor_file(args.file))
+    print(f"flavor table set: {', '.join(f['name'] for f in flavors) or 'empty (the implicit flavor)'}")
+    return 0
+
+
+def read_flavor_file(path: str) -> list[dict]:
+    """A flavor table from YAML: a list of flavors, or a mapping with the list under ``flavors``."""
+    import yaml
+
+    from raytrain_sys.errors import UserError
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise UserError(f"cannot read the flavor table {path}: {exc}") from None
+    if isinstance(data, dict):
+        data = data.get("flavors")
+    if not isinstance(data, list) or not all(isinstance(f, dict) for f in data):
+        raise UserError(f"{path}: a flavor table is a YAML list of flavors (name, market, accelerator, resources, "
+                        f"usd_per_cpu_hour, ...), or a mapping with that list under 'flavors'")
+    return data
+
+
+def _amounts(values: dict) -> str:
+    shown = [f"{k} {v:g}" for k, v in values.items() if v is not None]
+    return ", ".join(shown) or "-"
 
 
 def _teams_token(args: argparse.Namespace) -> int:
@@ -338,8 +441,19 @@ def _workers(job: dict) -> str:
     return str(lo) if lo == hi else f"{lo}..{hi}"
 
 
-def _limit(value: Optional[int]) -> str:
-    return "-" if value is None else str(value)
+def _limit(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _shape(job: dict) -> str:
+    """What one worker asks: CPUs, GPUs (their type), memory, market."""
+    parts = [f"{job.get('cpus_per_worker', 1):g} CPU"]
+    if job.get("gpus_per_worker"):
+        parts.append(f"{job['gpus_per_worker']:g} {job.get('accelerator') or 'GPU'}")
+    if job.get("memory_per_worker_gb"):
+        parts.append(f"{job['memory_per_worker_gb']:g} GB")
+    market = job.get("market") or "any"
+    return " + ".join(parts) + ("" if market == "any" else f", {market}")
 
 
 def _cut(text: str, width: int) -> str:

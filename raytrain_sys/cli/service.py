@@ -51,6 +51,17 @@ def add_parser(sub) -> None:
                             "placed or not starting) goes back to the queue, saying why (default 600)")
     start.add_argument("--max-start-returns", type=int, default=None,
                        help="starts given up in a row before the job fails with the reason (default 3)")
+    start.add_argument("--flavors", default=None, metavar="FILE",
+                       help="the flavor table (kinds of node, their prices and ceilings: a YAML list, docs/SERVICE.md), "
+                            "replacing the store's; default: the store's (`raytrain-sys flavors set` changes it)")
+    start.add_argument("--autoscaling", action="store_true",
+                       help="admit against what the worker groups can reach (a flavor's max_*, --max-cluster-workers, "
+                            "else Ray's cluster config) and ask Ray's autoscaler for what the queue needs")
+    start.add_argument("--max-cluster-workers", type=int, default=None,
+                       help="with --autoscaling and no flavor table: the worker slots the cluster can reach")
+    start.add_argument("--provisioning-timeout-min", type=float, default=None,
+                       help="with --autoscaling: how long a job admitted against capacity being provisioned waits "
+                            "for its nodes before it goes back to the queue (default 10)")
     start.set_defaults(func=_cmd_start)
     stop = cmds.add_parser("stop", help="stop the service (running jobs train on; the next start re-attaches)")
     stop.set_defaults(func=_cmd_stop)
@@ -91,12 +102,27 @@ def _cmd_start(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts, package_retention_s=args.package_retention_days * 86400.0,
         **{k: v for k, v in (("start_stall_s", args.start_stall_s), ("max_start_returns", args.max_start_returns))
            if v is not None},
-        **({} if args.warm_workers is None else {"warm_workers_per_node": args.warm_workers}))
+        **({} if args.warm_workers is None else {"warm_workers_per_node": args.warm_workers}),
+        **_flavor_config(args))
     info = _report(handle, "already running" if running else "started", new_store=new_store)
     if running and info is not None and (info["port"] != args.port or info["db"] != mask_url(db_url)):
         print(f"note: the running service keeps its own store and port; `raytrain-sys service stop` first "
               f"to start one on {mask_url(db_url)}, port {args.port}")
     return 0 if info is not None and not info["api_problem"] else 1
+
+
+def _flavor_config(args: argparse.Namespace) -> dict:
+    """The flavor table and autoscaling options ``service start`` passes on (only those given)."""
+    from raytrain_sys.cli.jobs import read_flavor_file
+
+    config = {"flavors": read_flavor_file(args.flavors)} if args.flavors else {}
+    if args.autoscaling:
+        config["autoscaling"] = True
+    if args.max_cluster_workers is not None:
+        config["max_cluster_workers"] = args.max_cluster_workers
+    if args.provisioning_timeout_min is not None:
+        config["provisioning_timeout_s"] = args.provisioning_timeout_min * 60.0
+    return config
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:

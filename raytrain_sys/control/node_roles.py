@@ -1,6 +1,7 @@
 """The names a cluster config gives its nodes, defined once: safe nodes, readers, flavors.
 
-Owns: the custom resource that marks a node safe for the service's control actors, the one
+Owns: the custom resource that marks a node safe for the service's control actors (and the
+one decision of where those actors go, ``control_placement``), the one
 that marks a CPU node for read tasks, and how a node's flavor (spot or on-demand, and which
 accelerator) is written as Ray node labels. The cluster configs (``cluster_configs/``: the
 KubeRay manifests and the AWS launcher configs) give nodes these names, the scheduler reads
@@ -32,7 +33,7 @@ custom resource for "how many of these may share a node" (the control actors).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 # Safe (non-preemptible) nodes: the head and the control group. Large, so that every control
 # actor (the service, runners, spare runners) asks a small share: 1000 control actors a node.
@@ -99,3 +100,30 @@ def is_safe(resources: Mapping[str, float], labels: Mapping[str, str]) -> bool:
     """A node the service may put its control actors on: it offers CONTROL_RESOURCE, and no
     label says it is spot (a config that marks a spot node safe contradicts itself)."""
     return resources.get(CONTROL_RESOURCE, 0) > 0 and labels.get(MARKET_LABEL) != SPOT
+
+
+@dataclass(frozen=True)
+class ControlPlacement:
+    """Where the service's control actors go: ``options`` to create one with (``.options(**)``),
+    how many safe nodes the cluster has, and ``where`` in words (``service status``)."""
+
+    options: dict
+    safe_nodes: int
+    where: str
+
+
+def control_placement(nodes: Iterable[tuple[Mapping[str, float], Mapping[str, str]]]) -> ControlPlacement:
+    """The one decision of where control actors run, from the alive nodes' (resources, labels):
+    on safe nodes (``is_safe``) when the cluster has any, asking ``CONTROL_ASK`` of
+    ``CONTROL_RESOURCE`` and selecting no spot node (so that a config that gives a spot node the
+    resource by mistake still gets no control actor there); anywhere when it has none (a
+    laptop, a test cluster, a config that predates node roles), which works as before."""
+    safe = sum(1 for resources, labels in nodes if is_safe(resources, labels))
+    if safe:
+        return ControlPlacement({"resources": {CONTROL_RESOURCE: CONTROL_ASK},
+                                 "label_selector": {MARKET_LABEL: f"!{SPOT}"}}, safe,
+                                f"safe nodes only: {safe} node{'' if safe == 1 else 's'} "
+                                f"offer{'s' if safe == 1 else ''} {CONTROL_RESOURCE}")
+    return ControlPlacement({}, 0, f"any node: none offers {CONTROL_RESOURCE} (a laptop or a test cluster; "
+                                   f"on a cluster with spot nodes, give the head or a control group "
+                                   f"{CONTROL_RESOURCE}, see cluster_configs/README.md)")

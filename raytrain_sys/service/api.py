@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import dataclasses
 import logging
 import os
 import re
@@ -62,10 +63,11 @@ from starlette.concurrency import run_in_threadpool
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError, quote
 from raytrain_sys.service import auth, door, packages, requests
-from raytrain_sys.service.model import (JOB_NAME_MAX_CHARS, JOB_NAME_PATTERN, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS,
-                                        NAME_MAX_CHARS, NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES,
-                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, JobRecord, JobState, Team, WaitCause,
-                                        name_problem, team_ref_problem)
+from raytrain_sys.service.model import (ACCELERATOR_PATTERN, DEFAULT_FLAVOR, JOB_NAME_MAX_CHARS, JOB_NAME_PATTERN,
+                                        MARKETS, MAX_AMOUNT, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS, NAME_MAX_CHARS,
+                                        NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES, RESOURCES,
+                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, FlavorQuota, JobRecord, JobState,
+                                        ResourceFlavor, Team, WaitCause, name_problem, team_ref_problem)
 from raytrain_sys.service.store import Principal, Store
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ OVERRIDE_MAX_CHARS = 4096  # one "dotted.key=value": a long path or list, not a 
 ONE_LINE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"  # no control characters: a reason stays one line in every log
 OVERRIDE_PATTERN = r"^[^=\x00-\x1f\x7f-\x9f]+=[^\x00-\x1f\x7f-\x9f]*$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+MAX_FLAVORS = 64  # a flavor table: a kind of node each (market x accelerator type); far more than any cluster has
 BEARER = HTTPBearer(auto_error=False, description="a service token: 'Authorization: Bearer rts_...' "
                                                   "(service init-admin; teams token NAME)")
 
@@ -143,6 +146,15 @@ SpecIn = Annotated[Any, _held_to(_spec_problem), WithJsonSchema({
     "anyOf": [{"type": "object", "description": "the spec's sections (docs/spec_reference.md)"},
               {"type": "string", "maxLength": door.JSON_BODY_MAX_BYTES, "description": "its YAML or JSON text"}],
     "description": "the job spec: a mapping, or its YAML text"})]
+FlavorName = Annotated[str, _held_to(lambda v: name_problem(v, "flavor name") or (
+    f"got {quote(v)}; reserved: the service's flavor when it has no table" if v == DEFAULT_FLAVOR else None)),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": NAME_MAX_CHARS, "pattern": NAME_PATTERN,
+                    "not": {"enum": [DEFAULT_FLAVOR]},
+                    "description": f"a flavor of the service's table: {NAME_RULE}; not {DEFAULT_FLAVOR}"})]
+Resource = Annotated[str, _held_to(lambda v: None if v in RESOURCES else f"got {quote(v)}; one of {', '.join(RESOURCES)}"),
+                     WithJsonSchema({"type": "string", "enum": list(RESOURCES),
+                                     "description": "what a quota counts: workers, or per worker cpu, gpu, memory_gb"})]
+Amount = Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)]
 JobId = Annotated[int, PathParam(ge=1, le=MAX_JOB_ID, description="a job's id")]
 Workers = Annotated[int, Field(ge=0, le=MAX_WORKERS)]
 Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT, allow_inf_nan=False)]
@@ -212,6 +224,13 @@ class JobOut(BaseModel):
     wait_cause_since_s: Optional[float] = Field(description="since when that cause holds (null with wait_cause)")
     start_returns: int = Field(description="starts given up in a row (back to the queue, saying why); it fails "
                                            "past the service's max_start_returns; 0 again once it runs")
+    cpus_per_worker: float = Field(description="what one worker asks (its spec's resources): CPUs")
+    gpus_per_worker: float
+    memory_per_worker_gb: float
+    accelerator: str = Field(description="the GPU type its workers need; empty: any")
+    market: str = Field(description="spot, on-demand or any")
+    flavor: Optional[str] = Field(description="the flavor its workers run on (set when admitted; 'default' for a "
+                                              "service with no flavor table); null while it waits")
     spec: Optional[str] = Field(None, description="the validated spec as stored: JSON text, local paths absolute (GET /v1/jobs/{id} only)")
 
     @classmethod
@@ -259,17 +278,88 @@ class TeamUpdateIn(_Body):
     weight: Weight = Field(None, json_schema_extra=_no_default)
 
 
+class QuotaOut(BaseModel):
+    flavor: str
+    resource: str
+    nominal: float
+    borrowing_limit: Optional[float] = Field(description="null: as much as the cohort lends")
+    lending_limit: Optional[float] = Field(description="null: lends all of its nominal quota")
+
+
 class TeamOut(BaseModel):
     name: str
-    nominal_workers: int
+    nominal_workers: int = Field(description="its quota of workers on a service with no flavor table")
     cohort: Optional[str]
     borrowing_limit_workers: Optional[int]
     lending_limit_workers: Optional[int]
     weight: float
+    quotas: list[QuotaOut] = Field(description="its quota per flavor and resource (a flavor table's; a resource "
+                                               "of a flavor not listed: nominal 0, borrowing from its cohort)")
 
     @classmethod
     def of(cls, team: Team) -> "TeamOut":
-        return cls(**{name: getattr(team, name) for name in cls.model_fields})
+        fields = {name: getattr(team, name) for name in cls.model_fields if name != "quotas"}
+        return cls(**fields, quotas=[QuotaOut(**dataclasses.asdict(q)) for q in team.quotas])
+
+
+class QuotaIn(_Body):
+    field_prefix: ClassVar[str] = "quota."
+    resource: Resource
+    nominal: Amount = Field(description="guaranteed amount: workers, CPUs, GPUs or GB")
+    borrowing_limit: Optional[Amount] = Field(None, description="null: as much as the cohort lends")
+    lending_limit: Optional[Amount] = Field(None, description="null: lends all of its nominal quota; at most nominal")
+
+
+class QuotasIn(_Body):
+    """A team's quotas on one flavor, each resource once; an empty list clears them."""
+
+    quotas: list[QuotaIn] = Field(max_length=len(RESOURCES), json_schema_extra={"uniqueItems": True})
+
+
+class FlavorIn(_Body):
+    field_prefix: ClassVar[str] = "flavor."
+    name: FlavorName
+    market: str = Field(pattern=f"^({'|'.join(MARKETS)})$", description="Ray's ray.io/market-type label of its nodes")
+    accelerator: str = Field("", max_length=64, pattern=f"^$|{ACCELERATOR_PATTERN}",
+                             description="Ray's ray.io/accelerator-type label of its nodes (A10G, H100...); empty: "
+                                         "CPU nodes")
+    resources: list[Resource] = Field(["cpu", "gpu"], min_length=1, max_length=len(RESOURCES),
+                                      json_schema_extra={"uniqueItems": True},
+                                      description="what team quotas count on it (each once)")
+    usd_per_cpu_hour: Amount = 0.0
+    usd_per_gpu_hour: Amount = 0.0
+    usd_per_memory_gb_hour: Amount = 0.0
+    max_cpu: Optional[Amount] = Field(None, description="autoscaling: the most CPUs its node groups reach; null: "
+                                                        "Ray's cluster config, else what is up")
+    max_gpu: Optional[Amount] = None
+    max_memory_gb: Optional[Amount] = None
+
+
+class FlavorsIn(_Body):
+    """The whole flavor table, in its order of preference (a job of any market tries the first
+    first); an empty list: the service's implicit flavor (workers, any node)."""
+
+    flavors: list[FlavorIn] = Field(max_length=MAX_FLAVORS)
+
+
+class FlavorOut(BaseModel):
+    name: str
+    market: str
+    accelerator: str
+    resources: list[str]
+    usd_per_cpu_hour: float
+    usd_per_gpu_hour: float
+    usd_per_memory_gb_hour: float
+    max_cpu: Optional[float]
+    max_gpu: Optional[float]
+    max_memory_gb: Optional[float]
+    capacity: Optional[dict[str, float]] = Field(description="what the scheduler may give out now per resource "
+                                                             "(with autoscaling: the ceiling); null: not known here")
+
+    @classmethod
+    def of(cls, flavor: ResourceFlavor, capacity: Optional[dict[str, float]]) -> "FlavorOut":
+        fields = {name: getattr(flavor, name) for name in cls.model_fields if name != "capacity"}
+        return cls(**fields | {"resources": list(flavor.resources)}, capacity=capacity)
 
 
 class TokenOut(BaseModel):
@@ -333,14 +423,17 @@ REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
 def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
                base_dir: Optional[str] = None,
-               progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> FastAPI:
+               progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+               capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> FastAPI:
     """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
-    writes them; None: the store's log directory, ``Store.log_dir``, which a given one replaces). ``cluster_workers`` (a number, or a function returning the current one) also
-    rejects a submit whose min_workers the cluster could never hold; None: quotas only.
+    writes them; None: the store's log directory, ``Store.log_dir``, which a given one replaces).
+    ``cluster_workers`` (a number, or a function returning the current one) also rejects a
+    submit whose min_workers the cluster could never hold; None: quotas only.
     ``base_dir``: where a submitted spec's relative paths point (default: this process's working
     directory; the runner runs elsewhere, so they are stored absolute). ``progress``: a job's
     live numbers for the jobs page (``service/progress.ProgressSource`` in the service); None:
-    the page lists the jobs without them."""
+    the page lists the jobs without them. ``capacity``: each flavor's ceiling per resource (the
+    service's), for the submit check and ``GET /v1/flavors``; None: quotas only."""
     log_root = Path(store.log_dir(os.fspath(log_dir) if log_dir is not None else ""))
     auth.install_log_redaction()
     app = FastAPI(title="raytrain-sys job service", version="1",
@@ -405,7 +498,8 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
             auth.check_team(who, team, "jobs")
         job = requests.submit(store, team=team, spec=body.spec, overrides=body.overrides, by=who.name,
                               priority=body.priority, name=body.name or "", base_dir=base_dir, package=body.package,
-                              cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers)
+                              cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers,
+                              capacity=capacity() if capacity is not None else None)
         log.info("job %d submitted by %s for team %s (%d..%d workers)", job.id, who.name, team,
                  job.min_workers, job.max_workers)
         return JobOut.of(job)
@@ -568,6 +662,38 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
             team = store.update_team(Team(**merged))
         return TeamOut.of(team)
 
+    @app.put(f"{API_PREFIX}/teams/{{name}}/quotas/{{flavor}}", response_model=TeamOut, tags=["teams"])
+    def set_quotas(name: Annotated[TeamRef, PathParam()], flavor: Annotated[FlavorName, PathParam()],
+                   body: QuotasIn, who: Principal = Depends(principal)) -> TeamOut:
+        """Replace the team's quotas on one flavor of the table (each resource it counts once; an
+        empty list clears them: nominal 0 there, borrowing from its cohort)."""
+        with audited(who, "set_quotas", f"team {name} on {flavor}"):
+            auth.check_admin(who, "setting a team's quotas")
+            _team_or_404(store, name)
+            team = store.set_quotas(name, flavor, [FlavorQuota(flavor, q.resource, q.nominal, q.borrowing_limit,
+                                                               q.lending_limit) for q in body.quotas])
+        return TeamOut.of(team)
+
+    # ------------------------------------------------------------------ flavors
+
+    @app.get(f"{API_PREFIX}/flavors", response_model=list[FlavorOut], tags=["flavors"])
+    def list_flavors(who: Principal = Depends(principal)) -> list[FlavorOut]:
+        """The service's flavor table, in its order, each with its capacity now (any token: a
+        team writes its specs' resources.market and accelerator_type for these)."""
+        caps = capacity() if capacity is not None else {}
+        return [FlavorOut.of(f, caps.get(f.name)) for f in store.flavors()]
+
+    @app.put(f"{API_PREFIX}/flavors", response_model=list[FlavorOut], tags=["flavors"])
+    def set_flavors(body: FlavorsIn, who: Principal = Depends(principal)) -> list[FlavorOut]:
+        """Replace the flavor table (admin). A flavor live jobs run on cannot be removed (400
+        naming them)."""
+        with audited(who, "set_flavors", f"{len(body.flavors)} flavors"):
+            auth.check_admin(who, "setting the flavor table")
+            table = store.set_flavors([ResourceFlavor(**f.model_dump() | {"resources": tuple(f.resources)})
+                                       for f in body.flavors])
+        caps = capacity() if capacity is not None else {}
+        return [FlavorOut.of(f, caps.get(f.name)) for f in table]
+
     @app.post(f"{API_PREFIX}/teams/{{name}}/tokens", response_model=TokenOut, status_code=201, tags=["teams"])
     def issue_token(name: Annotated[TeamRef, PathParam()], who: Principal = Depends(principal)) -> TokenOut:
         """A new token for the team, returned once (only its hash is kept)."""
@@ -634,12 +760,14 @@ def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
           log_dir: Union[str, os.PathLike, None] = None,
           cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
           base_dir: Optional[str] = None,
-          progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> ServiceHandle:
+          progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+          capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> ServiceHandle:
     """Run the API with uvicorn on a background thread (port 0: a free one) and return once it
     accepts connections. The socket is bound here, so a port in use fails in the caller."""
     import uvicorn
 
-    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers, base_dir=base_dir, progress=progress)
+    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers, base_dir=base_dir, progress=progress,
+                     capacity=capacity)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (0 does
     # not), and without it a response's body waits for the client's delayed ACK of its headers

@@ -208,6 +208,24 @@ class Client:
         _refuse("team.cohort", fields.get("cohort") is not None and name_problem(fields["cohort"], "cohort name"))
         return self._json("PUT", _team_path(name), fields)
 
+    def set_quotas(self, team: str, flavor: str, quotas: dict[str, Any]) -> dict:
+        """Replace ``team``'s quotas on ``flavor``: resource -> nominal, or -> {"nominal": ...,
+        "borrowing_limit": ..., "lending_limit": ...}; {} clears them. Returns the team."""
+        _refuse("quota.flavor", name_problem(flavor, "flavor name"))
+        body = [{"resource": r, **(q if isinstance(q, dict) else {"nominal": q})} for r, q in quotas.items()]
+        return self._json("PUT", f"{_team_path(team)}/quotas/{urllib.parse.quote(flavor, safe='')}", {"quotas": body})
+
+    # ------------------------------------------------------------------ flavors
+
+    def flavors(self) -> list[dict]:
+        """The service's flavor table, each flavor with its capacity now (any token)."""
+        return self._json("GET", "/v1/flavors")
+
+    def set_flavors(self, flavors: list[dict]) -> list[dict]:
+        """Replace the flavor table (admin token): a list of {name, market, accelerator, resources,
+        usd_per_cpu_hour, ..., max_cpu, ...}, in order of preference; [] goes back to no table."""
+        return self._json("PUT", "/v1/flavors", {"flavors": list(flavors)})
+
     def issue_token(self, team: str) -> str:
         """A new token for ``team``: the only time it is shown."""
         return self._json("POST", f"{_team_path(team)}/tokens")["token"]

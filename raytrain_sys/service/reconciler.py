@@ -20,9 +20,10 @@ One pass (``run_once``), in order:
    user holds -> pausing. A stop that does not land within ``stop_deadline_s`` is made hard by
    killing the runner (its workers and placement groups die with it), but a pause never kills
    a job that has no committed checkpoint: it keeps waiting, and says so.
-4. **Decide and act**: ``decide(store.snapshot(cluster_workers), now)``; each action is logged
-   with its reason and carried out as **intent first, then act**: Admit writes starting (or
-   resuming) before the runner is created; Shrink/Grow write the new target before
+4. **Decide and act**: ``decide(store.snapshot(cluster_workers, flavor_states), now)``; each
+   action is logged with its reason and carried out as **intent first, then act**: Admit writes
+   starting (or resuming), with the flavor it was admitted on, before the runner is created (its
+   launch sets the flavor's node labels and price in the run's spec: ``launch_overrides``); Shrink/Grow write the new target before
    ``runner.resize``; Pause writes pausing before ``runner.pause``. A pass that dies between
    the two leaves the intent, and the next pass (of this service or a restarted one) finishes
    it: a starting job with no runner gets one (only when ``find_runner`` finds none; a named
@@ -32,6 +33,9 @@ One pass (``run_once``), in order:
    make one at the same moment. After the actions, spare runners are started ahead
    up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
    The snapshot also feeds the queue and quota gauges per team (``monitor.metrics.ServiceMetrics``).
+   With autoscaling on, the pass ends by asking Ray's autoscaler for the queue's demand
+   (``autoscale.demand``: every admitted job at its target, the head of the queue per flavor),
+   only when it changed, and clearing it when nothing waits (``_ask_autoscaler``).
 5. **Say why**: every job not running yet has a wait reason (``WaitCause`` and a sentence): a
    queued or paused job the scheduler's ``Wait``, a starting or resuming job the step its runner
    reports (``service/starts.py``). They are written in one ``store.note_waits`` a pass, only
@@ -69,11 +73,11 @@ import ray
 from raytrain_sys.control.spares import end_spares_of
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
-from raytrain_sys.service import packages
+from raytrain_sys.service import autoscale, packages
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service import starts
-from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
-                                        Shrink, TransitionNotAllowed, Wait, WaitCause)
+from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState, Grow, JobRecord, JobState, Pause,
+                                        ResourceFlavor, Shrink, TransitionNotAllowed, Wait, WaitCause)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
 
@@ -117,6 +121,13 @@ class ReconcilerConfig:
     # Starts given up in a row before the job fails with the reason: a job the cluster cannot
     # start never bounces between queued and starting forever; 3 rides out a busy spell.
     max_start_returns: int = 3
+    # A start admitted against capacity being provisioned (autoscaling) waits this long for its
+    # nodes before it is given up: 10 minutes, where a cloud VM's boot, image pull and Ray's join
+    # take 2-5 (a GPU node's drivers more); its run's own placement bound is set to it at launch.
+    provisioning_timeout_s: float = 600.0
+    # Ask Ray's autoscaler for the queue's demand after each pass (service/autoscale.py); the
+    # scheduler then admits against the ceiling (service/capacity.py). Off: a fixed cluster.
+    autoscaling: bool = False
 
     def __post_init__(self) -> None:
         if not self.start_stall_s > 0:
@@ -124,6 +135,9 @@ class ReconcilerConfig:
         if isinstance(self.max_start_returns, bool) or not isinstance(self.max_start_returns, int) \
                 or self.max_start_returns < 0:
             raise ServiceInputError("max_start_returns", f"got {self.max_start_returns!r}; must be an integer >= 0")
+        if not self.provisioning_timeout_s > 0:
+            raise ServiceInputError("provisioning_timeout_s",
+                                    f"got {self.provisioning_timeout_s!r}; must be a number of seconds > 0")
 
 
 @dataclass
@@ -138,10 +152,20 @@ class _Seen:
 
 class Reconciler:
     def __init__(self, store: Store, config: ReconcilerConfig, cluster_workers: Callable[[], int],
-                 step_hook: Optional[Callable] = None, clock: Callable[[], float] = time.time):
+                 step_hook: Optional[Callable] = None, clock: Callable[[], float] = time.time,
+                 flavor_states: Optional[Callable[[tuple[ResourceFlavor, ...]], tuple[FlavorState, ...]]] = None,
+                 request_resources: Optional[Callable[[list, Optional[list]], None]] = None):
         self.store = store
         self.config = config
         self.cluster_workers = cluster_workers
+        # The capacity of each flavor of the table (service/capacity.py); None: the implicit
+        # flavor of cluster_workers, and a table's flavors of unknown capacity (quotas only).
+        self.flavor_states = flavor_states
+        self._table: dict[str, ResourceFlavor] = {}  # the flavor table as this pass read it
+        # Ray's autoscaler SDK (bundles, label selectors); a test may watch the calls.
+        self.request_resources = request_resources or _request_resources
+        self.requested: Optional[autoscale.Request] = None  # the last request Ray accepted
+        self.requested_at_s: Optional[float] = None
         self.step_hook = step_hook
         self.clock = clock
         self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
@@ -161,6 +185,7 @@ class Reconciler:
     # ------------------------------------------------------------------ one pass
     def run_once(self) -> list[Action]:
         now = self.clock()
+        self._table = {f.name: f for f in self.store.flavors()}  # before any launch: a job's flavor
         jobs = self.store.jobs(states=LIVE_STATES)
         self._notes = {}
         self.metrics.waiting(jobs)  # the reasons as the last pass wrote them
@@ -178,7 +203,7 @@ class Reconciler:
         for job_id in list(self._handles):
             if job_id not in {j.id for j in jobs}:
                 self._forget(job_id)
-        snapshot = self.store.snapshot(self.cluster_workers())
+        snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states())
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())
         states = {j.id: j.state for j in snapshot.jobs}
@@ -190,11 +215,34 @@ class Reconciler:
             if isinstance(action, Wait):
                 self._notes[action.job_id] = (states[action.job_id], action.cause, action.reason)
         self.store.note_waits(self._notes, now_s=self.clock())
+        self._ask_autoscaler(snapshot, actions)
         self._keep_spare_runners()
         self._delete_cancelled_checkpoints()
         self._prune_packages()
         self.passes += 1
         return actions
+
+    def _ask_autoscaler(self, snapshot, actions: list[Action]) -> None:
+        """With autoscaling: ask Ray's autoscaler for the queue's demand (``autoscale.demand``),
+        when it changed; clear it when nothing waits. A failure is logged and asked again next pass."""
+        if not self.config.autoscaling:
+            return
+        request = autoscale.demand(snapshot, actions)
+        if request == self.requested:
+            return
+        try:
+            self.request_resources(request.bundle_dicts(), request.selector_dicts())
+        except Exception as exc:  # noqa: BLE001: the GCS briefly away: the next pass asks again
+            log.warning("could not ask Ray's autoscaler (asked again next pass): %s", exc)
+            return
+        self.requested, self.requested_at_s = request, self.clock()
+        log.info("asked Ray's autoscaler for %s", request.describe())
+
+    def _flavor_states(self) -> tuple[FlavorState, ...]:
+        table = tuple(self._table.values())
+        if self.flavor_states is not None:
+            return self.flavor_states(table)
+        return tuple(FlavorState(f, ()) for f in table)
 
     # ------------------------------------------------------------------ code packages
     def _prune_packages(self) -> None:
@@ -421,7 +469,8 @@ class Reconciler:
             self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; stopped {at}", workers=0, target_workers=0, **ids)
         elif result.get("error_type") == "ClusterCapacityError" and job.state in STARTS:
-            self._give_up(job, starts.give_up(self._start_view(job, self.clock()), WaitCause.PLACEMENT,
+            cause = WaitCause.PROVISIONING if job.wait_cause is WaitCause.PROVISIONING else WaitCause.PLACEMENT
+            self._give_up(job, starts.give_up(self._start_view(job, self.clock()), cause,
                                               f"could not be placed: {why}", self.config.max_start_returns))
         elif job.state is JobState.CANCELLING:
             self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
@@ -477,7 +526,8 @@ class Reconciler:
                                     workers=0, target_workers=workers,
                                     reason=f"{lost}; restarting {where} on {workers} workers (restart "
                                            f"{job.restarts + 1} of {self.config.max_restarts})",
-                                    **(self._admitted(workers) if job.state.pending else {}))
+                                    **(self._admitted(workers, job.wait_cause is WaitCause.PROVISIONING)
+                                       if job.state.pending else {}))
         self._watching.pop(job.id, None)
         log.warning("job %d: %s", job.id, job.message)
         self._launch(job, workers, job.message, resume=True)
@@ -496,7 +546,8 @@ class Reconciler:
             resume = job.state is JobState.PAUSED
             to = JobState.RESUMING if resume else JobState.STARTING
             job = self.store.transition(job.id, job.state, to, actor=SCHEDULER, reason=action.reason,
-                                        workers=0, target_workers=action.workers, **self._admitted(action.workers))
+                                        workers=0, target_workers=action.workers, flavor=action.flavor,
+                                        **self._admitted(action.workers, action.provisioning))
             self._launch(job, action.workers, action.reason, resume=resume)
         elif isinstance(action, (Grow, Shrink)):
             verb = "grow" if isinstance(action, Grow) else "shrink"
@@ -512,9 +563,12 @@ class Reconciler:
             raise TypeError(f"unknown scheduler action {action!r}")
 
     # ------------------------------------------------------------------ starts
-    @staticmethod
-    def _admitted(workers: int) -> dict:
-        """A new start's wait reason, written with its transition (the intent)."""
+    def _admitted(self, workers: int, provisioning: bool = False) -> dict:
+        """A new start's wait reason, written with its transition (the intent): its runner is
+        starting, or (admitted against capacity being provisioned) its nodes are coming."""
+        if provisioning:
+            return {"wait_cause": WaitCause.PROVISIONING,
+                    "wait_reason": starts.admitted_reason(workers, self.config.provisioning_timeout_s)}
         return {"wait_cause": WaitCause.RUNNER_START, "wait_reason": starts.admitted_reason(workers)}
 
     def _start_view(self, job: JobRecord, now: float) -> starts.StartView:
@@ -528,7 +582,7 @@ class Reconciler:
         """Note why a start is not running yet (``step``: its runner's, None when it did not
         answer), or give it up (``starts.watch_start``)."""
         outcome = starts.watch_start(self._start_view(job, now), step, now, self.config.start_stall_s,
-                                     self.config.max_start_returns)
+                                     self.config.max_start_returns, self.config.provisioning_timeout_s)
         if isinstance(outcome, starts.GiveUp):
             # The act before the write, unlike an admission: a service that dies in between
             # leaves a starting job with no runner, which the next pass starts afresh; the other
@@ -555,7 +609,7 @@ class Reconciler:
         run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
                                 resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason,
-                                team=job.team, package=job.package or "")
+                                team=job.team, package=job.package or "", overrides=self.launch_overrides(job))
         self._make_tracking_store(job.id, spec, launch.tracking_uri)
         runtime_env = None
         if job.package:
@@ -586,6 +640,23 @@ class Reconciler:
             mt.ensure_store(tracking_uri)
         except UserError as exc:
             log.warning("job %d: its MLflow store is not ready (its start will say why): %s", job_id, exc)
+
+    def launch_overrides(self, job: JobRecord) -> tuple[str, ...]:
+        """What a launch sets in the job's spec (``Launch.overrides``): its flavor's node labels
+        (``ResourceFlavor.node_selector``: the workers' placement) and price per worker hour
+        (``ResourceFlavor.usd_per_worker_hour``: the run's cost per token, spot and on-demand priced
+        apart; an unpriced flavor leaves the spec's own price), and for a start admitted against
+        capacity being provisioned a placement bound of ``provisioning_timeout_s``."""
+        out = []
+        flavor = self._table.get(job.flavor or "")
+        if flavor is not None:
+            out += [f"{key}={value}" for key, value in flavor.node_selector().items()]
+            price = flavor.usd_per_worker_hour(job.shape)
+            if price > 0:
+                out.append(f"resources.cost_per_worker_hour={price!r}")
+        if job.wait_cause is WaitCause.PROVISIONING:
+            out.append(f"resources.start_timeout_s={self.config.provisioning_timeout_s!r}")
+        return tuple(out)
 
     def _handle(self, job_id: int):
         handle = self._handles.get(job_id) or runners.find_runner(job_id)
@@ -626,6 +697,14 @@ class Reconciler:
             if t.from_state is not job.state:
                 return t.at_s
         return job.updated_at_s
+
+
+def _request_resources(bundles: list, selectors: Optional[list]) -> None:
+    """``ray.autoscaler.sdk.request_resources``: the bundles the cluster should hold (a floor on
+    its size, replacing the last request; [] clears it), each with its label selector."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles, bundle_label_selectors=selectors)
 
 
 def checkpoint_root(spec: dict, mlflow_run_id: Optional[str]) -> str:

@@ -14,6 +14,7 @@ A start's steps, as the runner reports them, and the cause each one shows:
 =============  ================  =====================================================
 runner step    cause             what it waits for
 =============  ================  =====================================================
+(admitted)     provisioning      autoscaling: its nodes, until its workers are placed
 (no answer)    runner_start      its runner process (a Ray actor) to start and answer
 supervisor     runner_start      its runner to build the run (the spec; a resume's record)
 preparing      run_start         pre-flight checks, the Ray connection, the first data reads
@@ -21,6 +22,14 @@ placement      placement         the cluster to place its workers' slots (placem
 workers        worker_start      worker processes, the MLflow run, the process group, 1st batch
 restore        restore           its checkpoint to load (a resume)
 =============  ================  =====================================================
+
+A job admitted against capacity being provisioned (autoscaling: ``Admit.provisioning``) shows
+``provisioning`` from its admission until its workers are placed (the runner's steps up to
+``placement`` included: the nodes are coming), bounded by the service's
+``provisioning_timeout_s`` (minutes: a cloud's node start), never by ``start_stall_s``; its run
+waits as long for its placement (its ``resources.start_timeout_s`` is set to it at launch).
+Past it, the start is given up like any other (back to the queue, counted in
+``max_start_returns``): a job never bounces between queued and starting while its nodes come.
 
 "No progress" is a start that stays in one cause longer than ``start_stall_s``: the cause's
 since (stored with the job) or, when later, the moment this service began watching the start (a
@@ -44,6 +53,8 @@ STEP_CAUSES = {
     "restore": WaitCause.RESTORE,
 }
 BOUNDED = frozenset({WaitCause.RUNNER_START, WaitCause.RUN_START, WaitCause.PLACEMENT, WaitCause.WORKER_START})
+# The runner's steps before its workers are placed: a provisioning start stays "provisioning" through them.
+BEFORE_PLACED = frozenset({None, "supervisor", "preparing", "placement"})
 NO_ANSWER = "its runner has not answered yet (a Ray actor being created: its process starts and imports torch)"
 
 
@@ -78,9 +89,14 @@ class GiveUp:
     start_returns: int  # the job's count after this one
 
 
-def admitted_reason(workers: int) -> str:
-    """A just-admitted job's reason, written with its admission (its runner is being made)."""
-    return f"admitted on {workers} worker{'' if workers == 1 else 's'}: its runner is starting"
+def admitted_reason(workers: int, provisioning_timeout_s: Optional[float] = None) -> str:
+    """A just-admitted job's reason, written with its admission (its runner is being made); with
+    ``provisioning_timeout_s``: admitted against capacity being provisioned."""
+    n = f"{workers} worker{'' if workers == 1 else 's'}"
+    if provisioning_timeout_s is not None:
+        return (f"admitted on {n} against capacity being provisioned: waiting for the autoscaler's nodes "
+                f"(at most {provisioning_timeout_s / 60:g} min, provisioning_timeout_s)")
+    return f"admitted on {n}: its runner is starting"
 
 
 def step_reason(step: str, view: StartView, max_start_returns: int) -> Starting:
@@ -105,20 +121,25 @@ def step_reason(step: str, view: StartView, max_start_returns: int) -> Starting:
 
 
 def watch_start(view: StartView, step: Optional[str], now_s: float, start_stall_s: float,
-                max_start_returns: int) -> Union[Starting, GiveUp]:
+                max_start_returns: int, provisioning_timeout_s: float = 600.0) -> Union[Starting, GiveUp]:
     """How a start is going, given the step its runner reports (None: it did not answer this
     pass, so the stored reason stands): ``Starting`` with its reason, or ``GiveUp`` when it has
-    stayed in one bounded cause for ``start_stall_s``."""
-    if step is None:
+    stayed in one bounded cause for ``start_stall_s`` (``provisioning_timeout_s`` for
+    ``provisioning``, which lasts until its workers are placed)."""
+    if view.cause is WaitCause.PROVISIONING and step in BEFORE_PLACED:
+        now = Starting(WaitCause.PROVISIONING, view.reason or admitted_reason(view.workers, provisioning_timeout_s))
+    elif step is None:
         now = Starting(view.cause or WaitCause.RUNNER_START, view.reason or NO_ANSWER)
     else:
         now = step_reason(step, view, max_start_returns)
-    stalled = (now.cause in BOUNDED and now.cause is view.cause and view.since_s is not None
-               and now_s - view.since_s >= start_stall_s)
+    bound, name = ((provisioning_timeout_s, "provisioning_timeout_s") if now.cause is WaitCause.PROVISIONING
+                   else (start_stall_s, "start_stall_s"))
+    bounded = now.cause in BOUNDED or now.cause is WaitCause.PROVISIONING
+    stalled = bounded and now.cause is view.cause and view.since_s is not None and now_s - view.since_s >= bound
     if not stalled:
         return now
-    return give_up(view, now.cause, f"{now.reason}: no progress for {start_stall_s:g} s (start_stall_s)",
-                   max_start_returns)
+    what = "its nodes did not come" if now.cause is WaitCause.PROVISIONING else "no progress"
+    return give_up(view, now.cause, f"{now.reason}: {what} for {bound:g} s ({name})", max_start_returns)
 
 
 def give_up(view: StartView, cause: WaitCause, why: str, max_start_returns: int) -> GiveUp:

@@ -23,6 +23,9 @@ and upgraded only by the Alembic migrations, run when the store opens). Rules it
 * **Errors name their cause**: an unreachable database raises ``ServiceStoreError`` naming the
   URL with its password masked; bad input raises ``ServiceInputError`` naming the field, before
   anything is written.
+* **Flavors** (the service's table, ``flavors``) and each team's quota per flavor and
+  resource (``team_quotas``) are written whole and checked first: a quota names a flavor of the
+  table and a resource it counts; a flavor that live jobs run on is not removed from under them.
 * **Nothing out of bounds is written**, whoever asks (the API, the service actor, a script): a
   new team's name and a cohort follow ``model.NAME_RULE``, every count and priority is within
   ``model``'s bounds (well inside the 32-bit columns). A team made before the name rule is read,
@@ -50,11 +53,13 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceE
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, quote
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import (LIVE_STATES, MAX_WEIGHT, PRIORITY_LIMIT, AuditRecord, JobRecord,
-                                        JobState, Snapshot, Team, TransitionRecord, WaitCause, check_count,
-                                        check_team_name, job_name_problem, name_problem)
+from raytrain_sys.service.model import (DEFAULT_SHAPE, LIVE_STATES, MAX_WEIGHT, PRIORITY_LIMIT, AuditRecord,
+                                        FlavorQuota, FlavorState, JobRecord, JobState, ResourceFlavor, Snapshot, Team,
+                                        TransitionRecord, WaitCause, WorkerShape, check_count, check_flavor_table,
+                                        check_team_name, job_name_problem, name_problem, shape_refusal)
 from raytrain_sys.service.scheduler.quota import never_fits_reason
-from raytrain_sys.service.tables import audit, jobs, packages, store_meta, teams, tokens, transitions
+from raytrain_sys.service.tables import (audit, flavors, jobs, packages, store_meta, team_quotas, teams, tokens,
+                                         transitions)
 
 DEFAULT_URL = "sqlite:///raytrain-service.db"
 LOG_DIR_NAME = "raytrain-sys-logs"  # the default log directory's name, beside a SQLite store's file
@@ -67,7 +72,7 @@ CLAIM_ATTEMPTS = 5  # a claim that loses a race to another writer tries the next
 # The columns ``transition`` may set beside the state (everything else is fixed at submit).
 RUN_FIELDS = frozenset({"held", "delete_checkpoints", "workers", "target_workers", "restarts", "mlflow_run_id", "last_checkpoint_step",
                         "last_checkpoint_at_s", "started_at_s", "waiting_since_s", "wait_cause", "wait_reason",
-                        "start_returns"})
+                        "start_returns", "flavor"})
 WAIT_FIELDS = ("wait_cause", "wait_reason")  # set together; wait_cause_since_s is the store's
 
 
@@ -241,26 +246,89 @@ class Store:
 
     def teams(self) -> list[Team]:
         with self._tx() as conn:
-            return [_team(r) for r in conn.execute(select(teams).order_by(teams.c.name))]
+            return _teams(conn)
 
     def team(self, name: str) -> Team:
         with self._tx() as conn:
-            row = conn.execute(select(teams).where(teams.c.name == name)).first()
-        if row is None:
+            found = _teams(conn, name)
+        if not found:
             raise ServiceInputError("team", f"unknown team {quote(name)}")
-        return _team(row)
+        return found[0]
+
+    def set_quotas(self, team: str, flavor: str, quotas: Sequence[FlavorQuota], *,
+                   now_s: Optional[float] = None) -> Team:
+        """Replace ``team``'s quotas on ``flavor`` (none: it has nominal 0 there and borrows from its
+        cohort). ``flavor`` must be in the table and every resource one it counts."""
+        with self._tx() as conn:
+            if conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
+                raise ServiceInputError("team", f"unknown team {quote(team)}")
+            table = {f.name: f for f in _flavors(conn)}
+            if flavor not in table:
+                known = ", ".join(table) or "none: the service has no flavor table (flavors set)"
+                raise ServiceInputError("quota.flavor", f"got {quote(flavor)}; the service's flavors: {known}")
+            for i, q in enumerate(quotas):
+                if q.flavor != flavor:
+                    raise ServiceInputError(f"quotas[{i}].flavor", f"got {quote(q.flavor)}; this call sets {flavor}'s")
+                if q.resource not in table[flavor].resources:
+                    raise ServiceInputError(f"quotas[{i}].resource", f"got {quote(q.resource)}; {flavor} counts "
+                                                                     f"{', '.join(table[flavor].resources)}")
+            resources = [q.resource for q in quotas]
+            if len(set(resources)) != len(resources):
+                raise ServiceInputError("quotas", f"a resource twice in {quote(resources)}: one quota a resource")
+            conn.execute(delete(team_quotas).where(team_quotas.c.team == team, team_quotas.c.flavor == flavor))
+            for q in quotas:
+                conn.execute(insert(team_quotas).values(team=team, flavor=flavor, resource=q.resource,
+                                                        nominal=float(q.nominal),
+                                                        borrowing_limit=_float(q.borrowing_limit),
+                                                        lending_limit=_float(q.lending_limit)))
+            conn.execute(update(teams).where(teams.c.name == team).values(updated_at_s=_now(now_s)))
+            return _teams(conn, team)[0]
+
+    # ------------------------------------------------------------------ flavors
+
+    def flavors(self) -> tuple[ResourceFlavor, ...]:
+        """The service's flavor table, in its order (empty: the implicit flavor)."""
+        with self._tx() as conn:
+            return _flavors(conn)
+
+    def set_flavors(self, table: Sequence[ResourceFlavor]) -> tuple[ResourceFlavor, ...]:
+        """Replace the flavor table (``model.check_flavor_table``). A flavor that admitted live jobs
+        run on cannot be removed (``ServiceInputError`` on ``flavors`` naming them); quotas of a
+        removed flavor stay, and count again if it comes back."""
+        table = check_flavor_table(list(table))
+        names = {f.name for f in table}
+        with self._tx() as conn:
+            running = conn.execute(select(jobs.c.id, jobs.c.flavor).where(
+                jobs.c.state.in_([s.value for s in LIVE_STATES]), jobs.c.flavor.is_not(None))).all()
+            orphaned = sorted({(row.flavor, row.id) for row in running if row.flavor not in names | {"default"}})
+            if orphaned:
+                listed = ", ".join(f"job {job_id} on {flavor}" for flavor, job_id in orphaned[:10])
+                raise ServiceInputError("flavors", f"would remove flavors live jobs run on ({listed}): keep them "
+                                                   f"until those jobs end")
+            conn.execute(delete(flavors))
+            for position, f in enumerate(table):
+                conn.execute(insert(flavors).values(
+                    name=f.name, position=position, market=f.market, accelerator=f.accelerator,
+                    resources=",".join(f.resources), usd_per_cpu_hour=f.usd_per_cpu_hour,
+                    usd_per_gpu_hour=f.usd_per_gpu_hour, usd_per_memory_gb_hour=f.usd_per_memory_gb_hour,
+                    max_cpu=f.max_cpu, max_gpu=f.max_gpu, max_memory_gb=f.max_memory_gb))
+        return table
 
     # ------------------------------------------------------------------ jobs
 
     def submit(self, *, team: str, name: str, spec: str, min_workers: int, max_workers: Optional[int] = None,
                priority: int = 0, elastic: Optional[bool] = None, actor: str,
                idempotency_key: Optional[str] = None, cluster_workers: Optional[int] = None,
-               package: Optional[str] = None, now_s: Optional[float] = None) -> JobRecord:
-        """Queue a job. Rejects, naming the field and writing nothing: an unknown team, sizes out
-        of range, a min_workers the team could never get (its nominal quota plus borrowing
-        limit, bounded by its cohort and, when given, by ``cluster_workers``), a ``package``
-        the team has not uploaded. A repeated ``idempotency_key`` of the same team returns the
-        job it created first."""
+               package: Optional[str] = None, now_s: Optional[float] = None, shape: WorkerShape = DEFAULT_SHAPE,
+               capacity: Optional[dict[str, dict[str, float]]] = None) -> JobRecord:
+        """Queue a job of workers of ``shape``. Rejects, naming the field and writing nothing: an
+        unknown team, sizes out of range, a shape that fits no flavor of the table (on the spec's
+        field: ``resources.market``, ``resources.accelerator_type`` or
+        ``resources.gpus_per_worker``), a min_workers the team could never get on any flavor it
+        fits (its nominal quota plus borrowing limit, bounded by its cohort and, when given, by
+        the capacity: ``capacity`` per flavor and resource, or ``cluster_workers`` without a
+        table), a ``package`` the team has not uploaded. A repeated ``idempotency_key`` of the same
+        team returns the job it created first."""
         max_workers = min_workers if max_workers is None else max_workers
         check_count("elastic.min_workers", min_workers, low=1)
         check_count("elastic.max_workers", max_workers, low=min_workers,
@@ -274,10 +342,15 @@ class Store:
         now = _now(now_s)
         try:
             with self._tx() as conn:
-                all_teams = [_team(r) for r in conn.execute(select(teams))]
+                all_teams = _teams(conn)
                 if team not in {t.name for t in all_teams}:
                     raise ServiceInputError("team", never_fits_reason(team, min_workers, all_teams))
-                never = never_fits_reason(team, min_workers, all_teams, cluster_workers)
+                table = _flavors(conn)
+                refused = shape_refusal(shape, table)
+                if refused:
+                    raise ServiceInputError(*refused)
+                states = None if not table else [FlavorState(f, (capacity or {}).get(f.name, {})) for f in table]
+                never = never_fits_reason(team, min_workers, all_teams, cluster_workers, shape=shape, flavors=states)
                 if never:
                     raise ServiceInputError("elastic.min_workers", never)
                 if package is not None and not self._has_package(conn, package, team):
@@ -294,6 +367,8 @@ class Store:
                     elastic=(max_workers > min_workers) if elastic is None else bool(elastic),
                     workers=0, target_workers=0, restarts=0, submitted_at_s=now, waiting_since_s=now,
                     updated_at_s=now, message="submitted", idempotency_key=idempotency_key, package=package,
+                    cpus_per_worker=shape.cpu, gpus_per_worker=shape.gpu, memory_per_worker_gb=shape.memory_gb,
+                    accelerator=shape.accelerator, market=shape.market,
                 ).returning(jobs.c.id)).scalar_one()
                 conn.execute(insert(transitions).values(job_id=job_id, from_state=None, to_state=JobState.QUEUED.value,
                                                         at_s=now, actor=actor, reason="submitted"))
@@ -527,13 +602,15 @@ class Store:
                                  to_state=JobState(r.to_state), at_s=r.at_s, actor=r.actor, reason=r.reason)
                 for r in rows]
 
-    def snapshot(self, cluster_workers: int) -> Snapshot:
-        """The scheduler's input: every team and every live job, read in one transaction."""
+    def snapshot(self, cluster_workers: int, flavor_states: Sequence[FlavorState] = ()) -> Snapshot:
+        """The scheduler's input: every team (with its quotas) and every live job, read in one
+        transaction, and the cluster's capacity: ``flavor_states`` (the table's flavors with
+        their capacity) or, with none, ``cluster_workers``."""
         with self._tx() as conn:
-            all_teams = [_team(r) for r in conn.execute(select(teams).order_by(teams.c.name))]
+            all_teams = _teams(conn)
             live = [_job(r).view() for r in conn.execute(
                 select(jobs).where(jobs.c.state.in_([s.value for s in LIVE_STATES])).order_by(jobs.c.id))]
-        return Snapshot(all_teams, live, cluster_workers=cluster_workers)
+        return Snapshot(all_teams, live, cluster_workers=cluster_workers, flavors=tuple(flavor_states))
 
     # ------------------------------------------------------------------ audit
 
@@ -655,10 +732,35 @@ def _team_row(team: Team) -> dict:
             "lending_limit_workers": team.lending_limit_workers, "weight": float(team.weight)}
 
 
-def _team(row) -> Team:
+def _team(row, quotas: Sequence[FlavorQuota] = ()) -> Team:
     return Team(name=row.name, nominal_workers=row.nominal_workers, cohort=row.cohort,
                 borrowing_limit_workers=row.borrowing_limit_workers,
-                lending_limit_workers=row.lending_limit_workers, weight=row.weight)
+                lending_limit_workers=row.lending_limit_workers, weight=row.weight, quotas=tuple(quotas))
+
+
+def _teams(conn: Connection, name: Optional[str] = None) -> list[Team]:
+    """Every team (or the one named) with its quotas per flavor, in name order."""
+    query, quota_query = select(teams).order_by(teams.c.name), select(team_quotas).order_by(
+        team_quotas.c.team, team_quotas.c.flavor, team_quotas.c.resource)
+    if name is not None:
+        query, quota_query = query.where(teams.c.name == name), quota_query.where(team_quotas.c.team == name)
+    quotas: dict[str, list[FlavorQuota]] = {}
+    for q in conn.execute(quota_query):
+        quotas.setdefault(q.team, []).append(FlavorQuota(q.flavor, q.resource, q.nominal, q.borrowing_limit,
+                                                         q.lending_limit))
+    return [_team(r, quotas.get(r.name, ())) for r in conn.execute(query)]
+
+
+def _flavors(conn: Connection) -> tuple[ResourceFlavor, ...]:
+    return tuple(ResourceFlavor(name=r.name, market=r.market, accelerator=r.accelerator,
+                                resources=tuple(r.resources.split(",")), usd_per_cpu_hour=r.usd_per_cpu_hour,
+                                usd_per_gpu_hour=r.usd_per_gpu_hour, usd_per_memory_gb_hour=r.usd_per_memory_gb_hour,
+                                max_cpu=r.max_cpu, max_gpu=r.max_gpu, max_memory_gb=r.max_memory_gb)
+                 for r in conn.execute(select(flavors).order_by(flavors.c.position)))
+
+
+def _float(value: Optional[float]) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _job(row) -> JobRecord:
@@ -671,4 +773,7 @@ def _job(row) -> JobRecord:
                      started_at_s=row.started_at_s, updated_at_s=row.updated_at_s, message=row.message,
                      delete_checkpoints=bool(row.delete_checkpoints), package=row.package,
                      wait_cause=WaitCause(row.wait_cause) if row.wait_cause else None, wait_reason=row.wait_reason,
-                     wait_cause_since_s=row.wait_cause_since_s, start_returns=row.start_returns)
+                     wait_cause_since_s=row.wait_cause_since_s, start_returns=row.start_returns,
+                     cpus_per_worker=row.cpus_per_worker, gpus_per_worker=row.gpus_per_worker,
+                     memory_per_worker_gb=row.memory_per_worker_gb, accelerator=row.accelerator, market=row.market,
+                     flavor=row.flavor)
