@@ -101,6 +101,43 @@ _MOVES: dict[JobState, frozenset[JobState]] = {
 LIVE_STATES = tuple(s for s in JobState if not s.terminal)
 
 
+class SweepState(str, Enum):
+    """A sweep's lifecycle (its trials are jobs with their own). The sweep runner drives a
+    running sweep; a paused one has every trial held; an ended one has no live trial left."""
+
+    QUEUED = "queued"  # submitted: the reconciler has not started its sweep runner yet
+    RUNNING = "running"  # its sweep runner (Ray Tune) submits and follows trials
+    PAUSED = "paused"  # paused by its team: every trial held, the runner waits for resume
+    FINISHED = "finished"  # Tune ended: every trial finished or stopped by the scheduler
+    FAILED = "failed"  # its runner was lost more often than its budget, or Tune raised
+    CANCELLED = "cancelled"  # cancelled by its team: its live trials are cancelled with it
+
+    @property
+    def terminal(self) -> bool:
+        return self in (SweepState.FINISHED, SweepState.FAILED, SweepState.CANCELLED)
+
+    @property
+    def allowed(self) -> frozenset["SweepState"]:
+        """The states this one may move to: itself (a note, a runner restart) and failed, as
+        for a job, plus ``_SWEEP_MOVES``."""
+        if self.terminal:
+            return frozenset()
+        return _SWEEP_MOVES[self] | {self, SweepState.FAILED}
+
+    def check_move(self, to: "SweepState") -> None:
+        if to not in self.allowed:
+            raise TransitionNotAllowed(
+                f"sweep state {self.value} cannot move to {to.value} "
+                f"(allowed: {', '.join(sorted(s.value for s in self.allowed)) or 'none, it has ended'})")
+
+
+_SWEEP_MOVES: dict[SweepState, frozenset[SweepState]] = {
+    SweepState.QUEUED: frozenset({SweepState.RUNNING, SweepState.PAUSED, SweepState.CANCELLED}),
+    SweepState.RUNNING: frozenset({SweepState.PAUSED, SweepState.FINISHED, SweepState.CANCELLED}),
+    SweepState.PAUSED: frozenset({SweepState.RUNNING, SweepState.CANCELLED}),
+}
+
+
 class WaitCause(str, Enum):
     """Why a job is not running yet: one word a reason, a metric label (bounded: this enum,
     never the sentence). The first group is the scheduler's (``Wait``) for a queued or paused
@@ -558,6 +595,9 @@ class JobRecord:
     accelerator: str = ""
     market: str = ANY_MARKET
     flavor: Optional[str] = None
+    # A sweep's trial (migration 0006): its sweep and Tune's trial id, unique together; None: a job of its own.
+    sweep_id: Optional[int] = None
+    trial_id: Optional[str] = None
 
     @property
     def shape(self) -> WorkerShape:
@@ -573,6 +613,38 @@ class JobRecord:
                        waiting_since_s=self.waiting_since_s, started_at_s=self.started_at_s,
                        last_checkpoint_at_s=self.last_checkpoint_at_s, held=self.held, shape=self.shape,
                        flavor=self.flavor or "")
+
+
+@dataclass(frozen=True)
+class SweepRecord:
+    """One row of the sweeps table: a sweep's spec (``raytrain_sys.sweeps.spec``, stored as
+    JSON), where Tune keeps its experiment, its MLflow parent run, and its lifecycle."""
+
+    id: int
+    team: str
+    name: str
+    spec: str  # the validated sweep spec as JSON (base job spec, space, metric, mode, ...)
+    priority: int  # every trial's
+    state: SweepState
+    max_workers: Optional[int]  # the per-sweep worker cap (a group limit in the scheduler); None: none
+    storage_path: str  # Tune's experiment directory (Tuner.restore reads it back)
+    mlflow_parent_run_id: Optional[str]
+    runner_restarts: int  # sweep runners lost and started again (bounded by the service's budget)
+    best_trial: Optional[str]
+    best_value: Optional[float]
+    submitted_at_s: float
+    updated_at_s: float
+    message: str  # the last transition's reason
+
+
+@dataclass(frozen=True)
+class SweepTransitionRecord:
+    sweep_id: int
+    from_state: Optional[SweepState]  # None: the submit
+    to_state: SweepState
+    at_s: float
+    actor: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -786,7 +858,7 @@ DEFAULT_POLICY = Policy()
 __all__ = ["NAME_PATTERN", "NAME_RULE", "RESERVED_TEAM_NAMES", "TEAM_REF_PATTERN", "MAX_WORKERS", "PRIORITY_LIMIT",
            "MAX_WEIGHT", "MAX_JOB_ID", "JOB_NAME_MAX_CHARS", "JOB_NAME_PATTERN", "job_name_problem",
            "name_problem", "team_ref_problem", "check_team_name", "check_count", "JobState",
-           "TransitionNotAllowed", "LIVE_STATES", "WaitCause", "RESOURCES", "DEFAULT_FLAVOR", "ANY_MARKET",
+           "TransitionNotAllowed", "LIVE_STATES", "SweepState", "SweepRecord", "SweepTransitionRecord", "WaitCause", "RESOURCES", "DEFAULT_FLAVOR", "ANY_MARKET",
            "MARKETS", "MAX_AMOUNT", "ACCELERATOR_PATTERN", "WorkerShape", "DEFAULT_SHAPE", "ResourceFlavor",
            "check_flavor_table", "flavor_from_dict", "no_flavor_reason", "shape_refusal", "FlavorQuota",
            "FlavorState", "Team", "JobRecord", "TransitionRecord", "AuditRecord", "JobView", "Snapshot", "Admit",

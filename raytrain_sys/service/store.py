@@ -26,6 +26,10 @@ and upgraded only by the Alembic migrations, run when the store opens). Rules it
 * **Flavors** (the service's table, ``flavors``) and each team's quota per flavor and
   resource (``team_quotas``) are written whole and checked first: a quota names a flavor of the
   table and a resource it counts; a flavor that live jobs run on is not removed from under them.
+* **Sweeps** (``sweeps``) change state only in ``transition_sweep`` (one guarded write and its
+  ``sweep_transitions`` row, as a job's). A trial is a job carrying ``(sweep_id, trial_id)``,
+  unique together: ``submit`` of a trial that has a job returns that job (a re-driven trial
+  re-attaches), and a sweep that has ended takes no new trial.
 * **Nothing out of bounds is written**, whoever asks (the API, the service actor, a script): a
   new team's name and a cohort follow ``model.NAME_RULE``, every count and priority is within
   ``model``'s bounds (well inside the 32-bit columns). A team made before the name rule is read,
@@ -54,12 +58,12 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceE
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, quote
 from raytrain_sys.service import migrations
 from raytrain_sys.service.model import (DEFAULT_SHAPE, LIVE_STATES, MAX_WEIGHT, PRIORITY_LIMIT, AuditRecord,
-                                        FlavorQuota, FlavorState, JobRecord, JobState, ResourceFlavor, Snapshot, Team,
-                                        TransitionRecord, WaitCause, WorkerShape, check_count, check_flavor_table,
+                                        FlavorQuota, FlavorState, JobRecord, JobState, ResourceFlavor, Snapshot,
+                                        SweepRecord, SweepState, SweepTransitionRecord, Team, TransitionRecord, WaitCause, WorkerShape, check_count, check_flavor_table,
                                         check_team_name, job_name_problem, name_problem, shape_refusal)
 from raytrain_sys.service.scheduler.quota import never_fits_reason
-from raytrain_sys.service.tables import (audit, flavors, jobs, packages, store_meta, team_quotas, teams, tokens,
-                                         transitions)
+from raytrain_sys.service.tables import (audit, flavors, jobs, packages, store_meta, sweep_transitions, sweeps,
+                                         team_quotas, teams, tokens, transitions)
 
 DEFAULT_URL = "sqlite:///raytrain-service.db"
 LOG_DIR_NAME = "raytrain-sys-logs"  # the default log directory's name, beside a SQLite store's file
@@ -73,6 +77,8 @@ CLAIM_ATTEMPTS = 5  # a claim that loses a race to another writer tries the next
 RUN_FIELDS = frozenset({"held", "delete_checkpoints", "workers", "target_workers", "restarts", "mlflow_run_id", "last_checkpoint_step",
                         "last_checkpoint_at_s", "started_at_s", "waiting_since_s", "wait_cause", "wait_reason",
                         "start_returns", "flavor"})
+# The columns ``transition_sweep`` may set beside the state (its runner's outcomes).
+SWEEP_RUN_FIELDS = frozenset({"mlflow_parent_run_id", "runner_restarts", "best_trial", "best_value"})
 WAIT_FIELDS = ("wait_cause", "wait_reason")  # set together; wait_cause_since_s is the store's
 
 
@@ -320,7 +326,8 @@ class Store:
                priority: int = 0, elastic: Optional[bool] = None, actor: str,
                idempotency_key: Optional[str] = None, cluster_workers: Optional[int] = None,
                package: Optional[str] = None, now_s: Optional[float] = None, shape: WorkerShape = DEFAULT_SHAPE,
-               capacity: Optional[dict[str, dict[str, float]]] = None) -> JobRecord:
+               capacity: Optional[dict[str, dict[str, float]]] = None, sweep_id: Optional[int] = None,
+               trial_id: Optional[str] = None) -> JobRecord:
         """Queue a job of workers of ``shape``. Rejects, naming the field and writing nothing: an
         unknown team, sizes out of range, a shape that fits no flavor of the table (on the spec's
         field: ``resources.market``, ``resources.accelerator_type`` or
@@ -328,7 +335,11 @@ class Store:
         fits (its nominal quota plus borrowing limit, bounded by its cohort and, when given, by
         the capacity: ``capacity`` per flavor and resource, or ``cluster_workers`` without a
         table), a ``package`` the team has not uploaded. A repeated ``idempotency_key`` of the same
-        team returns the job it created first."""
+        team returns the job it created first. A sweep's trial (``sweep_id`` and ``trial_id``, given
+        together) of a live sweep of the same team: the trial's job when it has one already (a
+        trial driven again re-attaches), else a new one."""
+        if (sweep_id is None) != (trial_id is None):
+            raise ValueError("a trial names both its sweep_id and its trial_id")
         max_workers = min_workers if max_workers is None else max_workers
         check_count("elastic.min_workers", min_workers, low=1)
         check_count("elastic.max_workers", max_workers, low=min_workers,
@@ -361,6 +372,11 @@ class Store:
                                                           jobs.c.idempotency_key == idempotency_key)).first()
                     if row is not None:
                         return _job(row)
+                if sweep_id is not None:
+                    row = self._trial_row(conn, sweep_id, trial_id)
+                    if row is not None:
+                        return _job(row)
+                    _check_trial_sweep(conn, sweep_id, team)
                 job_id = conn.execute(insert(jobs).values(
                     team=team, name=name, spec=spec, priority=priority, state=JobState.QUEUED.value, held=False,
                     min_workers=min_workers, max_workers=max_workers,
@@ -368,12 +384,18 @@ class Store:
                     workers=0, target_workers=0, restarts=0, submitted_at_s=now, waiting_since_s=now,
                     updated_at_s=now, message="submitted", idempotency_key=idempotency_key, package=package,
                     cpus_per_worker=shape.cpu, gpus_per_worker=shape.gpu, memory_per_worker_gb=shape.memory_gb,
-                    accelerator=shape.accelerator, market=shape.market,
+                    accelerator=shape.accelerator, market=shape.market, sweep_id=sweep_id, trial_id=trial_id,
                 ).returning(jobs.c.id)).scalar_one()
                 conn.execute(insert(transitions).values(job_id=job_id, from_state=None, to_state=JobState.QUEUED.value,
                                                         at_s=now, actor=actor, reason="submitted"))
                 return _job(conn.execute(select(jobs).where(jobs.c.id == job_id)).one())
-        except IntegrityError:  # the same idempotency key, submitted at the same moment elsewhere
+        except IntegrityError:  # the same idempotency key (or trial), submitted at the same moment elsewhere
+            if sweep_id is not None:
+                with self._tx() as conn:
+                    row = self._trial_row(conn, sweep_id, trial_id)
+                if row is None:
+                    raise
+                return _job(row)
             if idempotency_key is None:
                 raise
             with self._tx() as conn:
@@ -612,6 +634,98 @@ class Store:
                 select(jobs).where(jobs.c.state.in_([s.value for s in LIVE_STATES])).order_by(jobs.c.id))]
         return Snapshot(all_teams, live, cluster_workers=cluster_workers, flavors=tuple(flavor_states))
 
+    # ------------------------------------------------------------------ sweeps
+
+    def submit_sweep(self, *, team: str, name: str, spec: str, priority: int = 0, max_workers: Optional[int] = None,
+                     storage_path: str, actor: str, now_s: Optional[float] = None) -> SweepRecord:
+        """Record a sweep (its spec validated by the caller, ``sweeps.spec``), queued for its
+        sweep runner. An unknown team, a name or a count out of bounds raises
+        ``ServiceInputError`` on the field; nothing is written then."""
+        check_count("priority", priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT)
+        if max_workers is not None:
+            check_count("max_workers", max_workers, low=1)
+        problem = job_name_problem(name)
+        if problem:
+            raise ServiceInputError("name", problem.replace("a job's name", "a sweep's name"))
+        now = _now(now_s)
+        with self._tx() as conn:
+            if conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
+                raise ServiceInputError("team", f"unknown team {quote(team)}")
+            sweep_id = conn.execute(insert(sweeps).values(
+                team=team, name=name, spec=spec, priority=priority, state=SweepState.QUEUED.value,
+                max_workers=max_workers, storage_path=storage_path, runner_restarts=0, submitted_at_s=now,
+                updated_at_s=now, message="submitted").returning(sweeps.c.id)).scalar_one()
+            conn.execute(insert(sweep_transitions).values(sweep_id=sweep_id, from_state=None,
+                                                          to_state=SweepState.QUEUED.value, at_s=now, actor=actor,
+                                                          reason="submitted"))
+            return _sweep(conn.execute(select(sweeps).where(sweeps.c.id == sweep_id)).one())
+
+    def sweep(self, sweep_id: int) -> SweepRecord:
+        with self._tx() as conn:
+            row = conn.execute(select(sweeps).where(sweeps.c.id == sweep_id)).first()
+        if row is None:
+            raise ServiceInputError("sweep_id", f"no sweep {sweep_id}")
+        return _sweep(row)
+
+    def sweeps(self, *, states: Optional[Iterable[Union[SweepState, str]]] = None,
+               team: Optional[str] = None) -> list[SweepRecord]:
+        """Sweeps in submit order, optionally only those in ``states`` or of one team."""
+        query = select(sweeps).order_by(sweeps.c.id)
+        if states is not None:
+            query = query.where(sweeps.c.state.in_([SweepState(s).value for s in states]))
+        if team is not None:
+            query = query.where(sweeps.c.team == team)
+        with self._tx() as conn:
+            return [_sweep(r) for r in conn.execute(query)]
+
+    def transition_sweep(self, sweep_id: int, expected: Union[SweepState, Sequence[SweepState]], to: SweepState, *,
+                         actor: str, reason: str, now_s: Optional[float] = None, **changes: Any) -> SweepRecord:
+        """Move a sweep from one of ``expected`` to ``to``, setting ``SWEEP_RUN_FIELDS`` with it: one
+        guarded write and its sweep_transitions row, as ``transition`` does for a job. Raises
+        ``TransitionNotAllowed`` for an edge ``SweepState`` does not list and ``JobStateConflict``
+        when the sweep is not in an expected state; nothing is written then."""
+        expected_states = (SweepState(expected),) if isinstance(expected, (SweepState, str)) else tuple(
+            SweepState(s) for s in expected)
+        to = SweepState(to)
+        for state in expected_states:
+            state.check_move(to)
+        unknown = set(changes) - SWEEP_RUN_FIELDS
+        if unknown:
+            raise ValueError(f"transition_sweep cannot set {sorted(unknown)}; settable: {sorted(SWEEP_RUN_FIELDS)}")
+        now = _now(now_s)
+        with self._tx() as conn:
+            found = conn.execute(select(sweeps.c.state).where(sweeps.c.id == sweep_id).with_for_update()).first()
+            if found is None:
+                raise ServiceInputError("sweep_id", f"no sweep {sweep_id}")
+            result = conn.execute(update(sweeps).where(
+                sweeps.c.id == sweep_id, sweeps.c.state.in_([s.value for s in expected_states]))
+                .values(state=to.value, updated_at_s=now, message=reason, **changes))
+            if result.rowcount != 1:
+                wanted = " or ".join(s.value for s in expected_states)
+                raise JobStateConflict(f"sweep {sweep_id} is {found.state}, not {wanted}: cannot move it to "
+                                       f"{to.value} (nothing was changed)")
+            conn.execute(insert(sweep_transitions).values(sweep_id=sweep_id, from_state=found.state, to_state=to.value,
+                                                          at_s=now, actor=actor, reason=reason))
+            return _sweep(conn.execute(select(sweeps).where(sweeps.c.id == sweep_id)).one())
+
+    def sweep_history(self, sweep_id: int) -> list[SweepTransitionRecord]:
+        """Every state change of a sweep, oldest first."""
+        with self._tx() as conn:
+            rows = conn.execute(select(sweep_transitions).where(sweep_transitions.c.sweep_id == sweep_id)
+                                .order_by(sweep_transitions.c.id)).all()
+        return [SweepTransitionRecord(sweep_id=r.sweep_id, to_state=SweepState(r.to_state), at_s=r.at_s,
+                                      from_state=SweepState(r.from_state) if r.from_state else None, actor=r.actor,
+                                      reason=r.reason) for r in rows]
+
+    def trials(self, sweep_id: int) -> list[JobRecord]:
+        """A sweep's trial jobs, in submit order."""
+        with self._tx() as conn:
+            return [_job(r) for r in conn.execute(select(jobs).where(jobs.c.sweep_id == sweep_id).order_by(jobs.c.id))]
+
+    @staticmethod
+    def _trial_row(conn: Connection, sweep_id: int, trial_id: Optional[str]):
+        return conn.execute(select(jobs).where(jobs.c.sweep_id == sweep_id, jobs.c.trial_id == trial_id)).first()
+
     # ------------------------------------------------------------------ audit
 
     def record_audit(self, actor: str, action: str, target: str, result: str, *,
@@ -763,6 +877,26 @@ def _float(value: Optional[float]) -> Optional[float]:
     return None if value is None else float(value)
 
 
+def _check_trial_sweep(conn: Connection, sweep_id: int, team: str) -> None:
+    """A new trial belongs to a live sweep of its own team: a sweep that has ended submits no
+    more trials (a runner that outlived its sweep's cancel is refused, naming the state)."""
+    row = conn.execute(select(sweeps.c.team, sweeps.c.state).where(sweeps.c.id == sweep_id)).first()
+    if row is None:
+        raise ServiceInputError("sweep_id", f"no sweep {sweep_id}")
+    if row.team != team:
+        raise ServiceInputError("team", f"sweep {sweep_id} is team {row.team}'s, not {quote(team)}'s")
+    if SweepState(row.state).terminal:
+        raise JobStateConflict(f"sweep {sweep_id} is {row.state}: it submits no more trials")
+
+
+def _sweep(row) -> SweepRecord:
+    return SweepRecord(id=row.id, team=row.team, name=row.name, spec=row.spec, priority=row.priority,
+                       state=SweepState(row.state), max_workers=row.max_workers, storage_path=row.storage_path,
+                       mlflow_parent_run_id=row.mlflow_parent_run_id, runner_restarts=row.runner_restarts,
+                       best_trial=row.best_trial, best_value=row.best_value, submitted_at_s=row.submitted_at_s,
+                       updated_at_s=row.updated_at_s, message=row.message)
+
+
 def _job(row) -> JobRecord:
     return JobRecord(id=row.id, team=row.team, name=row.name, spec=row.spec, priority=row.priority,
                      state=JobState(row.state), held=bool(row.held), min_workers=row.min_workers,
@@ -776,4 +910,4 @@ def _job(row) -> JobRecord:
                      wait_cause_since_s=row.wait_cause_since_s, start_returns=row.start_returns,
                      cpus_per_worker=row.cpus_per_worker, gpus_per_worker=row.gpus_per_worker,
                      memory_per_worker_gb=row.memory_per_worker_gb, accelerator=row.accelerator, market=row.market,
-                     flavor=row.flavor)
+                     flavor=row.flavor, sweep_id=row.sweep_id, trial_id=row.trial_id)

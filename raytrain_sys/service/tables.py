@@ -80,8 +80,47 @@ jobs = Table(
     Column("accelerator", String(64), nullable=False, server_default=""),
     Column("market", String(16), nullable=False, server_default="any"),
     Column("flavor", String(64), nullable=True),
+    # A sweep's trial (migration 0006): its sweep and Tune's trial id, unique together, so that a
+    # trial driven again (a restored sweep runner) finds its job instead of submitting another.
+    Column("sweep_id", Integer, ForeignKey("sweeps.id"), nullable=True),
+    Column("trial_id", String(64), nullable=True),
     UniqueConstraint("team", "idempotency_key"),
+    UniqueConstraint("sweep_id", "trial_id"),
     Index(None, "state"),
+)
+
+# Sweeps (migration 0006; model.SweepRecord): Ray Tune decides, each trial is a job above.
+# ``state`` changes only through Store.transition_sweep, each change with its sweep_transitions row.
+sweeps = Table(
+    "sweeps", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("team", String(64), ForeignKey("teams.name"), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("spec", Text, nullable=False),  # the validated sweep spec, JSON
+    Column("priority", Integer, nullable=False),
+    Column("state", String(16), nullable=False),  # a SweepState value
+    Column("max_workers", Integer, nullable=True),  # the per-sweep worker cap; NULL: none
+    Column("storage_path", Text, nullable=False),  # Tune's experiment directory
+    Column("mlflow_parent_run_id", String(64), nullable=True),
+    Column("runner_restarts", Integer, nullable=False),
+    Column("best_trial", String(64), nullable=True),
+    Column("best_value", Double, nullable=True),
+    Column("submitted_at_s", Double, nullable=False),
+    Column("updated_at_s", Double, nullable=False),
+    Column("message", Text, nullable=False),
+    Index(None, "state"),
+)
+
+sweep_transitions = Table(
+    "sweep_transitions", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("sweep_id", Integer, ForeignKey("sweeps.id"), nullable=False),
+    Column("from_state", String(16), nullable=True),  # NULL: the submit
+    Column("to_state", String(16), nullable=False),
+    Column("at_s", Double, nullable=False),
+    Column("actor", String(64), nullable=False),
+    Column("reason", Text, nullable=False),
+    Index(None, "sweep_id"),
 )
 
 transitions = Table(
