@@ -173,6 +173,48 @@ def test_decide(snapshot, expected):
     assert all(a.reason.strip() for a in actions)
 
 
+def trial(job: JobView, sweep: int, rung: int = 0) -> JobView:
+    """``job`` as a trial of sweep ``sweep`` that passed ``rung`` rungs."""
+    return dataclasses.replace(job, group=sweep, rung=rung)
+
+
+GROUP_CASES = [
+    ("a sweep's cap holds its trials: the next trial waits though the cluster is free, a job of its own starts",
+     Snapshot([team("a", 8)], [trial(running(1, "a", 2), 7), trial(running(2, "a", 2), 7),
+                               trial(queued(3, "a", 1), 7), queued(4, "a", 1)], cluster_workers=8,
+              group_limits=((7, 4),)),
+     [("Admit", 4, 1), ("Wait", 3, "sweep_cap")]),
+    ("growth stops at the sweep's cap",
+     Snapshot([team("a", 8)], [trial(running(1, "a", 1, min=1, max=4), 7)], cluster_workers=8,
+              group_limits=((7, 2),)),
+     [("Grow", 1, 2)]),
+    ("a stopped trial's workers go to the next trial under the cap",
+     Snapshot([team("a", 8)], [trial(running(1, "a", 2), 7), trial(queued(2, "a", 2), 7)], cluster_workers=8,
+              group_limits=((7, 4),)),
+     [("Admit", 2, 2)]),
+    ("the trial that passed more rungs takes the idle worker first",
+     Snapshot([team("a", 8)], [trial(running(1, "a", 1, min=1, max=3), 7), trial(running(2, "a", 1, min=1, max=3), 7, rung=1)],
+              cluster_workers=3),
+     [("Grow", 2, 2)]),
+    ("a trial blocked by its sweep's cap reclaims nothing, whatever its priority",
+     Snapshot([team("a", 8)], [trial(running(1, "a", 2), 7), trial(queued(2, "a", 1, priority=10), 7)],
+              cluster_workers=2, group_limits=((7, 2),)),
+     [("Wait", 2, "sweep_cap")]),
+    ("a sweep without a cap is scheduled as any jobs are",
+     Snapshot([team("a", 8)], [trial(running(1, "a", 2), 7), trial(queued(2, "a", 2, max=6), 7)], cluster_workers=8,
+              group_limits=((9, 1),)),
+     [("Admit", 2, 6)]),
+]
+
+
+@pytest.mark.parametrize("snapshot, expected", [(s, e) for _, s, e in GROUP_CASES],
+                         ids=[name for name, _, _ in GROUP_CASES])
+def test_decide_with_a_sweeps_cap(snapshot, expected):
+    actions = decide(snapshot, NOW)
+    assert summary(actions) == expected, "\n".join(str(a) for a in actions)
+    assert all(a.reason.strip() for a in actions)
+
+
 def test_a_waits_sentence_opens_with_its_cause():
     by_case = {name: decide(snapshot, NOW) for name, snapshot, _ in CASES}
     openings = {"team_quota": "over its team's quota: ", "cohort": "its cohort has no quota to lend it now: ",

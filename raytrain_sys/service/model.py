@@ -159,6 +159,7 @@ class WaitCause(str, Enum):
     # admitted against capacity being provisioned (autoscaling): its workers wait for the nodes the
     # autoscaler was asked for, within the service's provisioning timeout, not start_stall_s
     PROVISIONING = "provisioning"
+    SWEEP_CAP = "sweep_cap"  # its sweep's trials hold the sweep's max_workers already
 
 
 # ----------------------------------------------------------------------------- names and bounds
@@ -598,6 +599,7 @@ class JobRecord:
     # A sweep's trial (migration 0006): its sweep and Tune's trial id, unique together; None: a job of its own.
     sweep_id: Optional[int] = None
     trial_id: Optional[str] = None
+    rung: int = 0  # the sweep scheduler's rungs the trial passed (its sweep runner writes it): growth order
 
     @property
     def shape(self) -> WorkerShape:
@@ -612,7 +614,7 @@ class JobRecord:
                        target_workers=self.target_workers, submitted_at_s=self.submitted_at_s,
                        waiting_since_s=self.waiting_since_s, started_at_s=self.started_at_s,
                        last_checkpoint_at_s=self.last_checkpoint_at_s, held=self.held, shape=self.shape,
-                       flavor=self.flavor or "")
+                       flavor=self.flavor or "", group=self.sweep_id, rung=self.rung)
 
 
 @dataclass(frozen=True)
@@ -694,6 +696,8 @@ class JobView:
     held: bool = False
     shape: WorkerShape = DEFAULT_SHAPE  # what one worker asks
     flavor: str = ""  # the flavor its workers run on ("": not admitted yet; or from before the flavor table)
+    group: Optional[int] = None  # the sweep it is a trial of: its workers count against the sweep's cap
+    rung: int = 0  # the sweep scheduler's rungs it passed: it grows before trials that passed fewer
 
     @property
     def waited_since_s(self) -> float:
@@ -748,12 +752,16 @@ class Snapshot:
     jobs: tuple[JobView, ...]
     cluster_workers: int = 0
     flavors: tuple[FlavorState, ...] = ()
+    # A group's (a sweep's) cap on the workers its jobs hold together, as (group, workers) pairs;
+    # a group not listed has none.
+    group_limits: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         # Tuples, so that a caller's list cannot change under a decision (and the snapshot hashes).
         object.__setattr__(self, "teams", tuple(self.teams))
         object.__setattr__(self, "jobs", tuple(self.jobs))
         object.__setattr__(self, "flavors", tuple(self.flavors))
+        object.__setattr__(self, "group_limits", tuple(sorted(dict(self.group_limits).items())))
 
     @property
     def flavor_states(self) -> tuple[FlavorState, ...]:

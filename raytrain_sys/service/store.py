@@ -632,7 +632,12 @@ class Store:
             all_teams = _teams(conn)
             live = [_job(r).view() for r in conn.execute(
                 select(jobs).where(jobs.c.state.in_([s.value for s in LIVE_STATES])).order_by(jobs.c.id))]
-        return Snapshot(all_teams, live, cluster_workers=cluster_workers, flavors=tuple(flavor_states))
+            caps = tuple((r.id, r.max_workers) for r in conn.execute(
+                select(sweeps.c.id, sweeps.c.max_workers).where(
+                    sweeps.c.max_workers.is_not(None),
+                    sweeps.c.state.in_([s.value for s in SweepState if not s.terminal]))))
+        return Snapshot(all_teams, live, cluster_workers=cluster_workers, flavors=tuple(flavor_states),
+                        group_limits=caps)
 
     # ------------------------------------------------------------------ sweeps
 
@@ -721,6 +726,14 @@ class Store:
         """A sweep's trial jobs, in submit order."""
         with self._tx() as conn:
             return [_job(r) for r in conn.execute(select(jobs).where(jobs.c.sweep_id == sweep_id).order_by(jobs.c.id))]
+
+    def set_rung(self, job_id: int, rung: int) -> bool:
+        """Record the rungs a live trial passed (its sweep runner, after each of Tune's
+        promotions): growth order only, no state change. False when the job has ended."""
+        with self._tx() as conn:
+            return conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.sweep_id.is_not(None),
+                                                   jobs.c.state.in_([s.value for s in LIVE_STATES]))
+                                .values(rung=int(rung))).rowcount == 1
 
     @staticmethod
     def _trial_row(conn: Connection, sweep_id: int, trial_id: Optional[str]):
@@ -910,4 +923,4 @@ def _job(row) -> JobRecord:
                      wait_cause_since_s=row.wait_cause_since_s, start_returns=row.start_returns,
                      cpus_per_worker=row.cpus_per_worker, gpus_per_worker=row.gpus_per_worker,
                      memory_per_worker_gb=row.memory_per_worker_gb, accelerator=row.accelerator, market=row.market,
-                     flavor=row.flavor, sweep_id=row.sweep_id, trial_id=row.trial_id)
+                     flavor=row.flavor, sweep_id=row.sweep_id, trial_id=row.trial_id, rung=row.rung)

@@ -84,6 +84,7 @@ jobs = Table(
     # trial driven again (a restored sweep runner) finds its job instead of submitting another.
     Column("sweep_id", Integer, ForeignKey("sweeps.id"), nullable=True),
     Column("trial_id", String(64), nullable=True),
+    Column("rung", Integer, nullable=False, server_default="0"),  # rungs the trial passed: it grows first
     UniqueConstraint("team", "idempotency_key"),
     UniqueConstraint("sweep_id", "trial_id"),
     Index(None, "state"),

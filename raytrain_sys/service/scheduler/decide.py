@@ -27,6 +27,11 @@ A pass, in order:
 2. **Growth**: idle workers go one at a time (``growth_order``) to elastic jobs below their
    max_workers, borrowing within their team's limits. Capacity claimed by waiting jobs is not idle.
 
+**Groups** (a sweep's trials: ``JobView.group``, ``snapshot.group_limits``): the jobs of a group
+with a cap hold at most that many workers together (their targets, as quotas count them). A job
+the cap blocks waits (``WaitCause.SWEEP_CAP``) and reclaims nothing (its victims would be its
+own siblings, or others' jobs for a sweep that could not use them); growth stops at the cap.
+
 A shrink or pause frees workers only when the runner has drained them, so the job it was for is
 admitted by a later pass (which sees the smaller ``workers``), never by the same one.
 
@@ -153,6 +158,9 @@ class _Pass:
         self.flavor_of: dict[int, str] = {}  # the flavor each live job's workers are on
         self.candidates: list[JobView] = []  # running jobs that may shrink, pause or grow
         self.waiting: list[JobView] = []
+        # A sweep's cap (a group limit) and what its admitted jobs hold (their targets, as quotas count)
+        self.group_limit: dict[int, int] = dict(snapshot.group_limits)
+        self.group_used: dict[int, int] = {}
         self._fits: dict[WorkerShape, list[_Room]] = {}
         self._ceilings: dict[tuple, float] = {}
         for job in snapshot.jobs:
@@ -162,6 +170,8 @@ class _Pass:
                     continue  # its shape fits no flavor of the table (changed since): nothing to count it on
                 self.flavor_of[job.id] = room.name
             if job.state.admitted:
+                if job.group is not None:
+                    self.group_used[job.group] = self.group_used.get(job.group, 0) + job.target_workers
                 if job.team in self.teams:
                     self.quotas.add(job.team, room.name, job.target_workers, job.shape)
                 room.hold(job.shape, max(job.workers, job.target_workers), max(0, job.workers - job.target_workers))
@@ -268,6 +278,13 @@ class _Pass:
             never = never_fits_reason(job.team, need, self.teams.values(), shape=job.shape, flavors=self.states)
             self.waits.append(Wait(job.id, WaitCause.NEVER_FITS, f"can never start: {never}"))
             return
+        capped = self._group_headroom(job)
+        if need > capped:
+            self.waits.append(Wait(job.id, WaitCause.SWEEP_CAP,
+                                   f"its sweep {job.group}'s trials hold {self.group_used.get(job.group, 0)} of its "
+                                   f"max_workers {self.group_limit[job.group]}; starts when a trial ends or "
+                                   f"shrinks"))
+            return
         shape = job.shape
         open_rooms, reserved, heads = [], None, {}
         for room in rooms:
@@ -320,9 +337,17 @@ class _Pass:
         self.admitted_jobs.append(job)
 
     def _claim(self, job: JobView, workers: int, room: _Room) -> bool:
-        """Count a job's workers against its team and the flavor's capacity (free ones first)."""
+        """Count a job's workers against its team, its group and the flavor's capacity (free ones first)."""
         self.quotas.add(job.team, room.name, workers, job.shape)
+        if job.group is not None:
+            self.group_used[job.group] = self.group_used.get(job.group, 0) + workers
         return room.claim(workers, job.shape)
+
+    def _group_headroom(self, job: JobView) -> float:
+        """Workers the job's group (its sweep) may still take: its cap less what its jobs hold."""
+        if job.group is None or job.group not in self.group_limit:
+            return math.inf
+        return self.group_limit[job.group] - self.group_used.get(job.group, 0)
 
     def _blocked(self, job: JobView, need: int, head: float, room: _Room) -> Wait:
         """Why a job that neither fits nor can reclaim waits: its team's quota, its cohort's, or
@@ -516,10 +541,12 @@ class _Pass:
             if (room.reserved_for is not None or room.workers_now(job.shape) < 1
                     or room.workers_after_release(job.shape) < 1):
                 continue
-            if self.quotas.headroom(job.team, room.name, job.shape) < 1 - EPS:
+            if self.quotas.headroom(job.team, room.name, job.shape) < 1 - EPS or self._group_headroom(job) < 1:
                 continue
             workers[job.id] += 1
             self.quotas.add(job.team, room.name, 1, job.shape)
+            if job.group is not None:
+                self.group_used[job.group] = self.group_used.get(job.group, 0) + 1
             if room.claim(1, job.shape) and job.id in self.admitted:
                 self.provisioning.add(job.id)
             grown[job.id] = job

@@ -58,10 +58,11 @@ def pause_order(job: JobView, now_s: float) -> tuple:
 def growth_order(job: JobView, workers: int, team_share: float) -> tuple:
     """Which elastic job takes the next idle worker (one worker at a time):
 
-    1. higher priority;
+    1. higher priority, plus a point per rung a sweep's trial passed (its scheduler's promotions:
+       the best trials grow first; growth only, so a rung never pauses or shrinks a sibling);
     2. lower weighted fair share of its team;
     3. fewer workers above its min_workers so far (round robin among equals);
     4. earlier submit time;
     5. lower job id (deterministic tie-break).
     """
-    return (-job.priority, team_share, workers - job.min_workers, job.submitted_at_s, job.id)
+    return (-(job.priority + job.rung), team_share, workers - job.min_workers, job.submitted_at_s, job.id)

@@ -1,5 +1,5 @@
 """Sweeps: the sweeps table and its transitions, and on jobs the (sweep_id, trial_id) a trial
-carries, unique together.
+carries, unique together, and the rungs it passed (rung: it grows first).
 
 Revision ID: 0006
 Revises: 0005
@@ -59,6 +59,7 @@ def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("sweep_id", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("trial_id", sa.String(length=64), nullable=True))
+        batch.add_column(sa.Column("rung", sa.Integer(), nullable=False, server_default="0"))
         batch.create_foreign_key("fk_jobs_sweep_id_sweeps", "sweeps", ["sweep_id"], ["id"])
         batch.create_unique_constraint("uq_jobs_sweep_id_trial_id", ["sweep_id", "trial_id"])
 
@@ -67,6 +68,7 @@ def downgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.drop_constraint("uq_jobs_sweep_id_trial_id", type_="unique")
         batch.drop_constraint("fk_jobs_sweep_id_sweeps", type_="foreignkey")
+        batch.drop_column("rung")
         batch.drop_column("trial_id")
         batch.drop_column("sweep_id")
     op.drop_index("ix_sweep_transitions_sweep_id", table_name="sweep_transitions")
