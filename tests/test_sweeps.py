@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -88,8 +89,10 @@ def test_a_sweep_round_trips_and_sets_each_trials_fields():
     assert sweep.scheduler.type == "asha" and sweep.scheduler.grace_period_steps == 5  # the first evaluation
     again = sweep_from_dict(json.loads(json.dumps(sweep.to_dict())))
     assert again == sweep
-    spec = trial_spec(sweep, {"optim.lr": 0.004, "optim.weight_decay": 0.1, "trial_id": "x"})
+    spec = trial_spec(sweep, {"optim.lr": 0.004, "optim.weight_decay": 0.1, "trial_id": "x"}, 7, "t1")
     assert spec["optim"]["lr"] == 0.004 and spec["optim"]["weight_decay"] == 0.1
+    assert spec["output_dir"] == sweep.base["output_dir"] + "/sweep-7/t1" and spec["name"] == "tiny-t1"
+    assert spec["tracking"]["uri"] == f"sqlite:///{sweep.base['output_dir']}/mlflow.db"  # every trial's, and the parent's
     assert sweep.base["optim"]["lr"] != 0.004  # the base is left as it was
     space = tune_space(sweep)
     assert set(space) == {"optim.lr", "optim.weight_decay"}
@@ -145,3 +148,67 @@ def test_a_sweep_moves_only_along_its_edges_and_a_trial_re_attaches(store):
     assert store.job(first.id).state is JobState.QUEUED
     assert sweep.id in [s.id for s in store.sweeps(team="a")]
     assert sweep.id not in [s.id for s in store.sweeps(states=[SweepState.RUNNING])]
+
+
+@pytest.fixture
+def api(tmp_path):
+    from raytrain_sys.service.api import serve
+    from raytrain_sys.service.auth import init_admin
+
+    store = Store.open(f"sqlite:///{tmp_path}/service.db")
+    store.add_team(Team("a", 4))
+    store.add_team(Team("b", 2))
+    admin = init_admin(store)
+    handle = serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", base_dir=str(tmp_path))
+    yield store, handle.url, {"admin": admin, "a": store.issue_token("a"), "b": store.issue_token("b")}
+    handle.stop()
+    store.close()
+
+
+def test_the_api_client_and_cli_submit_list_and_end_a_sweep(api, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from raytrain_sys.errors import ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid
+    from raytrain_sys.service.client import Client
+
+    store, url, tokens = api
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(BASE))
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump({**SWEEP, "base": "tiny.yaml"}))  # a base named by its file
+    a, b = Client(url, tokens["a"]), Client(url, tokens["b"])
+    sweep = a.submit_sweep(sweep_file, priority=2)
+    assert (sweep["state"], sweep["team"], sweep["priority"]) == ("queued", "a", 2)
+    assert sweep["spec"]["base"]["data"]["path"] == "/data/tiny" and sweep["trials"] is None
+    assert [s["id"] for s in a.sweeps()] == [sweep["id"]] and b.sweeps() == []
+    with pytest.raises(ServiceRequestError) as other:
+        b.sweep(sweep["id"])
+    assert other.value.status == 403
+    assert a.sweep(sweep["id"])["trials"] == []
+
+    with pytest.raises(ServiceRequestInvalid) as bad:
+        a.submit_sweep(with_(space={"optim.lrr": {"uniform": [0.1, 0.2]}}))
+    assert bad.value.field == "space.optim.lrr"
+    with pytest.raises(ServiceRequestInvalid) as over:  # one trial of 5 workers: team b's quota never holds it
+        b.submit_sweep(with_(base={**base_with("elastic", min_workers=5, max_workers=6), "resources": {"num_workers": 5}}))
+    assert over.value.field == "base.elastic.min_workers" and "could never start" in str(over.value)
+    assert len(store.sweeps()) == 1  # nothing written by a refusal
+
+    env = {**os.environ, "RAYTRAIN_SYS_SERVICE_URL": url, "RAYTRAIN_SYS_TOKEN": tokens["a"]}
+    cli = [sys.executable, "-m", "raytrain_sys.cli.main", "sweeps"]
+    refused = subprocess.run([*cli, "submit", str(tmp_path / "none.yaml")], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "none.yaml" in refused.stderr and "Traceback" not in refused.stderr
+    listed = subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, check=True)
+    assert f"{sweep['id']}" in listed.stdout and "lr-wd" in listed.stdout and "queued" in listed.stdout
+    paused = subprocess.run([*cli, "pause", str(sweep["id"])], env=env, capture_output=True, text=True, check=True)
+    assert paused.stdout.strip() == f"sweep {sweep['id']}: paused"
+    assert a.resume_sweep(sweep["id"])["state"] == "running"
+    assert a.cancel_sweep(sweep["id"], reason="enough")["state"] == "cancelled"
+    with pytest.raises(ServiceRequestConflict):
+        a.cancel_sweep(sweep["id"])
+    assert [t.to_state for t in store.sweep_history(sweep["id"])] == [
+        SweepState.QUEUED, SweepState.PAUSED, SweepState.RUNNING, SweepState.CANCELLED]
+    audit = [(r.action, r.result.split(" ")[0]) for r in store.audit_log() if "sweep" in r.action]
+    assert ("submit_sweep", "refused") in audit and ("cancel_sweep", "ok") in audit

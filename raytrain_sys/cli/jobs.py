@@ -26,14 +26,20 @@ STATES = ("queued", "starting", "running", "pausing", "paused", "resuming", "can
 MIN_REASON_WIDTH = 40
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """Add the ``jobs`` and ``teams`` commands to the CLI's subparsers."""
-    # --url/--token go before or after the action (`teams --url U` alone lists): the group's
-    # parser holds the defaults, and an action's copy only sets them when given (SUPPRESS).
+def connection_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """(an action's, its group's) parents holding --url and --token. They go before or after the
+    action (`teams --url U` alone lists): the group's parser holds the defaults, and an action's
+    copy only sets them when given (SUPPRESS)."""
     conn, group_conn = (argparse.ArgumentParser(add_help=False) for _ in range(2))
     for parser, default in ((conn, argparse.SUPPRESS), (group_conn, None)):
         parser.add_argument("--url", default=default, help="the job service, default $RAYTRAIN_SYS_SERVICE_URL")
         parser.add_argument("--token", default=default, help="a bearer token, default $RAYTRAIN_SYS_TOKEN")
+    return conn, group_conn
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the ``jobs`` and ``teams`` commands to the CLI's subparsers."""
+    conn, group_conn = connection_parsers()
 
     jobs = sub.add_parser("jobs", parents=[group_conn],
                           help="submit, list, follow, pause, resume and cancel service jobs")

@@ -199,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--s3-endpoint-url", default="")
     ex.set_defaults(func=_cmd_export)
 
-    from raytrain_sys.cli import jobs, node
+    from raytrain_sys.cli import jobs, node, sweeps
     from raytrain_sys.cli import service as service_cli
 
     jobs.add_parsers(sub)
+    sweeps.add_parsers(sub)
     service_cli.add_parser(sub)
     node.add_parser(sub)
     return p

@@ -67,8 +67,10 @@ from raytrain_sys.service.model import (ACCELERATOR_PATTERN, DEFAULT_FLAVOR, JOB
                                         MARKETS, MAX_AMOUNT, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS, NAME_MAX_CHARS,
                                         NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES, RESOURCES,
                                         TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, FlavorQuota, JobRecord, JobState,
-                                        ResourceFlavor, Team, WaitCause, name_problem, team_ref_problem)
+                                        ResourceFlavor, SweepRecord, SweepState, Team, WaitCause, name_problem,
+                                        team_ref_problem)
 from raytrain_sys.service.store import Principal, Store
+from raytrain_sys.sweeps import requests as sweep_requests
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,7 @@ Resource = Annotated[str, _held_to(lambda v: None if v in RESOURCES else f"got {
                                      "description": "what a quota counts: workers, or per worker cpu, gpu, memory_gb"})]
 Amount = Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)]
 JobId = Annotated[int, PathParam(ge=1, le=MAX_JOB_ID, description="a job's id")]
+SweepId = Annotated[int, PathParam(ge=1, le=MAX_JOB_ID, description="a sweep's id")]
 Workers = Annotated[int, Field(ge=0, le=MAX_WORKERS)]
 Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT, allow_inf_nan=False)]
 
@@ -237,6 +240,41 @@ class JobOut(BaseModel):
     def of(cls, job: JobRecord, *, with_spec: bool = False) -> "JobOut":
         fields = {name: getattr(job, name) for name in cls.model_fields if name != "spec"}
         return cls(**fields, spec=job.spec if with_spec else None)
+
+
+class SweepSubmitIn(_Body):
+    sweep: SpecIn = Field(description="the sweep spec (docs/SWEEPS.md): base, space, metric, mode, num_samples, "
+                                      "scheduler, max_workers, keep_stopped; a mapping, or its YAML text")
+    team: Optional[TeamRef] = Field(None, description="default: the token's team (required with an admin token)")
+    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT, description="every trial's priority")
+
+
+class TrialOut(BaseModel):
+    job_id: int
+    trial_id: Optional[str]
+    state: JobState
+    workers: int
+    rung: int = Field(description="the sweep scheduler's rungs it passed (it grows first)")
+    last_checkpoint_step: Optional[int]
+
+
+class SweepOut(BaseModel):
+    id: int
+    team: str
+    name: str
+    priority: int
+    state: SweepState
+    max_workers: Optional[int] = Field(description="the cap on the workers its trials hold together; null: none")
+    storage_path: str = Field(description="where Ray Tune keeps its experiment (Tuner.restore reads it)")
+    mlflow_parent_run_id: Optional[str]
+    runner_restarts: int
+    best_trial: Optional[str]
+    best_value: Optional[float]
+    submitted_at_s: float
+    updated_at_s: float
+    message: str = Field(description="the last transition's reason")
+    spec: dict[str, Any] = Field(description="the validated sweep spec, local paths absolute")
+    trials: Optional[list[TrialOut]] = Field(None, description="its trials' jobs (GET /v1/sweeps/{id} only)")
 
 
 class ProgressOut(BaseModel):
@@ -632,6 +670,77 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
         """Queued or paused: cancelled now. Starting, running, resuming or pausing: cancelling
         (the reconciler stops it, then cancelled). ``delete_checkpoints`` is recorded with it."""
         return request("cancel", job_id, body, who)
+
+    # ------------------------------------------------------------------ sweeps
+
+    def sweep_of(who: Principal, sweep_id: int) -> SweepRecord:
+        """The sweep, if it exists and the principal's team owns it (refusals raise)."""
+        try:
+            sweep = store.sweep(sweep_id)
+        except ServiceInputError:
+            raise ApiError(404, f"no sweep {sweep_id}", "sweep_id") from None
+        auth.check_team(who, sweep.team, f"sweep {sweep_id}")
+        return sweep
+
+    def sweep_out(sweep: SweepRecord, with_trials: bool = False) -> SweepOut:
+        return SweepOut(**sweep_requests.sweep_dict(sweep, store.trials(sweep.id) if with_trials else None))
+
+    @app.post(f"{API_PREFIX}/sweeps", response_model=SweepOut, status_code=201, tags=["sweeps"])
+    def submit_sweep(body: SweepSubmitIn, who: Principal = Depends(principal)) -> SweepOut:
+        """Queue a sweep (``sweeps/requests.submit``): the whole spec is validated and one trial
+        must fit the team's quota, before anything is written (400 naming the field:
+        ``base.<field>``, ``space.<field>``, ``metric``, ...). The service starts its runner."""
+        team = body.team if body.team is not None else who.team
+        with audited(who, "submit_sweep", f"team {team}", record_ok=False):
+            if team is None:
+                raise ServiceInputError("team", "an admin token must name the team to submit for")
+            auth.check_team(who, team, "sweeps")
+        sweep = sweep_requests.submit(store, team=team, sweep=body.sweep, by=who.name, priority=body.priority,
+                                      base_dir=base_dir,
+                                      cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers,
+                                      capacity=capacity() if capacity is not None else None)
+        return sweep_out(sweep)
+
+    @app.get(f"{API_PREFIX}/sweeps", response_model=list[SweepOut], tags=["sweeps"])
+    def list_sweeps(team: Optional[TeamRef] = Query(None, description="admin: one team's sweeps; a team token: "
+                                                                          "its own"),
+                    who: Principal = Depends(principal)) -> list[SweepOut]:
+        with audited(who, "list_sweeps", "sweeps", record_ok=False):
+            if not who.is_admin:
+                if team is not None:
+                    auth.check_team(who, team, "sweeps")
+                team = who.team
+        return [sweep_out(s) for s in store.sweeps(team=team)]
+
+    @app.get(f"{API_PREFIX}/sweeps/{{sweep_id}}", response_model=SweepOut, tags=["sweeps"])
+    def get_sweep(sweep_id: SweepId, who: Principal = Depends(principal)) -> SweepOut:
+        """The sweep with its trials' jobs."""
+        with audited(who, "get_sweep", f"sweep {sweep_id}", record_ok=False):
+            return sweep_out(sweep_of(who, sweep_id), with_trials=True)
+
+    def sweep_request(action: str, sweep_id: int, body: Optional[ActionIn], who: Principal) -> SweepOut:
+        with audited(who, f"{action}_sweep", f"sweep {sweep_id}", record_ok=False):
+            sweep_of(who, sweep_id)
+        reason = (body.reason if body is not None else None) or ""
+        return sweep_out(getattr(sweep_requests, action)(store, sweep_id, by=who.name, reason=reason))
+
+    @app.post(f"{API_PREFIX}/sweeps/{{sweep_id}}/pause", response_model=SweepOut, tags=["sweeps"])
+    def pause_sweep(sweep_id: SweepId, body: Optional[ActionIn] = Body(None),
+                    who: Principal = Depends(principal)) -> SweepOut:
+        """Hold every live trial (each paused as a job is); 409 unless queued or running."""
+        return sweep_request("pause", sweep_id, body, who)
+
+    @app.post(f"{API_PREFIX}/sweeps/{{sweep_id}}/resume", response_model=SweepOut, tags=["sweeps"])
+    def resume_sweep(sweep_id: SweepId, body: Optional[ActionIn] = Body(None),
+                     who: Principal = Depends(principal)) -> SweepOut:
+        """Release the trials of a paused sweep; 409 unless paused."""
+        return sweep_request("resume", sweep_id, body, who)
+
+    @app.post(f"{API_PREFIX}/sweeps/{{sweep_id}}/cancel", response_model=SweepOut, tags=["sweeps"])
+    def cancel_sweep(sweep_id: SweepId, body: Optional[ActionIn] = Body(None),
+                     who: Principal = Depends(principal)) -> SweepOut:
+        """End the sweep: its runner stops, every live trial is cancelled; 409 once it has ended."""
+        return sweep_request("cancel", sweep_id, body, who)
 
     # ------------------------------------------------------------------ teams (admin)
 

@@ -91,6 +91,38 @@ class Client:
                 if exc.field != "package" or attempt == 2:
                     raise
 
+    # ------------------------------------------------------------------ sweeps
+
+    def submit_sweep(self, sweep_or_path: Union[str, os.PathLike, dict], team: Optional[str] = None,
+                     priority: Optional[int] = None) -> dict:
+        """Queue a sweep (docs/SWEEPS.md): ``sweep_or_path`` is a sweep mapping or a sweep file
+        (its ``base`` may name a job spec file, read here). Returns the sweep (state ``queued``)."""
+        from raytrain_sys.sweeps.spec import load_sweep_file
+
+        sweep = sweep_or_path if isinstance(sweep_or_path, dict) else load_sweep_file(os.fspath(sweep_or_path))
+        body: dict[str, Any] = {"sweep": sweep}
+        if team is not None:
+            body["team"] = _team_ref(team)
+        if priority is not None:
+            body["priority"] = priority
+        return self._json("POST", "/v1/sweeps", body)
+
+    def sweeps(self, team: Optional[str] = None) -> list[dict]:
+        return self._json("GET", "/v1/sweeps", query=[("team", _team_ref(team))] if team else None)
+
+    def sweep(self, sweep_id: int) -> dict:
+        """The sweep with its trials' jobs (``trials``)."""
+        return self._json("GET", f"/v1/sweeps/{int(sweep_id)}")
+
+    def pause_sweep(self, sweep_id: int, reason: Optional[str] = None) -> dict:
+        return self._json("POST", f"/v1/sweeps/{int(sweep_id)}/pause", _action(reason))
+
+    def resume_sweep(self, sweep_id: int, reason: Optional[str] = None) -> dict:
+        return self._json("POST", f"/v1/sweeps/{int(sweep_id)}/resume", _action(reason))
+
+    def cancel_sweep(self, sweep_id: int, reason: Optional[str] = None) -> dict:
+        return self._json("POST", f"/v1/sweeps/{int(sweep_id)}/cancel", _action(reason))
+
     def upload_package(self, directory: Union[str, os.PathLike], team: Optional[str] = None,
                        excludes: Iterable[str] = ()) -> dict:
         """Pack ``directory`` (``service/packages.pack``) and upload it unless the service holds

@@ -128,6 +128,13 @@ class ReconcilerConfig:
     # Ask Ray's autoscaler for the queue's demand after each pass (service/autoscale.py); the
     # scheduler then admits against the ceiling (service/capacity.py). Off: a fixed cluster.
     autoscaling: bool = False
+    # Sweeps (raytrain_sys/sweeps): the store's URL and the base directory their runners and trial
+    # proxies open and resolve paths against; "" drives no sweep (a reconciler of jobs only).
+    db_url: str = ""
+    base_dir: str = ""
+    # Sweep runners lost and started again (each through Tuner.restore) before the sweep fails:
+    # 3, as for a job's runner.
+    sweep_runner_restarts: int = 3
 
     def __post_init__(self) -> None:
         if not self.start_stall_s > 0:
@@ -203,6 +210,11 @@ class Reconciler:
         for job_id in list(self._handles):
             if job_id not in {j.id for j in jobs}:
                 self._forget(job_id)
+        if self.config.db_url:
+            from raytrain_sys.sweeps.runner import ensure_runners
+
+            ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
+                           self.config.sweep_runner_restarts, self.config.status_wait_s)
         snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states())
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())

@@ -183,10 +183,12 @@ def stored_spec(spec: JobSpec) -> str:
 def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority: int = 0, name: str = "",
            overrides: Optional[list[str]] = None, cluster_workers: Optional[int] = None,
            idempotency_key: Optional[str] = None, base_dir: Optional[str] = None,
-           package: Optional[str] = None, capacity: Optional[dict[str, dict[str, float]]] = None) -> JobRecord:
+           package: Optional[str] = None, capacity: Optional[dict[str, dict[str, float]]] = None,
+           sweep_id: Optional[int] = None, trial_id: Optional[str] = None) -> JobRecord:
     """Queue a job (see the module docstring), with the code package ``package`` (a sha256 the
     team uploaded, ``packages.py``) when given. ``capacity``: each flavor's ceiling (the service's
-    ``flavor_capacity``), else ``cluster_workers`` without a flavor table. A refusal raises
+    ``flavor_capacity``), else ``cluster_workers`` without a flavor table. A sweep's trial names
+    its ``sweep_id`` and ``trial_id`` (a trial submitted again gets its job back). A refusal raises
     ``ServiceInputError`` naming the field; nothing but the audit row is written."""
     try:
         parsed = parse_spec(spec, base_dir, overrides)
@@ -195,7 +197,8 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
             job = store.submit(team=team, name=name or parsed.name, spec=stored_spec(parsed),
                                min_workers=low, max_workers=high, elastic=elastic, priority=priority, actor=by,
                                idempotency_key=idempotency_key, cluster_workers=cluster_workers,
-                               package=package or None, shape=shape_of(parsed), capacity=capacity)
+                               package=package or None, shape=shape_of(parsed), capacity=capacity,
+                               sweep_id=sweep_id, trial_id=trial_id)
         except ServiceInputError as exc:
             if exc.field == "name" and not name:  # the spec's name: the store's bounds are the spec's too
                 raise ServiceInputError("spec.name", str(exc).split(": ", 1)[-1]) from None

@@ -60,6 +60,7 @@ from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
 from raytrain_sys.service.runner import NAMESPACE, log_to_file
 from raytrain_sys.service.store import DEFAULT_URL, Store, mask_url
+from raytrain_sys.sweeps import requests as sweep_requests
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,8 @@ class ServiceActor:
                                                                   start_stall_s=start_stall_s,
                                                                   max_start_returns=max_start_returns,
                                                                   provisioning_timeout_s=provisioning_timeout_s,
-                                                                  autoscaling=autoscaling),
+                                                                  autoscaling=autoscaling,
+                                                                  db_url=db_url, base_dir=base_dir),
                                      cluster_workers=self.cluster_workers, step_hook=step_hook,
                                      flavor_states=self.flavor_states)
         self.last_error = ""
@@ -251,6 +253,28 @@ class ServiceActor:
 
     def jobs(self, team: Optional[str] = None) -> list[dict]:
         return [user_requests.job_dict(j) for j in self.store.jobs(team=team)]
+
+    def submit_sweep(self, team: str, sweep: Union[dict, str], priority: int = 0, by: str = "") -> dict:
+        """Queue a sweep (``sweeps/requests.py``): the reconciler starts its runner."""
+        record = sweep_requests.submit(self.store, team=team, sweep=sweep, by=by or team, priority=priority,
+                                       base_dir=self.base_dir, cluster_workers=self.admission_workers(),
+                                       capacity=self.capacity())
+        return sweep_requests.sweep_dict(record)
+
+    def sweeps(self, team: Optional[str] = None) -> list[dict]:
+        return [sweep_requests.sweep_dict(s) for s in self.store.sweeps(team=team)]
+
+    def sweep(self, sweep_id: int) -> dict:
+        return sweep_requests.sweep_dict(self.store.sweep(sweep_id), self.store.trials(sweep_id))
+
+    def pause_sweep(self, sweep_id: int, by: str, reason: str = "") -> dict:
+        return sweep_requests.sweep_dict(sweep_requests.pause(self.store, sweep_id, by=by, reason=reason))
+
+    def resume_sweep(self, sweep_id: int, by: str, reason: str = "") -> dict:
+        return sweep_requests.sweep_dict(sweep_requests.resume(self.store, sweep_id, by=by, reason=reason))
+
+    def cancel_sweep(self, sweep_id: int, by: str, reason: str = "") -> dict:
+        return sweep_requests.sweep_dict(sweep_requests.cancel(self.store, sweep_id, by=by, reason=reason))
 
     def job(self, job_id: int) -> dict:
         return user_requests.job_dict(self.store.job(job_id))

@@ -353,17 +353,7 @@ class Store:
         now = _now(now_s)
         try:
             with self._tx() as conn:
-                all_teams = _teams(conn)
-                if team not in {t.name for t in all_teams}:
-                    raise ServiceInputError("team", never_fits_reason(team, min_workers, all_teams))
-                table = _flavors(conn)
-                refused = shape_refusal(shape, table)
-                if refused:
-                    raise ServiceInputError(*refused)
-                states = None if not table else [FlavorState(f, (capacity or {}).get(f.name, {})) for f in table]
-                never = never_fits_reason(team, min_workers, all_teams, cluster_workers, shape=shape, flavors=states)
-                if never:
-                    raise ServiceInputError("elastic.min_workers", never)
+                _check_fits(conn, team, min_workers, shape, cluster_workers, capacity)
                 if package is not None and not self._has_package(conn, package, team):
                     raise ServiceInputError("package", f"team {team} has uploaded no package {package}: "
                                                        f"upload it first (PUT /v1/packages/<sha256>)")
@@ -642,10 +632,13 @@ class Store:
     # ------------------------------------------------------------------ sweeps
 
     def submit_sweep(self, *, team: str, name: str, spec: str, priority: int = 0, max_workers: Optional[int] = None,
-                     storage_path: str, actor: str, now_s: Optional[float] = None) -> SweepRecord:
+                     storage_path: str, actor: str, trial_min_workers: int = 1, shape: WorkerShape = DEFAULT_SHAPE,
+                     cluster_workers: Optional[int] = None, capacity: Optional[dict[str, dict[str, float]]] = None,
+                     now_s: Optional[float] = None) -> SweepRecord:
         """Record a sweep (its spec validated by the caller, ``sweeps.spec``), queued for its
-        sweep runner. An unknown team, a name or a count out of bounds raises
-        ``ServiceInputError`` on the field; nothing is written then."""
+        sweep runner. An unknown team, a name or a count out of bounds, or trials of
+        ``trial_min_workers`` of ``shape`` that could never start (as ``submit`` refuses a job)
+        raise ``ServiceInputError`` on the field; nothing is written then."""
         check_count("priority", priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT)
         if max_workers is not None:
             check_count("max_workers", max_workers, low=1)
@@ -654,8 +647,7 @@ class Store:
             raise ServiceInputError("name", problem.replace("a job's name", "a sweep's name"))
         now = _now(now_s)
         with self._tx() as conn:
-            if conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
-                raise ServiceInputError("team", f"unknown team {quote(team)}")
+            _check_fits(conn, team, trial_min_workers, shape, cluster_workers, capacity)
             sweep_id = conn.execute(insert(sweeps).values(
                 team=team, name=name, spec=spec, priority=priority, state=SweepState.QUEUED.value,
                 max_workers=max_workers, storage_path=storage_path, runner_restarts=0, submitted_at_s=now,
@@ -888,6 +880,24 @@ def _flavors(conn: Connection) -> tuple[ResourceFlavor, ...]:
 
 def _float(value: Optional[float]) -> Optional[float]:
     return None if value is None else float(value)
+
+
+def _check_fits(conn: Connection, team: str, min_workers: int, shape: WorkerShape, cluster_workers: Optional[int],
+                capacity: Optional[dict[str, dict[str, float]]]) -> None:
+    """A job of ``min_workers`` of ``shape`` could ever start in ``team``: its shape fits a
+    flavor of the table (else ``ServiceInputError`` on the spec's field) and some flavor's quota
+    and capacity hold it (else on ``elastic.min_workers``); an unknown team on ``team``."""
+    all_teams = _teams(conn)
+    if team not in {t.name for t in all_teams}:
+        raise ServiceInputError("team", never_fits_reason(team, min_workers, all_teams))
+    table = _flavors(conn)
+    refused = shape_refusal(shape, table)
+    if refused:
+        raise ServiceInputError(*refused)
+    states = None if not table else [FlavorState(f, (capacity or {}).get(f.name, {})) for f in table]
+    never = never_fits_reason(team, min_workers, all_teams, cluster_workers, shape=shape, flavors=states)
+    if never:
+        raise ServiceInputError("elastic.min_workers", never)
 
 
 def _check_trial_sweep(conn: Connection, sweep_id: int, team: str) -> None:

@@ -42,6 +42,7 @@ SCHEDULERS = ("asha", "fifo", "pbt")
 MODES = ("min", "max")
 MAX_TRIALS = 1_000  # a sweep of more trials is a queue of its own: submit it in parts
 MAX_SPACE_KEYS = 64  # the space's fields: far more than any sweep tunes at once
+MAX_DOMAIN_VALUES = 1_000  # a grid's or a choice's values: each is checked against the base spec
 # Fields a trial must not take from the space: the service sets them (its run's place and name) or
 # they would make every trial the same job (pause with a request, not a step).
 FIXED_FIELDS = ("name", "output_dir", "train.stop_at_step", "checkpoint.uri", "checkpoint.resume_from")
@@ -217,6 +218,8 @@ def _domain(where: str, value: Any) -> Domain:
     if not isinstance(values, list) or not values:
         raise ServiceInputError(f"{where}.{kind}", f"got {quote(values)}; must be a non-empty list")
     if kind in ("grid", "choice"):
+        if len(values) > MAX_DOMAIN_VALUES:
+            raise ServiceInputError(f"{where}.{kind}", f"{len(values)} values; at most {MAX_DOMAIN_VALUES}")
         return Domain(kind, tuple(values))
     if len(values) != 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
         raise ServiceInputError(f"{where}.{kind}", f"got {quote(values)}; a range is [low, high], two numbers")
@@ -340,14 +343,28 @@ def pbt_mutations(sweep: SweepSpec) -> dict:
     return {key: make[d.kind](d.values) for key, d in sweep.space.items() if d.kind != "grid"}
 
 
-def trial_spec(sweep: SweepSpec, config: dict) -> dict:
+def trial_spec(sweep: SweepSpec, config: dict, sweep_id: int, trial_id: str) -> dict:
     """The job spec of the trial Tune configured: the base with each of the space's fields set
-    to its value in ``config`` (keys the space does not name are Tune's own and ignored)."""
+    to its value in ``config`` (keys the space does not name are Tune's own and ignored), named
+    for its trial, in a directory of its own (``<output_dir>/sweep-<id>/<trial>``: its run dir
+    and checkpoints), and tracked in the base's MLflow store (where the sweep's parent run is)."""
     spec = sweep.base
     for key in sweep.space:
         if key in config:
             spec = set_field(spec, key, _plain(config[key]))
+    spec = copy.deepcopy(spec)
+    spec["name"] = f"{sweep.base['name']}-{trial_id}"
+    spec["output_dir"] = f"{sweep.base['output_dir']}/sweep-{sweep_id}/{trial_id}"
+    spec["tracking"]["uri"] = tracking_uri(sweep)
     return spec
+
+
+def tracking_uri(sweep: SweepSpec) -> str:
+    """Where the sweep's runs are recorded: the base spec's tracking.uri, else the default store
+    of its output_dir."""
+    from raytrain_sys.tracking.mlflow_tracker import default_tracking_uri
+
+    return sweep.base["tracking"]["uri"] or default_tracking_uri(sweep.base["output_dir"])
 
 
 def _plain(value: Any) -> Any:
@@ -369,3 +386,25 @@ def _stored_domain(value: dict) -> Domain:
     kind, values = next(iter(value.items()))
     return Domain(kind, tuple(values))
 
+
+
+def load_sweep_file(path: str) -> dict:
+    """A sweep file's mapping, its ``base`` read when it names a job spec file (relative to the
+    sweep file's directory): what a client sends, since the service cannot read the client's
+    files. Refusals are ``ServiceInputError`` on ``SWEEP`` or ``base``."""
+    import os
+
+    from raytrain_sys.errors import SpecError
+    from raytrain_sys.spec import parse_yaml, read_spec_file
+
+    try:
+        raw = parse_yaml(read_spec_file(path), field="SWEEP", source=os.fspath(path))
+        if not isinstance(raw, dict):
+            raise ServiceInputError("SWEEP", f"{path} must hold a mapping of sweep fields, got {type(raw).__name__}")
+        base = raw.get("base")
+        if isinstance(base, str):
+            base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(os.path.abspath(path)), base)
+            raw["base"] = parse_yaml(read_spec_file(base_path), field="base", source=base_path)
+    except SpecError as exc:
+        raise ServiceInputError(exc.field, str(exc).split(": ", 1)[-1]) from None
+    return raw

@@ -795,3 +795,22 @@ class Tracker:
             events=list(artifacts.get(EVENTS_ARTIFACT, [])),
             original_spec_dict=artifacts.get(ORIGINAL_SPEC_ARTIFACT),
         )
+
+
+_history_clients: dict[str, Any] = {}  # tracking URI -> client: a follower polls every second
+
+
+def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """Every (step, value) of one metric of a run, one value a step (the last logged: a resumed
+    run that logged a step again), in step order. A sweep's trial follows its job's evaluations
+    with it."""
+    client = _history_clients.get(tracking_uri)
+    if client is None:
+        client = _history_clients[tracking_uri] = _client(tracking_uri)
+    points = _call(tracking_uri, f"read metric {key} of run {run_id}",
+                   lambda: client.get_metric_history(run_id, key))
+    by_step: dict[int, tuple[int, float]] = {}
+    for m in points:
+        if m.step not in by_step or m.timestamp >= by_step[m.step][0]:
+            by_step[int(m.step)] = (m.timestamp, float(m.value))
+    return [(step, value) for step, (_, value) in sorted(by_step.items())]

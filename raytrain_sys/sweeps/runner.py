@@ -1,0 +1,372 @@
+"""A sweep's runner: Ray Tune decides, the job service places, runs and restarts every trial.
+
+Owns: the Tune driver of one sweep (``drive``: a new ``Tuner``, or ``Tuner.restore`` of the
+sweep's experiment after its runner was lost, which never reruns a finished trial), the trial
+proxy (``run_trial``) and what each of Tune's decisions does to the trial's job
+(``ServiceActions``). Writes in the store: the trials' jobs (through ``requests``, as a user
+would), their ``rung``, and the sweep's end (finished with its best trial, or failed); the
+reconciler writes the sweep's start and its runner's restarts (``ensure_runners``).
+
+* **A trial is a proxy** that needs no CPU (a 1 MiB memory bundle: Tune will not run a trial of no
+  resource, and a fraction of a CPU would take a worker slot's CPU from the cluster). It submits
+  its job (``(sweep, trial)`` unique: a trial driven again re-attaches to its job), follows the
+  job's evaluations in MLflow and reports each as ``step`` (the committed step: the schedulers'
+  ``time_attr``) with the metric and the job's newest committed checkpoint step. The job trains,
+  shrinks, grows, pauses and recovers as any service job: a lost worker is the job's business,
+  never a trial error, and the trial keeps training while the sweep's runner is down.
+* **Tune's stop is a service action**: when a trial ends while its job is live (ASHA stopped it,
+  or its proxy failed) the job is cancelled, or paused and held with ``keep_stopped``; the
+  next scheduling pass gives its workers to the next trial or grows the survivors. Each rung a
+  trial passes (ASHA's milestones reached while it runs on) is written to its job's ``rung``:
+  the scheduler grows it before trials that passed fewer.
+* **On the safe nodes**: the runner and the proxies ask what ``control_options`` gives a
+  control actor, so a spot reclaim takes neither.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+import ray
+
+from raytrain_sys.control.control_actors import control_options
+from raytrain_sys.control.spares import NAMESPACE
+from raytrain_sys.errors import JobStateConflict
+from raytrain_sys.service import requests
+from raytrain_sys.service.model import JobRecord, JobState, SweepRecord, SweepState
+from raytrain_sys.service.store import Store
+from raytrain_sys.sweeps.spec import SweepSpec, pbt_mutations, sweep_from_dict, trial_spec, tune_space
+
+log = logging.getLogger(__name__)
+
+SWEEP_RUNNER_PREFIX = "raytrain-sys-sweep-"
+POLL_S = 1.0  # a proxy reads its job and its evaluations this often: an evaluation is seconds apart at best
+PROXY_MEMORY_BYTES = 2 ** 20  # the proxy's whole bundle (see the module docstring)
+ACTOR = "sweep-runner"
+
+
+def runner_name(sweep_id: int) -> str:
+    return f"{SWEEP_RUNNER_PREFIX}{int(sweep_id)}"
+
+
+def experiment_name(sweep_id: int) -> str:
+    return f"sweep-{int(sweep_id)}"
+
+
+def spec_of(sweep: SweepRecord) -> SweepSpec:
+    return sweep_from_dict(json.loads(sweep.spec))
+
+
+# ----------------------------------------------------------------------------- the trial proxy
+
+
+class TrialJobFailed(RuntimeError):
+    """The trial's job failed (its own restart budget spent): the trial has no more results."""
+
+
+def follow(store: Store, job_id: int, metric: str, report: Callable[[dict], None],
+           history: Callable[[JobRecord, str], list[tuple[int, float]]], *, after_step: int = 0,
+           poll_s: float = POLL_S, sleep: Callable[[float], None] = time.sleep) -> JobRecord:
+    """Report each evaluation of the job after ``after_step`` once, in step order, until the job
+    ends; returns it ended. The job is read before its evaluations, so a job read as ended has
+    every evaluation it will ever log. Raises ``TrialJobFailed`` when it failed."""
+    reported = after_step
+    while True:
+        job = store.job(job_id)
+        for step, value in history(job, metric):
+            if step > reported:
+                report({"step": step, metric: value, "job_id": job.id,
+                        "checkpoint_step": job.last_checkpoint_step or 0})
+                reported = step
+        if job.state is JobState.FAILED:
+            raise TrialJobFailed(f"job {job.id} failed: {job.message}")
+        if job.state.terminal:
+            return job
+        sleep(poll_s)
+
+
+def mlflow_history(job: JobRecord, metric: str) -> list[tuple[int, float]]:
+    """The job's evaluations of ``metric`` as its MLflow run logged them (none before it runs)."""
+    if not job.mlflow_run_id:
+        return []
+    from raytrain_sys.service.reconciler import _tracking_uri
+    from raytrain_sys.tracking.mlflow_tracker import metric_history
+
+    return metric_history(_tracking_uri(json.loads(job.spec)), job.mlflow_run_id, metric)
+
+
+def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> None:
+    """Tune's function trainable: submit (or find) this trial's job and report its evaluations."""
+    from ray import tune
+
+    store = Store.open(db_url)
+    try:
+        sweep = store.sweep(sweep_id)
+        spec = spec_of(sweep)
+        trial_id = tune.get_context().get_trial_id()
+        job = requests.submit(store, team=sweep.team, spec=trial_spec(spec, config, sweep_id, trial_id), by=f"sweep {sweep_id}",
+                              priority=sweep.priority, name=f"{sweep.name} {trial_id}"[:200], base_dir=base_dir,
+                              sweep_id=sweep_id, trial_id=trial_id)
+        log.info("trial %s of sweep %d follows job %d", trial_id, sweep_id, job.id)
+        follow(store, job.id, spec.metric, tune.report, mlflow_history)
+    finally:
+        store.close()
+
+
+# ----------------------------------------------------------------------------- Tune's decisions
+
+
+def rungs_passed(step: int, grace: int, factor: int, max_t: int) -> int:
+    """ASHA's milestones (grace, grace x factor, ...) below max_t that a trial reporting ``step``
+    has reached: it was promoted past each one it runs on from."""
+    rung, milestone = 0, grace
+    while milestone < max_t and step >= milestone:
+        rung += 1
+        milestone *= factor
+    return rung
+
+
+def make_callback(sweep_id: int, db_url: str):
+    """The Tune callback that turns Tune's decisions into service actions (a class made here so
+    that importing this module does not import Ray Tune)."""
+    from ray.tune import Callback
+
+    class ServiceActions(Callback):
+        def __init__(self):
+            self._store: Optional[Store] = None
+            self._rungs: dict[str, int] = {}
+
+        @property
+        def store(self) -> Store:
+            if self._store is None:
+                self._store = Store.open(db_url)
+            return self._store
+
+        def __getstate__(self):  # Tune pickles its callbacks with the experiment: no open store
+            return {"_store": None, "_rungs": dict(self._rungs)}
+
+        def _job(self, trial) -> Optional[JobRecord]:
+            for job in self.store.trials(sweep_id):
+                if job.trial_id == trial.trial_id:
+                    return job
+            return None
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            spec = spec_of(self.store.sweep(sweep_id))
+            if spec.scheduler.type != "asha":
+                return
+            rung = rungs_passed(int(result.get("step", 0)), spec.scheduler.grace_period_steps,
+                                spec.scheduler.reduction_factor, spec.max_steps)
+            if rung > self._rungs.get(trial.trial_id, 0) and "job_id" in result:
+                self._rungs[trial.trial_id] = rung
+                self.store.set_rung(int(result["job_id"]), rung)
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self._ended(trial, "stopped by the sweep's scheduler")
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            self._ended(trial, "its trial proxy failed")
+
+        def _ended(self, trial, why: str) -> None:
+            job = self._job(trial)
+            if job is None or job.state.terminal:
+                return  # it finished (its proxy returned), or never submitted
+            sweep = self.store.sweep(sweep_id)
+            at = f" at step {trial.last_result.get('step')}" if trial.last_result else ""
+            try:
+                if spec_of(sweep).keep_stopped:
+                    requests.pause(self.store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at} (keep_stopped)")
+                else:
+                    requests.cancel(self.store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at}")
+            except JobStateConflict as exc:  # it ended or was held meanwhile
+                log.info("trial %s: %s", trial.trial_id, exc)
+
+    return ServiceActions()
+
+
+def make_scheduler(spec: SweepSpec):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    s = spec.scheduler
+    if s.type == "asha":
+        return ASHAScheduler(time_attr="step", max_t=spec.max_steps, grace_period=s.grace_period_steps,
+                             reduction_factor=s.reduction_factor)
+    if s.type == "pbt":
+        return PopulationBasedTraining(time_attr="step", perturbation_interval=s.perturbation_interval_steps,
+                                       hyperparam_mutations=pbt_mutations(spec), quantile_fraction=s.quantile_fraction,
+                                       resample_probability=s.resample_probability)
+    return FIFOScheduler()
+
+
+def trainable(sweep_id: int, db_url: str, base_dir: str):
+    """The proxy as Tune runs it: its parameters bound, on a bundle of no CPU (the safe nodes'
+    resource too when the cluster has them)."""
+    from ray import tune
+
+    resources = {"cpu": 0, "memory": PROXY_MEMORY_BYTES, **control_options().get("resources", {})}
+    return tune.with_resources(tune.with_parameters(run_trial, sweep_id=sweep_id, db_url=db_url, base_dir=base_dir),
+                               resources)
+
+
+def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
+    """Run (or, when its experiment exists, restore and finish) the sweep's Tune experiment, then
+    record its end: finished with the best trial and value. Returns the sweep as recorded, or
+    None when it was no longer running (cancelled or paused meanwhile: nothing recorded)."""
+    from ray import tune
+
+    store = Store.open(db_url)
+    try:
+        sweep = store.sweep(sweep_id)
+        spec = spec_of(sweep)
+        fn = trainable(sweep_id, db_url, base_dir)
+        path = os.path.join(sweep.storage_path, experiment_name(sweep_id))
+        if tune.Tuner.can_restore(path):
+            log.info("sweep %d: restoring its Tune experiment from %s", sweep_id, path)
+            tuner = tune.Tuner.restore(path, fn, resume_unfinished=True, resume_errored=True)
+        else:
+            tuner = tune.Tuner(
+                fn, param_space=tune_space(spec),
+                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=make_scheduler(spec),
+                                            num_samples=spec.num_samples),
+                run_config=tune.RunConfig(name=experiment_name(sweep_id), storage_path=sweep.storage_path,
+                                          callbacks=[make_callback(sweep_id, db_url)], verbose=0))
+        results = tuner.fit()
+        best = results.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
+        best_trial = best.metrics.get("trial_id") if best.metrics else None
+        best_value = _best_value(best.metrics_dataframe, spec) if best.metrics_dataframe is not None else None
+        try:
+            return store.transition_sweep(sweep_id, SweepState.RUNNING, SweepState.FINISHED, actor=ACTOR,
+                                          reason=f"{len(results)} trials ended; best {best_trial} "
+                                                 f"({spec.metric} {best_value})",
+                                          best_trial=best_trial, best_value=best_value)
+        except JobStateConflict as exc:
+            log.info("sweep %d: its end not recorded: %s", sweep_id, exc)
+            return None
+    finally:
+        store.close()
+
+
+def _best_value(frame, spec: SweepSpec) -> Optional[float]:
+    if spec.metric not in frame:
+        return None
+    values = frame[spec.metric].dropna()
+    if values.empty:
+        return None
+    return float(values.min() if spec.mode == "min" else values.max())
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class SweepRunner:
+    """A sweep's Tune driver, detached and named (``raytrain-sys-sweep-<id>``): it drives Tune in
+    a thread, answers ``status`` meanwhile; the reconciler starts another when it is lost."""
+
+    def __init__(self, sweep_id: int, db_url: str, base_dir: str, log_path: str = ""):
+        if log_path:
+            handler = logging.FileHandler(log_path)
+            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logging.getLogger("raytrain_sys").addHandler(handler)
+            logging.getLogger("raytrain_sys").setLevel(logging.INFO)
+        self.sweep_id = sweep_id
+        self._error = ""
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(db_url, base_dir), daemon=True)
+        self._thread.start()
+
+    def _run(self, db_url: str, base_dir: str) -> None:
+        try:
+            drive(self.sweep_id, db_url, base_dir)
+        except Exception as exc:  # the reconciler records it and fails the sweep
+            log.exception("sweep %d: its Tune driver raised", self.sweep_id)
+            self._error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._done.set()
+
+    def status(self) -> dict:
+        return {"sweep_id": self.sweep_id, "done": self._done.is_set(), "error": self._error, "pid": os.getpid()}
+
+
+# ----------------------------------------------------------------------------- the reconciler's part
+
+
+def find_runner(sweep_id: int):
+    try:
+        return ray.get_actor(runner_name(sweep_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def start_runner(sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str):
+    os.makedirs(log_dir, exist_ok=True)
+    return SweepRunner.options(name=runner_name(sweep.id), namespace=NAMESPACE, lifetime="detached",
+                               get_if_exists=True, **control_options()).remote(
+        sweep.id, db_url, base_dir, os.path.join(log_dir, f"sweep-{sweep.id}.log"))
+
+
+def ensure_runners(store: Store, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
+                   status_wait_s: float = 1.0) -> None:
+    """One pass over the live sweeps: a queued one gets its runner and runs; a running one whose
+    runner is gone gets another (``Tuner.restore``), within ``max_restarts``, else fails with
+    its trials cancelled; a runner whose driver raised fails its sweep."""
+    for sweep in store.sweeps(states=[SweepState.QUEUED, SweepState.RUNNING]):
+        try:
+            _ensure(store, sweep, db_url, base_dir, log_dir, max_restarts, status_wait_s)
+        except JobStateConflict as exc:  # a request landed meanwhile: next pass
+            log.info("sweep %d moved meanwhile: %s", sweep.id, exc)
+
+
+def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
+            status_wait_s: float) -> None:
+    if sweep.state is SweepState.QUEUED:
+        store.transition_sweep(sweep.id, SweepState.QUEUED, SweepState.RUNNING, actor="reconciler",
+                               reason="its sweep runner starts")
+        start_runner(sweep, db_url, base_dir, log_dir)
+        return
+    handle = find_runner(sweep.id)
+    status: Optional[dict] = None
+    if handle is not None:
+        try:
+            status = ray.get(handle.status.remote(), timeout=status_wait_s)
+        except ray.exceptions.GetTimeoutError:
+            return  # busy: asked again next pass
+        except ray.exceptions.RayActorError:
+            handle = None
+    if handle is not None and status is not None and status["done"]:
+        if status["error"]:
+            _fail(store, sweep, f"its Tune driver raised: {status['error']}")
+        ray.kill(handle)
+        return
+    if handle is not None:
+        return
+    if sweep.runner_restarts >= max_restarts:
+        _fail(store, sweep, f"its sweep runner was lost {sweep.runner_restarts + 1} times (budget {max_restarts})")
+        return
+    store.transition_sweep(sweep.id, SweepState.RUNNING, SweepState.RUNNING, actor="reconciler",
+                           reason=f"its sweep runner was lost: started again ({sweep.runner_restarts + 1} of "
+                                  f"{max_restarts}), Tune restores its experiment",
+                           runner_restarts=sweep.runner_restarts + 1)
+    start_runner(sweep, db_url, base_dir, log_dir)
+
+
+def _fail(store: Store, sweep: SweepRecord, why: str) -> None:
+    store.transition_sweep(sweep.id, sweep.state, SweepState.FAILED, actor="reconciler", reason=why)
+    for job in store.trials(sweep.id):
+        if not job.state.terminal and job.state is not JobState.CANCELLING:
+            try:
+                requests.cancel(store, job.id, by="reconciler", reason=f"its sweep {sweep.id} failed: {why}")
+            except JobStateConflict:
+                pass
+
+
+def stop_runner(sweep_id: int) -> None:
+    handle = find_runner(sweep_id)
+    if handle is not None:
+        ray.kill(handle)
+
+
+__all__ = ["run_trial", "follow", "drive", "SweepRunner", "ensure_runners", "rungs_passed", "runner_name",
+           "TrialJobFailed", "make_scheduler", "stop_runner"]

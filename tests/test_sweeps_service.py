@@ -1,0 +1,79 @@
+"""Sweeps on the job service, on the session cluster (four 1-CPU worker nodes): Ray Tune decides,
+every trial is a service job.
+
+What a user would notice: an ASHA sweep of a tiny GPT ends with its best trial recorded; the
+trials ASHA stopped are cancelled jobs and their workers go to the survivors; every reported
+value is the trial job's own evaluation in MLflow.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from raytrain_sys.service.model import JobState, SweepState
+from raytrain_sys.service.store import Store
+from raytrain_sys.sweeps.runner import mlflow_history
+from tests.helpers import tiny_spec
+from tests.service_common import StepGates, running_service
+
+WAIT_S = 420.0
+
+
+@pytest.fixture
+def gates(tmp_path):
+    root = tmp_path / "gates"
+    root.mkdir()
+    return StepGates(str(root))
+
+
+def base_spec(tmp_path, dataset) -> dict:
+    """A tiny GPT of 12 steps, evaluated and checkpointed every 3, elastic in 1..2 workers."""
+    return tiny_spec(tmp_path, dataset, train={"max_steps": 12, "log_every_steps": 3},
+                     eval={"every_steps": 3, "max_rows": 16, "batch_rows": 8},
+                     checkpoint={"every_steps": 3, "keep_last": 2},
+                     elastic={"min_workers": 1, "max_workers": 2},
+                     resources={"num_workers": 1}).to_dict()
+
+
+def wait_for(predicate, what: str, timeout_s: float = WAIT_S, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:g} s")
+        time.sleep(every_s)
+
+
+def test_an_asha_sweep_stops_trials_as_cancelled_jobs_and_records_its_best(ray_cluster, tiny_dataset, tmp_path,
+                                                                            gates):
+    db = tmp_path / "service.db"
+    sweep = {"name": "lr", "base": base_spec(tmp_path, tiny_dataset), "metric": "eval_loss", "mode": "min",
+             "num_samples": 1, "space": {"optim.lr": {"grid": [3e-2, 1e-2, 3e-3, 1e-5]}},
+             "scheduler": {"type": "asha", "grace_period_steps": 3, "reduction_factor": 2}}
+    with running_service(db, gates) as svc:
+        ray.get(svc.add_team.remote("a", 4))
+        record = ray.get(svc.submit_sweep.remote("a", sweep))
+        store = Store.open(f"sqlite:///{db}")
+        try:
+            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
+            done = store.sweep(record["id"])
+            trials = store.trials(record["id"])
+        finally:
+            store.close()
+    assert done.state is SweepState.FINISHED, done.message
+    assert len(trials) == 4 and all(t.state.terminal for t in trials), [(t.id, t.state) for t in trials]
+    stopped = [t for t in trials if t.state is JobState.CANCELLED]
+    assert stopped and all("stopped by the sweep's scheduler" in t.message for t in stopped), \
+        [(t.id, t.state, t.message) for t in trials]
+    finished = [t for t in trials if t.state is JobState.FINISHED]
+    assert finished, [(t.id, t.state, t.message) for t in trials]
+    # The best is the lowest evaluation any trial's job logged, and it names that trial.
+    curves = {t.trial_id: mlflow_history(t, "eval_loss") for t in trials}
+    lowest = min((value, trial) for trial, curve in curves.items() for _, value in curve)
+    assert done.best_trial == lowest[1]
+    assert done.best_value == pytest.approx(lowest[0], rel=1e-9)
