@@ -212,3 +212,43 @@ def test_the_api_client_and_cli_submit_list_and_end_a_sweep(api, tmp_path):
         SweepState.QUEUED, SweepState.PAUSED, SweepState.RUNNING, SweepState.CANCELLED]
     audit = [(r.action, r.result.split(" ")[0]) for r in store.audit_log() if "sweep" in r.action]
     assert ("submit_sweep", "refused") in audit and ("cancel_sweep", "ok") in audit
+
+
+def test_the_example_sweep_is_valid():
+    from pathlib import Path
+
+    from raytrain_sys.sweeps.spec import load_sweep_file
+
+    sweep = parse_sweep(load_sweep_file(str(Path(__file__).parent.parent / "examples" / "sweeps" / "tinygpt_asha.yaml")),
+                        base_dir="/tmp")
+    assert (sweep.trial_count, sweep.scheduler.type, sweep.max_workers) == (6, "asha", 4)
+
+
+def test_a_trial_reports_each_evaluation_of_its_job_once_in_step_order(tmp_path):
+    from raytrain_sys.sweeps.runner import TrialJobFailed, follow, rungs_passed
+
+    store = Store.open(f"sqlite:///{tmp_path}/service.db")
+    store.add_team(Team("a", 4))
+    sweep = store.submit_sweep(team="a", name="s", spec="{}", storage_path="/tmp", actor="a")
+    job = _trial(store, sweep.id, "t1")
+    logged: list[tuple[int, float]] = []  # what the job's MLflow run holds, as the run logs it
+    moves = iter([
+        lambda: logged.extend([(3, 2.0)]),
+        lambda: logged.extend([(6, 1.5), (9, 1.2)]),  # two evaluations between two polls
+        lambda: (logged.append((12, 1.1)), store.transition(job.id, JobState.QUEUED, JobState.CANCELLED,
+                                                             actor="t", reason="done")),
+    ])
+    reports: list[dict] = []
+    ended = follow(store, job.id, "eval_loss", reports.append, lambda j, metric: list(logged),
+                   sleep=lambda _s: next(moves)())
+    assert ended.state is JobState.CANCELLED
+    assert [(r["step"], r["eval_loss"]) for r in reports] == [(3, 2.0), (6, 1.5), (9, 1.2), (12, 1.1)]
+    assert all(r["job_id"] == job.id for r in reports)
+
+    failed = _trial(store, sweep.id, "t2")
+    store.transition(failed.id, JobState.QUEUED, JobState.FAILED, actor="t", reason="no data")
+    with pytest.raises(TrialJobFailed, match="no data"):
+        follow(store, failed.id, "eval_loss", reports.append, lambda j, metric: [], sleep=lambda _s: None)
+    store.close()
+    # ASHA's milestones 3, 6 (x2) below max_t 12: a trial at step 6 passed both, at 12 no more.
+    assert [rungs_passed(s, 3, 2, 12) for s in (2, 3, 5, 6, 12)] == [0, 1, 1, 2, 2]
