@@ -284,6 +284,9 @@ class TrackingSpec:
     uri: str = ""  # "" = sqlite:///<output_dir>/mlflow.db; or http://host:port of mlflow server
     experiment: str = "raytrain-sys"  # MLflow experiment, created if missing
     run_name: str = ""  # "" = the job name plus a timestamp
+    # An MLflow run this run is a child of (the tag mlflow.parentRunId): a sweep's trials name their
+    # sweep's run; "" = none
+    parent_run_id: str = ""
     # Prometheus metrics through Ray's metrics agent (raytrain_* series, labels job, team, rank,
     # node; see monitoring/); false = none, e.g. to measure their cost
     metrics: bool = True

@@ -8,6 +8,7 @@ value is the trial job's own evaluation in MLflow.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -77,3 +78,20 @@ def test_an_asha_sweep_stops_trials_as_cancelled_jobs_and_records_its_best(ray_c
     lowest = min((value, trial) for trial, curve in curves.items() for _, value in curve)
     assert done.best_trial == lowest[1]
     assert done.best_value == pytest.approx(lowest[0], rel=1e-9)
+    # MLflow: one parent run naming the best trial; every trial's run is its child, and the
+    # parent's table holds each trial's curve as the child logged it.
+    from mlflow import MlflowClient
+
+    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.sweeps.runner import spec_of
+
+    client = MlflowClient(tracking_uri(spec_of(done)))
+    parent = client.get_run(done.mlflow_parent_run_id)
+    assert parent.data.tags["best_trial"] == done.best_trial and parent.info.status == "FINISHED"
+    for t in trials:
+        assert client.get_run(t.mlflow_run_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
+    table = json.loads(open(client.download_artifacts(parent.info.run_id, "trials.json", str(tmp_path))).read())
+    best = next(row for row in table if row["trial"] == done.best_trial)
+    assert [tuple(p) for p in best["curve"]] == curves[done.best_trial]
+    assert best["config"]["optim.lr"] == json.loads(
+        next(t for t in trials if t.trial_id == done.best_trial).spec)["optim"]["lr"]

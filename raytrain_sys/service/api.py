@@ -504,14 +504,17 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
         if record_ok:
             auth.record(store, who.name, action, note["target"], "ok")
 
-    def job_of(who: Principal, job_id: int) -> JobRecord:
-        """The job, if it exists and the principal's team owns it (refusals raise)."""
+    def owned(who: Principal, kind: str, read: Callable[[int], Any], ident: int) -> Any:
+        """The job or sweep ``read(ident)``, if it exists and the principal's team owns it (refusals raise)."""
         try:
-            job = store.job(job_id)
+            found = read(ident)
         except ServiceInputError:
-            raise ApiError(404, f"no job {job_id}", "job_id") from None
-        auth.check_team(who, job.team, f"job {job_id}")
-        return job
+            raise ApiError(404, f"no {kind} {ident}", f"{kind}_id") from None
+        auth.check_team(who, found.team, f"{kind} {ident}")
+        return found
+
+    def job_of(who: Principal, job_id: int) -> JobRecord:
+        return owned(who, "job", store.job, job_id)
 
     # ------------------------------------------------------------------ health
 
@@ -674,13 +677,7 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
     # ------------------------------------------------------------------ sweeps
 
     def sweep_of(who: Principal, sweep_id: int) -> SweepRecord:
-        """The sweep, if it exists and the principal's team owns it (refusals raise)."""
-        try:
-            sweep = store.sweep(sweep_id)
-        except ServiceInputError:
-            raise ApiError(404, f"no sweep {sweep_id}", "sweep_id") from None
-        auth.check_team(who, sweep.team, f"sweep {sweep_id}")
-        return sweep
+        return owned(who, "sweep", store.sweep, sweep_id)
 
     def sweep_out(sweep: SweepRecord, with_trials: bool = False) -> SweepOut:
         return SweepOut(**sweep_requests.sweep_dict(sweep, store.trials(sweep.id) if with_trials else None))

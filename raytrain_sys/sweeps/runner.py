@@ -109,7 +109,8 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> Non
         sweep = store.sweep(sweep_id)
         spec = spec_of(sweep)
         trial_id = tune.get_context().get_trial_id()
-        job = requests.submit(store, team=sweep.team, spec=trial_spec(spec, config, sweep_id, trial_id), by=f"sweep {sweep_id}",
+        job = requests.submit(store, team=sweep.team,
+                              spec=trial_spec(spec, config, sweep_id, trial_id, sweep.mlflow_parent_run_id or ""), by=f"sweep {sweep_id}",
                               priority=sweep.priority, name=f"{sweep.name} {trial_id}"[:200], base_dir=base_dir,
                               sweep_id=sweep_id, trial_id=trial_id)
         log.info("trial %s of sweep %d follows job %d", trial_id, sweep_id, job.id)
@@ -221,7 +222,7 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
 
     store = Store.open(db_url)
     try:
-        sweep = store.sweep(sweep_id)
+        sweep = parent_run(store, store.sweep(sweep_id))
         spec = spec_of(sweep)
         fn = trainable(sweep_id, db_url, base_dir)
         path = os.path.join(sweep.storage_path, experiment_name(sweep_id))
@@ -239,6 +240,7 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
         best = results.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
         best_trial = best.metrics.get("trial_id") if best.metrics else None
         best_value = _best_value(best.metrics_dataframe, spec) if best.metrics_dataframe is not None else None
+        record_outcome(store, sweep, spec, best_trial, best_value)
         try:
             return store.transition_sweep(sweep_id, SweepState.RUNNING, SweepState.FINISHED, actor=ACTOR,
                                           reason=f"{len(results)} trials ended; best {best_trial} "
@@ -249,6 +251,54 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
             return None
     finally:
         store.close()
+
+
+def parent_run(store: Store, sweep: SweepRecord) -> SweepRecord:
+    """The sweep with its MLflow parent run: made once (the space, scheduler and metric as
+    params), recorded in the store before any trial is submitted, so that every trial's run is
+    its child; a restored runner finds it recorded."""
+    if sweep.mlflow_parent_run_id:
+        return sweep
+    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.tracking.mlflow_tracker import TAG_SWEEP, start_parent_run
+
+    spec = spec_of(sweep)
+    params = {"space": json.dumps(spec.to_dict()["space"]), "scheduler": json.dumps(spec.to_dict()["scheduler"]),
+              "metric": spec.metric, "mode": spec.mode, "num_samples": str(spec.num_samples),
+              "trials": str(spec.trial_count)}
+    run_id = start_parent_run(tracking_uri(spec), spec.base["tracking"]["experiment"], f"sweep-{sweep.id}-{sweep.name}",
+                              params, {TAG_SWEEP: str(sweep.id)})
+    return store.transition_sweep(sweep.id, SweepState.RUNNING, SweepState.RUNNING, actor=ACTOR,
+                                  reason=f"MLflow parent run {run_id}", mlflow_parent_run_id=run_id)
+
+
+def record_outcome(store: Store, sweep: SweepRecord, spec: SweepSpec, best_trial: Optional[str],
+                   best_value: Optional[float]) -> None:
+    """The parent run's end: the best trial and value, and a table of every trial (its job,
+    state, config and curve of the metric)."""
+    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.tracking.mlflow_tracker import end_parent_run
+
+    table = []
+    best_job = None
+    for job in store.trials(sweep.id):
+        raw = json.loads(job.spec)
+        config = {key: _dotted(raw, key) for key in spec.space}
+        table.append({"trial": job.trial_id, "job": job.id, "state": job.state.value, "mlflow_run_id": job.mlflow_run_id,
+                      "config": config, "curve": mlflow_history(job, spec.metric)})
+        if job.trial_id == best_trial:
+            best_job = job
+    metrics = {f"best_{spec.metric}": best_value} if best_value is not None else {}
+    tags = {"best_trial": str(best_trial), "best_job": str(best_job.id if best_job else ""),
+            "best_run_id": str(best_job.mlflow_run_id if best_job else "")}
+    end_parent_run(tracking_uri(spec), sweep.mlflow_parent_run_id, metrics, tags, {"trials.json": table})
+
+
+def _dotted(raw: dict, key: str):
+    node = raw
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _best_value(frame, spec: SweepSpec) -> Optional[float]:

@@ -45,7 +45,7 @@ MAX_SPACE_KEYS = 64  # the space's fields: far more than any sweep tunes at once
 MAX_DOMAIN_VALUES = 1_000  # a grid's or a choice's values: each is checked against the base spec
 # Fields a trial must not take from the space: the service sets them (its run's place and name) or
 # they would make every trial the same job (pause with a request, not a step).
-FIXED_FIELDS = ("name", "output_dir", "train.stop_at_step", "checkpoint.uri", "checkpoint.resume_from")
+FIXED_FIELDS = ("name", "output_dir", "train.stop_at_step", "checkpoint.uri", "checkpoint.resume_from", "tracking")
 SWEEP_FIELDS = ("name", "base", "space", "metric", "mode", "num_samples", "scheduler", "max_workers",
                 "keep_stopped")
 SCHEDULER_FIELDS = {
@@ -343,11 +343,11 @@ def pbt_mutations(sweep: SweepSpec) -> dict:
     return {key: make[d.kind](d.values) for key, d in sweep.space.items() if d.kind != "grid"}
 
 
-def trial_spec(sweep: SweepSpec, config: dict, sweep_id: int, trial_id: str) -> dict:
+def trial_spec(sweep: SweepSpec, config: dict, sweep_id: int, trial_id: str, parent_run_id: str = "") -> dict:
     """The job spec of the trial Tune configured: the base with each of the space's fields set
     to its value in ``config`` (keys the space does not name are Tune's own and ignored), named
     for its trial, in a directory of its own (``<output_dir>/sweep-<id>/<trial>``: its run dir
-    and checkpoints), and tracked in the base's MLflow store (where the sweep's parent run is)."""
+    and checkpoints), and tracked in the base's MLflow store as a child of the sweep's run."""
     spec = sweep.base
     for key in sweep.space:
         if key in config:
@@ -356,6 +356,7 @@ def trial_spec(sweep: SweepSpec, config: dict, sweep_id: int, trial_id: str) -> 
     spec["name"] = f"{sweep.base['name']}-{trial_id}"
     spec["output_dir"] = f"{sweep.base['output_dir']}/sweep-{sweep_id}/{trial_id}"
     spec["tracking"]["uri"] = tracking_uri(sweep)
+    spec["tracking"]["parent_run_id"] = parent_run_id
     return spec
 
 

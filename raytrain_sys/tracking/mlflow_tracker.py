@@ -814,3 +814,45 @@ def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, 
         if m.step not in by_step or m.timestamp >= by_step[m.step][0]:
             by_step[int(m.step)] = (m.timestamp, float(m.value))
     return [(step, value) for step, (_, value) in sorted(by_step.items())]
+
+
+TAG_PARENT_RUN = "mlflow.parentRunId"  # MLflow's own: the UI nests a child run under its parent
+TAG_SWEEP = "raytrain_sys.sweep"
+
+
+def start_parent_run(tracking_uri: str, experiment: str, run_name: str, params: dict[str, str],
+                     tags: dict[str, str]) -> str:
+    """A sweep's parent run (its trials' runs are its children): created with ``params``, left
+    running until ``end_parent_run``. Returns its id."""
+    from mlflow.entities import Param
+
+    client = _client(tracking_uri)
+    experiment_id = _ensure_experiment(client, tracking_uri, experiment, None)
+    run = _call(tracking_uri, f"create a run in experiment {experiment!r}",
+                lambda: client.create_run(experiment_id, run_name=run_name,
+                                          tags={k: _fit(v, MAX_TAG_VAL_LENGTH) for k, v in tags.items()}))
+    items = [Param(k, _fit(v, MAX_PARAM_VAL_LENGTH)) for k, v in params.items()]
+    _call(tracking_uri, "log the sweep's params", lambda: client.log_batch(run.info.run_id, params=items))
+    return run.info.run_id
+
+
+def end_parent_run(tracking_uri: str, run_id: str, metrics: dict[str, float], tags: dict[str, str],
+                   artifacts: dict[str, Any], status: str = "FINISHED") -> None:
+    """Record a sweep's outcome on its parent run (metrics, tags, JSON artifacts) and end it."""
+    import tempfile
+    import time as _time
+
+    from mlflow.entities import Metric, RunTag
+
+    client = _client(tracking_uri)
+    now_ms = int(_time.time() * 1000)
+    _call(tracking_uri, "log the sweep's outcome", lambda: client.log_batch(
+        run_id, metrics=[Metric(k, float(v), now_ms, 0) for k, v in metrics.items()],
+        tags=[RunTag(k, _fit(v, MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, value in artifacts.items():
+            path = os.path.join(tmp, name)
+            with open(path, "w") as f:
+                json.dump(value, f, indent=1, default=str)
+            _call(tracking_uri, f"log {name}", lambda p=path: client.log_artifact(run_id, p))
+    _call(tracking_uri, "end the sweep's run", lambda: client.set_terminated(run_id, status))

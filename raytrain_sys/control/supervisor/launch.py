@@ -164,6 +164,8 @@ def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume
         tracker.set_tags(tags)
     else:
         run_name = spec.tracking.run_name or os.path.basename(run_dir)
+        if spec.tracking.parent_run_id:
+            tags[mt.TAG_PARENT_RUN] = spec.tracking.parent_run_id
         tracker = mt.Tracker.start(
             tracking_uri, spec.tracking.experiment, run_name, spec, tags,
             artifact_root=os.path.join(output_dir, "mlartifacts"))
