@@ -182,6 +182,7 @@ def test_the_api_client_and_cli_submit_list_and_end_a_sweep(api, tmp_path):
     sweep = a.submit_sweep(sweep_file, priority=2)
     assert (sweep["state"], sweep["team"], sweep["priority"]) == ("queued", "a", 2)
     assert sweep["spec"]["base"]["data"]["path"] == "/data/tiny" and sweep["trials"] is None
+    assert sweep["storage_path"] == str(tmp_path / "raytrain-sys-sweeps")  # beside the store's logs: one a store
     assert [s["id"] for s in a.sweeps()] == [sweep["id"]] and b.sweeps() == []
     with pytest.raises(ServiceRequestError) as other:
         b.sweep(sweep["id"])

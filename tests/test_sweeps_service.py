@@ -31,9 +31,10 @@ def gates(tmp_path):
 
 
 def base_spec(tmp_path, dataset) -> dict:
-    """A tiny GPT of 12 steps, evaluated and checkpointed every 3, elastic in 1..2 workers."""
+    """A tiny GPT of 12 steps, evaluated (on the first rows of its own data) and checkpointed every
+    3, elastic in 1..2 workers."""
     return tiny_spec(tmp_path, dataset, train={"max_steps": 12, "log_every_steps": 3},
-                     eval={"every_steps": 3, "max_rows": 16, "batch_rows": 8},
+                     eval={"every_steps": 3, "max_rows": 16, "batch_rows": 8, "dataset": dataset},
                      checkpoint={"every_steps": 3, "keep_last": 2},
                      elastic={"min_workers": 1, "max_workers": 2},
                      resources={"num_workers": 1}).to_dict()

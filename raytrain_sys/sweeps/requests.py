@@ -27,7 +27,7 @@ from raytrain_sys.service.store import Store
 from raytrain_sys.spec import parse_yaml
 from raytrain_sys.sweeps.spec import SweepSpec, parse_sweep
 
-SWEEPS_DIR = "raytrain-sys-sweeps"  # Tune's experiments, beside the service's base directory
+SWEEPS_DIR = "raytrain-sys-sweeps"  # Tune's experiments, beside the store's log directory
 
 
 def parse(sweep: Union[dict, str], base_dir: Optional[str] = None) -> SweepSpec:
@@ -45,14 +45,16 @@ def submit(store: Store, *, team: str, sweep: Union[dict, str], by: str, priorit
            base_dir: Optional[str] = None, storage_path: str = "", cluster_workers: Optional[int] = None,
            capacity: Optional[dict[str, dict[str, float]]] = None) -> SweepRecord:
     """Queue a sweep (see the module docstring); its Tune experiment goes under ``storage_path``
-    (default: ``raytrain-sys-sweeps`` in ``base_dir``)."""
+    (default: ``raytrain-sys-sweeps`` beside the store's log directory: one a store, so that two
+    stores' sweep 1 never share an experiment)."""
     from raytrain_sys.spec import from_dict
 
     try:
         spec = parse(sweep, base_dir)
         job = from_dict(spec.base)
         low, _, _ = job_requests.job_size(job)
-        storage = os.path.abspath(storage_path or os.path.join(base_dir or os.getcwd(), SWEEPS_DIR))
+        storage = os.path.abspath(storage_path or os.path.join(os.path.dirname(store.log_dir(base_dir=base_dir or "")),
+                                                               SWEEPS_DIR))
         try:
             record = store.submit_sweep(team=team, name=spec.name, spec=json.dumps(spec.to_dict()), priority=priority,
                                         max_workers=spec.max_workers, storage_path=storage, actor=by,

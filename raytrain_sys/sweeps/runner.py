@@ -54,8 +54,10 @@ def runner_name(sweep_id: int) -> str:
     return f"{SWEEP_RUNNER_PREFIX}{int(sweep_id)}"
 
 
-def experiment_name(sweep_id: int) -> str:
-    return f"sweep-{int(sweep_id)}"
+def experiment_name(sweep: SweepRecord) -> str:
+    """Tune's experiment of the sweep: its id and submit second, so that a store made again in
+    the same place never restores another sweep's experiment."""
+    return f"sweep-{int(sweep.id)}-{int(sweep.submitted_at_s)}"
 
 
 def spec_of(sweep: SweepRecord) -> SweepSpec:
@@ -225,7 +227,7 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
         sweep = parent_run(store, store.sweep(sweep_id))
         spec = spec_of(sweep)
         fn = trainable(sweep_id, db_url, base_dir)
-        path = os.path.join(sweep.storage_path, experiment_name(sweep_id))
+        path = os.path.join(sweep.storage_path, experiment_name(sweep))
         if tune.Tuner.can_restore(path):
             log.info("sweep %d: restoring its Tune experiment from %s", sweep_id, path)
             tuner = tune.Tuner.restore(path, fn, resume_unfinished=True, resume_errored=True)
@@ -234,9 +236,14 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
                 fn, param_space=tune_space(spec),
                 tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=make_scheduler(spec),
                                             num_samples=spec.num_samples),
-                run_config=tune.RunConfig(name=experiment_name(sweep_id), storage_path=sweep.storage_path,
+                run_config=tune.RunConfig(name=experiment_name(sweep), storage_path=sweep.storage_path,
                                           callbacks=[make_callback(sweep_id, db_url)], verbose=0))
         results = tuner.fit()
+        if all(r.metrics_dataframe is None or spec.metric not in r.metrics_dataframe for r in results):
+            errors = sorted({str(r.error).splitlines()[-1] for r in results if r.error})
+            why = f"no trial reported {spec.metric}" + (f": {'; '.join(errors)[:400]}" if errors else "")
+            store.transition_sweep(sweep_id, SweepState.RUNNING, SweepState.FAILED, actor=ACTOR, reason=why)
+            return store.sweep(sweep_id)
         best = results.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
         best_trial = best.metrics.get("trial_id") if best.metrics else None
         best_value = _best_value(best.metrics_dataframe, spec) if best.metrics_dataframe is not None else None
