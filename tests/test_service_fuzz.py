@@ -46,6 +46,9 @@ POSITIVE_400 = {
                                                   "count, one resource twice, a lending limit above the nominal quota",
     ("PUT", "/v1/flavors"): "two flavors of one name or one kind of node (market and accelerator), removing a flavor "
                             "live jobs run on",
+    ("POST", "/v1/sweeps"): "the sweep spec's own rules (sweeps/spec.py: its base is a job spec, its space names the "
+                            "base's fields with domains the base accepts, its metric one the trials report), an "
+                            "unknown team, a trial the team could never start; an admin token must name the team",
 }
 
 
@@ -86,6 +89,9 @@ def seed_jobs(store: Store) -> None:
     moves = {ids[1]: [JobState.STARTING, JobState.RUNNING],
              ids[2]: [JobState.STARTING, JobState.RUNNING, JobState.PAUSING],
              ids[3]: [JobState.STARTING, JobState.RUNNING, JobState.PAUSING, JobState.PAUSED]}
+    # Sweep 1 of team a, queued (no trial yet), for the sweep requests that name a small id.
+    store.submit_sweep(team="a", name="seed", spec=json.dumps({"metric": "eval_loss"}), storage_path="/tmp",
+                       actor="a")
     for job, states in moves.items():
         for state in states:
             store.transition(job, store.job(job).state, state, actor="reconciler", reason=f"seed: {state.value}")
