@@ -239,6 +239,7 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
                 run_config=tune.RunConfig(name=experiment_name(sweep), storage_path=sweep.storage_path,
                                           callbacks=[make_callback(sweep_id, db_url)], verbose=0))
         results = tuner.fit()
+        wait_for_trials_to_end(store, sweep_id)
         if all(r.metrics_dataframe is None or spec.metric not in r.metrics_dataframe for r in results):
             errors = sorted({str(r.error).splitlines()[-1] for r in results if r.error})
             why = f"no trial reported {spec.metric}" + (f": {'; '.join(errors)[:400]}" if errors else "")
@@ -258,6 +259,29 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
             return None
     finally:
         store.close()
+
+
+# How long the sweep's end waits for the jobs of trials Tune ended (an ASHA stop is a cancel, which
+# the reconciler carries out at the job's next boundary, or kills past its stop deadline, 120 s).
+TRIALS_END_WAIT_S = 300.0
+
+
+def wait_for_trials_to_end(store: Store, sweep_id: int, timeout_s: float = TRIALS_END_WAIT_S,
+                           poll_s: float = 0.5) -> bool:
+    """Wait until every trial's job has ended, or is paused (a trial stopped with keep_stopped):
+    a sweep is not finished while a stopped trial's job still holds its workers (Tune returns as
+    soon as it has stopped following the trial).
+    False (and a warning) when some are still live after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = [t.id for t in store.trials(sweep_id) if not (t.state.terminal or t.state is JobState.PAUSED)]
+        if not live:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("sweep %d: trial jobs %s still live %.0f s after Tune ended; the sweep's end is "
+                        "recorded all the same", sweep_id, live, timeout_s)
+            return False
+        time.sleep(poll_s)
 
 
 def parent_run(store: Store, sweep: SweepRecord) -> SweepRecord:
