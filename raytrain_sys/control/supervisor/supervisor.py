@@ -30,8 +30,7 @@ from typing import Callable
 
 import ray
 
-from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
-from raytrain_sys.checkpoint.store import open_store
+from raytrain_sys.checkpoint.checkpointer import CheckpointInfo
 from raytrain_sys.control.run_record import RunSummary, git_commit
 from raytrain_sys.control.spares import SpareSource
 import raytrain_sys.control.supervisor.launch as launch
@@ -52,7 +51,7 @@ from raytrain_sys.errors import CheckpointError, DataError, StorageError, Traini
 from raytrain_sys.monitor.cost import CostMeter
 from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.parallel.mesh import is_data_leader_rank
-from raytrain_sys.spec import JobSpec, from_dict
+from raytrain_sys.spec import JobSpec
 from raytrain_sys.tracking import mlflow_tracker as mt
 
 log = logging.getLogger(__name__)
@@ -894,31 +893,10 @@ def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[st
                       requests: RunRequests | None = None, objects: dict | None = None,
                       spares: SpareSource | None = None, team: str = "-") -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
-    state while it runs (the job service's runner). Raises ``CheckpointError`` when the run has
-    no complete checkpoint."""
-    from raytrain_sys.spec import apply_overrides
-
-    uri = tracking_uri or mt.default_tracking_uri(os.path.abspath(output_dir))
-    mt.check_reachable(uri)
-    record = mt.Tracker.lookup(uri, run_id)
-    raw = apply_overrides(record.spec_dict, overrides or [])
-    for dotted, obj in (objects or {}).items():
-        section, _, name = dotted.partition(".")
-        raw.setdefault(section, {})[name] = obj
-    raw.setdefault("tracking", {})["uri"] = uri
-    checkpoint_root = record.tags.get(mt.TAG_CHECKPOINT_ROOT, "")
-    if checkpoint_root:
-        raw.setdefault("checkpoint", {})["uri"] = checkpoint_root
-    raw["checkpoint"]["resume_from"] = "latest"
-    # A pause point belongs to the invocation that paused; resuming runs on unless told again.
-    if not any(o.startswith("train.stop_at_step=") for o in overrides or []):
-        raw.setdefault("train", {})["stop_at_step"] = 0
-    spec = from_dict(raw)
-    run_dir = record.run_dir if record.run_dir and os.path.isdir(record.run_dir) else ""
-    previous_key = os.path.basename(record.run_dir.rstrip("/")) if record.run_dir else ""
-    sup = Supervisor(spec, resume_run_id=run_id, run_dir=run_dir, previous_run_key=previous_key,
+    state while it runs (the job service's runner). The run's record is read by
+    ``launch.resumed_run``; raises ``CheckpointError`` when the run has no complete checkpoint."""
+    found = launch.resumed_run(run_id, tracking_uri, overrides, output_dir, objects)
+    sup = Supervisor(found.spec, resume_run_id=run_id, run_dir=found.run_dir, previous_run_key=found.previous_key,
                      on_step=on_step, requests=requests, spares=spares, team=team)
-    if Checkpointer(open_store(sup.checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
-        raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {sup.checkpoint_root}: "
-                              f"nothing to resume; start it again with `raytrain-sys run`")
+    launch.check_resumable(found.spec, sup.checkpoint_root, run_id)
     return sup
