@@ -2,9 +2,11 @@
 
 Owns: the verdict on members during a step and during a long call outside it
 (``StepOutcome``: how one step went on each member; ``WorkerLost``), and the liveness pings
-of those waits (the pings themselves are ``probe.ping_all``). Writes only the group's membership for what it finds lost
-(``WorkerGroup.reap`` and ``remove``), never a state, a counter or a checkpoint; the timings
-come from ``policy``.
+of those waits (the pings themselves are ``probe.ping_all``). It kills what it finds silent
+(``WorkerGroup.reap``: a stopped process closes no socket, and its peers stay blocked until it
+is gone) but never changes who is in the group: the lost members go back in the verdict, and
+``membership`` removes them. It writes no state, counter or checkpoint; the timings come from
+``policy``.
 
 Failure detection (``collect``): Ray reports a dead actor; survivors' collectives fail when a
 peer's socket closes; members still in a step are pinged every LIVENESS_EVERY_S and lost when
@@ -36,6 +38,15 @@ class StepOutcome:
     failed: bool = False
     detected_at_unix_s: float = 0.0  # when the first failure of the step was seen
 
+    def lost_among(self, members: list[Worker]) -> list[Worker]:
+        return [w for w in members if w.slot in self.lost]
+
+    def describe(self, members: list[Worker], nodes: bool = True) -> str:
+        """What failed, for the record: each lost member (with its node), each error."""
+        where = (lambda w: f" on node {w.node_id[:8]}") if nodes else (lambda w: "")
+        return "; ".join([f"worker {w.slot}{where(w)} {self.lost[w.slot]}" for w in self.lost_among(members)]
+                         + [f"worker {s} error: {m}" for s, m in self.errored.items()])
+
     def note_failures(self) -> None:
         self.failed = bool(self.lost or self.errored)
         if self.failed and not self.detected_at_unix_s:
@@ -61,7 +72,7 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
     would wait in their all-reduce until the deadline). The deadline itself catches members
     that answer but do not progress. Survivors whose collective failed because a peer
     vanished report an error quickly; a peer blocked in a collective still answers pings.
-    Members found lost are killed and removed from ``group``.
+    Members found silent are killed; removing them is the caller's (``membership``).
     """
     outcome = StepOutcome()
     by_ref = dict(zip(refs, members))
@@ -131,9 +142,7 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
         outcome.note_failures()
         stuck = [by_ref[r] for r in pending]
         # Kill what is lost so that blocked peers' collectives fail, then wait for them.
-        silent = [w for w in stuck if w.slot in outcome.lost]
-        group.reap(silent)
-        group.remove(silent)
+        group.reap([w for w in stuck if w.slot in outcome.lost])
         still = [r for r in pending if by_ref[r].slot in outcome.blocked]
         if still:
             # Their collective fails as soon as the lost members' sockets close, or at the

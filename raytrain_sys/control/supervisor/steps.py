@@ -202,7 +202,8 @@ class Steps:
         in the group. A member whose lease failed refuses the next one at once (it holds the
         wrong step); one whose lease finished runs into its peers' failure in the next lease's
         first collective. Its result is dropped: it was never committed, and the rebuild starts
-        from the state the members hold. A member still in it past the collective timeout is lost.
+        from the state the members hold. A member still in it past the collective timeout is lost
+        (killed, and named in ``outcome.lost`` for the rebuild to remove).
         """
         in_group = {w.slot for w in self.group.workers}
         by_ref = {r: w for r, w in zip(ahead.refs, ahead.members)
@@ -218,7 +219,6 @@ class Steps:
             for w in stuck:
                 outcome.lost[w.slot] = f"blocked in step {ahead.step + 1} after the lease before it failed"
             self.group.reap(stuck)
-            self.group.remove(stuck)
 
     def commit_lease(self, sent: "_Dispatch", results: list[list[dict]], elapsed_s: float) -> None:
         """Every member finished the lease: commit its steps in order (``results``: per member,
