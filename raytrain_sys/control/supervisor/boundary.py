@@ -9,6 +9,13 @@ the items need it asks of the parts (``membership`` for every change of who is i
 ``checkpoints``, ``evaluation``, ``stragglers``) and of ``recovery`` for a re-formed group; states
 go through the Supervisor's one ``transition``. Nothing here decides: the plan does.
 
+While a lease runs, ``meanwhile`` asks the same plan about the earliest boundary the lease can
+end at: items that need no boundary (``policy.AT_ONCE``) are carried out then and there, and the
+reason the boundary is needed, if any, is what the Supervisor cuts the lease short for. The
+reported steps' per-rank times go to ``stragglers`` as they come (``observe``), so that a slow
+rank is judged while a long lease runs; its verdict is a fact of the plan (``Redeal``,
+``ReplaceStraggler``).
+
 Also the saves a boundary makes (``checkpoint``; a background one is settled after a later
 commit, ``settle``), since the run's ending and an evaluation's keep_best ask for them too.
 """
@@ -28,7 +35,7 @@ from raytrain_sys.control.supervisor.liveness import watch
 from raytrain_sys.control.supervisor.membership import Membership, NeedsRestore
 from raytrain_sys.control.supervisor.recovery import Recovery
 from raytrain_sys.control.supervisor.requests import RunRequests
-from raytrain_sys.control.supervisor.steps import Steps
+from raytrain_sys.control.supervisor.steps import Steps, _Dispatch, rank_results
 from raytrain_sys.control.supervisor.stragglers import Rebalance, Replace, Stragglers
 from raytrain_sys.control.worker_group import Worker
 from raytrain_sys.errors import StorageError, TrainingFailed, find_user_error
@@ -46,6 +53,8 @@ class Boundary:
         self.requests, self.recovery, self.group = requests, recovery, membership.group
         self.early_stop = ""  # the reason, once train.early_stop ended the run
         self.straggler: tuple[Worker, str] | None = None  # to replace (elastic.straggler_policy)
+        self.redeal: tuple[int, tuple[int, ...]] | None = None  # (generation, rows): a rebalance asked
+        self._old_split_through = 0  # leases sent before that rebalance: not observed after it
         self.drains: tuple = ()  # (node, deadline) of the draining nodes at the newest lookup
         self._last_drain_poll = -float("inf")
         self.training_on: set[str] = set()  # draining nodes whose members await successors
@@ -66,15 +75,26 @@ class Boundary:
             self.carry_out(items[0])
             tried.add(policy.kind(items[0]))
 
+    def meanwhile(self, step: int, last: int) -> str:
+        """While a lease runs: the plan for the boundary at ``step``, the earliest the lease can
+        end at. Its items that need no boundary are carried out now; returns why it needs the
+        boundary ("" when it does not: the lease runs on)."""
+        items = policy.plan(self.facts(step, last, just_committed=True), self.spec)
+        for item in items:
+            if isinstance(item, policy.AT_ONCE):
+                self.carry_out(item)
+        return next((i.reason for i in items if not isinstance(i, policy.AT_ONCE)), "")
+
     def facts(self, step: int, last: int, just_committed: bool, tried: frozenset = frozenset()) -> policy.Facts:
         """What the plan of the boundary at ``step`` depends on, gathered once."""
         g, ready = self.group, self.membership.ready()
         ceiling, why = self.requests.max_workers()
+        redeal = self.redeal[1] if self.redeal and self.redeal[0] == g.generation else None
         return policy.Facts(
             step, last, members=_seen(g.workers), target=policy.target_size(self.spec, ceiling),
             ceiling_reason=why, pending=_seen(w for w in g.pending if w not in ready), ready=_seen(ready),
             draining=self._draining(), training_on=frozenset(self.training_on),
-            straggler=(self.straggler[0].slot, self.straggler[1]) if self.straggler else None,
+            straggler=(self.straggler[0].slot, self.straggler[1]) if self.straggler else None, redeal=redeal,
             stop=self.requests.stop(), early_stop=self.early_stop, just_committed=just_committed,
             saved=self.checkpoints.saved(step), evaluates=self.evaluation is not None, tried=tried,
             now_unix_s=time.time())
@@ -105,6 +125,8 @@ class Boundary:
                                 f"({why}) leaves at step {step}; a replacement is requested")
                 m.leave([worker], step)
                 self.recovery.reform(reason=f"straggler left: world {len(workers)}, replacement requested")
+        elif isinstance(item, policy.Redeal):
+            self.steps.rows_split, self.redeal = (self.group.generation, list(item.rows)), None
         elif isinstance(item, policy.Release):
             m.release(item.slots)
         elif isinstance(item, policy.LeaveDraining):
@@ -152,19 +174,22 @@ class Boundary:
         else:
             self.recovery.reform(reason=f"left draining node(s): world {len(self.group.workers)}")
 
-    def after_commit(self, members: list[Worker]) -> None:
-        """After a lease's commit: what elastic.straggler_policy asks (``Stragglers.decide``: a
-        rebalanced split for this process group's next dispatches, or a slow member the plan
-        replaces at the next boundary), and a background save settled once it is durable."""
-        decision = self.stragglers.decide(self.steps.committed_step)
+    def observe(self, sent: _Dispatch, reports: list[dict], lo: int, hi: int) -> None:
+        """The running lease's steps ``lo`` .. ``hi - 1``, reported: their per-rank times into the
+        straggler window, then what elastic.straggler_policy asks (``Stragglers.decide``): a new
+        split of the global batch (``Redeal`` at the next boundary; the steps of leases sent
+        before it are not observed: they ran with the old one), or a slow member to replace."""
+        if hi <= lo or sent.lease <= self._old_split_through:
+            return
+        self.stragglers.observe(sent.part(lo, hi), rank_results(reports[lo:hi]), self.group.generation)
+        decision = self.stragglers.decide(sent.step + hi)
         if isinstance(decision, Rebalance):
-            self.steps.rows_split = (self.group.generation, decision.rows)
+            self.redeal, self._old_split_through = (self.group.generation, tuple(decision.rows)), self.steps.leases
         elif isinstance(decision, Replace):
             f = decision.flagged
-            self.straggler = (members[f.rank], f"rank {f.rank} computes {f.ratio:.2f}x its peers' median")
+            self.straggler = (sent.members[f.rank], f"rank {f.rank} computes {f.ratio:.2f}x its peers' median")
         elif decision is not None:
             raise TypeError(f"unknown straggler decision {decision!r}")
-        self.settle(wait=False)
 
     def _evaluate(self) -> None:
         """Evaluate the committed state; a member lost meanwhile is rebuilt around, and the

@@ -8,11 +8,15 @@ is gone) but never changes who is in the group: the lost members go back in the 
 ``membership`` removes them. It writes no state, counter or checkpoint; the timings come from
 ``policy``.
 
-Failure detection (``collect``): Ray reports a dead actor; survivors' collectives fail when a
-peer's socket closes; members still in a step are pinged every LIVENESS_EVERY_S and lost when
-silent for PING_TIMEOUT_S (a stopped process, a vanished machine that closes no socket); a
-step that outlives its deadline (a multiple of recent step times, elastic.hang_floor_s at
-least) is hung even when its members answer.
+Failure detection: a lease is followed by rank 0's reports (``LeaseWatch``): each report is an
+agreement of every rank at a step's end, so while they come every member is alive and nobody is
+pinged (the driver's cost does not grow with the members per step). When they stop for
+LIVENESS_EVERY_S the members are pinged every LIVENESS_EVERY_S and one silent for
+PING_TIMEOUT_S is lost (a stopped process, a vanished machine that closes no socket); a step
+that outlives its deadline (a multiple of recent step times, elastic.hang_floor_s at least)
+is hung even when its members answer. Then, and at the lease's end, ``collect`` classifies
+every member's call: Ray reports a dead actor; survivors' collectives fail when a peer's
+socket closes.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class WorkerLost(Exception):
 
 
 def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
-            deadline_s: float) -> StepOutcome:
+            deadline_s: float, since: float | None = None) -> StepOutcome:
     """Wait for a step on every member; classify each as done, errored or lost.
 
     Lost = dead (Ray reports the actor died), or not answering a ping on its control path
@@ -73,12 +77,13 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
     that answer but do not progress. Survivors whose collective failed because a peer
     vanished report an error quickly; a peer blocked in a collective still answers pings.
     Members found silent are killed; removing them is the caller's (``membership``).
+    ``since``: when the deadline started (``time.monotonic()``; now if None).
     """
     outcome = StepOutcome()
     by_ref = dict(zip(refs, members))
     pending = list(refs)
     t_start = time.monotonic()
-    deadline = t_start + deadline_s
+    deadline = (t_start if since is None else since) + deadline_s
     pings: dict[int, tuple[object, float]] = {}  # slot -> (ping ref, sent at)
     while pending:
         # Once something failed, the rest finish (or fail) fast: their collective broke.
@@ -163,6 +168,82 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
             outcome.blocked.clear()
     outcome.note_failures()
     return outcome
+
+
+class LeaseWatch:
+    """A lease followed while it runs (``wait``): rank 0's reports as they come (``reports``,
+    each one every rank's parts of a finished step, agreed by all of them: while reports come,
+    every member is alive and nobody is pinged). Members are pinged only when no report came
+    for LIVENESS_EVERY_S (one silent for PING_TIMEOUT_S is lost, and killed); the step deadline
+    counts from the newest report. Once the lease ended on rank 0, or failed, or a member was
+    lost, every member's call is collected (``collect``) into the lease's ``StepOutcome``."""
+
+    def __init__(self, group: WorkerGroup, members: list[Worker], refs: list, reporter, step: int,
+                 step_deadline_s: float):
+        self.group, self.members, self.refs, self.reporter = group, members, refs, reporter
+        self.step, self.deadline_s = step, step_deadline_s
+        self.reports: list[dict] = []
+        self._progress = time.monotonic()  # the newest report (or the lease's start)
+        self._pings: dict[int, tuple[object, float]] = {}
+        self._error = ""  # rank 0's lease raised this
+        self._silent: dict[int, str] = {}  # members found silent while following
+        self._detected_at = 0.0
+        self._done = False
+
+    def wait(self, timeout_s: float) -> StepOutcome | None:
+        """The lease's outcome once it ended; None if it still runs after ``timeout_s``."""
+        until = time.monotonic() + timeout_s
+        while not self._done:
+            now = time.monotonic()
+            if now >= until:
+                return None
+            ready, _ = ray.wait([self.reporter], timeout=min(until - now, LIVENESS_EVERY_S))
+            if ready:
+                self._take()
+            elif time.monotonic() - self._progress >= LIVENESS_EVERY_S:
+                self._check()
+        return self._outcome()
+
+    def _take(self) -> None:
+        try:
+            ref = next(self.reporter)
+        except StopIteration:  # the lease ended on rank 0
+            self._done = True
+            return
+        try:
+            self.reports += ray.get(ref)
+            self._progress = time.monotonic()
+        except ray.exceptions.RayTaskError as exc:  # its step failed: a peer lost, or an error
+            self._error, self._done = str(exc).strip().splitlines()[-1][:300], True
+        except ray.exceptions.RayError:  # rank 0 died: its call's end says so
+            self._done = True
+
+    def _check(self) -> None:
+        silent = check_liveness(self.members, self._pings)
+        if silent:
+            for w in silent:
+                self._silent[w.slot] = (f"hung: no answer on its control path for {PING_TIMEOUT_S:g} s "
+                                        f"(stopped, or its node is unreachable)")
+            self._detected_at = time.time()
+            self.group.reap(silent)  # so that its peers' collectives fail, and the lease ends
+            self._done = True
+        elif time.monotonic() - self._progress >= self.deadline_s:
+            self._done = True  # no step finished by the deadline: ``collect`` gives the verdict
+
+    def _outcome(self) -> StepOutcome:
+        outcome = collect(self.group, self.members, self.refs, self.step, self.deadline_s, since=self._progress)
+        rank0 = self.members[0].slot
+        if self._error and rank0 in outcome.results:  # a generator's end is not its error
+            del outcome.results[rank0]
+            outcome.errored[rank0] = self._error
+        for slot, why in self._silent.items():
+            outcome.results.pop(slot, None)
+            outcome.errored.pop(slot, None)
+            outcome.lost[slot] = why
+        outcome.note_failures()
+        if self._detected_at:
+            outcome.detected_at_unix_s = min(outcome.detected_at_unix_s or self._detected_at, self._detected_at)
+        return outcome
 
 
 def check_liveness(workers: list[Worker], pings: dict[int, tuple[object, float]]) -> list[Worker]:

@@ -25,6 +25,10 @@ from raytrain_sys.spec import ElasticSpec, JobSpec, ParallelSpec
 PING_TIMEOUT_S = 3.0
 # Members still in a step after this long are pinged this often (see liveness.collect).
 LIVENESS_EVERY_S = 1.0
+# A running lease is looked at this often for a boundary come due (a pause, a resize, newcomers
+# up, a straggler's verdict; drains are looked up every elastic.drain_poll_s): a cut then ends
+# it at the end of the step in flight. Each look costs the driver well under a millisecond.
+BOUNDARY_POLL_S = 0.1
 # A draining node's last members keep training while successors start elsewhere, until this
 # long before the drain's deadline; then the state goes through a checkpoint instead (a spot
 # notice gives 120 s; a checkpoint of a small model takes well under a second).
@@ -56,8 +60,8 @@ def lease_steps(step: int, last: int, spec: JobSpec, step_times: Sequence[float]
     member, sent and collected): leases share that cost out when steps are short. A lease never
     crosses a boundary with known work (a checkpoint or an evaluation due, the last step), so
     checkpoints and the end fall where they did; work that arrives unannounced (a drain notice,
-    a pause, newcomers) waits for the lease's end, which is why an automatic lease holds at
-    most LEASE_S of steps. Until three step times are known (warm-up) a lease is one step."""
+    a pause, newcomers) cuts it short (``boundary_due``). An automatic lease holds at most LEASE_S
+    of steps. Until three step times are known (warm-up) a lease is one step."""
     room = last - step
     for every in boundary_intervals(spec):
         room = min(room, every - step % every)
@@ -326,6 +330,7 @@ class Facts:
     draining: tuple[tuple[str, float | None], ...] = ()  # (node, drain deadline in unix s or None)
     training_on: frozenset[str] = frozenset()  # draining nodes already told to train on (TrainOn)
     straggler: tuple[int, str] | None = None  # (slot, why): to replace (elastic.straggler_policy)
+    redeal: tuple[int, ...] | None = None  # rows per data index a straggler's rebalance asks for
     stop: StopRequest | None = None  # a pause or cancel asked for from outside
     early_stop: str = ""  # why train.early_stop ended the run ("" while it has not)
     just_committed: bool = False  # steps were committed since the boundary before
@@ -399,6 +404,14 @@ class TrainOnDraining:
 
 
 @dataclass(frozen=True)
+class Redeal:
+    """Deal the global batch by a new split (``rows`` per data index: a straggler's rebalance)."""
+
+    rows: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class Shrink:
     """The members above a requested ceiling (``slots``: the highest ranks) leave."""
 
@@ -430,8 +443,11 @@ class Bench:
     reason: str
 
 
-Item = (Checkpoint | Evaluate | StopTraining | ReplaceStraggler | Release | LeaveDraining | TrainOnDraining
-        | Shrink | RequestWorkers | Grow | Bench)
+Item = (Checkpoint | Evaluate | StopTraining | ReplaceStraggler | Redeal | Release | LeaveDraining
+        | TrainOnDraining | Shrink | RequestWorkers | Grow | Bench)
+# Items that need no boundary (the members are not involved): carried out when planned, while a
+# lease runs too. Every other item needs the members between two steps.
+AT_ONCE = (RequestWorkers, Release, Bench)
 
 
 def kind(item: Item) -> str:
@@ -455,20 +471,29 @@ def plan(facts: Facts, spec: JobSpec) -> list[Item]:
         return items + [stop]
     if f.straggler is not None and "ReplaceStraggler" not in tried:
         items.append(ReplaceStraggler(f.straggler[0], f.straggler[1]))
+    if f.redeal is not None and "Redeal" not in tried:
+        items.append(Redeal(f.redeal, f"a straggler's rebalance: rows per data index {list(f.redeal)}"))
     drains = _drains(f, spec)
     if drains:  # the members leave (or train on) first; the world is planned again after them
         return items + drains
     return items + _resize(f, spec)
 
 
+def boundary_due(facts: Facts, spec: JobSpec) -> str:
+    """Why the boundary ``facts`` describe needs the members between two steps ("" when its
+    plan needs no boundary: empty, or only items carried out at once, ``AT_ONCE``). A running
+    lease is cut short at the earliest boundary for which this is not ""."""
+    items = [i for i in plan(facts, spec) if not isinstance(i, AT_ONCE)]
+    return items[0].reason if items else ""
+
+
 def hold_reason(facts: Facts, spec: JobSpec) -> str:
     """Why the lease after the running one may not be sent before the boundary between them
     (run-ahead), "" when it may: run-ahead is on and the plan ``plan`` makes for that boundary,
-    on the facts it will see, is empty."""
+    on the facts it will see, needs no boundary (``boundary_due``)."""
     if not spec.train.run_ahead:
         return "train.run_ahead is off"
-    items = plan(facts, spec)
-    return items[0].reason if items else ""
+    return boundary_due(facts, spec)
 
 
 def _stop(f: Facts) -> StopTraining | None:
@@ -506,7 +531,8 @@ def _drains(f: Facts, spec: JobSpec) -> list[Item]:
     slots = tuple(w.slot for w in leaving)
     if isinstance(how, TrainOn):
         nodes = tuple(sorted({w.node_id for w in leaving}))
-        if "TrainOnDraining" not in f.tried:
+        new = how.request or not set(nodes) <= f.training_on  # replacements to ask for, or news
+        if new and "TrainOnDraining" not in f.tried:
             items.append(TrainOnDraining(nodes, how.request, f"{what}: training on until a replacement "
                                                              f"is up to take the state over"))
     elif "LeaveDraining" in f.tried:

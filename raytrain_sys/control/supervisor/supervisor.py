@@ -39,11 +39,11 @@ from raytrain_sys.control.supervisor.boundary import Boundary
 from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible
 from raytrain_sys.control.supervisor.evaluation import Evaluation
 from raytrain_sys.control.supervisor.journal import State, transition_record
-from raytrain_sys.control.supervisor.liveness import StepOutcome, collect
+from raytrain_sys.control.supervisor.liveness import LeaseWatch, StepOutcome
 from raytrain_sys.control.supervisor.membership import Membership
 from raytrain_sys.control.supervisor.recovery import MustStop, Recovery
 from raytrain_sys.control.supervisor.requests import RunRequests
-from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch
+from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch, rank_results
 from raytrain_sys.control.supervisor.stragglers import Stragglers
 from raytrain_sys.control.worker_group import WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
@@ -294,9 +294,10 @@ class Supervisor:
 
     # ------------------------------------------------------------------ the step loop
     def _loop(self) -> None:
-        """Leases of steps, committed in order; at each boundary its plan is carried out
-        (``Boundary.run``), and while the plan for the next one would be empty the lease after
-        the running one is sent before it ends (run-ahead)."""
+        """Leases of steps, committed in order at each lease's end; at each boundary its plan is
+        carried out (``Boundary.run``); while the plan for the next one needs no boundary the
+        lease after the running one is sent before it ends (run-ahead), and a running lease is
+        cut short as soon as the plan for the earliest boundary it can end at needs one."""
         t = self.spec.train
         last = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.steps.open(self.run_dir)
@@ -315,7 +316,7 @@ class Supervisor:
                         ahead = self.steps.dispatch(cur.end, self.steps.lease_steps(cur.end, last), after=cur)
                     except DataError:
                         pass  # raised again, in step order, when the step is sent in turn
-                outcome = collect(self.group, cur.members, cur.refs, cur.step, cur.deadline_s)
+                outcome, reports = self._follow(cur, ahead, last)
                 done_at = time.perf_counter()
                 if ahead is not None:
                     ahead.t0 = done_at  # its members start it as they finish this one
@@ -326,14 +327,35 @@ class Supervisor:
                         ahead = None
                     self._recover_lease(cur, outcome, done_at - cur.t0)
                     continue
-                # Committed: every rank finished its optimizer steps.
-                self.summary.steps_run_ahead += cur.count if cur.sent_ahead else 0
-                results = [outcome.results[w.slot] for w in cur.members]
-                self.stragglers.observe(cur, results, self.group.generation)
-                self.steps.commit_lease(cur, results, done_at - cur.t0)
-                self.boundary.after_commit(cur.members)
+                ran = cur.part(0, len(reports))
+                if reports and reports[-1]["cut"]:  # cut short: the rest, and the lease sent ahead, later
+                    self.steps.keep_for_resend(cur.part(ran.count, cur.count), ahead)
+                    if ahead is not None:
+                        self.steps.drop(ahead)
+                        ahead = None
+                if reports:  # committed: every rank finished these steps (each report is their agreement)
+                    self.summary.steps_run_ahead += ran.count if cur.sent_ahead else 0
+                    self.steps.commit_lease(ran, rank_results(reports), done_at - cur.t0)
+                self.boundary.settle(wait=False)
         finally:
             self.steps.close()
+
+    def _follow(self, cur: _Dispatch, ahead: _Dispatch | None, last: int) -> tuple[StepOutcome, list[dict]]:
+        """The running lease followed to its end (``LeaseWatch``): its reported steps observed
+        as they come (``Boundary.observe``), and the lease cut short (with the one sent ahead)
+        when the plan for the earliest boundary it can end at needs that boundary."""
+        watch = LeaseWatch(self.group, cur.members, cur.refs, cur.reporter, cur.step, self.steps._step_deadline_s())
+        newest, seen = ahead or cur, 0
+        while True:
+            outcome = watch.wait(policy.BOUNDARY_POLL_S)
+            self.boundary.observe(cur, watch.reports, seen, len(watch.reports))
+            seen = len(watch.reports)
+            if outcome is not None:
+                return outcome, watch.reports
+            earliest = min(cur.step + seen + 1, cur.end)
+            if self.boundary.meanwhile(earliest, last) and self.steps.cut_through < newest.lease \
+                    and (earliest < cur.end or ahead is not None):
+                self.steps.cut(cur, newest.lease, earliest)
 
     def _recover_lease(self, sent: _Dispatch, outcome: StepOutcome, lease_time_s: float) -> None:
         """Rebuild in place after a failed lease: survivors keep their state; the lease's steps
