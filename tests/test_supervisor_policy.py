@@ -68,9 +68,10 @@ def test_lease_deadline(times, steps, expected):
 @pytest.mark.parametrize("train, every, step, last, times, expected", [
     ({}, 0, 0, 100, [], 1),
     ({}, 0, 2, 100, [0.01, 0.01], 1),
-    ({}, 0, 5, 100, [0.01, 0.01, 0.01], policy.MAX_LEASE_STEPS),
-    ({}, 0, 5, 100, [0.2, 0.2, 0.2], 5),
-    ({}, 0, 5, 100, [1.5, 1.6, 1.7], 1),
+    ({}, 0, 5, 10**6, [0.01, 0.01, 0.01], policy.MAX_LEASE_STEPS),
+    ({}, 0, 5, 10**6, [0.2, 0.2, 0.2], int(policy.LEASE_S / 0.2)),
+    ({}, 0, 5, 100, [15.0, 16.0, 17.0], 1),
+    ({}, 0, 5, 100, [0.01, 0.01, 0.01], 95),
     ({}, 10, 7, 100, [0.01, 0.01, 0.01], 3),
     ({}, 0, 97, 100, [0.01, 0.01, 0.01], 3),
     ({"steps_per_call": 4}, 0, 0, 100, [], 4),
@@ -80,8 +81,9 @@ def test_lease_deadline(times, steps, expected):
     "auto, no step time yet: one step a call",
     "auto, warm-up (fewer than three step times): one step a call",
     "auto, 10 ms steps: capped at MAX_LEASE_STEPS",
-    "auto, 200 ms steps: as many as fit in LEASE_S (1 s)",
+    "auto, 200 ms steps: as many as fit in LEASE_S",
     "auto, steps longer than LEASE_S: one step a call",
+    "auto, short steps: to the last step (a boundary cuts a lease short, it need not be short)",
     "a lease ends where a checkpoint is due",
     "a lease ends at the last step",
     "steps_per_call set: that many from the first step",
@@ -91,6 +93,29 @@ def test_lease_deadline(times, steps, expected):
 def test_lease_steps(train, every, step, last, times, expected):
     spec = job(train=train, checkpoint={"every_steps": every})
     assert policy.lease_steps(step, last, spec, times) == expected
+
+
+@pytest.mark.parametrize("train, ready, expected", [
+    ({}, 7, 7), ({}, 0, 1), ({"steps_per_call": 20}, 7, 20),
+], ids=[
+    "auto: no more steps than the data plane has read, so that sending never waits on reads",
+    "auto, nothing read ahead yet: one step",
+    "steps_per_call set: the user's number, read or not",
+])
+def test_lease_steps_read_ahead(train, ready, expected):
+    assert policy.lease_steps(5, 100, job(train=train), [0.01] * 3, ready_steps=ready) == expected
+
+
+@pytest.mark.parametrize("train, group_steps, expected", [
+    ({}, 0, 1), ({}, 2, 1), ({}, 3, 95), ({"steps_per_call": 4}, 0, 4),
+], ids=[
+    "auto, a group just formed (a rebuild, a resize): one step a call",
+    "auto, two steps into a new group: still one",
+    "auto, three steps into it: the full lease",
+    "steps_per_call set: the user's number from a new group's first step",
+])
+def test_lease_steps_after_a_group_forms(train, group_steps, expected):
+    assert policy.lease_steps(5, 100, job(train=train), [0.01] * 3, group_steps=group_steps) == expected
 
 
 # ------------------------------------------------------------------ run-ahead

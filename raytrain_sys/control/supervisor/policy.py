@@ -33,12 +33,15 @@ BOUNDARY_POLL_S = 0.1
 # long before the drain's deadline; then the state goes through a checkpoint instead (a spot
 # notice gives 120 s; a checkpoint of a small model takes well under a second).
 DRAIN_HANDOVER_MARGIN_S = 20.0
-# An automatic lease (train.steps_per_call = 0) carries at most this much work, so that a
-# boundary with work arriving (a drain notice, a pause, newcomers) waits at most this long: well
-# inside a spot notice (30 s on GCP, 120 s on AWS) and the service's pause goal (checkpoint + 2 s)...
-LEASE_S = 1.0
-# ... and at most this many steps (the data plane reads two leases ahead of the members).
-MAX_LEASE_STEPS = 8
+# An automatic lease (train.steps_per_call = 0) carries at most this much work. Not for a
+# boundary's sake (a drain, a pause or newcomers cut a lease short: ``boundary_due``), but
+# because steps are committed, and recorded (on_step, MLflow, summary.json), at a lease's end:
+# what a user watching the run sees is at most this old...
+LEASE_S = 10.0
+# ... and at most this many steps: the global batches of two leases (the running one and the
+# one sent ahead) are referenced in the object store at once, and their references travel in
+# the lease's calls.
+MAX_LEASE_STEPS = 1000
 
 
 # ------------------------------------------------------------------ timing
@@ -53,25 +56,30 @@ def step_deadline_s(step_times: Sequence[float], spec: JobSpec, steps: int = 1) 
                max(e.hang_floor_s, e.hang_factor * times[len(times) // 2] * steps))
 
 
-def lease_steps(step: int, last: int, spec: JobSpec, step_times: Sequence[float]) -> int:
+def lease_steps(step: int, last: int, spec: JobSpec, step_times: Sequence[float],
+                ready_steps: int | None = None, group_steps: int | None = None) -> int:
     """How many steps, from ``step`` on, one call to each member carries (a lease).
 
-    The driver pays about the same for a call of one step as for one of eight (a Ray call per
-    member, sent and collected): leases share that cost out when steps are short. A lease never
-    crosses a boundary with known work (a checkpoint or an evaluation due, the last step), so
-    checkpoints and the end fall where they did; work that arrives unannounced (a drain notice,
-    a pause, newcomers) cuts it short (``boundary_due``). An automatic lease holds at most LEASE_S
-    of steps. Until three step times are known (warm-up) a lease is one step."""
+    The driver pays about the same for a call of one step as for one of many (a Ray call per
+    member, sent and collected): leases share that cost out. A lease never crosses a boundary
+    with known work (a checkpoint or an evaluation due, the last step), so checkpoints and the
+    end fall where they did; work that arrives unannounced (a drain notice, a pause, newcomers)
+    cuts it short. An automatic lease holds what fits in LEASE_S, at most MAX_LEASE_STEPS, and
+    no more steps than the data plane has read (``ready_steps``; at least one), so that sending
+    it never waits on reads. Until three step times are known, and for the first three steps of
+    a group just formed (``group_steps``: a rebuild, a resize; its first steps rebuild DDP's
+    buckets), a lease is one step: a warm-up, and a recovered group confirmed by a commit soon."""
     room = last - step
     for every in boundary_intervals(spec):
         room = min(room, every - step % every)
     if spec.train.steps_per_call:
         return max(1, min(room, spec.train.steps_per_call))
-    if len(step_times) < 3:
+    if len(step_times) < 3 or (group_steps is not None and group_steps < 3):
         return 1
     times = sorted(step_times)
     fit = int(LEASE_S / max(times[len(times) // 2], 1e-6))
-    return max(1, min(room, fit, MAX_LEASE_STEPS))
+    read = MAX_LEASE_STEPS if ready_steps is None else ready_steps
+    return max(1, min(room, fit, MAX_LEASE_STEPS, read))
 
 
 def boundary_intervals(spec: JobSpec) -> list[int]:

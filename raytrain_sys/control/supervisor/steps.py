@@ -8,7 +8,7 @@ of cost), the step metrics sent to MLflow and to Prometheus (``monitor.metrics``
 log. Calls no other part of the Supervisor.
 
 Leases: one call to each member carries ``count`` consecutive steps (``policy.lease_steps``:
-one while step times are unknown, more when steps are short), so the driver's cost per call
+one while step times are unknown, many when steps are short), so the driver's cost per call
 (a Ray call per member, sent and collected) is shared by the steps of the lease. Rank 0's call
 reports each finished step as it goes (``TrainWorker.report_steps``, a Ray generator: one
 report a step, or every REPORT_EVERY_S), and each report holds every rank's parts of the step
@@ -129,6 +129,7 @@ class Steps:
         # rebalance asked for (stragglers.Rebalance), for that process group only; else even.
         self.rows_split: tuple[int, list[int]] | None = None
         self.leases = 0  # leases sent so far: the newest one's id
+        self._group_steps = (0, 0)  # (generation, steps committed by that process group)
         self.cut_through = -1  # the newest lease a cut was asked for (``cut``)
 
     # ------------------------------------------------------------------ the run's step loop
@@ -152,8 +153,13 @@ class Steps:
         return step_deadline_s(self._step_times, self.spec, steps)
 
     def lease_steps(self, step: int, last: int) -> int:
-        """How many steps the call sending ``step`` carries (``policy.lease_steps``)."""
-        return lease_steps(step, last, self.spec, self._step_times)
+        """How many steps the call sending ``step`` carries (``policy.lease_steps``; the steps
+        read ahead are counted from where step ``step``'s global batch begins)."""
+        gbs = self.spec.train.global_batch_size
+        ready = self.data.rows_ahead(self.data_cursor + (step - self.committed_step) * gbs) // gbs
+        generation, in_group = self._group_steps
+        in_group = in_group + (step - self.committed_step) if generation == self.group.generation else 0
+        return lease_steps(step, last, self.spec, self._step_times, ready, in_group)
 
     def rewind(self, step: int, data_cursor: int) -> None:
         """A durable checkpoint of ``step`` was loaded: the ledger continues from it (steps
@@ -308,6 +314,9 @@ class Steps:
         world = world_size or len(shares)
         self.committed_step = step + 1
         self.data_cursor += spec.train.global_batch_size
+        generation, in_group = self._group_steps
+        self._group_steps = (generation, in_group + 1) if generation == self.group.generation else \
+            (self.group.generation, 1)
         self._step_times.append(dt)
         loss = sum(r["loss_sum"] for r in results) / units if units else float("nan")
         self.summary.losses.append(loss)
