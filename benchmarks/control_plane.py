@@ -127,7 +127,7 @@ def stand_in_class():
             for i, (batch, global_units, _) in enumerate(plans):
                 self.recent[first + i] = self.train_step(first + i, batch, global_units)
                 cut = getattr(self, "cut", None)
-                yield self.recent[first + i], cut is not None and cut[1] <= first + i + 1
+                yield first + i, self.recent[first + i], cut is not None and cut[1] <= first + i + 1
 
         def train_steps(self, first, plans, collective_timeout_s, *pieces, lease=-1) -> int:
             return len(list(self._lease(first, plans)))
@@ -137,9 +137,9 @@ def stand_in_class():
             stand-ins agree on nothing; a cut stops rank 0 only, as no collective tells the others)."""
             import numpy as np
 
-            for r, cut in self._lease(first, plans):
+            for step, r, cut in self._lease(first, plans):
                 parts = [r["loss_sum"], r["rows"], 0.0, r["compute_s"], 0.0, 0.0]
-                yield [{"lr": r["lr"], "grad_norm": r["grad_norm"], "cut": cut,
+                yield [{"step": step, "lr": r["lr"], "grad_norm": r["grad_norm"], "cut": cut,
                         "ranks": np.array([parts] + [[0.0] + parts[1:]] * (self.world_size - 1))}]
                 if cut:
                     return

@@ -125,14 +125,14 @@ def test_lease_steps_after_a_group_forms(train, group_steps, expected):
     ({"run_ahead": True}, {"every_steps": 0}, 20, 20, 2, 2, True),
     ({"run_ahead": True}, {"every_steps": 5}, 10, 20, 2, 2, True),
     ({"run_ahead": True}, {"every_steps": 5}, 11, 20, 2, 2, False),
-    ({"run_ahead": True}, {"every_steps": 0}, 5, 20, 1, 2, False),
+    ({"run_ahead": True}, {"every_steps": 0}, 5, 20, 1, 2, True),
 ], ids=[
     "nothing at the boundary: sent ahead",
     "train.run_ahead off: never sent ahead",
     "past the last step: nothing to send",
     "a checkpoint is due at the boundary: held",
     "the step after a checkpoint boundary: sent ahead",
-    "below the target world: sent ahead (replacements are asked for at once; one up cuts the lease short)",
+    "below the target world: the boundary may take newcomers, held",
 ])
 def test_run_ahead(train, checkpoint, step, last, world, target, held):
     spec = job(train=train, checkpoint=checkpoint)
@@ -431,6 +431,25 @@ def test_run_ahead_is_the_plan_being_empty(f, train, held):
     assert bool(reason) is held, reason
     if train.get("run_ahead", True):
         assert bool(policy.plan(f, spec)) is held
+
+
+@pytest.mark.parametrize("f, cut", [
+    (facts(), False),
+    (facts(world=1), False),
+    (facts(world=1, ready=(policy.Member(9, "n9"),)), True),
+    (facts(draining=(("n1", 1100.0),)), True),
+    (facts(stop=PAUSE), True),
+    (facts(pending=(policy.Member(9),)), False),
+], ids=[
+    "nothing to do: the lease runs on",
+    "below the target, nobody ready: replacements asked for at once, the lease runs on",
+    "a newcomer ready: the lease is cut short for it to join",
+    "a member on a draining node: cut short, it leaves after the step in flight",
+    "a pause asked for: cut short",
+    "a newcomer not needed: let go at once, the lease runs on",
+])
+def test_a_running_lease_is_cut_only_for_what_needs_the_members(f, cut):
+    assert bool(policy.boundary_due(f, job())) is cut
 
 
 @pytest.mark.parametrize("step, last, every, due", [

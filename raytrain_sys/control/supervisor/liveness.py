@@ -173,15 +173,18 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
 class LeaseWatch:
     """A lease followed while it runs (``wait``): rank 0's reports as they come (``reports``,
     each one every rank's parts of a finished step, agreed by all of them: while reports come,
-    every member is alive and nobody is pinged). Members are pinged only when no report came
-    for LIVENESS_EVERY_S (one silent for PING_TIMEOUT_S is lost, and killed); the step deadline
-    counts from the newest report. Once the lease ended on rank 0, or failed, or a member was
-    lost, every member's call is collected (``collect``) into the lease's ``StepOutcome``."""
+    every member is alive and nobody is pinged). The report of the lease's last step (or of the
+    step it was cut after) ends it: every rank finished it, so nothing more is waited for (the
+    other members' calls end by themselves). Members are pinged only when no report came for
+    LIVENESS_EVERY_S (one silent for PING_TIMEOUT_S is lost, and killed); the step deadline
+    counts from the newest report. When the lease failed or a member was lost, every member's
+    call is collected (``collect``) into the lease's ``StepOutcome``."""
 
     def __init__(self, group: WorkerGroup, members: list[Worker], refs: list, reporter, step: int,
-                 step_deadline_s: float):
+                 last_step: int, step_deadline_s: float):
         self.group, self.members, self.refs, self.reporter = group, members, refs, reporter
-        self.step, self.deadline_s = step, step_deadline_s
+        self.step, self.last_step, self.deadline_s = step, last_step, step_deadline_s
+        self._ended = False  # the report of the lease's last step came
         self.reports: list[dict] = []
         self._progress = time.monotonic()  # the newest report (or the lease's start)
         self._pings: dict[int, tuple[object, float]] = {}
@@ -213,6 +216,7 @@ class LeaseWatch:
         try:
             self.reports += ray.get(ref)
             self._progress = time.monotonic()
+            self._ended = self._done = self.reports[-1]["cut"] or self.reports[-1]["step"] >= self.last_step
         except ray.exceptions.RayTaskError as exc:  # its step failed: a peer lost, or an error
             self._error, self._done = str(exc).strip().splitlines()[-1][:300], True
         except ray.exceptions.RayError:  # rank 0 died: its call's end says so
@@ -231,6 +235,8 @@ class LeaseWatch:
             self._done = True  # no step finished by the deadline: ``collect`` gives the verdict
 
     def _outcome(self) -> StepOutcome:
+        if self._ended:
+            return StepOutcome()  # every rank finished the lease: its last report is their agreement
         outcome = collect(self.group, self.members, self.refs, self.step, self.deadline_s, since=self._progress)
         rank0 = self.members[0].slot
         if self._error and rank0 in outcome.results:  # a generator's end is not its error

@@ -498,10 +498,13 @@ def boundary_due(facts: Facts, spec: JobSpec) -> str:
 def hold_reason(facts: Facts, spec: JobSpec) -> str:
     """Why the lease after the running one may not be sent before the boundary between them
     (run-ahead), "" when it may: run-ahead is on and the plan ``plan`` makes for that boundary,
-    on the facts it will see, needs no boundary (``boundary_due``)."""
+    on the facts it will see, is empty. (A plan of items carried out at once, such as
+    replacements to ask for while below the target world, keeps the boundary too: it is where
+    they are carried out, and where the newcomers join; only a cut ignores them.)"""
     if not spec.train.run_ahead:
         return "train.run_ahead is off"
-    return boundary_due(facts, spec)
+    items = plan(facts, spec)
+    return items[0].reason if items else ""
 
 
 def _stop(f: Facts) -> StopTraining | None:

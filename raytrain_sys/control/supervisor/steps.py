@@ -258,6 +258,13 @@ class Steps:
             return
         _, late = ray.wait(list(by_ref), num_returns=len(by_ref),
                            timeout=collective_timeout_s(self._step_deadline_s()) + PING_TIMEOUT_S)
+        while ray.wait([ahead.reporter], timeout=0)[0]:  # its refusal, read (not logged as unhandled)
+            try:
+                ray.get(next(ahead.reporter))
+            except StopIteration:
+                break
+            except ray.exceptions.RayError:
+                pass
         if late:
             stuck = [by_ref[r] for r in late]
             log.warning("worker(s) %s still in step %d after the lease before it failed: treated as lost",

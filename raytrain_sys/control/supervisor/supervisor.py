@@ -344,7 +344,8 @@ class Supervisor:
         """The running lease followed to its end (``LeaseWatch``): its reported steps observed
         as they come (``Boundary.observe``), and the lease cut short (with the one sent ahead)
         when the plan for the earliest boundary it can end at needs that boundary."""
-        watch = LeaseWatch(self.group, cur.members, cur.refs, cur.reporter, cur.step, self.steps._step_deadline_s())
+        watch = LeaseWatch(self.group, cur.members, cur.refs, cur.reporter, cur.step, cur.end - 1,
+                           self.steps._step_deadline_s())
         newest, seen = ahead or cur, 0
         while True:
             outcome = watch.wait(policy.BOUNDARY_POLL_S)
