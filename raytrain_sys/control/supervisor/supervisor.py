@@ -295,9 +295,9 @@ class Supervisor:
     # ------------------------------------------------------------------ the step loop
     def _loop(self) -> None:
         """Leases of steps, committed in order at each lease's end; at each boundary its plan is
-        carried out (``Boundary.run``); while the plan for the next one needs no boundary the
-        lease after the running one is sent before it ends (run-ahead), and a running lease is
-        cut short as soon as the plan for the earliest boundary it can end at needs one."""
+        carried out (``Boundary.run``); while the plan for the next one is empty the lease after
+        the running one is sent before it ends (run-ahead), and a running lease is cut short as
+        soon as the plan for the earliest boundary it can end at needs the members."""
         t = self.spec.train
         last = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.steps.open(self.run_dir)
