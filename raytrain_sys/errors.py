@@ -3,7 +3,27 @@
 Every error that reaches the CLI as a one-line message derives from ``UserError``: it says what
 was wrong, where, and what to do next. Anything else is a bug in raytrain-sys and is shown with
 its traceback.
+
+A message quotes a user's value with ``quote``: its ``repr``, cut to ``QUOTE_CHARS`` characters,
+so a 10 MB value is never echoed whole into an error, a log line or an audit row.
 """
+
+import re
+
+QUOTE_CHARS = 80  # enough to recognise a value; a whole value is the user's to keep, not ours to echo
+
+
+def quote(value: object, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)`` for a message, at most ``limit`` characters of it, then how long the whole
+    was. Control characters come out escaped (``repr``), so the quote stays on one line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        return f"an integer of {value.bit_length()} bits"  # repr may refuse it (int_max_str_digits)
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        return f"{repr(value[:limit])[:limit]}... ({len(value)} characters)"
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class UserError(Exception):
@@ -36,6 +56,12 @@ class CheckpointError(UserError):
     """A checkpoint is missing, incomplete or corrupt."""
 
 
+class CheckpointCorrupt(CheckpointError):
+    """A committed checkpoint's files are not what its manifest records (found when loading:
+    a file missing, of another sha256 or step, or not covering the state); an older one may
+    still be intact."""
+
+
 class TrackingError(UserError):
     """The MLflow tracking store is unreachable or refuses a write."""
 
@@ -45,8 +71,13 @@ class ServiceInputError(UserError):
     more than the team could ever get; nothing was written."""
 
     def __init__(self, field: str, message: str):
-        self.field = field
+        self.field, self.message = field, message
         super().__init__(f"field '{field}': {message}")
+
+    def __reduce__(self):
+        # Rebuilt from (field, message), not from the formatted text: a refusal raised in the
+        # service actor reaches its caller (a notebook, a test) as itself, field included.
+        return type(self), (self.field, self.message)
 
 
 class ServiceStoreError(UserError):
@@ -111,13 +142,29 @@ def find_user_error(exc: BaseException) -> UserError | None:
             Exception.__init__(err, _our_line(line))
             return err
         stack += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return None
+    return _named_in_text(exc)
+
+
+# How a traceback's last line names one of ours: "raytrain_sys.errors.UserError: <message>".
+_OURS_IN_TEXT = re.compile(rf"^{re.escape(__name__)}\.(\w+): (.+)$", re.MULTILINE)
+
+
+def _named_in_text(exc: BaseException) -> UserError | None:
+    """The UserError a remote traceback's text ends with: all that Ray keeps of an exception
+    raised in an actor's constructor (its ActorDiedError carries the text, no cause)."""
+    found = _OURS_IN_TEXT.findall(str(exc))
+    cls = globals().get(found[-1][0]) if found else None
+    if not (isinstance(cls, type) and issubclass(cls, UserError)):
+        return None
+    err = cls.__new__(cls)
+    Exception.__init__(err, found[-1][1].strip())
+    return err
 
 
 def _our_line(lines: list[str]) -> str:
     # RayTaskError text ends with "<ErrorClass>: <message>"; keep the message only.
     for line in reversed(lines):
-        for name in ("StorageError", "DataError", "CheckpointError", "TrackingError", "SpecError",
+        for name in ("StorageError", "DataError", "CheckpointError", "CheckpointCorrupt", "TrackingError", "SpecError",
                      "ClusterCapacityError", "ServiceInputError", "ServiceStoreError", "JobStateConflict",
                      "ServiceRequestError", "ServiceRequestInvalid", "ServiceRequestConflict",
                      "TrainingFailed", "UserError"):

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import re
 import types
@@ -21,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from raytrain_sys.errors import SpecError
+from raytrain_sys.errors import SpecError, quote
 
 
 @dataclass
@@ -198,7 +199,7 @@ class ParallelSpec:
                 raise SpecError("parallel.fsdp", "strategy hsdp needs the shard group size "
                                                  "(e.g. the workers of one node)")
             if data % fsdp:
-                raise SpecError("parallel.fsdp", f"got {fsdp}; must divide the data-parallel "
+                raise SpecError("parallel.fsdp", f"got {quote(fsdp)}; must divide the data-parallel "
                                                  f"size {data} (= {workers} / tp / pp)")
             dp = self.dp or data // fsdp
         if dp * fsdp != data:
@@ -236,8 +237,8 @@ class CheckpointSpec:
     resume_from: str = ""  # "" = fresh start, "latest" = newest complete in uri, or a URI
     save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
     # resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of
-    # another size than its manifest says): "fail" names the newest intact older one; "previous"
-    # resumes from it, recorded in MLflow
+    # another size than its manifest says) or its load (a file of another sha256): "fail" names
+    # the newest intact older one; "previous" resumes from it, recorded in MLflow
     on_corrupt: str = "fail"
     # also keep the checkpoint of the best eval.metric (saved when an evaluation improves on it)
     keep_best: bool = False
@@ -294,6 +295,15 @@ class ResourcesSpec:
     num_workers: int = 2  # workers at the start: one Ray actor per GPU or CPU slot
     cpus_per_worker: float = 1.0  # also the worker's torch thread count
     gpus_per_worker: float = 0.0  # > 0 on a CUDA machine selects NCCL (parallel.backend auto)
+    # Memory reserved for each worker, in GB (Ray's logical memory resource, on its placement
+    # bundle); 0 = none reserved. The job service counts it in quotas of flavors that count memory_gb
+    memory_per_worker_gb: float = 0.0
+    # The GPU type the workers need: nodes whose Ray label ray.io/accelerator-type is this (Ray sets
+    # it from the GPU it finds: A10G, L4, H100...); needs gpus_per_worker > 0; "" = any GPU
+    accelerator_type: str = ""
+    # spot | on-demand | any: the nodes (Ray label ray.io/market-type) the workers may run on; the
+    # job service draws a job of any market from the first flavor in its table with room
+    market: str = "any"
     # Peak dense TFLOP/s of one worker's device at the training precision, for the MFU metric
     # (e.g. 989 for an H100 SXM in bf16); 0 = MFU not reported
     peak_tflops_per_worker: float = 0.0
@@ -385,6 +395,8 @@ class JobSpec:
 
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim")
+# Ray's accelerator types (ray.util.accelerators: A10G, H100, TPU-V4...), as node labels carry them.
+ACCELERATOR_TYPE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
 # model.name values with a registered factory (raytrain_sys.models.register_model adds to it;
 # kept here so that a spec is checked without importing torch), and those with TP/PP plans.
@@ -436,6 +448,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
     "optim.name": ("adamw", "lamb", "lars"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
     "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "resources.market": ("any", "spot", "on-demand"),
     "eval.metric": ("loss", "accuracy"),
     "data.on_bad_shard": ("fail", "skip"),
     "checkpoint.on_corrupt": ("fail", "previous"),
@@ -461,7 +474,8 @@ _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "train.steps_per_call", "optim.min_lr_ratio", "optim.warmup_steps",
     "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
-    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "resources.cost_per_worker_hour", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
+    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "resources.cost_per_worker_hour",
+    "resources.memory_per_worker_gb", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
     "elastic.straggler_margin", "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
 ]
 
@@ -475,6 +489,8 @@ def _type_name(tp: Any) -> str:
 
 
 _FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+INT_LIMIT = 2 ** 63  # every integer of the spec ends in a 64-bit one (a tensor's shape, a seed, a count)
+FIELD_NAME_CHARS = 64  # a key longer than any field's name is quoted, not echoed, in the field of an error
 
 
 def _coerce(path: str, value: Any, tp: Any) -> Any:
@@ -488,25 +504,41 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
                 return None
         arms = [a for a in typing.get_args(tp) if a is not type(None)]
         return _coerce(path, value, arms[0])
+    if tp is int and isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
+        raise SpecError(path, f"got {quote(value)}; expected an integer of 64 bits (-2**63 .. 2**63-1)")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        return _finite(path, float(value) if abs(value) < INT_LIMIT else math.inf, value)
     if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
         # PyYAML follows YAML 1.1, where `3e-3` (no dot) is a string; YAML 1.2 and every user
         # read it as a number.
-        return float(value)
+        return _finite(path, float(value), value)
+    if tp is float and isinstance(value, float):
+        return _finite(path, value, value)
     if tp is int and isinstance(value, bool):
-        raise SpecError(path, f"got {value!r}; expected {_type_name(tp)}")
+        raise SpecError(path, f"got {quote(value)}; expected {_type_name(tp)}")
     if tp is dict and not isinstance(value, dict):
-        raise SpecError(path, f"got {value!r} ({type(value).__name__}); expected a mapping")
+        raise SpecError(path, f"got {quote(value)} ({type(value).__name__}); expected a mapping")
     if tp is list:
         if isinstance(value, str):  # --set data.columns=x,y
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise SpecError(path, f"got {value!r}; expected a list of names, e.g. [a, b]")
+            raise SpecError(path, f"got {quote(value)}; expected a list of names, e.g. [a, b]")
         return list(value)
     if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise SpecError(path, f"got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
+        raise SpecError(path, f"got {quote(value)} ({type(value).__name__}); expected {_type_name(tp)}")
     return value
+
+
+def _finite(path: str, number: float, given: Any) -> float:
+    if not math.isfinite(number):
+        raise SpecError(path, f"got {quote(given)}; expected a finite number")
+    return number
+
+
+def _key(key: Any) -> str:
+    """A mapping key as a field's name in an error: itself, or its quote if it could not be one."""
+    text = str(key)
+    return text if len(text) <= FIELD_NAME_CHARS and text.isprintable() else quote(key, FIELD_NAME_CHARS)
 
 
 def _from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
@@ -514,12 +546,12 @@ def _from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise SpecError(where, f"expected a mapping of fields, got {type(raw).__name__} {raw!r}")
+        raise SpecError(where, f"expected a mapping of fields, got {type(raw).__name__} {quote(raw)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
+        path = f"{prefix}.{_key(key)}" if prefix else _key(key)
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
@@ -540,70 +572,77 @@ def validate(spec: JobSpec) -> JobSpec:
     for dotted, allowed in ALLOWED_CHOICES.items():
         value = _get(spec, dotted)
         if value not in allowed:
-            raise SpecError(dotted, f"got {value!r}; allowed: {', '.join(allowed)}")
+            raise SpecError(dotted, f"got {quote(value)}; allowed: {', '.join(allowed)}")
     for dotted in _POSITIVE:
         value = _get(spec, dotted)
         if not value > 0:
-            raise SpecError(dotted, f"got {value!r}; must be greater than 0")
+            raise SpecError(dotted, f"got {quote(value)}; must be greater than 0")
     for dotted in _NON_NEGATIVE:
         value = _get(spec, dotted)
         if value < 0:
-            raise SpecError(dotted, f"got {value!r}; must be 0 or more")
-    if not spec.name or any(c in spec.name for c in "/\\ "):
-        raise SpecError("name", f"got {spec.name!r}; use a non-empty name without spaces or slashes")
+            raise SpecError(dotted, f"got {quote(value)}; must be 0 or more")
+    if not spec.name or any(c in spec.name for c in "/\\ ") or not spec.name.isprintable():
+        raise SpecError("name", f"got {quote(spec.name)}; use a non-empty name without spaces or slashes")
     if spec.model.n_embd % spec.model.n_head:
         raise SpecError(
             "model.n_head",
-            f"got {spec.model.n_head}; must divide model.n_embd={spec.model.n_embd}",
+            f"got {quote(spec.model.n_head)}; must divide model.n_embd={spec.model.n_embd}",
         )
     if spec.model.dropout >= 1:
-        raise SpecError("model.dropout", f"got {spec.model.dropout}; must be below 1")
+        raise SpecError("model.dropout", f"got {quote(spec.model.dropout)}; must be below 1")
     if spec.optim.lr_scaling != "none" and spec.optim.lr_base_batch_size < 1:
         raise SpecError("optim.lr_base_batch_size",
-                        f"got {spec.optim.lr_base_batch_size}; optim.lr_scaling="
+                        f"got {quote(spec.optim.lr_base_batch_size)}; optim.lr_scaling="
                         f"{spec.optim.lr_scaling} scales optim.lr from the global batch it was tuned "
                         f"for: give that batch size")
     if spec.optim.min_lr_ratio > 1:
-        raise SpecError("optim.min_lr_ratio", f"got {spec.optim.min_lr_ratio}; must be at most 1")
+        raise SpecError("optim.min_lr_ratio", f"got {quote(spec.optim.min_lr_ratio)}; must be at most 1")
     if spec.optim.warmup_steps > spec.train.max_steps:
         raise SpecError(
             "optim.warmup_steps",
-            f"got {spec.optim.warmup_steps}; must not exceed train.max_steps={spec.train.max_steps}",
+            f"got {quote(spec.optim.warmup_steps)}; must not exceed train.max_steps={spec.train.max_steps}",
         )
     if spec.resources.num_workers > spec.train.global_batch_size:
         raise SpecError(
             "resources.num_workers",
-            f"got {spec.resources.num_workers}; every worker needs at least one row of "
+            f"got {quote(spec.resources.num_workers)}; every worker needs at least one row of "
             f"train.global_batch_size={spec.train.global_batch_size}",
         )
     e, n = spec.elastic, spec.resources.num_workers
     if e.max_workers and e.max_workers < n:
         raise SpecError("elastic.max_workers",
-                        f"got {e.max_workers}; must be 0 or at least resources.num_workers={n}")
+                        f"got {quote(e.max_workers)}; must be 0 or at least resources.num_workers={n}")
     if e.min_workers > n:
         raise SpecError("elastic.min_workers",
-                        f"got {e.min_workers}; must not exceed resources.num_workers={n}")
+                        f"got {quote(e.min_workers)}; must not exceed resources.num_workers={n}")
     if max(e.max_workers, n) > spec.train.global_batch_size:
         raise SpecError("elastic.max_workers",
-                        f"got {e.max_workers}; every worker needs at least one row of "
+                        f"got {quote(e.max_workers)}; every worker needs at least one row of "
                         f"train.global_batch_size={spec.train.global_batch_size}")
     if e.fault_slow_factor < 1:
-        raise SpecError("elastic.fault_slow_factor", f"got {e.fault_slow_factor}; must be at least 1 (1: no slowdown)")
+        raise SpecError("elastic.fault_slow_factor", f"got {quote(e.fault_slow_factor)}; must be at least 1 (1: no slowdown)")
     if e.fault_slow_rank < -1:
-        raise SpecError("elastic.fault_slow_rank", f"got {e.fault_slow_rank}; must be a rank, or -1 for off")
+        raise SpecError("elastic.fault_slow_rank", f"got {quote(e.fault_slow_rank)}; must be a rank, or -1 for off")
+    accelerator = spec.resources.accelerator_type
+    if accelerator and not re.fullmatch(ACCELERATOR_TYPE_PATTERN, accelerator):
+        raise SpecError("resources.accelerator_type", f"got {quote(accelerator)}; Ray's accelerator type, as its "
+                                                      f"node label ray.io/accelerator-type reads (e.g. A10G, H100)")
+    if accelerator and not spec.resources.gpus_per_worker:
+        raise SpecError("resources.accelerator_type", f"got {quote(accelerator)} with resources.gpus_per_worker=0; "
+                                                      f"a GPU type needs GPUs: set gpus_per_worker, or leave it empty")
     nice = spec.resources.worker_niceness
     if nice is not None and not -20 <= nice <= 19:
-        raise SpecError("resources.worker_niceness", f"got {nice}; must be in -20..19, or null for Ray's")
+        raise SpecError("resources.worker_niceness", f"got {quote(nice)}; must be in -20..19, or null for Ray's")
     if not spec.data.path:
         raise SpecError("data.path", "is empty; give a dataset directory (see `raytrain-sys prepare-data`)")
     for name, amount in spec.data.read_resources.items():
         if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
                 or amount < 0:
             raise SpecError(f"data.read_resources.{name}",
-                            f"got {amount!r}; a Ray resource name mapped to a number of 0 or more, "
+                            f"got {quote(amount)}; a Ray resource name mapped to a number of 0 or more, "
                             f"e.g. {{CPU: 1}} or {{data_reader: 1}}")
     if "://" in spec.checkpoint.stage_dir:
-        raise SpecError("checkpoint.stage_dir", f"got {spec.checkpoint.stage_dir!r}; a local directory on "
+        raise SpecError("checkpoint.stage_dir", f"got {quote(spec.checkpoint.stage_dir)}; a local directory on "
                                                 f"each worker's node, or \"\" to upload from memory")
     if spec.data.sequences != "rows":
         _validate_sequences(spec)
@@ -618,10 +657,12 @@ def _extension_point(spec: JobSpec, dotted: str, example: str, objects_allowed: 
     importable object is recorded by its import path (so YAML, MLflow and resume can name it)."""
     section, name = dotted.split(".")
     value = getattr(getattr(spec, section), name)
+    if isinstance(value, (dict, list, tuple, int, float)):  # data (YAML, JSON): never an object given from Python
+        raise SpecError(dotted, f"got {quote(value)}; expected an import path \"package.module:name\", e.g. {example}")
     if isinstance(value, str):
         if value and not value.startswith(PYTHON_OBJECT_PREFIX) and \
                 not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
-            raise SpecError(dotted, f"got {value!r}; expected an import path \"package.module:name\", "
+            raise SpecError(dotted, f"got {quote(value)}; expected an import path \"package.module:name\", "
                                     f"e.g. {example}")
         return
     if not objects_allowed:
@@ -636,7 +677,7 @@ def _validate_extensions(spec: JobSpec) -> None:
     _extension_point(spec, "train.task", '"mypkg.tasks:MyTask"', True)
     _extension_point(spec, "data.transform", '"mypkg.data:fn"', True)
     if not spec.model.factory and spec.model.name not in REGISTERED_MODELS:
-        raise SpecError("model.name", f"got {spec.model.name!r}; registered models: "
+        raise SpecError("model.name", f"got {quote(spec.model.name)}; registered models: "
                                       f"{', '.join(sorted(REGISTERED_MODELS))}, or set model.factory "
                                       f"to build your own (\"mypkg.models:build\")")
     if spec.model.factory and not spec.train.task:
@@ -664,19 +705,19 @@ def _validate_sequences(spec: JobSpec) -> None:
     """Rows made of documents: next-token rows whose padding and boundaries only the task sees."""
     seq = spec.data.sequences
     if spec.model.name != "gpt":
-        raise SpecError("data.sequences", f"got {seq!r}; documents make token rows for a next-token "
-                                          f"model (gpt), not {spec.model.name!r}")
+        raise SpecError("data.sequences", f"got {quote(seq)}; documents make token rows for a next-token "
+                                          f"model (gpt), not {quote(spec.model.name)}")
     if spec.data.on_bad_shard == "skip":
         raise SpecError("data.on_bad_shard", f"got 'skip'; with data.sequences={seq} a skipped shard "
                                              f"would re-pack rows already trained on: use 'fail'")
     # The pipeline schedule carries token rows only, without the padding mask or document ids.
     if spec.parallel.pp > 1:
-        raise SpecError("data.sequences", f"got {seq!r}; pipeline parallel (parallel.pp="
+        raise SpecError("data.sequences", f"got {quote(seq)}; pipeline parallel (parallel.pp="
                                           f"{spec.parallel.pp}) trains on stored rows only: use rows")
     # Bucketed batches change width every step (sequence parallel splits it) and document masks
     # have not been run through the tensor-parallel attention.
     if spec.parallel.tp > 1 and seq != "pack":
-        raise SpecError("data.sequences", f"got {seq!r}; with parallel.tp={spec.parallel.tp} use "
+        raise SpecError("data.sequences", f"got {quote(seq)}; with parallel.tp={spec.parallel.tp} use "
                                           f"pack or rows")
 
 
@@ -686,35 +727,36 @@ def validate_parallel(spec: JobSpec) -> None:
     for name in ("dp", "fsdp"):
         value = getattr(par, name)
         if value is not None and value < 1:
-            raise SpecError(f"parallel.{name}", f"got {value}; must be 1 or more, or left unset "
+            raise SpecError(f"parallel.{name}", f"got {quote(value)}; must be 1 or more, or left unset "
                                                 f"to take the rest of the world")
     for name in ("tp", "pp", "pp_stages_per_rank", "powersgd_rank"):
         if getattr(par, name) < 1:
-            raise SpecError(f"parallel.{name}", f"got {getattr(par, name)}; must be 1 or more")
+            raise SpecError(f"parallel.{name}", f"got {quote(getattr(par, name))}; must be 1 or more")
     for name in ("microbatches", "powersgd_start_iter"):
         if getattr(par, name) < 0:
-            raise SpecError(f"parallel.{name}", f"got {getattr(par, name)}; must be 0 or more")
+            raise SpecError(f"parallel.{name}", f"got {quote(getattr(par, name))}; must be 0 or more")
     if par.strategy == "ddp" and (par.fsdp or 1) > 1:
-        raise SpecError("parallel.fsdp", f"got {par.fsdp} with strategy ddp, which replicates "
+        raise SpecError("parallel.fsdp", f"got {quote(par.fsdp)} with strategy ddp, which replicates "
                                          f"parameters; use strategy fsdp or hsdp to shard them")
     if par.strategy == "fsdp" and (par.dp or 1) > 1:
-        raise SpecError("parallel.dp", f"got {par.dp} with strategy fsdp; replicas of sharded "
+        raise SpecError("parallel.dp", f"got {quote(par.dp)} with strategy fsdp; replicas of sharded "
                                        f"groups are strategy hsdp")
     if par.strategy == "hsdp" and not par.fsdp:
         raise SpecError("parallel.fsdp", "strategy hsdp needs the shard group size "
                                          "(e.g. the workers of one node)")
     for name in ("tp", "pp"):
         if getattr(par, name) > 1 and (model.factory or model.name not in MODELS_WITH_PARALLEL_PLANS):
-            which = f"model.factory {_plain(model.factory)!r}" if model.factory else f"model.name {model.name!r}"
-            raise SpecError(f"parallel.{name}", f"got {getattr(par, name)}; {which} has no tensor or "
+            which = (f"model.factory {quote(_plain(model.factory))}" if model.factory
+                     else f"model.name {quote(model.name)}")
+            raise SpecError(f"parallel.{name}", f"got {quote(getattr(par, name))}; {which} has no tensor or "
                                                 f"pipeline plan (models with one: "
                                                 f"{', '.join(sorted(MODELS_WITH_PARALLEL_PLANS))}); "
                                                 f"use strategy ddp, fsdp or hsdp with {name}: 1")
     if model.n_head % par.tp:
-        raise SpecError("parallel.tp", f"got {par.tp}; must divide model.n_head={model.n_head} "
+        raise SpecError("parallel.tp", f"got {quote(par.tp)}; must divide model.n_head={model.n_head} "
                                        f"(each tensor-parallel rank holds whole heads)")
     if par.pp > model.n_layer:
-        raise SpecError("parallel.pp", f"got {par.pp}; must not exceed model.n_layer="
+        raise SpecError("parallel.pp", f"got {quote(par.pp)}; must not exceed model.n_layer="
                                        f"{model.n_layer} (every stage holds at least one layer)")
     stages_per_rank = par.pp_stages_per_rank if par.pp_schedule == "interleaved_1f1b" else 1
     if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and model.n_layer % (par.pp * stages_per_rank):
@@ -724,7 +766,7 @@ def validate_parallel(spec: JobSpec) -> None:
                         f"pick degrees whose product divides n_layer")
     microbatches = par.microbatches or par.pp * stages_per_rank
     if par.pp > 1 and par.pp_schedule != "gpipe" and microbatches < par.pp:
-        raise SpecError("parallel.microbatches", f"got {par.microbatches}; {par.pp_schedule} "
+        raise SpecError("parallel.microbatches", f"got {quote(par.microbatches)}; {par.pp_schedule} "
                                                  f"needs at least pp={par.pp} micro-batches")
     if par.mixed_precision != "none":
         if par.strategy == "ddp":
@@ -740,7 +782,7 @@ def validate_parallel(spec: JobSpec) -> None:
         raise SpecError("parallel.comm_hook", f"{par.comm_hook} is a DDP module hook; with tp or "
                                               f"pp > 1 the replicas all-reduce without that module")
     if par.tp > 1 and model.block_size % par.tp:
-        raise SpecError("parallel.tp", f"got {par.tp}; must divide model.block_size="
+        raise SpecError("parallel.tp", f"got {quote(par.tp)}; must divide model.block_size="
                                        f"{model.block_size} (sequence parallel splits the sequence)")
     worlds = {"resources.num_workers": spec.resources.num_workers}
     if spec.elastic.max_workers:
@@ -751,7 +793,7 @@ def validate_parallel(spec: JobSpec) -> None:
         rows = spec.train.global_batch_size // data_size
         if rows < 1:
             raise SpecError("train.global_batch_size",
-                            f"got {spec.train.global_batch_size}; each of the {data_size} "
+                            f"got {quote(spec.train.global_batch_size)}; each of the {data_size} "
                             f"data-parallel ranks ({field_name}={world}) needs at least one row")
         if par.pp > 1 and rows < microbatches:
             raise SpecError("parallel.microbatches",
@@ -796,11 +838,39 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> JobSpec:
     """Read a YAML job spec, apply ``--set`` overrides, validate."""
+    return from_text(read_spec_file(path), overrides, field="SPEC", source=os.fspath(path))
+
+
+def read_spec_file(path: str | os.PathLike) -> str:
+    """A spec file's text; a SpecError on ``SPEC`` when the path does not exist, or is a
+    directory (naming the YAML files in it, and --working-dir for a job's code)."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith((".yaml", ".yml")))[:3]
+        holds = f" (it holds {', '.join(found)})" if found else ""
+        raise SpecError("SPEC", f"{path!r} is a directory{holds}: give the job's spec file, e.g. "
+                                f"{os.path.join(path, found[0] if found else 'job.yaml')}; a job's code travels "
+                                f"with `jobs submit --working-dir {path}`")
     if not os.path.exists(path):
         raise SpecError("SPEC", f"file {path!r} does not exist")
     with open(path) as f:
-        return from_text(f.read(), overrides, field="SPEC", source=path)
+        return f.read()
+
+
+def parse_yaml(text: str, *, field: str = "spec", source: str = "the spec") -> Any:
+    """The value YAML ``text`` holds; text that does not parse is a SpecError on ``field`` naming
+    ``source`` (and the line and column), never another exception (a number too long for Python,
+    nesting past its recursion limit)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SpecError(field, f"{source} is not valid YAML{where}: {problem}") from None
+    except (ValueError, RecursionError) as exc:  # a number over Python's 4,300 digits, a bad date, deep nesting
+        problem = str(exc).split(";")[0] if str(exc) else "nested deeper than Python reads"
+        raise SpecError(field, f"{source} is not valid YAML: {problem}") from None
 
 
 def from_text(text: str, overrides: list[str] | None = None, *, field: str = "spec",
@@ -808,13 +878,7 @@ def from_text(text: str, overrides: list[str] | None = None, *, field: str = "sp
     """A job spec from its YAML text (a file's, or one sent to the job service), with overrides,
     validated. Text that is not YAML, or not a mapping, is a SpecError on ``field`` naming
     ``source`` (and the line and column)."""
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SpecError(field, f"{source} is not valid YAML{where}: {problem}") from None
+    raw = parse_yaml(text, field=field, source=source)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

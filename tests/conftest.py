@@ -12,6 +12,7 @@ pytest_plugins = [
     "tests.fixtures.mlflow_server",
     "tests.fixtures.ray_head",
     "tests.fixtures.imds_server",
+    "tests.fixtures.gce_metadata_server",
     "tests.fixtures.postgres_server",
     "tests.fixtures.custom_example",
 ]

@@ -66,3 +66,25 @@ def live_actors_and_groups() -> tuple[list, list]:
               if a["State"] != "DEAD" and not a["IsDetached"]]
     groups = [g for g in state.placement_group_table().values() if g["state"] != "REMOVED"]
     return actors, groups
+
+
+def exported_series(name: str, *selectors: str) -> list[str]:
+    """Lines of ``ray_<name>`` (a ``raytrain_*`` metric) containing every one of ``selectors``,
+    read from the session cluster's metrics agents as Prometheus would scrape them."""
+    import urllib.request
+
+    import ray
+
+    lines = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node["Alive"] or not port:
+            continue
+        try:
+            with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        lines += [line for line in text.splitlines()
+                  if line.startswith(f"ray_{name}{{") and all(s in line for s in selectors)]
+    return lines

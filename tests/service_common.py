@@ -87,9 +87,10 @@ def running_service(db, gates: StepGates, **config):
     config.setdefault("poll_s", 0.2)
     config.setdefault("warm_workers_per_node", 1)  # spares exercised, at a quarter of the imports
     url = str(db) if "://" in str(db) else f"sqlite:///{db}"
-    logs = os.path.join(os.path.dirname(gates.root), "raytrain-sys-logs")  # beside the gates: the test's dir
+    # Beside the gates (the test's dir), unless a test gives one ("": the store's, Store.log_dir).
+    config.setdefault("log_dir", os.path.join(os.path.dirname(gates.root), "raytrain-sys-logs"))
     config.setdefault("serve_api", False)  # the HTTP API on DEFAULT_PORT unless a test gives a port
-    handle = start_service(url, step_hook=gates, log_dir=logs, **config)
+    handle = start_service(url, step_hook=gates, **config)
     try:
         yield handle
     finally:

@@ -101,6 +101,25 @@ def test_more_workers_than_a_local_cluster_holds_fails_at_once(tiny_dataset, tmp
     assert "local Ray cluster has 2 CPU in total but the group needs 8" in line
 
 
+def test_a_local_cluster_that_does_not_start_in_time_is_one_line_saying_what_to_do(tiny_dataset, tmp_path):
+    """Ray's own wait for its GCS made tiny (RAY_gcs_server_port_wait_time_s=0), as a loaded
+    machine makes the real one too short: one line, exit 2, no Ray traceback."""
+    spec = write_spec(tmp_path, f"""
+        model: {{block_size: 32, n_layer: 1, n_embd: 32, n_head: 2}}
+        data: {{path: {tiny_dataset}}}
+        train: {{global_batch_size: 8, max_steps: 2}}
+        optim: {{warmup_steps: 0}}
+        resources: {{num_workers: 1}}
+        """)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "RAY_gcs_server_port_wait_time_s": "0"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([*CLI, "run", spec], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = error_lines(proc)
+    assert "the local Ray cluster did not start (Timed out waiting for file" in line, line
+    assert "ray start --head" in line and "RAY_ADDRESS" in line and "Traceback" not in proc.stderr
+
+
 def test_block_size_must_match_the_dataset(tiny_dataset, tmp_path):
     proc = run_cli("run", write_spec(tmp_path, f"data: {{path: {tiny_dataset}}}\n"), cwd=tmp_path)
     assert proc.returncode == 2

@@ -21,6 +21,7 @@ import yaml
 import ray.autoscaler
 from ray.autoscaler._private.util import prepare_config, validate_config
 
+from raytrain_sys.control import node_roles as roles
 from raytrain_sys.control import spot_watcher
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "cluster_configs"
@@ -138,3 +139,28 @@ def test_every_node_exports_metrics_on_a_fixed_port(path):
     assert len(starts) == 2, f"{path.name}: one head and one worker `ray start` expected"
     for cmd in starts:
         assert "--metrics-export-port=8080" in cmd, f"{path.name}: {cmd}"
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if "available_node_types" in load(p)],
+                         ids=lambda p: p.name)
+def test_node_roles_and_flavors(path):
+    """The names of raytrain_sys/control/node_roles.py, as the KubeRay manifests give them
+    (tests/test_kubernetes_configs.py): the head is the safe node, every node type declares its
+    flavor with Ray's labels, in agreement with its market."""
+    config = load(path)
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["resources"].get(roles.CONTROL_RESOURCE) == roles.CONTROL_RESOURCE_PER_NODE
+    assert roles.is_safe(head["resources"], head.get("labels", {}))
+    builtin = {"CPU", "GPU", "memory", "object_store_memory"}
+    for name, node_type in types.items():
+        labels = node_type.get("labels", {})
+        assert set(labels) <= {roles.MARKET_LABEL, roles.ACCELERATOR_LABEL}, (name, labels)
+        assert set(node_type["resources"]) - builtin <= {roles.CONTROL_RESOURCE, roles.READ_RESOURCE}
+        flavor = roles.flavor_of(labels)
+        assert flavor is not None, f"{path.name}: {name} declares no {roles.MARKET_LABEL}"
+        assert flavor.market == (roles.SPOT if is_spot(node_type) else roles.ON_DEMAND), name
+        gpu = node_type["node_config"]["InstanceType"].startswith(("g", "p"))
+        assert bool(flavor.accelerator) == gpu, (name, flavor)
+        if is_spot(node_type):
+            assert roles.CONTROL_RESOURCE not in node_type["resources"], f"{name}: spot is never safe"

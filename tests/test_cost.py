@@ -17,6 +17,28 @@ STEPS = 12
 TOKENS_PER_STEP = 8 * 32  # tiny_spec: 8 rows of 33 tokens, 32 targets each
 
 
+def test_a_flavors_price_makes_spot_and_on_demand_tokens_cost_apart():
+    """The job service prices a run as the flavor it runs on (ResourceFlavor.usd_per_worker_hour,
+    set as resources.cost_per_worker_hour at launch): the same worker and the same tokens cost a
+    fifth on spot of what they cost on demand here."""
+    from raytrain_sys.service.model import ResourceFlavor, WorkerShape
+
+    shape = WorkerShape(cpu=4.0, gpu=1.0, memory_gb=16.0, accelerator="A10G")
+    spot = ResourceFlavor("spot-a10g", "spot", "A10G", usd_per_cpu_hour=0.01, usd_per_gpu_hour=0.2,
+                          usd_per_memory_gb_hour=0.001)
+    on_demand = ResourceFlavor("on-demand-a10g", "on-demand", "A10G", usd_per_cpu_hour=0.05, usd_per_gpu_hour=1.0,
+                               usd_per_memory_gb_hour=0.005)
+    assert spot.usd_per_worker_hour(shape) == pytest.approx(4 * 0.01 + 0.2 + 16 * 0.001)
+    prices = {}
+    for flavor in (spot, on_demand):
+        meter = CostMeter(flavor.usd_per_worker_hour(shape))
+        meter.hold(2, now=0.0)
+        meter.committed(1, 1_000_000)
+        prices[flavor.market] = meter.record(now=3600.0)["usd_per_million_tokens"]
+    assert prices["spot"] == pytest.approx(2 * 0.256) and prices["on-demand"] == pytest.approx(5 * prices["spot"])
+    assert ResourceFlavor.implicit().usd_per_worker_hour(shape) == 0.0  # unpriced: the spec's own price stands
+
+
 def test_cost_integrates_workers_held_and_prices_goodput():
     """Held slots times wall time, idle time included; a restore makes goodput dearer."""
     meter = CostMeter(PRICE)

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from raytrain_sys.control import drain
-from raytrain_sys.control.supervisor import LIVENESS_EVERY_S, PING_TIMEOUT_S, Supervisor, run_job
+from raytrain_sys.control.supervisor import LIVENESS_EVERY_S, PING_TIMEOUT_S, run_job
 from raytrain_sys.errors import TrainingFailed
 from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, kill_soon,
                              lose_node_of, node_of_worker, restore_cluster_size, run_with_events,

@@ -21,6 +21,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 import urllib.request
 
 import pytest
@@ -204,4 +205,31 @@ def test_page_draws_each_ranks_step_breakdown_and_refreshes_itself(tmp_path):
     computes = [float(ms) for ms in re.findall(r"<title>compute ([\d.]+) ms</title>", chart.group(0))]
     assert computes == [50.0, 50.0, 120.0, 50.0]
     assert "collective wait 10 ms" in chart.group(0)
+    store.close()
+
+
+@needs_chromium
+def test_page_says_why_a_job_is_not_running_yet(tmp_path):
+    """A queued job's card names the cause it waits on, for how long, and the sentence; a running
+    job's shows its last transition's reason instead. The reconciler's part is played through the
+    store."""
+    from raytrain_sys.service.model import WaitCause
+
+    store = Store.open(f"sqlite:///{tmp_path}/svc.db")
+    store.add_team(Team("a", 1))
+    token = store.issue_token("a")
+    spec = {"name": "first", "resources": {"num_workers": 1}, "train": {"max_steps": 40}}
+    runs = user_requests.submit(store, team="a", spec=spec, by="a").id
+    waits = user_requests.submit(store, team="a", spec=spec | {"name": "second"}, by="a").id
+    for state in (JobState.STARTING, JobState.RUNNING):
+        store.transition(runs, store.job(runs).state, state, actor="reconciler", reason=f"test: {state.value}")
+    reason = "over its team's quota: needs 1 worker (min_workers), the team may take 0 more"
+    store.note_waits({waits: (JobState.QUEUED, WaitCause.TEAM_QUOTA, reason)}, now_s=time.time() - 190)
+    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs") as handle:
+        cards = job_cards(chromium(f"{handle.url}/#token={token}"))
+    wait = re.search(r'<div class="wait" data-wait-cause="([a-z_]+)">(.*?)</div>', cards[str(waits)], re.S)
+    assert wait and wait.group(1) == "team_quota", cards[str(waits)]
+    text = re.sub(r"<[^>]+>", "", wait.group(2))
+    assert text == f"waiting on team quota for 3 min: {reason}"
+    assert 'class="wait"' not in cards[str(runs)] and "test: running" in cards[str(runs)]
     store.close()

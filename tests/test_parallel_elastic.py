@@ -12,7 +12,7 @@ import pytest
 from raytrain_sys.control.supervisor import run_job
 from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, run_with_events,
                              wait_for_a_ready_newcomer, worker_pid)
-from tests.helpers import final_params, read_summary
+from tests.helpers import final_params
 
 STEPS = 12
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}

@@ -63,7 +63,9 @@ DRIVER = textwrap.dedent("""
     store = Store.open("sqlite:///" + os.path.join(work, "service.db"))
     store.add_team(Team("research", nominal_workers=2))
     store.submit(team="research", name="waits", spec="{}", min_workers=1, actor="test")
-    Reconciler(store, ReconcilerConfig(log_dir=work, spare_runners=0), cluster_workers=lambda: 0).run_once()
+    reconciler = Reconciler(store, ReconcilerConfig(log_dir=work, spare_runners=0), cluster_workers=lambda: 0)
+    reconciler.run_once()
+    reconciler.run_once()  # the waiting-jobs gauge counts the reasons the pass before wrote
     time.sleep(4.0)  # two report intervals: the last values reach the agent before this process ends
     print(json.dumps({"run_dir": result.run_dir, "status": result.status, "started": started,
                       "off": [off.status, off.committed_steps]}))
@@ -174,6 +176,9 @@ def test_prometheus_holds_what_summary_json_records(observed):
                             "ray_raytrain_service_quota_nominal_workers")}
     assert service == {"ray_raytrain_service_queued_jobs": 1, "ray_raytrain_service_quota_used_workers": 0,
                        "ray_raytrain_service_quota_nominal_workers": 2}
+    # Why it waits, as a label: the cause (a WaitCause value), never the sentence.
+    waiting = _query(url, 'last_over_time(ray_raytrain_service_waiting_jobs{team="research"}[10m])')
+    assert {dict(k)["cause"]: v for k, v in waiting.items()} == {"never_fits": 1.0}
 
 
 def test_a_run_with_metrics_off_adds_no_series(observed):

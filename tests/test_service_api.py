@@ -29,7 +29,7 @@ from raytrain_sys.service import packages
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
 from raytrain_sys.service.client import Client
-from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.model import ResourceFlavor, JobState, Team, WaitCause
 from raytrain_sys.service.store import Store
 from raytrain_sys.service.tables import metadata
 
@@ -147,6 +147,37 @@ def test_submit_list_status_and_history(service, tmp_path):
     assert by_mapping["id"] not in [j["id"] for j in a.jobs(states=["running", "cancelled"])]
     audit = [r for r in service.store.audit_log() if r.action == "submit"]
     assert f"job {by_path['id']} (team a)" in [r.target for r in audit if r.actor == "a" and r.result == "ok"]
+
+
+def test_a_waiting_jobs_reason_is_in_the_api_the_client_and_the_cli_and_clears_when_it_runs(service, monkeypatch):
+    """The reconciler's part (a noted reason, then the job admitted and running) played through
+    the store; what a user reads through the API, the client and the CLI."""
+    a = service.client(service.a)
+    job = a.submit(SPEC)["id"]
+    assert {k: a.job(job)[k] for k in ("wait_cause", "wait_reason", "wait_cause_since_s", "start_returns")} == {
+        "wait_cause": None, "wait_reason": None, "wait_cause_since_s": None, "start_returns": 0}  # not looked at yet
+    reason = ("over its team's quota: needs 1 worker (min_workers), the team may take 0 more: team a uses 4 of "
+              "nominal 4 (no borrowing limit; cohort pool 0 free); nothing it may reclaim would make room")
+    since = time.time() - 125
+    service.store.note_waits({job: (JobState.QUEUED, WaitCause.TEAM_QUOTA, reason)}, now_s=since)
+    shown = a.job(job)
+    assert (shown["state"], shown["wait_cause"], shown["wait_reason"], shown["wait_cause_since_s"]) == (
+        "queued", "team_quota", reason, since)
+    assert [j["wait_cause"] for j in a.jobs() if j["id"] == job] == ["team_quota"]
+
+    monkeypatch.setenv("COLUMNS", "120")  # the CLI's terminal
+    listed = cli(service, "jobs", "list")
+    header, *rows = listed.stdout.splitlines()
+    [row] = [r for r in rows if r.split()[0] == str(job)]
+    assert row[header.index("REASON"):].startswith("over its team's quota: needs 1 worker")
+    assert row.endswith("...") and len(row) <= 120, "cut to fit the terminal"
+    status = cli(service, "jobs", "status", str(job)).stdout
+    assert f"reason      {reason}\n" in status and "waits on    team_quota since " in status and "(2m ago)" in status
+
+    play_reconciler(service.store, job, JobState.STARTING, JobState.RUNNING)
+    running = a.job(job)
+    assert (running["wait_cause"], running["wait_reason"], running["wait_cause_since_s"]) == (None, None, None)
+    assert "reason " not in cli(service, "jobs", "status", str(job)).stdout
 
 
 def test_pause_resume_cancel_write_requests_as_guarded_transitions(service):
@@ -301,7 +332,7 @@ def test_the_admin_manages_teams_and_tokens(sqlite_service):
     admin = svc.client(svc.admin)
     team = admin.add_team("ml", 3, cohort="c", borrowing_limit_workers=1, weight=2)
     assert team == {"name": "ml", "nominal_workers": 3, "cohort": "c", "borrowing_limit_workers": 1,
-                    "lending_limit_workers": None, "weight": 2.0}
+                    "lending_limit_workers": None, "weight": 2.0, "quotas": []}
     assert svc.store.team("ml") == Team("ml", 3, cohort="c", borrowing_limit_workers=1, weight=2.0)
     changed = admin.update_team("ml", nominal_workers=5, borrowing_limit_workers=None)  # null clears the limit
     assert (changed["nominal_workers"], changed["borrowing_limit_workers"], changed["cohort"]) == (5, None, "c")
@@ -329,6 +360,63 @@ def test_the_admin_manages_teams_and_tokens(sqlite_service):
     results = [(r.action, r.target, r.result) for r in svc.store.audit_log(actor="admin")]
     assert ("add_team", "team ml", "ok") in results and ("issue_token", "team ml", "ok") in results
     assert ("revoke_tokens", "team ml", "ok") in results
+
+
+FLAVORS = [{"name": "spot-cpu", "market": "spot", "resources": ["cpu"], "usd_per_cpu_hour": 0.01, "max_cpu": 64},
+           {"name": "on-demand-cpu", "market": "on-demand", "resources": ["cpu", "memory_gb"],
+            "usd_per_cpu_hour": 0.04},
+           {"name": "spot-a10g", "market": "spot", "accelerator": "A10G", "resources": ["gpu"],
+            "usd_per_gpu_hour": 0.35}]
+
+
+def test_the_admin_sets_flavors_and_a_teams_quotas_per_flavor(sqlite_service):
+    """The flavor table and per-flavor quotas through the API and the client: set, read back by any
+    token, checked (a quota on a flavor the table does not have, a resource it does not count), and
+    a submit whose shape fits no flavor is refused on the spec's field, writing nothing."""
+    svc = sqlite_service
+    admin, team = svc.client(svc.admin), svc.client(svc.a)
+    assert team.flavors() == []
+    try:
+        _flavors_and_quotas(svc, admin, team)
+    finally:  # the module's service is shared: back to no table for the tests after this one
+        admin.set_flavors([])
+
+
+def _flavors_and_quotas(svc, admin, team) -> None:
+    jobs_before = len(svc.store.jobs())
+    with pytest.raises(ServiceRequestError, match="HTTP 403: setting the flavor table needs an admin token"):
+        team.set_flavors(FLAVORS)
+    table = admin.set_flavors(FLAVORS)
+    assert [f["name"] for f in table] == ["spot-cpu", "on-demand-cpu", "spot-a10g"]
+    assert table[0] | {"capacity": None} == {"name": "spot-cpu", "market": "spot", "accelerator": "", "resources": ["cpu"],
+                                             "usd_per_cpu_hour": 0.01, "usd_per_gpu_hour": 0.0,
+                                             "usd_per_memory_gb_hour": 0.0, "max_cpu": 64.0, "max_gpu": None,
+                                             "max_memory_gb": None, "capacity": None}
+    assert team.flavors() == table
+    assert svc.store.flavors()[2] == ResourceFlavor("spot-a10g", "spot", "A10G", ("gpu",), usd_per_gpu_hour=0.35)
+
+    changed = admin.set_quotas("a", "spot-cpu", {"cpu": {"nominal": 16, "borrowing_limit": 8}})
+    assert changed["quotas"] == [{"flavor": "spot-cpu", "resource": "cpu", "nominal": 16.0, "borrowing_limit": 8.0,
+                                  "lending_limit": None}]
+    assert svc.store.team("a").quota("spot-cpu", "cpu") == (16.0, 8.0, None)
+    for call, status, field, words in (
+            (lambda: admin.set_quotas("a", "gpu-x", {"gpu": 1}), 400, "quota.flavor", "the service's flavors: spot-cpu"),
+            (lambda: admin.set_quotas("a", "spot-cpu", {"gpu": 1}), 400, "quotas[0].resource", "spot-cpu counts cpu"),
+            (lambda: admin.set_quotas("a", "spot-cpu", {"cpu": {"nominal": 1, "lending_limit": 2}}), 400,
+             "quota.lending_limit", "must not exceed nominal"),
+            (lambda: admin.set_flavors(FLAVORS + [dict(FLAVORS[0], name="spot-again")]), 400, "flavors[3]",
+             "one flavor per kind of node")):
+        with pytest.raises(ServiceRequestError) as bad:
+            call()
+        assert (bad.value.status, getattr(bad.value, "field", None)) == (status, field) and words in str(bad.value)
+    assert admin.set_quotas("a", "spot-cpu", {})["quotas"] == []  # cleared
+
+    with pytest.raises(ServiceRequestInvalid) as bad:
+        team.submit(SPEC, overrides=["resources.gpus_per_worker=1", "resources.accelerator_type=H100"])
+    assert bad.value.field == "spec.resources.accelerator_type" and "spot-a10g has A10G" in str(bad.value)
+    assert len(svc.store.jobs()) == jobs_before
+    results = [(r.action, r.result) for r in svc.store.audit_log(actor="admin")]
+    assert ("set_flavors", "ok") in results and ("set_quotas", "ok") in results
 
 
 # ----------------------------------------------------------------------------- rejected submits
@@ -464,6 +552,10 @@ def test_openapi_describes_every_endpoint_with_typed_models(sqlite_service):
                      ("PUT", "/v1/packages/{sha256}"), ("GET", "/v1/packages/{sha256}")}
     schemas = doc["components"]["schemas"]
     assert set(schemas["JobState"]["enum"]) == {s.value for s in JobState}
+    assert set(schemas["WaitCause"]["enum"]) == {c.value for c in WaitCause}
+    job = schemas["JobOut"]
+    assert {"wait_cause", "wait_reason", "wait_cause_since_s", "start_returns"} <= set(job["required"])
+    assert job["properties"]["wait_cause"]["anyOf"] == [{"$ref": "#/components/schemas/WaitCause"}, {"type": "null"}]
     assert {"spec", "team", "priority", "overrides", "package"} <= set(schemas["SubmitIn"]["properties"])
     assert "409" in doc["paths"]["/v1/jobs/{job_id}/pause"]["post"]["responses"]
 
@@ -511,7 +603,7 @@ def test_cli_jobs_commands(sqlite_service, tmp_path):
     listed = cli(svc, "jobs", "list", "--state", "queued")
     assert listed.returncode == 0
     header, *rows = listed.stdout.splitlines()
-    assert header.split() == ["ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "MESSAGE"]
+    assert header.split() == ["ID", "TEAM", "NAME", "STATE", "PRI", "WORKERS", "AGE", "REASON"]
     assert any(r.split()[:5] == [str(job), "a", "tiny", "queued", "2"] for r in rows)
 
     assert cli(svc, "jobs", "pause", str(job)).stdout.strip() == f"job {job}: queued (held)"
@@ -571,6 +663,32 @@ def test_cli_teams_and_init_admin(sqlite_service):
     assert "--nominal" in one_line_error(cli(svc, "teams", "update", "vision", token=admin))
     assert "HTTP 403: listing teams needs an admin token" in one_line_error(cli(svc, "teams", "list"))
     assert "team.nominal_workers" in one_line_error(cli(svc, "teams", "add", "x", "--nominal", "-1", token=admin))
+
+
+def test_cli_flavors_and_quotas(sqlite_service, tmp_path):
+    """`flavors set FILE`, `flavors list`, `teams quota NAME FLAVOR cpu=32/8/-` and what `teams
+    list` then shows; a malformed quota is one line naming the form."""
+    svc = sqlite_service
+    table = tmp_path / "flavors.yaml"
+    table.write_text("flavors:\n  - {name: spot-cpu, market: spot, resources: [cpu], usd_per_cpu_hour: 0.01, "
+                     "max_cpu: 64}\n  - {name: on-demand-cpu, market: on-demand, resources: [cpu]}\n")
+    try:
+        made = cli(svc, "flavors", "set", str(table), token=svc.admin)
+        assert (made.returncode, made.stdout.strip()) == (0, "flavor table set: spot-cpu, on-demand-cpu"), made
+        listed = cli(svc, "flavors")
+        assert listed.stdout.splitlines()[0].split()[:4] == ["FLAVOR", "MARKET", "ACCELERATOR", "COUNTS"]
+        assert listed.stdout.splitlines()[1].split()[:4] == ["spot-cpu", "spot", "-", "cpu"] and "cpu 64" in listed.stdout
+        quota = cli(svc, "teams", "quota", "a", "spot-cpu", "cpu=32/8/-", token=svc.admin)
+        assert (quota.returncode, quota.stdout.strip()) == (0, "team a on spot-cpu: cpu 32/8/-"), quota
+        teams = cli(svc, "teams", "list", token=svc.admin).stdout.splitlines()
+        assert teams[0].split()[-1] == "QUOTAS" and any(r.endswith("spot-cpu cpu 32/8/-") for r in teams), teams
+        assert "RESOURCE=NOMINAL[/BORROW[/LEND]]" in one_line_error(
+            cli(svc, "teams", "quota", "a", "spot-cpu", "cpu:32", token=svc.admin))
+        cleared = cli(svc, "teams", "quota", "a", "spot-cpu", token=svc.admin)
+        assert cleared.stdout.strip() == "team a on spot-cpu: no quota (nominal 0, borrowing from its cohort)"
+    finally:
+        svc.store.set_flavors([])
+    assert cli(svc, "flavors").stdout.startswith("no flavor table: one implicit flavor counts workers")
 
 
 # ----------------------------------------------------------------------------- code packages
@@ -695,3 +813,318 @@ def test_a_package_pruned_between_the_check_and_the_submit_is_uploaded_again(sql
     assert pruned == [(sha, "a")]
     assert job["package"] == sha and svc.store.package_data(sha) == packages.pack(code)
     assert [r.result for r in svc.store.audit_log() if r.action == "upload" and sha[:12] in r.target] == ["ok", "ok"]
+
+
+# ----------------------------------------------------------------------------- the front door (issue 25)
+
+
+@pytest.fixture(scope="module")
+def postgres_service(postgres_server, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pg-service")
+    svc, handle = _start(postgres_server.create_database(f"door_{os.getpid()}_{time.monotonic_ns()}"), root)
+    yield svc
+    handle.stop()
+    svc.store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def door_service(request):
+    """The module's service on SQLite or on PostgreSQL: the front door's tests leave nothing but
+    audit rows, so they share one of each (a fresh PostgreSQL database a test costs a second)."""
+    return request.getfixturevalue(f"{request.param}_service")
+
+
+
+def send(svc: Service, method: str, path: str, token: str | None = None, data: bytes | None = None,
+         content_type: str | None = "application/json", headers: dict | None = None) -> tuple[int, dict, dict]:
+    """One request with a raw body; (status, JSON answer, response headers)."""
+    import http.client
+
+    host, port = svc.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    sent = {**({"Authorization": f"Bearer {token}"} if token else {}),
+            **({"Content-Type": content_type} if content_type and data is not None else {}), **(headers or {})}
+    conn.request(method, path, body=data, headers=sent)
+    resp = conn.getresponse()
+    status, answer, got = resp.status, resp.read(), dict(resp.getheaders())
+    conn.close()
+    return status, json.loads(answer), got
+
+
+def refused_shape(status: int, answer: dict, headers: dict) -> str:
+    """The documented refusal: ErrorOut JSON, one line, a field that is a name (never an offset)."""
+    assert headers["content-type"] == "application/json", headers
+    assert set(answer) == {"error", "field"} and "\n" not in answer["error"], answer
+    assert answer["field"] is None or not str(answer["field"]).isdigit(), answer
+    return answer["error"]
+
+
+def last_audit(store: Store, actor: str):
+    return store.audit_log(actor=actor, limit=1)[0]
+
+
+@pytest.mark.parametrize("method, path, body, status, field", [
+    ("POST", "/v1/jobs", {"spec": SPEC, "team": "a", "priority": 2 ** 70}, 400, "priority"),
+    ("POST", "/v1/jobs", {"spec": {**SPEC, "resources": {"num_workers": 10 ** 30}}, "team": "a"}, 400,
+     "spec.resources.num_workers"),
+    ("POST", "/v1/jobs", {"spec": {**SPEC, "resources": {"num_workers": 200_000}, "elastic": {},
+                                   "train": {"global_batch_size": 10 ** 6}}, "team": "a"}, 400,
+     "spec.resources.num_workers"),
+    ("POST", "/v1/teams", {"name": "huge", "nominal_workers": 2 ** 70}, 400, "team.nominal_workers"),
+    ("PUT", "/v1/teams/a", {"lending_limit_workers": 2 ** 64}, 400, "team.lending_limit_workers"),
+    ("PUT", "/v1/teams/a", {"weight": 1e300}, 400, "team.weight"),
+    ("GET", f"/v1/jobs/{2 ** 70}", None, 404, "job_id"),
+    ("GET", f"/v1/jobs/{2 ** 40}", None, 404, "job_id"),
+    ("POST", f"/v1/jobs/{2 ** 70}/cancel", None, 404, "job_id"),
+    ("GET", "/v1/jobs/1/logs?offset=" + str(2 ** 70), None, 400, "offset"),
+], ids=["a priority of 71 bits", "a job of 10**30 workers", "a job of more workers than any cluster",
+        "a quota of 71 bits", "a lending limit of 65 bits", "a weight of 1e300", "a job id of 71 bits",
+        "a job id past the id column (PostgreSQL INTEGER)", "a cancel of a job id of 71 bits",
+        "a log offset of 71 bits"])
+def test_a_number_out_of_bounds_never_reaches_the_database(door_service, method, path, body, status, field):
+    """Every integer a request carries is bounded by its schema (body and query: 400 naming the
+    field; a path id that cannot exist: 404) or by the spec's and the store's bounds, whichever
+    store: nothing is written, and the refusal is audited under the token's principal."""
+    before_jobs, before_teams = door_service.store.count_jobs(), door_service.store.teams()
+    status_got, answer, headers = send(door_service, method, path, door_service.admin,
+                                       None if body is None else json.dumps(body).encode())
+    message = refused_shape(status_got, answer, headers)
+    assert (status_got, answer["field"]) == (status, field), answer
+    assert door_service.store.count_jobs() == before_jobs and door_service.store.teams() == before_teams
+    row = last_audit(door_service.store, "admin")
+    assert row.result.startswith(f"refused ({status})") and message in row.result, row
+
+
+def test_a_body_over_its_limit_is_413_before_it_is_read_and_audited(door_service):
+    """A body's limit (1 MiB for JSON, 64 MiB for a package) is enforced from the declared length
+    before reading any of it, and on a body without one as soon as it grows past; in the
+    refusal's shape, audited, nothing written."""
+    import http.client
+
+    before = door_service.store.count_jobs()
+    host, port = door_service.url.removeprefix("http://").split(":")
+    for path, declared, field in (("/v1/jobs", 2 ** 31, "body"), (f"/v1/packages/{'0' * 64}", 65 * 2 ** 20, "package")):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.putrequest("POST" if path == "/v1/jobs" else "PUT", path)
+        for name, value in (("Authorization", f"Bearer {door_service.a}"), ("Content-Type", "application/json"),
+                            ("Content-Length", str(declared))):
+            conn.putheader(name, value)
+        conn.endheaders()  # and not one byte of the body: the answer must not wait for it
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        conn.close()
+        assert resp.status == 413 and answer["field"] == field, answer
+        assert f"{declared} bytes declared, over the" in answer["error"]
+        assert ("1 MiB (1048576 bytes) a JSON body" if field == "body" else "64 MiB (67108864 bytes) a code package") \
+            in answer["error"]
+
+    # Chunked (no length declared): refused once it passes 1 MiB, the rest never sent.
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/jobs")
+    for name, value in (("Authorization", f"Bearer {door_service.a}"), ("Content-Type", "application/json"),
+                        ("Transfer-Encoding", "chunked")):
+        conn.putheader(name, value)
+    conn.endheaders()
+    chunk = b'{"spec": "' + b"x" * (2 ** 16)
+    for _ in range(2 ** 20 // len(chunk) + 1):
+        conn.send(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    resp = conn.getresponse()
+    answer = json.loads(resp.read())
+    conn.close()
+    assert resp.status == 413 and "over 1048576 bytes sent" in answer["error"], answer
+    assert door_service.store.count_jobs() == before
+    rows = door_service.store.audit_log(actor="a", limit=3)
+    assert [r.result[:14] for r in rows] == ["refused (413):"] * 3, rows
+    # The action column holds 64 characters: a longer path is cut, saying how long it was.
+    assert [r.action for r in rows] == ["POST /v1/jobs", f"PUT /v1/packages/{'0' * 28}... (81 characters)",
+                                        "POST /v1/jobs"]
+
+
+def test_a_huge_bad_value_is_quoted_short_in_the_answer_and_the_audit(door_service):
+    """A value of 900 KB (under the body limit) that is wrong is named by a short quote, in the
+    answer and in the audit row, whichever layer refuses it (the schema, the spec, the store)."""
+    long = "x" * 900_000
+    for body, field in (({"spec": SPEC, "name": long}, "name"),  # the schema: at most 200 characters
+                        ({"spec": {**SPEC, "name": long}}, "spec.name"),  # the store's bound, through the spec
+                        ({"spec": {**SPEC, "model": {"name": long}}}, "spec.model.name"),  # the spec's rule
+                        ({"spec": SPEC, "team": long}, "team")):  # a team's name
+        status, answer, headers = send(door_service, "POST", "/v1/jobs", door_service.a, json.dumps(body).encode())
+        message = refused_shape(status, answer, headers)
+        assert (status, answer["field"]) == (400, field) and len(message) < 600, (field, message[:300])
+        assert "(900000 characters)" in message, message
+        row = last_audit(door_service.store, "a")
+        assert len(row.result) < 1000 and row.result.startswith("refused (400)")
+    with door_service.store.engine.connect() as conn:  # not stored anywhere, in any table
+        assert not any(long[:1000] in repr(tuple(r)) for t in metadata.sorted_tables for r in conn.execute(select(t)))
+
+
+MALFORMED = [
+    (b'{"spec": {"name": "x"', "application/json", "the body is not valid JSON: Expecting ',' delimiter at line 1, "
+                                                   "column 22", None),
+    (b"", "application/json", "the request needs a JSON body: {spec, team, priority, name, overrides, package}", None),
+    (b'{"spec": "\xff\xfe"}', "application/json", "the body is not UTF-8 text (byte 10", None),
+    (b"[1, 2]", "application/json", "the body must be a JSON object {spec, team, priority, name, overrides, package}, "
+                                    "got list", None),
+    (b'{"spec": {}, "priority": NaN}', "application/json", "NaN is not a JSON number", None),
+    (b'{"spec": {}, "priority": "high"}', "application/json", "field 'priority': got 'high'", "priority"),
+    (b'{"spec": {}, "priority": 1.0}', "application/json", "field 'priority': got 1.0", "priority"),
+    (b'{"priority": 1}', "application/json", "field 'spec': required", "spec"),
+    (b'{"spec": {}, "colour": "red"}', "application/json", "field 'colour': unknown field", "colour"),
+    (b'{"spec": {}, "overrides": ["a=1", "no equals sign"]}', "application/json",
+     "field 'overrides': item 1: got 'no equals sign'; an override is one line", "overrides"),
+    (b'{"spec": {}}', "text/plain", "the body must be JSON: send {spec, team, priority, name, overrides, package} "
+                                    "with Content-Type: application/json", None),
+    (b"[" * 100 + b"]" * 100, "application/json", "JSON nested more than 64 deep", None),
+]
+
+
+@pytest.mark.parametrize("data, content_type, words, field", MALFORMED, ids=[
+    "JSON cut short", "no body", "bytes that are not UTF-8", "a list, not an object", "NaN", "a string for an integer",
+    "a float for an integer", "a required field missing", "an unknown field", "an override without '='",
+    "not sent as JSON", "nested 100 deep"])
+def test_a_malformed_body_is_a_400_in_the_documented_shape_and_audited(door_service, data, content_type, words, field):
+    """Whatever layer refuses it (the front door, FastAPI's validation, our models), a body that
+    is not the request is a 400 in ErrorOut naming the field (never a byte offset), and leaves
+    one audit row under the token's principal; nothing is written."""
+    before = door_service.store.count_jobs()
+    rows_before = len(door_service.store.audit_log(actor="a"))
+    status, answer, headers = send(door_service, "POST", "/v1/jobs", door_service.a, data, content_type)
+    message = refused_shape(status, answer, headers)
+    assert status == 400 and words in message and answer["field"] == field, answer
+    assert door_service.store.count_jobs() == before
+    rows = door_service.store.audit_log(actor="a")
+    assert len(rows) == rows_before + 1 and rows[-1].result == f"refused (400): {message}", rows[-1]
+
+
+def test_a_spec_too_large_to_be_one_is_refused_before_it_is_expanded(door_service):
+    """YAML aliases can make 1 KB of text a billion values: counted as reached, the spec is
+    refused at 10,000 values (or 32 levels), in milliseconds, naming the field."""
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8))
+    bomb += "model: {args: {blow: *i}}\n"
+    deep = {"model": {"args": {}}}
+    node = deep["model"]["args"]
+    for _ in range(40):
+        node["x"] = {}
+        node = node["x"]
+    for spec, words in ((bomb, "holds more than 10000 values"), (deep, "is nested more than 32 deep")):
+        start = time.monotonic()
+        status, answer, headers = send(door_service, "POST", "/v1/jobs", door_service.a,
+                                       json.dumps({"spec": spec}).encode())
+        refused_shape(status, answer, headers)
+        assert (status, answer["field"]) == (400, "spec") and words in answer["error"], answer
+        assert time.monotonic() - start < 5
+
+
+def test_a_cancel_only_field_is_declared_on_cancel_alone(door_service):
+    job = door_service.client(door_service.a).submit(SPEC)["id"]
+    for action in ("pause", "resume"):
+        status, answer, headers = send(door_service, "POST", f"/v1/jobs/{job}/{action}", door_service.a,
+                                       b'{"delete_checkpoints": true}')
+        assert (status, answer["field"]) == (400, "delete_checkpoints") and "unknown field" in answer["error"]
+    status, doc, _ = send(door_service, "GET", "/openapi.json")
+    schemas = doc["components"]["schemas"]
+    assert set(schemas["ActionIn"]["properties"]) == {"reason"} and schemas["ActionIn"]["additionalProperties"] is False
+    assert set(schemas["CancelIn"]["properties"]) == {"reason", "delete_checkpoints"}
+    assert door_service.store.job(job).state is JobState.QUEUED and not door_service.store.job(job).held
+
+
+@pytest.mark.parametrize("method, path, status, words, allow", [
+    ("GET", "/v1/nothing-here", 404, "no such path: GET '/v1/nothing-here'", None),
+    ("DELETE", "/v1/jobs", 405, "'/v1/jobs' has no method DELETE; it has GET, POST", "GET, POST"),
+    ("PATCH", "/v1/teams/a", 405, "has no method PATCH; it has PUT", "PUT"),
+    ("GET", "/v1/jobs/1/cancel", 405, "it has POST", "POST"),
+    ("PUT", "/v1/teams/a/tokens", 405, "it has DELETE, POST", "DELETE, POST"),
+    ("GET", "/v1/jobs/abc", 404, "no job 'abc': a job's id is an integer 1..2147483647", None),
+    ("GET", "/v1/jobs?state=bogus", 400, "field 'state': item 0: got 'bogus'", None),
+    ("GET", "/v1/jobs?team=a%2Fb", 400, "field 'team': got 'a/b'; a team's name has 1-64 characters", None),
+    ("GET", "/v1/jobs/1/logs?limit=0", 400, "field 'limit': got '0'", None),
+    ("GET", "/" + "x" * 5000, 404, "(5001 characters)", None),
+], ids=["an unknown path", "a method /v1/jobs does not have", "PATCH of a team", "GET of an action",
+        "PUT of tokens", "a job id that is not a number", "a state that does not exist", "a team name with '/'",
+        "a log limit of 0", "a path of 5,000 characters"])
+def test_every_other_refusal_is_in_the_documented_shape_and_audited(door_service, method, path, status, words, allow):
+    status_got, answer, headers = send(door_service, method, path, door_service.a)
+    message = refused_shape(status_got, answer, headers)
+    assert status_got == status and words in message, answer
+    assert headers.get("allow") == allow
+    row = last_audit(door_service.store, "a")
+    assert row.result == f"refused ({status}): {message}"[:1000] and len(row.action) <= 64, row
+
+
+def test_a_refusal_before_authentication_is_audited_as_unauthenticated(door_service):
+    status, answer, headers = send(door_service, "POST", "/v1/jobs", None, b"{not json")
+    refused_shape(status, answer, headers)
+    row = last_audit(door_service.store, "unauthenticated")
+    assert row.action == "POST /v1/jobs" and row.result.startswith("refused (400): the body is not valid JSON")
+    status, answer, headers = send(door_service, "POST", "/v1/jobs", "rts_not-a-token", b"{}")
+    assert status == 401 and headers["www-authenticate"] == "Bearer"
+    assert last_audit(door_service.store, "unauthenticated").result.startswith("refused (401)")
+
+
+BAD_NAMES = ["bad/name", "Upper", "équipe", "two\nlines", "admin", "-edge", "edge-", "x" * 64, "", "a b", "a_b"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=["a slash", "upper case", "not ASCII", "a newline", "reserved",
+                                                  "a leading dash", "a trailing dash", "64 characters", "empty",
+                                                  "a space", "an underscore"])
+def test_a_team_name_is_held_to_one_rule_by_the_api_the_store_and_the_client(door_service, name):
+    """model.NAME_RULE (a DNS label, not a reserved principal) is the API's schema, the store's
+    check and the client's, with one message; nothing is written, the API's refusal is audited."""
+    from raytrain_sys.service.model import NAME_PATTERN, NAME_RULE
+
+    svc = door_service
+    before = svc.store.teams()
+    status, answer, headers = send(svc, "POST", "/v1/teams", svc.admin,
+                                   json.dumps({"name": name, "nominal_workers": 1}).encode())
+    message = refused_shape(status, answer, headers)
+    assert (status, answer["field"]) == (400, "team.name"), answer
+    assert (NAME_RULE if name != "admin" else "reserved: it names a principal in the audit") in message
+    assert last_audit(svc.store, "admin").result == f"refused (400): {message}"
+    if name:  # (an empty one Team itself refuses)
+        with pytest.raises(ServiceInputError) as in_store:
+            svc.store.add_team(Team(name, 1))
+        assert str(in_store.value) == message
+    rows = len(svc.store.audit_log())
+    with pytest.raises(ServiceRequestInvalid) as in_client:  # refused before sending: no request, no row
+        svc.client(svc.admin).add_team(name, 1)
+    assert (in_client.value.field, str(in_client.value)) == ("team.name", f"HTTP 400: {message}")
+    assert len(svc.store.audit_log()) == rows and svc.store.teams() == before
+    doc = send(svc, "GET", "/openapi.json")[1]
+    assert doc["components"]["schemas"]["TeamAddIn"]["properties"]["name"]["pattern"] == NAME_PATTERN
+
+
+def test_a_team_named_before_the_rule_stays_listed_usable_and_labelled(door_service):
+    """A store from before the name rule may hold any name: such a team is listed, scheduled, its
+    quota changed and tokens issued by its name (any name without '/' or a control character),
+    its jobs submitted; only a new team must follow the rule."""
+    from sqlalchemy import insert
+
+    from raytrain_sys.monitor.metrics import label_value
+    from raytrain_sys.service.tables import teams
+
+    svc, legacy = door_service, f"Équipe Legacy {time.monotonic_ns() % 1000}"
+    with svc.store.engine.begin() as conn:  # as the API before the rule wrote it
+        conn.execute(insert(teams).values(name=legacy, nominal_workers=2, weight=1.0, created_at_s=0.0,
+                                          updated_at_s=0.0))
+    admin = svc.client(svc.admin)
+    assert legacy in [t["name"] for t in admin.teams()]
+    assert admin.update_team(legacy, nominal_workers=3)["nominal_workers"] == 3
+    job = svc.client(admin.issue_token(legacy)).submit(SPEC)
+    assert job["team"] == legacy and legacy in [t.name for t in svc.store.snapshot(8).teams]
+    assert [j["id"] for j in admin.jobs(team=legacy)] == [job["id"]]
+    assert label_value(legacy).isascii() and label_value(legacy).startswith("\\xc9quipe Legacy")
+    with pytest.raises(ServiceRequestInvalid, match="a team name is 1-63 lowercase"):
+        admin.add_team(legacy, 1)
+
+
+def test_cli_refuses_a_bad_team_name_before_sending_with_the_apis_message(sqlite_service):
+    svc = sqlite_service
+    rows = len(svc.store.audit_log())
+    line = one_line_error(cli(svc, "teams", "add", "bad/name", "--nominal", "1", token=svc.admin))
+    api = send(svc, "POST", "/v1/teams", svc.admin, b'{"name": "bad/name", "nominal_workers": 1}')[1]["error"]
+    assert line == f"raytrain-sys: error: HTTP 400: {api}"
+    assert "a team's name has 1-64 characters, no '/'" in one_line_error(
+        cli(svc, "jobs", "list", "--team", "a/b", token=svc.admin))
+    assert "team.cohort" in one_line_error(cli(svc, "teams", "update", "a", "--cohort", "Bad Cohort", token=svc.admin))
+    assert len(svc.store.audit_log()) == rows + 1  # the API's refusal only: the CLI sent nothing

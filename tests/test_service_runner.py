@@ -29,7 +29,7 @@ from raytrain_sys.service.runner import find_runner
 from raytrain_sys.service.service import get_service, start_service
 from raytrain_sys.service.store import Store
 from tests.ft_common import assert_no_leftovers, ft_spec, pid_alive, wait_until
-from tests.helpers import assert_params_close, final_params, read_summary
+from tests.helpers import assert_params_close, exported_series, final_params, read_summary
 from tests.service_common import StepGates, runner_actors, runner_heard, running_service
 
 STEPS = 24  # checkpoints every 5 steps (ft_spec)
@@ -275,6 +275,10 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         runner_heard(tmp_path, held, "pause")
         gates.go(held, 2)
         wait_for(svc, held, lambda j: j["state"] == "paused" and j["held"], "held")
+        # Both waiting jobs' reasons written by a pass (a pass after the restart writes them too,
+        # so the records compared below are the settled ones).
+        for job_id, cause in ((queued, "team_quota"), (held, "held")):
+            wait_for(svc, job_id, lambda j, cause=cause: j["wait_cause"] == cause, f"its wait reason ({cause})")
         before = {j["id"]: j for j in ray.get(svc.jobs.remote())}
         audit = ray.get(svc.audit_log.remote())
         teams = ray.get(svc.teams.remote())
@@ -357,6 +361,120 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
     assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
     assert_no_leftovers(ray_cluster, os.path.basename(run_dir_of(tmp_path / "r2")))
     assert_cluster_idle()
+
+
+def test_a_runner_that_does_not_answer_holds_up_no_other_job(ray_cluster, tiny_dataset, tmp_path, gates):
+    """A running job's runner stopped (SIGSTOP: alive, silent): the service's passes go on, each
+    waiting for it at most ``status_wait_s``, so another job submitted meanwhile is admitted and
+    trains to its end; once the runner answers again its own job finishes, nothing lost. (Before,
+    every pass waited ``status_timeout_s``, 10 s, for the silent runner.)"""
+    spec = job_spec(tmp_path, tiny_dataset, "s1", steps=6, resources={"num_workers": 1})
+    spec2 = job_spec(tmp_path, tiny_dataset, "s2", steps=6, resources={"num_workers": 1})
+    with running_service(tmp_path / "svc.db", gates) as svc:
+        ray.get(svc.add_team.remote("a", 2))
+        gates.hold(1, 3)
+        silent = ray.get(svc.submit.remote("a", spec))["id"]
+        assert wait_until(lambda: gates.reached(silent, 3), WAIT_S), state_of(svc, silent)
+        wait_state(svc, silent, "running")
+        pid = ray.get(find_runner(silent).ping.remote())
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            passes = ray.get(svc.info.remote())["passes"]
+            assert wait_until(lambda: ray.get(svc.info.remote())["passes"] >= passes + 5, 20), \
+                "the service's passes wait for a runner that does not answer"
+            other = ray.get(svc.submit.remote("a", spec2))["id"]
+            wait_state(svc, other, "finished")
+            assert state_of(svc, silent)["state"] == "running"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        gates.go(silent, 3)
+        job = wait_state(svc, silent, "finished")
+    assert job["restarts"] == 0
+    summary = read_summary(run_dir_of(tmp_path / "s1"))
+    assert summary["committed_steps"] == 6 and summary["steps_redone"] == 0
+    assert_cluster_idle()
+
+
+def test_a_job_over_its_teams_quota_says_why_everywhere_until_it_runs(ray_cluster, tiny_dataset, tmp_path, gates,
+                                                                     capsys, monkeypatch):
+    """Team q has one worker: its second job waits queued, saying it is over its team's quota in
+    `jobs list`, `jobs status`, the HTTP API and the waiting-jobs gauge; once the first job
+    ends it starts, runs, and shows no reason any more (the gauge back at 0)."""
+    from raytrain_sys.cli.main import main
+    from raytrain_sys.service.client import Client
+    from tests.test_jobs_page import free_port
+
+    spec = job_spec(tmp_path, tiny_dataset, "q1", steps=6, resources={"num_workers": 1})
+    port = free_port()
+    with running_service(tmp_path / "svc.db", gates, serve_api=True, port=port) as svc:
+        ray.get(svc.add_team.remote("q", 1))
+        store = Store.open(f"sqlite:///{tmp_path / 'svc.db'}")
+        token = store.issue_token("q")
+        store.close()
+        url = f"http://127.0.0.1:{port}"
+        gates.hold(1, 2)
+        first = ray.get(svc.submit.remote("q", spec))["id"]
+        assert wait_until(lambda: gates.reached(first, 2), WAIT_S), state_of(svc, first)
+        second = ray.get(svc.submit.remote("q", spec | {"output_dir": str(tmp_path / "q2")}))["id"]
+        job = wait_for(svc, second, lambda j: j["wait_cause"] == "team_quota", "the quota reason")
+        reason = job["wait_reason"]
+        assert job["state"] == "queued" and reason.startswith("over its team's quota: needs 1 worker"), job
+        assert "team q uses 1 of nominal 1" in reason
+
+        shown = Client(url, token).job(second)
+        assert (shown["state"], shown["wait_cause"], shown["wait_reason"]) == ("queued", "team_quota", reason)
+        monkeypatch.setenv("COLUMNS", "120")
+        assert main(["jobs", "list", "--url", url, "--token", token]) == 0
+        header, *rows = capsys.readouterr().out.splitlines()
+        [row] = [r for r in rows if r.split()[0] == str(second)]
+        assert row.split()[3] == "queued" and row[header.index("REASON"):].startswith("over its team's quota")
+        assert main(["jobs", "status", str(second), "--url", url, "--token", token]) == 0
+        status = capsys.readouterr().out
+        assert f"reason      {reason}\n" in status and "waits on    team_quota since " in status
+        assert wait_until(lambda: [s for s in exported_series("raytrain_service_waiting_jobs", 'team="q"',
+                                                              'cause="team_quota"') if s.endswith(" 1.0")], 60), \
+            exported_series("raytrain_service_waiting_jobs")
+
+        gates.go(first, 2)
+        ran = wait_for(svc, second, lambda j: j["state"] in ("running", "finished"), "its start")
+        assert (ran["wait_cause"], ran["wait_reason"], ran["wait_cause_since_s"]) == (None, None, None)
+        history = ray.get(svc.history.remote(second))
+        assert [t["to"] for t in history][:3] == ["queued", "starting", "running"]
+        assert wait_until(lambda: (lambda lines: lines and all(s.endswith(" 0.0") for s in lines))(
+            exported_series("raytrain_service_waiting_jobs", 'team="q"', 'cause="team_quota"')), 60)
+        wait_state(svc, second, "finished")
+
+
+def test_a_start_whose_workers_cannot_be_placed_goes_back_to_the_queue_then_fails_saying_why(
+        ray_cluster, tiny_dataset, tmp_path, gates):
+    """Six workers on the session's four CPUs (the service told it has eight): the start shows
+    the placement reason, is given up after start_stall_s and goes back to the queue saying so;
+    admitted again and given up again, it fails (max_start_returns 1), never bouncing on. Its
+    runner and its placement groups are gone each time."""
+    spec = job_spec(tmp_path, tiny_dataset, "big", resources={"num_workers": 6})
+    stall_s = 12.0  # above the run's own preparation on a loaded machine: placement is what stalls
+    with running_service(tmp_path / "svc.db", gates, cluster_workers=8, start_stall_s=stall_s,
+                         max_start_returns=1) as svc:
+        ray.get(svc.add_team.remote("a", 8))
+        # Both starts on a spare runner (up in a second): a fresh one's first answer holds a pass
+        # for the status timeout (10 s), which would only make the test longer.
+        assert wait_until(lambda: ray.get(svc.info.remote())["spare_runners"]["up"] == 2, 60)
+        job_id = ray.get(svc.submit.remote("a", spec))["id"]
+        starting = wait_for(svc, job_id, lambda j: j["wait_cause"] == "placement", "the placement reason")
+        assert starting["state"] == "starting"
+        assert starting["wait_reason"] == "waiting for the cluster to place its 6 workers: Ray has not found room " \
+                                          "for them yet"
+        failed = wait_state(svc, job_id, "failed", timeout_s=4 * stall_s + 60)
+        history = ray.get(svc.history.remote(job_id))
+        assert [t["to"] for t in history] == ["queued", "starting", "queued", "starting", "failed"], history
+        back = history[2]["reason"]
+        assert back.startswith(starting["wait_reason"]) and f"no progress for {stall_s:g} s (start_stall_s)" in back
+        assert back.endswith("back in the queue (1 of 1 returns before it fails)")
+        assert failed["message"].startswith("could not start: waiting for the cluster to place its 6 workers")
+        assert failed["message"].endswith("2 starts in a row given up (max_start_returns 1)")
+        assert (failed["wait_cause"], failed["start_returns"], failed["workers"]) == (None, 2, 0)
+        assert wait_until(lambda: not runner_actors(), 30)
+        assert_cluster_idle()
 
 
 def test_cli_starts_reports_and_stops_the_service(ray_cluster, tmp_path, capsys, monkeypatch):

@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raytrain_sys.errors import ServiceInputError
-from raytrain_sys.service.model import (Admit, Grow, JobState, JobView, Pause, Policy, Shrink, Snapshot, Team,
-                                        TransitionNotAllowed, Wait)
-from raytrain_sys.service.scheduler import (Quotas, admission_order, decide, never_fits_reason,
+from raytrain_sys.service.model import (Admit, FlavorQuota, FlavorState, Grow, JobState, JobView, Pause, Policy,
+                                        ResourceFlavor, Shrink, Snapshot, Team, TransitionNotAllowed, Wait, WaitCause,
+                                        WorkerShape)
+from raytrain_sys.service.scheduler import (FlavorQuotas, Quotas, admission_order, decide, never_fits_reason,
                                             team_ceiling_workers)
 
 NOW = 10_000.0
@@ -43,11 +44,13 @@ def queued(id, team, min, max=None, priority=0, submitted=NOW - 1, state=JobStat
 
 
 def summary(actions) -> list[tuple]:
-    """What a case compares: kind, job and size of each action (reasons are checked apart)."""
+    """What a case compares: kind, job and size of each action, and a wait's cause (reasons are
+    checked apart)."""
     out = []
     for a in actions:
         size = {Admit: "workers", Grow: "to_workers", Shrink: "to_workers"}.get(type(a))
-        out.append((type(a).__name__, a.job_id) + ((getattr(a, size),) if size else ()))
+        detail = (getattr(a, size),) if size else (a.cause.value,) if isinstance(a, Wait) else ()
+        out.append((type(a).__name__, a.job_id) + detail)
     return out
 
 
@@ -62,45 +65,45 @@ CASES = [
      [("Admit", 1, 3)]),
     ("gang admission: a job waits when its min_workers do not fit, and nothing smaller starts in its place",
      Snapshot([team("a", 4)], [running(1, "a", 3, priority=5), queued(2, "a", 2)], cluster_workers=4),
-     [("Wait", 2)]),
+     [("Wait", 2, "team_quota")]),
     ("best-effort FIFO: a smaller job behind a blocked one starts",
      Snapshot([team("a", 4)], [running(1, "a", 3, priority=5), queued(2, "a", 2, submitted=1.0),
                                queued(3, "a", 1, submitted=2.0)], cluster_workers=4),
-     [("Admit", 3, 1), ("Wait", 2)]),
+     [("Admit", 3, 1), ("Wait", 2, "team_quota")]),
     ("a higher-priority job pauses the lower-priority job with the least work at risk",
      Snapshot([team("a", 4)], [running(1, "a", 2, checkpoint_age_s=100.0), running(2, "a", 2, checkpoint_age_s=10.0),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
-     [("Pause", 2), ("Wait", 3)]),
+     [("Pause", 2), ("Wait", 3, "releasing")]),
     ("work at risk counts workers too: one worker 100 s behind loses less than four workers 30 s behind",
      Snapshot([team("a", 5)], [running(1, "a", 4, checkpoint_age_s=30.0), running(2, "a", 1, checkpoint_age_s=100.0),
                                queued(3, "a", 1, priority=10)], cluster_workers=5),
-     [("Pause", 2), ("Wait", 3)]),
+     [("Pause", 2), ("Wait", 3, "releasing")]),
     ("shrinking an elastic job is preferred over pausing, even a job with less work at risk",
      Snapshot([team("a", 4)], [running(1, "a", 3, min=1, max=4), running(2, "a", 1, checkpoint_age_s=1.0),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
-     [("Shrink", 1, 1), ("Wait", 3)]),
+     [("Shrink", 1, 1), ("Wait", 3, "releasing")]),
     ("a shrink never goes below the job's min_workers: the rest comes from a pause",
      Snapshot([team("a", 4)], [running(1, "a", 3, min=2, max=4), running(2, "a", 1),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
-     [("Shrink", 1, 2), ("Pause", 2), ("Wait", 3)]),
+     [("Shrink", 1, 2), ("Pause", 2), ("Wait", 3, "releasing")]),
     ("an equal-priority running job is never paused for a waiting one",
      Snapshot([team("a", 4)], [running(1, "a", 2, priority=5), running(2, "a", 2, priority=5),
                                queued(3, "a", 2, priority=5)], cluster_workers=4),
-     [("Wait", 3)]),
+     [("Wait", 3, "team_quota")]),
     ("a higher-priority running job is never paused or shrunk for a lower-priority one",
      Snapshot([team("a", 4)], [running(1, "a", 4, min=2, max=4, priority=9), queued(2, "a", 2, priority=1)],
               cluster_workers=4),
-     [("Wait", 2)]),
+     [("Wait", 2, "team_quota")]),
     ("a team within its nominal quota takes its quota back: the borrower is paused whatever its priority",
      Snapshot(AB, [running(1, "a", 4, priority=10), queued(2, "b", 2)], cluster_workers=4),
-     [("Pause", 1), ("Wait", 2)]),
+     [("Pause", 1), ("Wait", 2, "releasing")]),
     ("a high-priority job preempts within its own team, never another team's job within its nominal quota",
      Snapshot(AB, [running(1, "a", 2), running(2, "b", 2), queued(3, "b", 2, priority=9)], cluster_workers=4),
-     [("Pause", 2), ("Wait", 3)]),
+     [("Pause", 2), ("Wait", 3, "releasing")]),
     ("a team over its nominal quota cannot preempt another team's equal-priority borrowed job",
      Snapshot([team("a", 2), team("b", 2), team("c", 2)],
               [running(1, "a", 4), running(2, "b", 2), queued(3, "b", 2)], cluster_workers=6),
-     [("Wait", 3)]),
+     [("Wait", 3, "cohort")]),
     ("the lending limit is respected: a team lends only that much of its unused quota",
      Snapshot([team("a", 2), team("b", 2, lend=1)], [running(1, "a", 2, min=1, max=4)], cluster_workers=4),
      [("Grow", 1, 3)]),
@@ -118,35 +121,48 @@ CASES = [
      Snapshot([team("a", 1), team("b", 1), team("lender", 4)],
               [running(1, "a", 3), queued(2, "a", 1, submitted=NOW - 2), queued(3, "b", 1, submitted=NOW - 1)],
               cluster_workers=4),
-     [("Admit", 3, 1), ("Wait", 2)]),
+     [("Admit", 3, 1), ("Wait", 2, "cluster_capacity")]),
     ("weighted fair share: a team of weight 3 borrowing 2 goes before a team of weight 1 borrowing 1",
      Snapshot([team("a", 1, weight=3.0), team("b", 1), team("lender", 6)],
               [running(1, "a", 3), running(2, "b", 2), queued(3, "b", 1, submitted=NOW - 2),
                queued(4, "a", 1, submitted=NOW - 1)], cluster_workers=6),
-     [("Admit", 4, 1), ("Wait", 3)]),
+     [("Admit", 4, 1), ("Wait", 3, "cluster_capacity")]),
     ("a shrink in flight is waited for, not repeated",
      Snapshot(AB, [running(1, "a", 4, min=1, max=4, target=2), queued(2, "b", 2)], cluster_workers=4),
-     [("Wait", 2)]),
+     [("Wait", 2, "releasing")]),
     ("a pause in flight is waited for: its workers are claimed, nothing else is preempted",
      Snapshot([team("a", 4)], [dataclasses.replace(running(1, "a", 2), state=JobState.PAUSING),
                                running(2, "a", 2), queued(3, "a", 2, priority=9)], cluster_workers=4),
-     [("Wait", 3)]),
+     [("Wait", 3, "releasing")]),
     ("a paused job is admitted again (resumes from its checkpoint) when workers are free",
      Snapshot([team("a", 4)], [queued(1, "a", 2, state=JobState.PAUSED)], cluster_workers=4),
      [("Admit", 1, 2)]),
     ("a job its team holds waits, whatever is free",
      Snapshot([team("a", 4)], [queued(1, "a", 2, held=True)], cluster_workers=4),
-     [("Wait", 1)]),
+     [("Wait", 1, "held")]),
     ("a job larger than its team could ever get waits and says so",
      Snapshot(AB, [queued(1, "a", 5)], cluster_workers=8),
-     [("Wait", 1)]),
+     [("Wait", 1, "never_fits")]),
     ("a job of an unknown team waits and says so",
      Snapshot(AB, [queued(1, "z", 1)], cluster_workers=4),
-     [("Wait", 1)]),
+     [("Wait", 1, "unknown_team")]),
     ("a job that waited past reserve_after_s keeps the free workers: nothing behind it starts or grows",
      Snapshot([team("a", 8)], [running(1, "a", 2, min=1, max=3, priority=5), queued(2, "a", 3, submitted=0.0),
                                queued(3, "a", 1, submitted=NOW - 1)], cluster_workers=4),
-     [("Wait", 2), ("Wait", 3)]),
+     [("Wait", 2, "cluster_capacity"), ("Wait", 3, "reserved")]),
+    # Why a job waits, one cause a case (the scheduler's WaitCause; the cases above assert theirs too).
+    ("team quota: a job past its team's borrowing limit waits on the team's quota, though the cohort has room",
+     Snapshot([team("a", 2, borrow=1), team("b", 4)], [running(1, "a", 3), queued(2, "a", 1)], cluster_workers=8),
+     [("Wait", 2, "team_quota")]),
+    ("team quota: a team alone in its cohort has nobody to borrow from",
+     Snapshot([team("a", 2, cohort=None)], [running(1, "a", 2), queued(2, "a", 1)], cluster_workers=8),
+     [("Wait", 2, "team_quota")]),
+    ("cohort: a job within its nominal quota waits while another team's growing job borrows it",
+     Snapshot(AB, [running(1, "b", 3, min=1, max=4, target=4), queued(2, "a", 2)], cluster_workers=8),
+     [("Wait", 2, "cohort")]),
+    ("cluster capacity: the quota allows it, the cluster has no free worker, the running job outranks it",
+     Snapshot([team("a", 4)], [running(1, "a", 2, priority=9), queued(2, "a", 2)], cluster_workers=2),
+     [("Wait", 2, "cluster_capacity")]),
 ]
 
 
@@ -155,6 +171,21 @@ def test_decide(snapshot, expected):
     actions = decide(snapshot, NOW)
     assert summary(actions) == expected, "\n".join(str(a) for a in actions)
     assert all(a.reason.strip() for a in actions)
+
+
+def test_a_waits_sentence_opens_with_its_cause():
+    by_case = {name: decide(snapshot, NOW) for name, snapshot, _ in CASES}
+    openings = {"team_quota": "over its team's quota: ", "cohort": "its cohort has no quota to lend it now: ",
+                "cluster_capacity": "the cluster is full: ", "held": "held by its team", "never_fits": "can never start",
+                "unknown_team": "unknown team", "reserved": "the free workers are kept for job",
+                "releasing": ""}  # "2 workers are being released/reclaimed for it"
+    seen = set()
+    for name, actions in by_case.items():
+        for wait in (a for a in actions if isinstance(a, Wait)):
+            seen.add(wait.cause)
+            assert wait.reason.startswith(openings[wait.cause.value]), (name, wait)
+            assert str(wait).startswith(f"job {wait.job_id} waits ({wait.cause.value}): ")
+    assert seen == {c for c in WaitCause if c.value in openings}, "a scheduler cause no named case shows"
 
 
 def test_the_reasons_say_why():
@@ -199,9 +230,9 @@ def test_issue_scenario_shrink_then_admit_then_grow_back():
     when B finishes A grows back to 4."""
     s = Snapshot(AB, [running(1, "a", 4, min=1, max=4), queued(2, "b", 2)], cluster_workers=4)
     first = decide(s, NOW)
-    assert summary(first) == [("Shrink", 1, 2), ("Wait", 2)]
+    assert summary(first) == [("Shrink", 1, 2), ("Wait", 2, "releasing")]
     s = apply(s, first, drained=False)
-    assert summary(decide(s, NOW)) == [("Wait", 2)], "the drain has not landed: wait, ask nothing new"
+    assert summary(decide(s, NOW)) == [("Wait", 2, "releasing")], "the drain has not landed: wait, ask nothing new"
     s = apply(s, [], drained=True)
     second = decide(s, NOW)
     assert summary(second) == [("Admit", 2, 2)]
@@ -381,3 +412,189 @@ def test_no_decision_exceeds_the_cluster_or_admits_below_min(snapshot):
     for cohort, used in quotas_after.pool_used.items():
         if quotas_before.pool_used[cohort] <= quotas_before.pool_capacity[cohort]:
             assert used <= quotas_after.pool_capacity[cohort], f"cohort {cohort} lent more than it has"
+
+
+# ----------------------------------------------------------------------------- flavors
+
+SPOT = ResourceFlavor("spot-cpu", "spot", resources=("cpu",))
+ON_DEMAND = ResourceFlavor("on-demand-cpu", "on-demand", resources=("cpu",))
+A10G = ResourceFlavor("spot-a10g", "spot", "A10G", resources=("gpu",))
+H100 = ResourceFlavor("on-demand-h100", "on-demand", "H100", resources=("gpu",))
+CPU4 = WorkerShape(cpu=4.0)
+
+
+def state(flavor, present=None, **ceiling) -> FlavorState:
+    return FlavorState(flavor, ceiling, present)
+
+
+def fteam(name, cohort="c", **quotas) -> Team:
+    """A team with per-flavor quotas: ``spot_cpu_cpu=(nominal, borrowing limit, lending limit)``."""
+    made = []
+    for key, value in quotas.items():
+        flavor, resource = key.rsplit("_", 1)
+        nominal, borrow, lend = (tuple(value) + (None, None))[:3] if isinstance(value, tuple) else (value, None, None)
+        made.append(FlavorQuota(flavor.replace("_", "-"), resource, nominal, borrow, lend))
+    return Team(name, 0, cohort=cohort, quotas=tuple(made))
+
+
+def frun(id, team, workers, flavor, shape=WorkerShape(), min=None, max=None, priority=0) -> JobView:
+    return dataclasses.replace(running(id, team, workers, min=min, max=max, priority=priority), flavor=flavor.name,
+                               shape=shape)
+
+
+def fqueued(id, team, min, shape=WorkerShape(), max=None, priority=0) -> JobView:
+    return dataclasses.replace(queued(id, team, min, max=max, priority=priority), shape=shape)
+
+
+def fsummary(actions) -> list[tuple]:
+    """``summary`` with the flavor (and provisioning) of each admission."""
+    out = []
+    for a, row in zip(actions, summary(actions)):
+        out.append(row + ((a.flavor,) + (("provisioning",) if a.provisioning else ()) if isinstance(a, Admit) else ()))
+    return out
+
+
+TWO = [state(SPOT, cpu=4), state(ON_DEMAND, cpu=4)]
+AB_CPU = [fteam("a", spot_cpu_cpu=4, on_demand_cpu_cpu=4), fteam("b", spot_cpu_cpu=4, on_demand_cpu_cpu=4)]
+
+FLAVOR_CASES = [
+    ("a flavor that is full while another is free: a job that may use either is admitted on the free one",
+     Snapshot(AB_CPU, [frun(1, "a", 4, SPOT), fqueued(2, "b", 2)], flavors=TWO),
+     [("Admit", 2, 2, "on-demand-cpu")]),
+    ("a flavor that is full while another is free: a job that asks for the full one's market waits on it",
+     Snapshot(AB_CPU, [frun(1, "a", 4, SPOT, priority=9), fqueued(2, "a", 2, WorkerShape(market="spot"))],
+              flavors=TWO),
+     [("Wait", 2, "cluster_capacity")]),
+    ("the table's order is the preference: both free, the first flavor is taken",
+     Snapshot(AB_CPU, [fqueued(1, "a", 2)], flavors=TWO),
+     [("Admit", 1, 2, "spot-cpu")]),
+    ("quotas count CPUs: a gang of two 4-CPU workers needs 8 of the team's cpu quota, it has 4 left",
+     Snapshot([fteam("a", cohort=None, spot_cpu_cpu=8)], [frun(1, "a", 1, SPOT, CPU4, priority=9),
+                                                      fqueued(2, "a", 2, CPU4)], flavors=[state(SPOT, cpu=32)]),
+     [("Wait", 2, "team_quota")]),
+    ("capacity counts CPUs: two 4-CPU workers do not fit in 6 free CPUs, one 2-CPU job behind does",
+     Snapshot([fteam("a", cohort=None, spot_cpu_cpu=32)], [frun(1, "a", 2, SPOT, priority=9),
+                                                       fqueued(2, "a", 2, CPU4, priority=1),
+                                                       fqueued(3, "a", 1, WorkerShape(cpu=2.0))],
+              flavors=[state(SPOT, cpu=8)]),
+     [("Admit", 3, 1, "spot-cpu"), ("Wait", 2, "cluster_capacity")]),
+    ("a GPU job draws from the flavor of its accelerator type, a CPU job from no GPU flavor",
+     Snapshot([fteam("a", spot_a10g_gpu=4, on_demand_h100_gpu=4, on_demand_cpu_cpu=4)],
+              [fqueued(1, "a", 2, WorkerShape(gpu=1.0, accelerator="H100")), fqueued(2, "a", 1)],
+              flavors=[state(A10G, gpu=4, cpu=16), state(H100, gpu=4, cpu=16), state(ON_DEMAND, cpu=4)]),
+     [("Admit", 1, 2, "on-demand-h100"), ("Admit", 2, 1, "on-demand-cpu")]),
+    ("reclaim shrinks the borrower on the flavor that is short, not its job on the other flavor",
+     Snapshot([fteam("a", spot_cpu_cpu=2, on_demand_cpu_cpu=2), fteam("b", spot_cpu_cpu=2, on_demand_cpu_cpu=2)],
+              [frun(1, "a", 4, ON_DEMAND, min=1, max=4), frun(2, "a", 4, SPOT, min=1, max=4),
+               fqueued(3, "b", 2, WorkerShape(market="spot"))], flavors=TWO),
+     [("Shrink", 2, 2), ("Wait", 3, "releasing")]),
+    ("a job whose shape fits no flavor waits and says so",
+     Snapshot(AB_CPU, [fqueued(1, "a", 1, WorkerShape(gpu=1.0))], flavors=TWO),
+     [("Wait", 1, "never_fits")]),
+    ("borrowing is per flavor: a team may borrow the cohort's spot quota, not on-demand it was given none of",
+     Snapshot([fteam("a", spot_cpu_cpu=2), fteam("b", spot_cpu_cpu=2, on_demand_cpu_cpu=(2, None, 0))],
+              [fqueued(1, "a", 2, WorkerShape(market="on-demand")), fqueued(2, "a", 4, WorkerShape(market="spot"))],
+              flavors=TWO),
+     [("Admit", 2, 4, "spot-cpu"), ("Wait", 1, "never_fits")]),
+    ("autoscaling: a job beyond what is up but within the ceiling is admitted, its workers being provisioned",
+     Snapshot(AB_CPU, [frun(1, "a", 2, SPOT), fqueued(2, "b", 2, WorkerShape(market="spot"))],
+              flavors=[state(SPOT, present={"cpu": 2}, cpu=8), state(ON_DEMAND, cpu=4)]),
+     [("Admit", 2, 2, "spot-cpu", "provisioning")]),
+    ("growth stays on the job's flavor: a full flavor gives nothing, though another is idle",
+     Snapshot(AB_CPU, [frun(1, "a", 4, SPOT, min=1, max=6)], flavors=TWO),
+     []),
+]
+
+
+@pytest.mark.parametrize("snapshot, expected", [(s, e) for _, s, e in FLAVOR_CASES],
+                         ids=[name for name, _, _ in FLAVOR_CASES])
+def test_decide_with_flavors(snapshot, expected):
+    actions = decide(snapshot, NOW)
+    assert fsummary(actions) == expected, "\n".join(str(a) for a in actions)
+    assert all(a.reason.strip() for a in actions)
+    before = copy.deepcopy(snapshot)
+    decide(snapshot, NOW)
+    assert snapshot == before
+
+
+def test_flavor_reasons_name_the_flavor_and_the_shape():
+    [wait] = decide(FLAVOR_CASES[1][1], NOW)
+    assert wait.reason.startswith("the cluster is full: needs 2 workers of 1 CPU, spot on spot-cpu (min_workers)")
+    [wait] = decide(FLAVOR_CASES[3][1], NOW)
+    assert "needs 2 workers of 4 CPU on spot-cpu" in wait.reason and "uses 4 CPU of nominal 8 CPU" in wait.reason
+    [wait] = decide(FLAVOR_CASES[7][1], NOW)
+    assert "spot-cpu has no GPUs, the job asks resources.gpus_per_worker=1" in wait.reason
+    shrink, _ = decide(FLAVOR_CASES[6][1], NOW)
+    assert "within its team's nominal quota on spot-cpu, which team a borrows" in shrink.reason
+    [admit] = decide(FLAVOR_CASES[9][1], NOW)
+    assert "the autoscaler adds the nodes" in admit.reason
+
+
+def test_one_ledger_keeps_the_figures_in_workers():
+    quotas = FlavorQuotas([team("a", 2), team("b", 2)], [ResourceFlavor.implicit()])
+    quotas.add("a", "default", 3)
+    assert quotas.share("a") == 1.0 and quotas.headroom("a", "default") == 1
+    assert quotas.explain("a", "default") == "team a uses 3 of nominal 2 (no borrowing limit; cohort pool 1 free)"
+
+
+@st.composite
+def flavored_snapshots(draw):
+    flavors = [SPOT, ON_DEMAND, A10G]
+    shapes = [WorkerShape(), CPU4, WorkerShape(market="spot"), WorkerShape(cpu=2.0, market="on-demand"),
+              WorkerShape(gpu=1.0)]
+    teams = [fteam(f"t{i}", cohort=draw(st.sampled_from(["x", None])),
+                   spot_cpu_cpu=(draw(st.integers(0, 8)), draw(st.one_of(st.none(), st.integers(0, 4)))),
+                   on_demand_cpu_cpu=draw(st.integers(0, 8)), spot_a10g_gpu=draw(st.integers(0, 2)))
+             for i in range(draw(st.integers(1, 3)))]
+    jobs = []
+    for job_id in range(draw(st.integers(0, 8))):
+        shape = draw(st.sampled_from(shapes))
+        lo = draw(st.integers(1, 3))
+        hi = draw(st.integers(lo, 4))
+        state_ = draw(st.sampled_from([JobState.QUEUED, JobState.RUNNING, JobState.RUNNING, JobState.PAUSING]))
+        fits = [f for f in flavors if f.refuses(shape) is None]
+        flavor = draw(st.sampled_from(fits)).name
+        workers = target = 0
+        if state_ is JobState.RUNNING:
+            target = workers = draw(st.integers(lo, hi))
+        elif state_ is JobState.PAUSING:
+            workers = lo
+        jobs.append(JobView(id=job_id, team=f"t{draw(st.integers(0, len(teams) - 1))}", priority=draw(st.integers(0, 2)),
+                            state=state_, min_workers=lo, max_workers=hi, elastic=hi > lo, workers=workers,
+                            target_workers=target, submitted_at_s=draw(st.floats(0, NOW)), started_at_s=0.0,
+                            last_checkpoint_at_s=NOW - 10, shape=shape,
+                            flavor=flavor if state_ is not JobState.QUEUED else ""))
+    states = [FlavorState(f, {"cpu": float(draw(st.integers(0, 16))), "gpu": float(draw(st.integers(0, 4)))})
+              for f in flavors]
+    return Snapshot(teams, jobs, flavors=states)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(flavored_snapshots())
+def test_no_decision_gives_a_flavor_more_than_it_has(snapshot):
+    """Per flavor and resource: what admissions and growth add never exceeds what was free, and
+    every admission is on a flavor the job's shape fits."""
+    actions = decide(snapshot, NOW)
+    jobs = {j.id: j for j in snapshot.jobs}
+    free = {s.name: s.capacity() for s in snapshot.flavors}
+    flavor_of = {}
+    for j in snapshot.jobs:
+        if j.state.admitted or j.state.releasing:
+            held = max(j.workers, j.target_workers) if j.state.admitted else j.workers
+            for r in free[j.flavor]:
+                free[j.flavor][r] -= held * j.shape.amount(r)
+            flavor_of[j.id] = j.flavor
+    by_name = {s.name: s.flavor for s in snapshot.flavors}
+    for a in actions:
+        job = jobs[a.job_id]
+        if isinstance(a, Admit):
+            assert by_name[a.flavor].refuses(job.shape) is None, (a, job.shape)
+            added, flavor = a.workers, a.flavor
+        elif isinstance(a, Grow):
+            added, flavor = a.to_workers - job.target_workers, flavor_of[a.job_id]
+        else:
+            continue
+        for r in free[flavor]:
+            if job.shape.amount(r) > 0:
+                assert added * job.shape.amount(r) <= max(0.0, free[flavor][r]) + 1e-9, (a, free)
+                free[flavor][r] -= added * job.shape.amount(r)

@@ -14,14 +14,15 @@ import threading
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, insert, select, update
+from sqlalchemy import create_engine, select, update
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import Admit, JobState, Team, TransitionNotAllowed
+from raytrain_sys.service.model import (Admit, FlavorQuota, FlavorState, JobState, ResourceFlavor, Team,
+                                        TransitionNotAllowed, WaitCause, WorkerShape)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store, mask_url
-from raytrain_sys.service.tables import jobs, metadata, transitions
+from raytrain_sys.service.tables import jobs, metadata, teams
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,7 +55,7 @@ def test_a_fresh_database_is_made_by_alembic_and_matches_the_tables(store_url):
 
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0003"
+        assert store.schema_revision() == migrations.head() == "0005"
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), metadata)
         assert diff == [], f"tables.py and the migrations differ: {diff}"
@@ -94,6 +95,92 @@ def test_a_database_of_the_previous_revision_is_upgraded_and_keeps_its_jobs(stor
         store.close()
 
 
+def test_a_database_at_0003_is_upgraded_and_its_jobs_wait_without_a_reason_until_one_is_noted(store_url):
+    """A store of the revision before wait reasons, with a queued and a starting job: both are
+    kept as they were, with no reason and no start given up, and take a reason once noted."""
+    from alembic import command
+
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        command.upgrade(migrations.config(conn), "0003")
+        conn.execute(metadata.tables["teams"].insert().values(
+            name="a", nominal_workers=2, weight=1.0, created_at_s=1.0, updated_at_s=1.0))
+        for name, state in (("waits", "queued"), ("starts", "starting")):
+            conn.execute(jobs.insert().values(
+                team="a", name=name, spec="{}", priority=0, state=state, held=False, min_workers=1, max_workers=1,
+                elastic=False, workers=0, target_workers=1 if state == "starting" else 0, restarts=0,
+                submitted_at_s=1.0, waiting_since_s=1.0, updated_at_s=1.0, message="submitted"))
+    engine.dispose()
+    store = Store.open(store_url)
+    try:
+        assert store.schema_revision() == migrations.head() == "0005"
+        waits, starts = store.jobs()
+        assert [(j.name, j.state, j.wait_cause, j.wait_reason, j.start_returns) for j in (waits, starts)] == [
+            ("waits", JobState.QUEUED, None, None, 0), ("starts", JobState.STARTING, None, None, 0)]
+        assert store.note_waits({waits.id: (JobState.QUEUED, WaitCause.TEAM_QUOTA, "over its team's quota")},
+                                now_s=7.0) == 1
+        assert (store.job(waits.id).wait_cause, store.job(waits.id).wait_cause_since_s) == (WaitCause.TEAM_QUOTA, 7.0)
+    finally:
+        store.close()
+
+
+def test_wait_reasons_are_written_only_when_they_change_and_cleared_when_the_job_moves_on(store):
+    job = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", now_s=1.0)
+    other = store.submit(team="a", name="k", spec="{}", min_workers=1, actor="a", now_s=1.0)
+    quota = (JobState.QUEUED, WaitCause.TEAM_QUOTA, "over its team's quota: team a uses 2 of nominal 2")
+    assert store.note_waits({job.id: quota, other.id: quota}, now_s=10.0) == 2
+    assert store.note_waits({job.id: quota, other.id: quota}, now_s=11.0) == 0, "nothing changed: nothing written"
+    noted = store.job(job.id)
+    assert (noted.wait_cause, noted.wait_reason, noted.wait_cause_since_s) == (WaitCause.TEAM_QUOTA, quota[2], 10.0)
+    assert noted.updated_at_s == 1.0 and [t.to_state for t in store.history(job.id)] == [JobState.QUEUED]
+    # The same cause in other words keeps its since; another cause starts its own.
+    assert store.note_waits({job.id: (JobState.QUEUED, WaitCause.TEAM_QUOTA, "over its team's quota: 3 of 2")},
+                            now_s=12.0) == 1
+    assert (store.job(job.id).wait_reason, store.job(job.id).wait_cause_since_s) == ("over its team's quota: 3 of 2",
+                                                                                      10.0)
+    store.note_waits({job.id: (JobState.QUEUED, WaitCause.CLUSTER, "the cluster is full")}, now_s=13.0)
+    assert (store.job(job.id).wait_cause, store.job(job.id).wait_cause_since_s) == (WaitCause.CLUSTER, 13.0)
+    # Guarded by the state it was seen in: a job that moved meanwhile keeps what its move wrote.
+    store.transition(other.id, JobState.QUEUED, JobState.CANCELLED, actor="a", reason="cancelled by its team")
+    assert store.note_waits({other.id: quota}, now_s=14.0) == 0
+    assert (store.job(other.id).wait_cause, store.job(other.id).wait_reason) == (None, None), "ended: no reason"
+    # A move sets the reason of its new state, or clears the old one; a note in the same state keeps it.
+    held = store.transition(job.id, JobState.QUEUED, JobState.QUEUED, actor="a", reason="held", held=True)
+    assert held.wait_cause is WaitCause.CLUSTER
+    starting = store.transition(job.id, JobState.QUEUED, JobState.STARTING, actor="scheduler", reason="admitted",
+                                wait_cause=WaitCause.RUNNER_START, wait_reason="its runner is starting", now_s=15.0)
+    assert (starting.wait_cause, starting.wait_reason, starting.wait_cause_since_s) == (
+        WaitCause.RUNNER_START, "its runner is starting", 15.0)
+    running = store.transition(job.id, JobState.STARTING, JobState.RUNNING, actor="reconciler", reason="training")
+    assert (running.wait_cause, running.wait_reason, running.wait_cause_since_s) == (None, None, None)
+    with pytest.raises(ValueError, match="a wait reason is set with both"):
+        store.transition(job.id, JobState.RUNNING, JobState.RUNNING, actor="reconciler", reason="x",
+                         wait_cause=WaitCause.PLACEMENT, wait_reason="a running job does not wait")
+
+
+def test_a_pass_over_hundreds_of_waiting_jobs_writes_nothing_when_nothing_changed(store):
+    """The reconciler's real pass (no runner is needed for waiting jobs) over 300 queued jobs on a
+    cluster with no workers: the first pass writes their reasons in one statement batch, the next
+    passes issue no UPDATE at all."""
+    from sqlalchemy import event
+
+    from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
+
+    ids = [store.submit(team="a", name=f"j{i}", spec="{}", min_workers=1, actor="a").id for i in range(300)]
+    statements = []
+    event.listen(store.engine, "before_cursor_execute",
+                 lambda conn, cursor, sql, params, context, many: statements.append((sql.split()[0], many)))
+    reconciler = Reconciler(store, ReconcilerConfig(log_dir=".", spare_runners=0), cluster_workers=lambda: 0)
+    reconciler.run_once()
+    updates = [many for verb, many in statements if verb == "UPDATE"]
+    assert updates == [True], "the first pass's 300 reasons: one executemany"
+    assert {store.job(i).wait_cause for i in ids} == {WaitCause.NEVER_FITS}
+    statements.clear()
+    for _ in range(3):
+        reconciler.run_once()
+    assert [s for s in statements if s[0] in ("UPDATE", "INSERT", "DELETE")] == []
+
+
 def test_submit_and_read_back(store):
     job = store.submit(team="a", name="tiny", spec="model: {name: gpt}\n", min_workers=1, max_workers=3,
                        priority=2, actor="a", now_s=100.0)
@@ -124,6 +211,51 @@ def test_bad_submit_names_the_field_and_writes_nothing(store, kwargs, field, wor
         store.submit(name="j", spec="{}", actor="a", **kwargs)
     assert err.value.field == field and words in str(err.value)
     assert all_rows_text(store) == before
+
+
+@pytest.mark.parametrize("write, field, words", [
+    (lambda s: s.add_team(Team("big", 100_001)), "team.nominal_workers", "at most 100000"),
+    (lambda s: s.add_team(Team("big", 1, borrowing_limit_workers=2 ** 40)), "team.borrowing_limit_workers",
+     "at most 100000"),
+    (lambda s: s.add_team(Team("heavy", 1, weight=1e12)), "team.weight", "(0, 1e+06]"),
+    (lambda s: s.add_team(Team("Not A Name", 1)), "team.name", "a team name is 1-63 lowercase letters"),
+    (lambda s: s.add_team(Team("c", 1, cohort="Bad Cohort")), "team.cohort", "a cohort name is 1-63"),
+    (lambda s: s.update_team(Team("a", 2, cohort="New Cohort")), "team.cohort", "a cohort name is 1-63"),
+    (lambda s: s.submit(team="a", name="j", spec="{}", min_workers=1, max_workers=2 ** 40, actor="a"),
+     "elastic.max_workers", "at most 100000"),
+    (lambda s: s.submit(team="a", name="j", spec="{}", min_workers=1, priority=-2 ** 63, actor="a"), "priority",
+     "at least -1000000"),
+    (lambda s: s.submit(team="a", name="two\nlines", spec="{}", min_workers=1, actor="a"), "name", "one line"),
+], ids=["a nominal quota past any cluster", "a borrowing limit of 41 bits", "a weight of 1e12", "a name off the rule",
+        "a new cohort off the rule", "a cohort changed to one off the rule", "a job of 2**40 workers",
+        "a priority of 64 bits", "a job name on two lines"])
+def test_the_store_writes_nothing_out_of_bounds_whoever_asks(store, write, field, words):
+    """The bounds the API's schema publishes are the store's own too (the service actor and
+    scripts write through it): within the 32-bit columns, names on the rule."""
+    before = all_rows_text(store)
+    with pytest.raises(ServiceInputError) as err:
+        write(store)
+    assert err.value.field == field and words in str(err.value), str(err.value)
+    assert all_rows_text(store) == before
+
+
+def test_a_cohort_from_before_the_rule_is_kept_by_an_update(store):
+    with store.engine.begin() as conn:
+        conn.execute(update(teams).where(teams.c.name == "a").values(cohort="Old Cohort"))
+    assert store.update_team(Team("a", 3, cohort="Old Cohort")).nominal_workers == 3
+    assert store.team("a").cohort == "Old Cohort"
+
+
+def test_an_audit_row_holds_a_short_quote_of_what_a_user_sent(store):
+    """Whatever a refusal quotes, its row fits the columns (a 64-character action on PostgreSQL's
+    VARCHAR(64)) and holds no control character (PostgreSQL refuses a NUL) nor 10 MB."""
+    from raytrain_sys.service import auth
+
+    huge = "\x00" + "y" * 10_000_000
+    auth.record(store, "a", "GET /" + huge, "job " + huge, "refused (400): got " + huge)
+    row = store.audit_log(limit=1)[0]
+    assert len(row.action) == 64 and len(row.target) == 200 and len(row.result) == 1000
+    assert row.action.startswith("GET /\\x00yyy") and row.result.endswith("... (10000023 characters)")
 
 
 def test_guarded_transitions_and_their_history(store):
@@ -424,3 +556,94 @@ def test_unused_code_packages_are_pruned_and_used_ones_kept(store):
     assert store.package_data(waiting) == b"2"
     with pytest.raises(ServiceInputError, match="team a has uploaded no package"):
         store.submit(team="a", name="again", spec="{}", min_workers=1, actor="a", package=recent)
+
+
+def test_a_database_at_0004_is_upgraded_keeping_its_teams_jobs_and_decisions(store_url):
+    """A store of the revision before flavors, with a queued 2-CPU job and a running one: both
+    keep what they were, take their shape from their stored spec, and the service (no flavor
+    table: the implicit flavor) decides as it did; a flavor table and per-flavor quotas can then
+    be set, and the queued job counts CPUs on the flavor its shape fits."""
+    from alembic import command
+
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        command.upgrade(migrations.config(conn), "0004")
+        conn.execute(metadata.tables["teams"].insert().values(
+            name="a", nominal_workers=3, weight=1.0, created_at_s=1.0, updated_at_s=1.0))
+        for name, state, spec in (("waits", "queued", {"resources": {"cpus_per_worker": 2, "market": "spot"}}),
+                                  ("runs", "running", {"resources": {"num_workers": 2}}),
+                                  ("odd", "queued", "not json")):
+            conn.execute(jobs.insert().values(
+                team="a", name=name, spec=spec if isinstance(spec, str) else json.dumps(spec), priority=0,
+                state=state, held=False, min_workers=2 if name == "runs" else 1, max_workers=2, elastic=False,
+                workers=2 if state == "running" else 0, target_workers=2 if state == "running" else 0, restarts=0,
+                submitted_at_s=1.0, waiting_since_s=1.0, updated_at_s=1.0, message="submitted"))
+    engine.dispose()
+    store = Store.open(store_url)
+    try:
+        assert store.schema_revision() == migrations.head() == "0005"
+        waits, runs, odd = store.jobs()
+        assert (waits.shape.cpu, waits.shape.market, waits.flavor) == (2.0, "spot", None)
+        assert (runs.shape.cpu, runs.shape.market, runs.state, runs.workers) == (1.0, "any", JobState.RUNNING, 2)
+        assert (odd.shape.cpu, odd.shape.market) == (1.0, "any")  # a spec it cannot read keeps the defaults
+        assert store.flavors() == () and store.team("a").quotas == ()
+        [admit, wait] = decide(store.snapshot(cluster_workers=4), 10.0)
+        assert (type(admit).__name__, admit.job_id, admit.workers, admit.flavor) == ("Admit", waits.id, 1, "default")
+        assert wait.job_id == odd.id and wait.cause is WaitCause.TEAM_QUOTA  # 2 + 1 of nominal 3, as before
+
+        store.set_flavors([ResourceFlavor("spot-cpu", "spot", resources=("cpu",)),
+                           ResourceFlavor("on-demand-cpu", "on-demand", resources=("cpu",))])
+        store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 4)])
+        assert store.team("a").quotas == (FlavorQuota("spot-cpu", "cpu", 4.0),)
+        states = [FlavorState(f, {"cpu": 8.0}) for f in store.flavors()]
+        actions = decide(store.snapshot(cluster_workers=0, flavor_states=states), 10.0)
+        # The running job (1 CPU a worker, no flavor recorded) counts 2 CPUs on spot-cpu, the first it
+        # fits; the 2-CPU spot job takes the other 2 of the team's 4; a third CPU is over its quota (a
+        # team of no cohort, with no quota on on-demand-cpu, may not borrow there).
+        assert [(type(a).__name__, a.job_id, getattr(a, "flavor", None), getattr(a, "cause", None))
+                for a in actions] == [("Admit", waits.id, "spot-cpu", None),
+                                      ("Wait", odd.id, None, WaitCause.TEAM_QUOTA)], actions
+    finally:
+        store.close()
+
+
+def test_flavors_and_quotas_are_checked_before_they_are_written(store):
+    spot = ResourceFlavor("spot-cpu", "spot", resources=("cpu",))
+    with pytest.raises(ServiceInputError) as err:
+        store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 4)])
+    assert err.value.field == "quota.flavor" and "no flavor table" in str(err.value)
+    store.set_flavors([spot])
+    with pytest.raises(ServiceInputError) as err:
+        store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "gpu", 1)])
+    assert err.value.field == "quotas[0].resource" and "spot-cpu counts cpu" in str(err.value)
+    with pytest.raises(ServiceInputError) as err:
+        store.set_flavors([spot, ResourceFlavor("spot-again", "spot", resources=("cpu",))])
+    assert err.value.field == "flavors[1]" and "one flavor per kind of node" in str(err.value)
+    with pytest.raises(ServiceInputError) as err:
+        ResourceFlavor("spot", "preemptible")
+    assert err.value.field == "flavor.market"
+    store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 4)])
+    job = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", shape=WorkerShape(market="spot"))
+    store.transition(job.id, JobState.QUEUED, JobState.STARTING, actor="scheduler", reason="admitted",
+                     target_workers=1, flavor="spot-cpu")
+    with pytest.raises(ServiceInputError) as err:
+        store.set_flavors([ResourceFlavor("on-demand-cpu", "on-demand", resources=("cpu",))])
+    assert err.value.field == "flavors" and f"job {job.id} on spot-cpu" in str(err.value)
+    assert store.flavors() == (spot,)
+
+
+@pytest.mark.parametrize("shape, field, words", [
+    (WorkerShape(market="on-demand"), "resources.market", "spot-cpu is spot, the job asks resources.market=on-demand"),
+    (WorkerShape(gpu=1.0, accelerator="H100"), "resources.accelerator_type",
+     "spot-a10g has A10G, the job asks resources.accelerator_type=H100"),
+    (WorkerShape(cpu=64.0), "elastic.min_workers", "is more than its capacity holds: 0 (8 CPU, 2 GPU)"),
+], ids=["a market no flavor has", "a GPU type no flavor has", "a worker bigger than the flavor's ceiling"])
+def test_a_submit_whose_shape_fits_no_flavor_names_the_field(store, shape, field, words):
+    store.set_flavors([ResourceFlavor("spot-cpu", "spot", resources=("cpu",)),
+                       ResourceFlavor("spot-a10g", "spot", "A10G", resources=("gpu",))])
+    store.set_quotas("a", "spot-cpu", [FlavorQuota("spot-cpu", "cpu", 100)])
+    with pytest.raises(ServiceInputError) as err:
+        store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a", shape=shape,
+                     capacity={"spot-cpu": {"cpu": 8.0, "gpu": 2.0}})
+    assert err.value.field == field and words in str(err.value), str(err.value)
+    assert store.jobs() == []

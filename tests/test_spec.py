@@ -75,3 +75,89 @@ def test_large_batch_optimizers_train_a_regression(name):
         opt.step()
     assert loss.item() < 0.05 * first
     assert set(opt.state[model.weight]) == set(opt.state_keys)
+
+
+# ----------------------------------------------------------------------------- any value, anywhere
+
+
+def _field_paths(cls=None, prefix=""):
+    import dataclasses
+    import typing
+
+    from raytrain_sys.spec import JobSpec
+
+    cls = cls or JobSpec
+    for f in dataclasses.fields(cls):
+        tp, path = typing.get_type_hints(cls)[f.name], f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            yield from _field_paths(tp, f"{path}.")
+        yield path
+
+
+def test_any_json_value_in_any_field_is_a_spec_error_naming_a_field_or_a_valid_spec():
+    """What the job service receives is arbitrary JSON: a value of any type, size or nesting in
+    any field (several at once) is refused with a SpecError naming a field, never another
+    exception (the API would answer it 500)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    paths = sorted(_field_paths())
+    scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=2 ** 62, max_value=2 ** 200)
+               | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                          | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+
+    @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(st.sampled_from(paths), values), min_size=1, max_size=3))
+    def check(assignments):
+        raw: dict = {}
+        for path, value in assignments:
+            *sections, name = path.split(".")
+            node = raw
+            for section in sections:
+                node = node.setdefault(section, {})
+                if not isinstance(node, dict):
+                    return
+            node[name] = value
+        try:
+            from_dict(raw)
+        except SpecError as exc:
+            assert exc.field and len(str(exc)) < 1000, str(exc)[:300]
+
+    check()
+
+
+@pytest.mark.parametrize("raw, field, words", [
+    ({"resources": {"num_workers": 10 ** 30}}, "resources.num_workers", "an integer of 64 bits"),
+    ({"optim": {"lr": 10 ** 400}}, "optim.lr", "a finite number"),
+    ({"optim": {"lr": float("inf")}}, "optim.lr", "a finite number"),
+    ({"model": {"factory": {"module": "x"}}}, "model.factory", "an import path"),
+    ({"train": {"task": [1, 2]}}, "train.task", "an import path"),
+    ({"name": "two\nlines"}, "name", "without spaces or slashes"),
+    ({"x" * 10_000: 1}, "'xxxx", "(10000 characters)': unknown field"),
+    ({"resources": {"market": "preemptible"}}, "resources.market", "allowed: any, spot, on-demand"),
+    ({"resources": {"accelerator_type": "A10G"}}, "resources.accelerator_type", "a GPU type needs GPUs"),
+    ({"resources": {"accelerator_type": "A 10", "gpus_per_worker": 1}}, "resources.accelerator_type",
+     "Ray's accelerator type"),
+    ({"resources": {"memory_per_worker_gb": -1}}, "resources.memory_per_worker_gb", "must be 0 or more"),
+], ids=["an integer past 64 bits", "a number past a float", "infinity", "data where an import path goes",
+        "a list where a task goes", "a name on two lines", "a 10,000-character unknown key, quoted short",
+        "a market Ray's labels do not name", "a GPU type without GPUs", "a GPU type no label could carry",
+        "negative memory"])
+def test_values_no_run_could_use_are_refused_naming_the_field(raw, field, words):
+    with pytest.raises(SpecError) as err:
+        from_dict(raw)
+    assert err.value.field.startswith(field) and words in str(err.value) and len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize("text, words", [
+    ("train: {max_steps: " + "9" * 5000 + "}\n", "is not valid YAML: Exceeds the limit (4300 digits)"),
+    ("[" * 5000, "is not valid YAML"),
+    ("name: x\ntrain: {max_steps: [\n", "is not valid YAML at line 3"),
+], ids=["a number of 5,000 digits", "nesting past Python's recursion", "text that does not parse"])
+def test_yaml_that_python_cannot_read_is_a_spec_error_naming_the_file(tmp_path, text, words):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert err.value.field == "SPEC" and words in str(err.value), str(err.value)[:300]

@@ -247,6 +247,93 @@ def test_node_discovery_refuses_ambiguity(monkeypatch):
     assert sw.NodeDrainer("gcs:1", node_id=b, node_ip="10.0.0.6").resolve() == b
 
 
+# --------------------------------------------------------------------------- GCE
+def gce_watcher(url, drain=None, wait_s=2.0, now=None, **kw):
+    drain = drain or FakeDrain()
+    client = sw.GceMetadataClient(url, timeout_s=2.0, wait_s=wait_s,
+                                  **({"clock": now} if now else {}))
+    return sw.SpotWatcher(client, drain, poll_interval_s=0.05, **kw), drain
+
+
+def test_gce_stand_in_speaks_the_metadata_protocol(gce_metadata_server):
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    url = gce_metadata_server.url + sw.GCE_PREEMPTED_PATH
+    with pytest.raises(urllib.error.HTTPError) as e:  # no Metadata-Flavor header
+        opener.open(url, timeout=2)
+    assert e.value.code == 403
+    with pytest.raises(urllib.error.HTTPError) as e:  # a proxied request
+        opener.open(urllib.request.Request(url, headers={"Metadata-Flavor": "Google",
+                                                         "X-Forwarded-For": "10.0.0.1"}), timeout=2)
+    assert e.value.code == 403
+    resp = opener.open(urllib.request.Request(url, headers={"Metadata-Flavor": "Google"}), timeout=2)
+    assert resp.read() == b"FALSE" and resp.headers["Metadata-Flavor"] == "Google"
+    etag = resp.headers["ETag"]
+    t0 = time.monotonic()  # same etag: the answer waits for a change (here: the 1 s timeout)
+    resp = opener.open(urllib.request.Request(
+        url + f"?wait_for_change=true&timeout_sec=1&last_etag={etag}",
+        headers={"Metadata-Flavor": "Google"}), timeout=5)
+    assert resp.read() == b"FALSE" and 0.9 < time.monotonic() - t0 < 3
+
+
+def test_gce_notice_drains_once_with_a_30_s_deadline(gce_metadata_server):
+    now = [1000.0]
+    watcher, drain = gce_watcher(gce_metadata_server.url, wait_s=0.0, now=lambda: now[0])
+    assert watcher.poll_once() == sw.NO_NOTICE
+    gce_metadata_server.preempt()
+    assert watcher.poll_once() == sw.DRAINED
+    now[0] = 1007.0  # later polls see the same notice, not a new one
+    assert watcher.poll_once() == sw.ALREADY_HANDLED
+    assert len(drain.calls) == 1
+    assert drain.calls[0].deadline_unix_s == 1000.0 + sw.GCE_NOTICE_S == 1030.0
+    assert drain.calls[0].action == "preempt"
+
+
+def test_gce_long_poll_sees_the_notice_at_once(gce_metadata_server):
+    """A poll waiting on the server (wait_for_change) returns the moment the notice is posted,
+    not at the next poll: the VM has 30 s, and a 5 s poll would spend a sixth of them."""
+    watcher, drain = gce_watcher(gce_metadata_server.url, wait_s=8.0)
+    assert watcher.poll_once() == sw.NO_NOTICE  # the first answer gives the etag
+    outcome = []
+    th = threading.Thread(target=lambda: outcome.append(watcher.poll_once()), daemon=True)
+    th.start()
+    time.sleep(0.5)
+    assert th.is_alive()  # waiting on the server
+    t_preempt = gce_metadata_server.preempt()
+    th.join(timeout=5)
+    assert outcome == [sw.DRAINED]
+    assert time.time() - t_preempt < 2.0
+    assert abs(drain.calls[0].deadline_unix_s - (t_preempt + sw.GCE_NOTICE_S)) < 2.0
+
+
+def test_gce_answers_that_are_not_the_metadata_server_are_unavailable(gce_metadata_server):
+    watcher, drain = gce_watcher(gce_metadata_server.url, wait_s=0.0, max_backoff_s=4.0)
+    gce_metadata_server.no_flavor(True)  # e.g. a proxy answering for it
+    gce_metadata_server.preempt()
+    assert watcher.poll_once() == sw.IMDS_UNAVAILABLE
+    gce_metadata_server.no_flavor(False)
+    gce_metadata_server.fail_next(1, 503)
+    assert watcher.poll_once() == sw.IMDS_UNAVAILABLE
+    gce_metadata_server.set_down(True)
+    assert watcher.poll_once() == sw.IMDS_UNAVAILABLE
+    assert watcher.next_delay() == 0.05 * 8  # backing off: three failures in a row
+    gce_metadata_server.set_down(False)
+    assert watcher.poll_once() == sw.DRAINED
+    assert len(drain.calls) == 1
+
+
+def test_gce_cli_once(gce_metadata_server):
+    cmd = [sys.executable, "-m", "raytrain_sys.control.spot_watcher", "--provider", "gce",
+           "--imds-url", gce_metadata_server.url, "--once"]
+    once = subprocess.run(cmd, env=_cli_env(gce_metadata_server.url), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert once.returncode == 0, once.stderr
+    assert once.stdout.strip() == sw.NO_NOTICE
+    assert gce_metadata_server.count(200) == 1
+
+
 # --------------------------------------------------------------------------- the CLI
 def _cli_env(imds_url: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}

@@ -25,7 +25,7 @@ from raytrain_sys.control.supervisor.stragglers import (IMBALANCE, SLOW, RankMea
 from raytrain_sys.data.order import deal, weighted_rows
 from raytrain_sys.errors import SpecError
 from tests.ft_common import run_with_events, wait_for_a_ready_newcomer, wait_until
-from tests.helpers import assert_params_close, final_params, read_summary, tiny_spec
+from tests.helpers import assert_params_close, exported_series, final_params, read_summary, tiny_spec
 
 STEPS = 24
 SLOW_RANK = 1
@@ -96,30 +96,10 @@ def test_slow_rank_is_found_and_its_peers_wait_for_it(unmitigated):
     assert [h["step"] for h in history] == list(range(5, STEPS + 1, 5)) and history[-1]["ranks"] == times
     # The gauge, as Prometheus would scrape it from Ray's metrics agents.
     # Every rank's series exists from the first refresh (0 unless flagged): wait for the 1 to be exported.
-    series = wait_until(lambda: [s for s in flagged_series(f'rank="{SLOW_RANK}"') if s.endswith(" 1.0")],
+    series = wait_until(lambda: [s for s in exported_series("raytrain_straggler_flagged", f'rank="{SLOW_RANK}"')
+                                 if s.endswith(" 1.0")],
                         timeout_s=30.0)
     assert series and series[0].endswith(" 1.0") and 'job="t"' in series[0] and 'team="-"' in series[0]
-
-
-def flagged_series(selector: str) -> list[str]:
-    """Lines of raytrain_straggler_flagged matching ``selector`` on the cluster's metrics agents."""
-    import urllib.request
-
-    import ray
-
-    lines = []
-    for node in ray.nodes():
-        port = node.get("MetricsExportPort")
-        if not node["Alive"] or not port:
-            continue
-        try:
-            with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=5) as r:
-                text = r.read().decode()
-        except OSError:
-            continue
-        lines += [line for line in text.splitlines()
-                  if line.startswith("ray_raytrain_straggler_flagged{") and selector in line]
-    return lines
 
 
 @pytest.mark.slow  # a run each, 30-50 s on the shared machine

@@ -247,6 +247,48 @@ def test_sqlite_store_directory_is_created_or_reported(tmp_path):
         check_reachable(default_tracking_uri(str(blocker / "sub")))
 
 
+# One process of the race below: imports done, it waits at the gate, then opens a run.
+OPEN_AT_THE_GATE = """
+import os, sys, time
+import mlflow.store.tracking.sqlalchemy_store
+from raytrain_sys.spec import JobSpec
+from raytrain_sys.tracking.mlflow_tracker import Tracker
+uri, gate, me = sys.argv[1:4]
+open(os.path.join(gate, "ready-" + me), "w").close()
+while not os.path.exists(os.path.join(gate, "go")):
+    time.sleep(0.001)
+print(Tracker.start(uri, "together", "run-" + me, JobSpec(), tags={}).run_id)
+"""
+
+
+def test_runs_opened_at_the_same_moment_on_a_new_sqlite_store_all_open(tmp_path):
+    """Three processes open a run on one new SQLite store at the same moment (the jobs of a
+    fresh service starting together): each gets its run. Without the store made once under a
+    lock, MLflow's migrations ran in all three and two failed ("duplicate column name", "table
+    ... already exists"), seen in every one of several tries."""
+    import subprocess
+    import sys
+
+    uri = default_tracking_uri(str(tmp_path / "runs"))
+    procs = [subprocess.Popen([sys.executable, "-c", OPEN_AT_THE_GATE, uri, str(tmp_path), str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{i}").exists() for i in range(3)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not get ready"
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        outcomes = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    failed = [next((line for line in reversed(err.splitlines()) if "Error" in line), err[-300:])
+              for p, (_, err) in zip(procs, outcomes) if p.returncode != 0]
+    assert not failed, failed
+    run_ids = {out.strip() for out, _ in outcomes}
+    assert len(run_ids) == 3 and {r.info.run_id for r in _runs(uri, "together")} == run_ids
+
+
 @pytest.mark.slow
 def test_training_continues_when_the_server_dies_mid_run(tmp_path_factory):
     with running_mlflow_server(tmp_path_factory.mktemp("dying-mlflow")) as server:

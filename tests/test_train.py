@@ -228,3 +228,43 @@ def test_a_damaged_newest_checkpoint_is_found_before_start(ray_cluster, tiny_dat
     logged = client.download_artifacts(summary["mlflow_run_id"], mt.EVENTS_ARTIFACT, str(tmp_path / "dl"))
     with open(logged) as f:
         assert note in [e["reason"] for e in json.load(f)]  # the choice, as an MLflow event
+
+
+def test_a_newest_checkpoint_corrupt_inside_is_refused_naming_the_older_one_and_the_field(
+        ray_cluster, tiny_dataset, tmp_path):
+    """One byte of its weights flipped (the size unchanged, so only loading finds it): resume
+    refuses naming the newest intact older checkpoint (path and step) and the exact field to
+    resume from it, checkpoint.on_corrupt: previous; with that set, it resumes from step 5,
+    sets the corrupt one aside, says so, and finishes."""
+    from raytrain_sys.errors import CheckpointError
+
+    root = str(tmp_path / "ckpts")
+    first = run_job(tiny_spec(tmp_path, tiny_dataset, train={"max_steps": 10},
+                              checkpoint={"every_steps": 5, "uri": root}))
+    assert first.committed_steps == 10
+    newest = Checkpointer(open_store(root), keep_last=3).latest()
+    weights = os.path.join(root, "step_00000010", newest.manifest["files"][0]["name"])
+    with open(weights, "r+b") as f:
+        f.seek(os.path.getsize(weights) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+    resume = {"every_steps": 5, "uri": root, "resume_from": "latest"}
+    with pytest.raises(CheckpointError) as refused:
+        run_job(tiny_spec(tmp_path / "again", tiny_dataset, train={"max_steps": 15}, checkpoint=resume))
+    message = str(refused.value)
+    assert "\n" not in message and "sha256 mismatch" in message and "step_00000010" in message, message
+    assert f"the newest intact older checkpoint is {os.path.join(root, 'step_00000005')} (step 5)" in message
+    assert "checkpoint.on_corrupt: previous" in message and "--set checkpoint.on_corrupt=previous" in message
+
+    resumed = run_job(tiny_spec(tmp_path / "fallback", tiny_dataset, train={"max_steps": 15},
+                                checkpoint=resume | {"on_corrupt": "previous"}))
+    assert resumed.committed_steps == 15
+    summary = read_summary(resumed.run_dir)
+    assert summary["resumed_from"][-1].endswith("step_00000005"), summary["resumed_from"]
+    [note] = [t["reason"] for t in summary["transitions"] if "sha256 mismatch" in t["reason"]]
+    assert note.endswith(f"resuming from the newest intact older one, {os.path.join(root, 'step_00000005')} "
+                         f"(checkpoint.on_corrupt=previous); set aside: step_00000010")
+    steps = [c.step for c in Checkpointer(open_store(root), keep_last=None).list_complete()]
+    assert steps[-1] == 15 and 10 in steps  # step 10 written again by the resumed run

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from raytrain_sys.checkpoint.store import ObjectNotFoundError, Store, open_store
-from raytrain_sys.errors import CheckpointError, StorageError
+from raytrain_sys.errors import CheckpointCorrupt, CheckpointError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +274,15 @@ class Checkpointer:
                 return info
         return None
 
+    def older_than(self, step: int, how: str = "resume from it (checkpoint.resume_from={uri})",
+                   none: str = "start the run afresh (no checkpoint.resume_from)") -> str:
+        """What to use instead of the checkpoint of ``step``: the newest intact older one and
+        ``how`` (``{uri}`` is its URI), or ``none`` when no older one is intact."""
+        older = self.newest_intact(before_step=step)
+        if older is None:
+            return f"no older checkpoint under {self.store.uri} is intact: {none}"
+        return f"the newest intact older checkpoint is {older.uri} (step {older.step}): {how.format(uri=older.uri)}"
+
     def resolve(self, uri_or_latest: str) -> CheckpointInfo:
         """``"latest"``, a checkpoint directory URI under this store, or a bare step_... name."""
         if uri_or_latest == "latest":
@@ -300,13 +309,11 @@ class Checkpointer:
             present = "is empty or missing" if not self.store.list(name) else "has files but"
             raise CheckpointError(
                 f"checkpoint {uri} {present} no manifest: incomplete checkpoint, written when the "
-                f"run died? Resume from 'latest' or an older complete checkpoint"
+                f"run died? {self.older_than(step)}"
             )
         manifest = self._read_manifest(step)
         if manifest is None:
-            raise CheckpointError(
-                f"checkpoint {uri} has a corrupt {MANIFEST_NAME}: resume from an older checkpoint"
-            )
+            raise CheckpointError(f"checkpoint {uri} has a corrupt {MANIFEST_NAME}: {self.older_than(step)}")
         return CheckpointInfo(uri=uri, step=step, manifest=manifest)
 
     # ---- loading -------------------------------------------------------------------------
@@ -318,16 +325,14 @@ class Checkpointer:
         try:
             data = self.store.get_bytes(rel, size_bytes=record.get("bytes"))
         except ObjectNotFoundError as e:
-            raise CheckpointError(
-                f"checkpoint file {info.uri}/{filename} is listed in the manifest but missing: "
-                f"resume from an older checkpoint"
+            raise CheckpointCorrupt(
+                f"checkpoint file {info.uri}/{filename} is listed in the manifest but missing"
             ) from e
         digest = hashlib.sha256(data).hexdigest()
         if digest != record.get("sha256"):
-            raise CheckpointError(
+            raise CheckpointCorrupt(
                 f"corrupt checkpoint file {info.uri}/{filename}: sha256 mismatch (manifest "
-                f"{record.get('sha256')}, found {digest}, {len(data)} bytes); resume from an "
-                f"older checkpoint"
+                f"{record.get('sha256')}, found {digest}, {len(data)} bytes)"
             )
         try:
             state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")

@@ -9,7 +9,7 @@ import torch
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo, open_checkpoint
 from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.checkpoint.state import model_state_dict, read_full_state
-from raytrain_sys.errors import CheckpointError
+from raytrain_sys.errors import CheckpointCorrupt, CheckpointError
 from raytrain_sys.spec import JobSpec, from_dict
 
 
@@ -49,7 +49,11 @@ def load_model(path: str, s3_endpoint_url: str = "", model_factory=None
     if spec.train.precision == "fp64":
         model = model.double()
     # Whatever layout wrote it (DDP, FSDP, TP, PP): the pieces assemble into the whole model.
-    model.load_state_dict(model_state_dict(read_full_state(ckpt, info)))
+    try:
+        full = read_full_state(ckpt, info)
+    except CheckpointCorrupt as exc:
+        raise CheckpointCorrupt(f"{exc}; {ckpt.older_than(info.step, how='give it instead', none='nothing intact to use')}") from None
+    model.load_state_dict(model_state_dict(full))
     model.eval()
     return model, spec, info
 

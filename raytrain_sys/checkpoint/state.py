@@ -16,7 +16,7 @@ import re
 import torch
 
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
-from raytrain_sys.errors import CheckpointError
+from raytrain_sys.errors import CheckpointCorrupt, CheckpointError
 
 PIECES_NAME = re.compile(r"^pieces_rank\d+\.pt$")
 
@@ -45,15 +45,14 @@ def _states(ckpt: Checkpointer, info: CheckpointInfo):
     for name in names:
         state = ckpt.load_state(info, name)
         if int(state.get("step", -1)) != info.step:
-            raise CheckpointError(f"checkpoint {info.uri}: {name} holds step {state.get('step')}, "
-                                  f"the manifest says {info.step}; resume from an older checkpoint")
+            raise CheckpointCorrupt(f"checkpoint {info.uri}: {name} holds step {state.get('step')}, "
+                                    f"the manifest says {info.step}")
         yield state
 
 
-def _incomplete(info: CheckpointInfo, missing: list[str]) -> CheckpointError:
-    return CheckpointError(f"checkpoint {info.uri} is incomplete: no file covers all of "
-                           f"{missing[:3]}{' ...' if len(missing) > 3 else ''}; resume from an "
-                           f"older checkpoint")
+def _incomplete(info: CheckpointInfo, missing: list[str]) -> CheckpointCorrupt:
+    return CheckpointCorrupt(f"checkpoint {info.uri} is incomplete: no file covers all of "
+                             f"{missing[:3]}{' ...' if len(missing) > 3 else ''}")
 
 
 def load_blocks(ckpt: Checkpointer, info: CheckpointInfo, model, optimizer) -> None:

@@ -1,4 +1,4 @@
-"""`raytrain-sys`: run, resume, report, prepare-data, sample, export, and the job service's jobs, teams, service.
+"""`raytrain-sys`: run, resume, report, prepare-data, sample, export, the job service's jobs, teams, service, and node drain.
 
 Exit codes: 0 done; 2 bad input or environment (one line on stderr says what and what to do);
 3 training failed (workers lost, step timeout); 130 interrupted.
@@ -199,11 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--s3-endpoint-url", default="")
     ex.set_defaults(func=_cmd_export)
 
-    from raytrain_sys.cli import jobs
+    from raytrain_sys.cli import jobs, node
     from raytrain_sys.cli import service as service_cli
 
     jobs.add_parsers(sub)
     service_cli.add_parser(sub)
+    node.add_parser(sub)
     return p
 
 

@@ -69,6 +69,10 @@ class DrainError(Exception):
     """A drain request could not be sent (bad argument or GCS unreachable)."""
 
 
+class NodeNotFound(LookupError):
+    """No alive Ray node matches (``local_node``): it is gone, or never started."""
+
+
 @dataclass(frozen=True)
 class DrainInfo:
     """One alive node's drain, as the GCS reports it."""
@@ -110,6 +114,9 @@ class NodeInfo:
     death_message: str = ""
     start_time_unix_s: Optional[float] = None
     end_time_unix_s: Optional[float] = None
+    # RAY_CLOUD_INSTANCE_ID of the node's `ray start` (KubeRay: the pod's name), "" if unset
+    instance_id: str = ""
+    labels: dict = field(default_factory=dict)
 
     @property
     def draining(self) -> bool:
@@ -357,6 +364,8 @@ def nodes(gcs_address: Optional[str] = None,
             death_message=info.death_info.reason_message if not alive else "",
             start_time_unix_s=info.start_time_ms / 1000.0 if info.start_time_ms else None,
             end_time_unix_s=info.end_time_ms / 1000.0 if info.end_time_ms else None,
+            instance_id=info.instance_id,
+            labels=dict(info.labels),
         )
     return out
 
@@ -383,3 +392,65 @@ def nodes_on_ip(ip: str, gcs_address: Optional[str] = None,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list[NodeInfo]:
     """Alive nodes whose raylet listens on ``ip`` (how a per-host daemon finds its node)."""
     return [n for n in alive_nodes(gcs_address, timeout_s).values() if n.ip == ip]
+
+
+# Set by `ray start` from its environment; KubeRay sets it to the pod's name on every Ray pod.
+INSTANCE_ID_ENV = "RAY_CLOUD_INSTANCE_ID"
+
+
+def local_node(node_id: Optional[str] = None, instance_id: Optional[str] = None,
+               ip: Optional[str] = None, gcs_address: Optional[str] = None) -> str:
+    """The hex id of the Ray node a per-node process (the spot watcher, a pod's preStop hook)
+    acts for, in this order: ``node_id`` if given; else the alive node whose instance id is
+    ``instance_id`` (default ``$RAY_CLOUD_INSTANCE_ID``: on KubeRay the pod's name, which one
+    pod's processes share); else the only alive node on ``ip`` (default: this host's IP as Ray
+    detects it). Raises NodeNotFound when none matches, LookupError when several do."""
+    if node_id:
+        return normalize_node_id(node_id)
+    instance_id = os.environ.get(INSTANCE_ID_ENV, "") if instance_id is None else instance_id
+    if instance_id:
+        found = [n for n in alive_nodes(gcs_address).values() if n.instance_id == instance_id]
+        what = f"instance id {instance_id!r} (${INSTANCE_ID_ENV})"
+    else:
+        if not ip:
+            from ray._private.services import get_node_ip_address
+
+            ip = get_node_ip_address()
+        found = nodes_on_ip(ip, gcs_address)
+        what = f"IP {ip}"
+    if not found:
+        raise NodeNotFound(f"no alive Ray node with {what} in the cluster at "
+                          f"{resolve_gcs_address(gcs_address)}")
+    if len(found) > 1:
+        raise LookupError(f"{len(found)} alive Ray nodes have {what}: pass --node-id "
+                          f"({', '.join(n.node_id for n in found)})")
+    return found[0].node_id
+
+
+def training_slots_on(node_id: str, gcs_address: Optional[str] = None) -> list[str]:
+    """Names of the training slots still placed on a node: placement groups of raytrain-sys
+    runs (``worker_group.run_name_prefix``) with a bundle there, not removed.
+
+    Every worker of a run works in its own one-bundle placement group (warm spares included:
+    a spare adopted by a job works in the job's group), and the Supervisor removes it when
+    the worker leaves, so an empty list means no worker of ours trains there any more. Idle
+    spares and runners hold no placement group and do not count. Read from the GCS's
+    placement-group table without ``ray.init``, as Ray's own tools read it.
+    """
+    from ray._private.state import GlobalState
+    from ray._raylet import GcsClientOptions
+
+    from raytrain_sys.control import NAME_PREFIX
+
+    node_id = normalize_node_id(node_id)
+    state = GlobalState()
+    state._initialize_global_state(GcsClientOptions.create(
+        resolve_gcs_address(gcs_address), None, allow_cluster_id_nil=True,
+        fetch_cluster_id_if_nil=False))
+    try:
+        table = state.placement_group_table()
+    finally:
+        state.disconnect()
+    return sorted(info["name"] for info in table.values()
+                  if info["state"] != "REMOVED" and info["name"].startswith(NAME_PREFIX + ":")
+                  and node_id in info["bundles_to_node_id"].values())

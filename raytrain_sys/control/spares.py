@@ -273,8 +273,11 @@ RemoteSparePool = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(Spar
 
 def start_pool(per_node: int):
     """The cluster's pool (started now, or the running one set to ``per_node``)."""
+    from raytrain_sys.control.control_actors import control_options
+
+    # A control actor (control_actors.py): on a safe node when the cluster has one.
     pool = RemoteSparePool.options(name=POOL_NAME, namespace=NAMESPACE, lifetime="detached",
-                                   get_if_exists=True).remote(per_node)
+                                   get_if_exists=True, **control_options()).remote(per_node)
     ray.get(pool.set_per_node.remote(per_node))
     return pool
 

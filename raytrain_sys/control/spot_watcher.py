@@ -1,12 +1,17 @@
-"""Per-node daemon that turns an AWS spot interruption notice into a Ray drain.
+"""Per-node daemon that turns a spot interruption notice (AWS or GCE) into a Ray drain.
 
-Nothing in Ray reads the EC2 two-minute notice. This daemon runs on every spot worker node
+Nothing in Ray reads the EC2 two-minute notice, nor GCE's 30-second one. This daemon runs on
+every spot worker node
 (the cluster configs in ``cluster_configs/`` start it right after ``ray start``), polls the
 instance metadata service (IMDSv2) every few seconds and, when a notice appears, drains ITS OWN
 Ray node with reason PREEMPTION and the notice's time as the deadline. The Supervisor sees the
 drain (``raytrain_sys.control.drain.draining_nodes``) and shrinks away at a step boundary.
 
     python -m raytrain_sys.control.spot_watcher --gcs-address $RAY_HEAD_IP:6379
+
+``--provider gce`` reads the GCE metadata server instead (see ``GceMetadataClient``): a Spot or
+preemptible VM is stopped 30 s after ``instance/preempted`` turns ``TRUE``, so the drain's
+deadline is the moment the watcher first saw it plus 30 s.
 
 IMDS protocol (IMDSv2): ``PUT /latest/api/token`` with ``X-aws-ec2-metadata-token-ttl-seconds``
 returns a session token; ``GET /latest/meta-data/spot/instance-action`` with
@@ -61,6 +66,18 @@ DEFAULT_TOKEN_TTL_S = 21600
 DEFAULT_POLL_INTERVAL_S = 5.0
 DEFAULT_MAX_BACKOFF_S = 30.0
 
+# GCE's metadata server (the same link-local address as AWS's IMDS).
+GCE_PREEMPTED_PATH = "/computeMetadata/v1/instance/preempted"
+GCE_FLAVOR_HEADER = "Metadata-Flavor"  # "Google": required on a request, sent on every answer
+GCE_NOTICE_S = 30.0  # a Spot or preemptible VM is stopped this long after its notice
+# Each poll waits up to this long for the value to change (wait_for_change): a notice is seen
+# the moment it is posted, and a stopping watcher (SIGTERM) exits within this long.
+DEFAULT_GCE_WAIT_S = 10.0
+# Between two GCE polls: short, since each one already waited on the server.
+DEFAULT_GCE_POLL_INTERVAL_S = 0.5
+PROVIDERS = ("aws", "gce")
+PROVIDER_ENV = "RAYTRAIN_SYS_SPOT_PROVIDER"
+
 # poll_once() outcomes
 NO_NOTICE = "no-notice"
 DRAINED = "drained"
@@ -114,15 +131,9 @@ class ImdsClient:
         self.token_fetches = 0
 
     def _request(self, method: str, path: str, headers: dict) -> tuple[int, bytes]:
-        req = urllib.request.Request(self.base_url + path, method=method, headers=headers)
-        try:
-            with self._opener.open(req, timeout=self.timeout_s) as resp:
-                return resp.status, resp.read()
-        except urllib.error.HTTPError as e:
-            body = e.read() if e.fp is not None else b""
-            return e.code, body
-        except (urllib.error.URLError, OSError, ValueError) as e:  # refused, timeout, reset
-            raise ImdsUnavailable(f"{method} {self.base_url}{path}: {e}") from e
+        status, _, body = _fetch(self._opener, method, self.base_url + path, headers,
+                                 self.timeout_s)
+        return status, body
 
     def token(self) -> str:
         # Refresh a minute early (or at half the TTL for very short TTLs).
@@ -159,12 +170,72 @@ class ImdsClient:
         return parse_notice(body)
 
 
+def _fetch(opener, method: str, url: str, headers: dict, timeout_s: float):
+    """One metadata request: (status, answer headers, body); an HTTP error status is an
+    answer, a network failure (refused, timeout, reset) raises ImdsUnavailable."""
+    req = urllib.request.Request(url, method=method, headers=headers)
+    try:
+        with opener.open(req, timeout=timeout_s) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        body = e.read() if e.fp is not None else b""
+        return e.code, e.headers, body
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ImdsUnavailable(f"{method} {url}: {e}") from e
+
+
+class GceMetadataClient:
+    """GCE metadata server: ``GET /computeMetadata/v1/instance/preempted`` with
+    ``Metadata-Flavor: Google`` answers ``FALSE`` until the VM is preempted and ``TRUE`` from
+    the notice on (30 s before the VM stops). After the first answer each request long-polls
+    (``wait_for_change=true&last_etag=..&timeout_sec=..``): the server answers when the value
+    changes, or with the same value after ``wait_s``. An answer without ``Metadata-Flavor:
+    Google`` did not come from a metadata server (a proxy, a captive portal) and counts as
+    unavailable. The notice carries no time: its deadline is when this client first saw TRUE
+    plus ``GCE_NOTICE_S``, and it stays the same notice while TRUE lasts (one drain)."""
+
+    def __init__(self, base_url: str = DEFAULT_IMDS_URL, timeout_s: float = 2.0,
+                 wait_s: float = DEFAULT_GCE_WAIT_S, clock: Callable[[], float] = time.time):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.wait_s = wait_s
+        self._clock = clock
+        self._etag: Optional[str] = None
+        self._notice: Optional[InterruptionNotice] = None
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def instance_action(self) -> Optional[InterruptionNotice]:
+        path = GCE_PREEMPTED_PATH
+        wait_s = self.wait_s if self._etag else 0.0
+        if wait_s > 0:
+            path += f"?wait_for_change=true&timeout_sec={int(wait_s)}&last_etag={self._etag}"
+        status, headers, body = _fetch(self._opener, "GET", self.base_url + path,
+                                       {GCE_FLAVOR_HEADER: "Google"}, self.timeout_s + wait_s)
+        if status != 200:
+            raise ImdsUnavailable(f"{GCE_PREEMPTED_PATH} answered {status}: {body[:200]!r}")
+        if (headers.get(GCE_FLAVOR_HEADER) or "") != "Google":
+            raise ImdsUnavailable(f"{self.base_url} answered without {GCE_FLAVOR_HEADER}: Google "
+                                  f"(not a GCE metadata server)")
+        self._etag = headers.get("ETag") or None
+        value = body.decode(errors="replace").strip().upper()
+        if value == "FALSE":
+            self._notice = None
+            return None
+        if value != "TRUE":
+            raise ValueError(f"instance/preempted answered {value!r}, not TRUE or FALSE")
+        if self._notice is None:
+            seen = self._clock()
+            when = _dt.datetime.fromtimestamp(seen, _dt.timezone.utc)
+            self._notice = InterruptionNotice("preempt", when.isoformat(), seen + GCE_NOTICE_S)
+        return self._notice
+
+
 @dataclass
 class SpotWatcher:
     """The polling logic, independent of Ray: ``on_notice`` does the drain and returns whether
     it was accepted (exceptions count as a failure and are retried at the next poll)."""
 
-    imds: ImdsClient
+    imds: "ImdsClient | GceMetadataClient"
     on_notice: Callable[[InterruptionNotice], bool]
     poll_interval_s: float = DEFAULT_POLL_INTERVAL_S
     max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
@@ -248,7 +319,8 @@ class NodeDrainer:
         return self.gcs_address
 
     def resolve(self) -> str:
-        """The node to drain: the fixed id, or the only alive Ray node on this host's IP."""
+        """The node to drain: the fixed id, else this host's node (``drain.local_node``: by
+        ``$RAY_CLOUD_INSTANCE_ID`` when set, else the only alive node on this host's IP)."""
         if self.fixed_node_id:
             return self.fixed_node_id
         from raytrain_sys.control import drain
@@ -261,15 +333,8 @@ class NodeDrainer:
             log.info("event=node_gone node_id=%s (looking for this host's node again)",
                      self._discovered)
             self._discovered = None
-        ip = self.node_ip or _local_node_ip()
-        found = drain.nodes_on_ip(ip, address)
-        if not found:
-            raise LookupError(f"no alive Ray node with IP {ip} in the cluster at {address}")
-        if len(found) > 1:
-            raise LookupError(f"{len(found)} alive Ray nodes have IP {ip}: pass --node-id "
-                              f"({', '.join(n.node_id for n in found)})")
-        self._discovered = found[0].node_id
-        log.info("event=node_discovered node_id=%s ip=%s", self._discovered, ip)
+        self._discovered = drain.local_node(ip=self.node_ip, gcs_address=address)
+        log.info("event=node_discovered node_id=%s", self._discovered)
         return self._discovered
 
     def __call__(self, notice: InterruptionNotice) -> bool:
@@ -287,20 +352,17 @@ class NodeDrainer:
         return result.accepted
 
 
-def _local_node_ip() -> str:
-    from ray._private.services import get_node_ip_address
-
-    return get_node_ip_address()
-
-
 # --------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m raytrain_sys.control.spot_watcher",
         description="Drain this Ray node (reason PREEMPTION) when EC2 announces a spot "
-                    "interruption.")
+                    "interruption or GCE a preemption.")
+    p.add_argument("--provider", choices=PROVIDERS, default=os.environ.get(PROVIDER_ENV, "aws"),
+                   help=f"whose notice to read: aws (IMDSv2 spot/instance-action) or gce "
+                        f"(instance/preempted); env {PROVIDER_ENV}, default aws")
     p.add_argument("--imds-url", default=os.environ.get(IMDS_URL_ENV, DEFAULT_IMDS_URL),
-                   help=f"instance metadata service base URL (env {IMDS_URL_ENV}; "
+                   help=f"instance metadata service base URL, AWS's or GCE's (env {IMDS_URL_ENV}; "
                         f"default {DEFAULT_IMDS_URL})")
     p.add_argument("--gcs-address", default=None,
                    help="Ray GCS host:port (default: RAY_ADDRESS, then the local ray start)")
@@ -309,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "alive node on this host's IP)")
     p.add_argument("--node-ip", default=None,
                    help="this host's Ray node IP for discovery (default: Ray's detection)")
-    p.add_argument("--poll-interval-s", type=float, default=DEFAULT_POLL_INTERVAL_S)
+    p.add_argument("--poll-interval-s", type=float, default=None,
+                   help=f"between polls (default {DEFAULT_POLL_INTERVAL_S:g} s on aws, "
+                        f"{DEFAULT_GCE_POLL_INTERVAL_S:g} s on gce, whose polls wait on the server)")
     p.add_argument("--max-backoff-s", type=float, default=DEFAULT_MAX_BACKOFF_S)
     p.add_argument("--token-ttl-s", type=int, default=DEFAULT_TOKEN_TTL_S)
     p.add_argument("--http-timeout-s", type=float, default=2.0)
@@ -351,8 +415,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
 
     drainer = NodeDrainer(args.gcs_address, args.node_id, args.node_ip)
-    imds = ImdsClient(args.imds_url, args.token_ttl_s, args.http_timeout_s)
-    watcher = SpotWatcher(imds, drainer, args.poll_interval_s, args.max_backoff_s)
+    if args.provider == "gce":
+        imds = GceMetadataClient(args.imds_url, args.http_timeout_s)
+        poll_s = DEFAULT_GCE_POLL_INTERVAL_S
+    else:
+        imds = ImdsClient(args.imds_url, args.token_ttl_s, args.http_timeout_s)
+        poll_s = DEFAULT_POLL_INTERVAL_S
+    if args.poll_interval_s is not None:
+        poll_s = args.poll_interval_s
+    watcher = SpotWatcher(imds, drainer, poll_s, args.max_backoff_s)
 
     if args.once:
         outcome = watcher.poll_once()
@@ -367,9 +438,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    log.info("event=started imds_url=%s gcs_address=%s node_id=%s poll_interval_s=%s",
-             args.imds_url, args.gcs_address or "(auto)", args.node_id or "(discover)",
-             args.poll_interval_s)
+    log.info("event=started provider=%s imds_url=%s gcs_address=%s node_id=%s "
+             "poll_interval_s=%s", args.provider, args.imds_url, args.gcs_address or "(auto)",
+             args.node_id or "(discover)", poll_s)
 
     def _preflight():  # only to log early which node this watcher will drain
         try:

@@ -1,5 +1,10 @@
 """The worker group: Ray actors, one per slot, each in a one-bundle placement group.
 
+A slot's bundle holds the spec's CPUs, GPUs and memory per worker, and selects the nodes of the
+job's flavor (``resources.market``, ``resources.accelerator_type``: Ray's own node labels, see
+``node_roles``) when the spec names one: the job service's jobs run on the flavor they were
+admitted on, and every newcomer of a grow or a replacement lands there too.
+
 It owns actors and their placement groups; it does not decide membership or commit steps (the
 Supervisor does). The first gang is all or nothing: every slot's placement group must be ready
 within the start timeout, or all are removed and the start fails with a clear error.
@@ -17,6 +22,7 @@ moment between a driver's death and Ray's clean-up, or a leak), see ``clean_up_l
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -30,6 +36,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
+from raytrain_sys.control import GB, NAME_PREFIX, slot_bundle
+from raytrain_sys.control.node_roles import ACCELERATOR_LABEL, MARKET_LABEL
 from raytrain_sys.control.spares import SpareSource, takes_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
@@ -37,7 +45,14 @@ from raytrain_sys.spec import JobSpec
 
 log = logging.getLogger(__name__)
 
-NAME_PREFIX = "raytrain-sys"
+def selector_of(spec: JobSpec) -> dict[str, str]:
+    """The label selector of a spec's worker slots: ``resources.market`` (unless any) and
+    ``resources.accelerator_type`` (unless empty), as Ray's node labels name them."""
+    r = spec.resources
+    selector = {MARKET_LABEL: r.market} if r.market != "any" else {}
+    if r.accelerator_type:
+        selector[ACCELERATOR_LABEL] = r.accelerator_type
+    return selector
 
 
 def run_name_prefix(run_key: str) -> str:
@@ -63,10 +78,27 @@ def connect_ray(spec: JobSpec) -> bool:
     if spec.resources.num_workers * spec.resources.cpus_per_worker > num_cpus:  # no cluster started
         raise _local_capacity_error("CPU", num_cpus, spec.resources.num_workers, spec.resources.cpus_per_worker)
     runtime_env = {"env_vars": {"OMP_NUM_THREADS": str(max(1, int(spec.resources.cpus_per_worker)))}}
-    # address="local" never attaches to some other cluster that happens to run on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             runtime_env=runtime_env, log_to_driver=True)
+    try:
+        # address="local" never attaches to some other cluster that happens to run on this machine.
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 runtime_env=runtime_env, log_to_driver=True)
+    except Exception as exc:  # Ray's own: a process of the node did not start (in time)
+        with contextlib.suppress(Exception):
+            ray.shutdown()  # whatever of the node did start
+        raise local_start_error(exc) from None
     return True
+
+
+def local_start_error(exc: BaseException) -> UserError:
+    """Ray's failure to start the local cluster, as one line saying what to do. On a loaded
+    machine a node's processes can miss Ray's waits (its GCS port file, 30 s by default; the
+    raylet's registration, 30 s, fixed), and Ray raises a bare RuntimeError or Exception with
+    its traceback."""
+    said = " ".join(str(exc).split())[:300] or type(exc).__name__
+    return UserError(f"the local Ray cluster did not start ({said}); on a busy machine try again when it is "
+                     f"less loaded, or wait longer for Ray's GCS (RAY_gcs_server_port_wait_time_s=120), or "
+                     f"start Ray yourself (`ray start --head`) and give its address (RAY_ADDRESS or "
+                     f"resources.ray_address)")
 
 
 RAY_TOKEN_SOURCES = "$RAY_AUTH_TOKEN, else the file $RAY_AUTH_TOKEN_PATH names, else ~/.ray/auth_token"
@@ -188,15 +220,27 @@ class WorkerGroup:
     # ------------------------------------------------------------------ resources
     def _bundle(self) -> dict[str, float]:
         r = self.spec.resources
-        bundle = {"CPU": r.cpus_per_worker}
-        if r.gpus_per_worker:
-            bundle["GPU"] = r.gpus_per_worker
-        return bundle
+        return slot_bundle(r.cpus_per_worker, r.gpus_per_worker, r.memory_per_worker_gb)
+
+    def _selector(self) -> dict[str, str]:
+        """The node labels a slot's bundle asks (``node_roles``: Ray's own market and accelerator
+        labels): the job's flavor when it names one (``resources.market``,
+        ``resources.accelerator_type``; the job service sets them to the flavor it admitted the
+        job on), else none."""
+        return selector_of(self.spec)
 
     def _check_capacity(self, num_workers: int) -> None:
         """Fail at once when no amount of waiting helps: a cluster we started cannot grow."""
         if not self.local_cluster:
             return
+        selector = self._selector()
+        if selector:  # a node this process started has no market or accelerator label of ours
+            field = "resources.market" if MARKET_LABEL in selector else "resources.accelerator_type"
+            raise ClusterCapacityError(
+                f"the local Ray cluster's node has no label {', '.join(f'{k}={v}' for k, v in selector.items())}: "
+                f"{field} asks for nodes it does not have; leave resources.market 'any' and "
+                f"resources.accelerator_type empty, or connect to a cluster that labels its nodes "
+                f"(resources.ray_address)")
         total = ray.cluster_resources()
         for res, per_worker in self._bundle().items():
             need, have = per_worker * num_workers, total.get(res, 0.0)
@@ -207,7 +251,9 @@ class WorkerGroup:
         """Ask for one more worker; it starts in the background (see ``ready_pending``). With
         ``start_actor`` False only its placement group is asked for (``_start_actors``)."""
         slot = next(self._slots)
-        pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=f"{self.name_prefix}{slot}")
+        selector = self._selector()
+        pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=f"{self.name_prefix}{slot}",
+                             bundle_label_selector=[selector] if selector else None)
         worker = Worker(slot, None, pg)
         if start_actor:
             self._start_fresh(worker)
@@ -219,6 +265,7 @@ class WorkerGroup:
         r = self.spec.resources
         w.actor = self.actor_class.options(
             name=f"{self.name_prefix}{w.slot}", num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
+            **({"memory": r.memory_per_worker_gb * GB} if r.memory_per_worker_gb else {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=w.pg,
                                                                  placement_group_bundle_index=0),
         ).remote(self.spec.to_dict())
@@ -284,8 +331,9 @@ class WorkerGroup:
         if len(ready) < len(pgs):
             total, avail = ray.cluster_resources(), ray.available_resources()
             self.shutdown()
+            on = f" on nodes labelled {self._selector()}" if self._selector() else ""
             raise ClusterCapacityError(
-                f"the cluster could not hold {num_workers} workers x {self._bundle()} within "
+                f"the cluster could not hold {num_workers} workers x {self._bundle()}{on} within "
                 f"{timeout:g} s (resources.start_timeout_s); cluster total CPU={total.get('CPU', 0):g} "
                 f"GPU={total.get('GPU', 0):g}, available CPU={avail.get('CPU', 0):g}: lower "
                 f"resources.num_workers or add nodes")

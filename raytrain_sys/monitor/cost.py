@@ -11,6 +11,11 @@ teardown, so the idle time of a rebuild, a restore or a resize is paid like a st
 count is piecewise constant between the moments the caller reports it (every commit and every
 state transition), which is where it changes.
 
+The price is the spec's ``resources.cost_per_worker_hour``. A job service job is priced as the
+flavor it was admitted on: its launch sets that field to the flavor's price for the job's worker
+(``service.model.ResourceFlavor.usd_per_worker_hour``: CPUs, GPUs and GB at the flavor's hourly
+rates), so spot and on-demand runs of the same job cost apart.
+
 Two prices per token: the plain one divides by every token trained (steps redone after a
 restore count twice, as they were paid twice); the goodput one by the tokens of the committed
 steps only, so it is the higher one whenever a failure made work be thrown away.

@@ -9,7 +9,8 @@ recoveries, and the reconciler's pass. Nothing here decides anything or is read 
 
 Labels are bounded: ``job`` (the spec's name), ``team`` (the service team, ``-`` outside the
 service), and for per-rank series ``rank`` and ``node`` (the node's IP); failures add ``kind``
-(a handful of values). No actor ids, so series survive restarts and a 512-rank job stays 512
+(a handful of values), and the service's waiting jobs ``cause`` (a ``WaitCause`` value, never the
+sentence). No actor ids, so series survive restarts and a 512-rank job stays 512
 series a metric. Ray adds its own labels (``WorkerId`` of the driver among them): the
 dashboard's queries aggregate them away.
 
@@ -19,12 +20,19 @@ values and the counts since the last flush, and those of the per-rank series (on
 part) at most every ``RANK_FLUSH_S``. Ray's agent exports every
 ``RAY_metrics_report_interval_ms`` (10 s by default), so finer updates would not be seen. A
 metrics error is logged once and the metrics go quiet: they must never stop a run.
+
+Every label value goes through ``label_value``: Ray's exporter encodes tag values as ASCII and
+raises on anything else, so one team or job name outside ASCII would otherwise turn a run's (or
+the service's) metrics off. The service's names follow ``service.model.NAME_RULE`` already; this
+is the net under it (a team made before the rule, a spec's name). And the service's gauges are
+set team by team: one team's failure is logged and skips that team, never the others.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,9 @@ FLUSH_S = 1.0  # a tenth of Ray's default report interval: every export sees fre
 # Per-rank series at Ray's default report interval: a 512-rank job's 2,000 of them take about
 # 15 ms to set, which once a second would be 1.5% of the driver's time.
 RANK_FLUSH_S = 10.0
+
+LABEL_MAX_CHARS = 128  # a label is a name to group by, not a message
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 RUN_TAGS = ("job", "team")
 RANK_TAGS = ("job", "team", "rank", "node")
@@ -70,6 +81,13 @@ COST_GAUGES = {
 _metrics: dict[str, object] = {}  # name -> metric: one object a process (a service runs many runs)
 
 
+def label_value(text: object) -> str:
+    """``text`` as a label value Ray exports: printable ASCII kept, any other character as its
+    backslash escape (so distinct names stay distinct), at most ``LABEL_MAX_CHARS``."""
+    ascii_text = str(text).encode("ascii", "backslashreplace").decode("ascii")
+    return _CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", ascii_text)[:LABEL_MAX_CHARS]
+
+
 def _metric(kind: str, name: str, help: str, tags: tuple[str, ...], **kw):
     found = _metrics.get(name)
     if found is None:
@@ -100,7 +118,7 @@ class RunMetrics(_Emitter):
 
     def __init__(self, job: str, team: str = "-", enabled: bool = True, clock=time.monotonic):
         super().__init__(enabled)
-        self.tags = {"job": job, "team": team or "-"}
+        self.tags = {"job": label_value(job), "team": label_value(team or "-")}
         self._clock = clock
         self._next_flush = 0.0
         self._next_rank_flush = 0.0
@@ -148,7 +166,7 @@ class RunMetrics(_Emitter):
             self._next_rank_flush = self._clock() + RANK_FLUSH_S
             results, members = self._ranks
             for rank, (lease, member) in enumerate(zip(results, members)):
-                tags = {**self.tags, "rank": str(rank), "node": member.info.get("ip") or member.node_id}
+                tags = {**self.tags, "rank": str(rank), "node": label_value(member.info.get("ip") or member.node_id)}
                 for key, (name, help) in RANK_GAUGES.items():
                     if key in lease[-1]:
                         _metric("Gauge", name, help, RANK_TAGS).set(lease[-1][key], tags=tags)
@@ -200,16 +218,39 @@ class RunMetrics(_Emitter):
 
 
 class ServiceMetrics(_Emitter):
-    """The job service's queue and quota per team, from each reconciler pass's snapshot."""
+    """The job service's queue and quota per team, from each reconciler pass's snapshot, and its
+    jobs not running yet per team and cause."""
+
+    def __init__(self, enabled: bool = True):
+        super().__init__(enabled)
+        self._waiting: set[tuple[str, str]] = set()  # (team, cause) series set above 0 last time
+        self._failed_teams: set[str] = set()  # logged once each
 
     def observe(self, snapshot) -> None:
         self._safely(self._observe, snapshot)
 
+    def waiting(self, jobs) -> None:
+        """``raytrain_service_waiting_jobs{team, cause}`` from the jobs' stored wait reasons;
+        a series that had jobs and has none now is set to 0 (a gauge keeps its last value)."""
+        self._safely(self._waiting_jobs, jobs)
+
+    def _waiting_jobs(self, jobs) -> None:
+        counts = wait_counts(jobs)
+        for team, cause in self._waiting | set(counts):
+            _metric("Gauge", *WAITING_GAUGE, ("team", "cause")).set(counts.get((team, cause), 0),
+                                                                     tags={"team": team, "cause": cause})
+        self._waiting = set(counts)
+
     def _observe(self, snapshot) -> None:
+        gauges = {key: _metric("Gauge", name, help, ("team",)) for key, (name, help) in SERVICE_GAUGES.items()}
         for team, row in team_usage(snapshot).items():
-            tags = {"team": team}
-            for key, (name, help) in SERVICE_GAUGES.items():
-                _metric("Gauge", name, help, ("team",)).set(row[key], tags=tags)
+            try:
+                for key, gauge in gauges.items():
+                    gauge.set(row[key], tags={"team": label_value(team)})
+            except Exception as exc:  # one team's series must not stop the others' (nor turn them off)
+                if team not in self._failed_teams:
+                    self._failed_teams.add(team)
+                    log.warning("metrics of team %s skipped after an error: %s", label_value(team), exc)
 
 
 SERVICE_GAUGES = {
@@ -218,6 +259,21 @@ SERVICE_GAUGES = {
     "borrowed": ("raytrain_service_quota_borrowed_workers", "Workers used beyond the team's nominal quota"),
     "nominal": ("raytrain_service_quota_nominal_workers", "The team's nominal quota"),
 }
+
+
+WAITING_GAUGE = ("raytrain_service_waiting_jobs",
+                 "Jobs not running yet (queued, paused, starting, resuming), by team and the cause they wait on")
+
+
+def wait_counts(jobs) -> dict[tuple[str, str], int]:
+    """(team, cause) -> how many of ``jobs`` (``JobRecord``s) not running yet wait on that cause
+    (those with no reason written yet are left out)."""
+    counts: dict[tuple[str, str], int] = {}
+    for job in jobs:
+        if job.state.pending and job.wait_cause is not None:
+            key = (job.team, job.wait_cause.value)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def team_usage(snapshot) -> dict[str, dict[str, int]]:

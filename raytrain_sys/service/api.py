@@ -16,10 +16,20 @@ step and nothing fetched from elsewhere) polls ``GET /v1/progress`` with the tok
 typed in (or gave in the URL fragment, ``/#token=...``, which never reaches a server log), so
 it shows exactly what that token may list.
 
+Every request is held to one declared schema (the pydantic models below, which are also the
+published OpenAPI document, ``/openapi.json``): each body field, query and path parameter has its
+type, bounds (``model``'s: worker counts, priorities, weights, job ids), lengths and patterns (a
+team's name: ``model.NAME_RULE``), and a body has exactly its fields (an unknown one is refused).
+What the schema cannot say (a spec's own rules, a lending limit above the nominal quota, an
+unknown team) is checked by the code behind it and refused the same way. The front door
+(``service/door.py``) bounds every body (413), refuses a body that is not UTF-8 JSON, answers
+every refusal of any layer in one shape and audits it.
+
 Errors are JSON ``{"error": "...", "field": ...}``: 400 a field is wrong (named), 401 no valid
-token, 403 another team's job or an admin-only call, 404 no such job or team, 409 the job's
-state does not allow the request (named; nothing changed), 413 a package over its limit, 503 the
-database is unreachable.
+token, 403 another team's job or an admin-only call, 404 no such job or team (or path), 405 a
+method the path does not have (``Allow`` names those it has), 409 the job's state does not allow
+the request (named; nothing changed), 413 a body over its limit (a package 64 MiB, any other
+1 MiB), 503 the database is unreachable.
 
 Why FastAPI + uvicorn rather than Ray Serve: the API is one small process that runs beside the
 scheduler loop in the service actor (``serve`` starts it on a thread); Serve would add a
@@ -32,34 +42,50 @@ a plain ASGI server with no cluster dependency, so the API and its tests need no
 from __future__ import annotations
 
 import contextlib
+import errno
+import dataclasses
 import logging
 import os
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 from fastapi import Body, Depends, FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse, Response
-from pydantic import BaseModel, Field
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 from starlette.concurrency import run_in_threadpool
 
-from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError
-from raytrain_sys.service import auth, packages, requests
-from raytrain_sys.service.model import JobRecord, JobState, Team
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError, quote
+from raytrain_sys.service import auth, door, packages, requests
+from raytrain_sys.service.model import (ACCELERATOR_PATTERN, DEFAULT_FLAVOR, JOB_NAME_MAX_CHARS, JOB_NAME_PATTERN,
+                                        MARKETS, MAX_AMOUNT, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS, NAME_MAX_CHARS,
+                                        NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES, RESOURCES,
+                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, FlavorQuota, JobRecord, JobState,
+                                        ResourceFlavor, Team, WaitCause, name_problem, team_ref_problem)
 from raytrain_sys.service.store import Principal, Store
 
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/v1"
-DEFAULT_LOG_DIR = "service-logs"  # where the runner writes job-<id>.log, unless told otherwise
 LOG_CHUNK_BYTES = 1 << 20  # one logs answer at most (1 MiB); a follower asks again from next_offset
 SERVE_START_TIMEOUT_S = 10.0  # uvicorn binds no port itself (we pass the socket); startup is ~0.1 s
 PAGE_FILE = Path(__file__).with_name("page") / "jobs.html"
-RESERVED_TEAM_NAMES = frozenset({"admin", auth.ANONYMOUS, auth.BOOTSTRAP})  # audit actors
+MAX_LOG_OFFSET = 2 ** 63 - 1  # a file offset is a signed 64-bit number
+MAX_REASON_CHARS = 500  # a request's reason: a sentence, recorded with its transition
+MAX_OVERRIDES = 200  # a spec has about 150 fields: an override for each, and room
+OVERRIDE_MAX_CHARS = 4096  # one "dotted.key=value": a long path or list, not a file's content
+ONE_LINE_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"  # no control characters: a reason stays one line in every log
+OVERRIDE_PATTERN = r"^[^=\x00-\x1f\x7f-\x9f]+=[^\x00-\x1f\x7f-\x9f]*$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+MAX_FLAVORS = 64  # a flavor table: a kind of node each (market x accelerator type); far more than any cluster has
+BEARER = HTTPBearer(auto_error=False, description="a service token: 'Authorization: Bearer rts_...' "
+                                                  "(service init-admin; teams token NAME)")
 
 
 # ----------------------------------------------------------------------------- models
@@ -70,19 +96,101 @@ class ErrorOut(BaseModel):
     field: Optional[str] = Field(None, description="the request or spec field at fault (400)")
 
 
-class SubmitIn(BaseModel):
-    spec: Union[dict[str, Any], str] = Field(description="the job spec: a mapping, or its YAML text")
-    team: Optional[str] = Field(None, description="default: the token's team (required with an admin token)")
-    priority: int = Field(0, description="higher is more important")
-    name: Optional[str] = Field(None, description="default: the spec's name")
-    overrides: list[str] = Field(default_factory=list, description='"dotted.key=value" applied to the spec')
-    package: Optional[str] = Field(None, description="the sha256 of a code package the team uploaded "
-                                                     "(PUT /v1/packages/{sha256}): the job's working directory")
+def _held_to(problem) -> AfterValidator:
+    """A pydantic validator refusing what ``problem(value)`` names, in its words (the same
+    message as the client, the CLI and the store give)."""
+    def check(value):
+        why = problem(value)
+        if why:
+            raise ValueError(why)
+        return value
+    return AfterValidator(check)
 
 
-class ActionIn(BaseModel):
-    reason: Optional[str] = Field(None, max_length=500, description="recorded with the transition")
-    delete_checkpoints: bool = Field(False, description="cancel only: delete the job's checkpoints once it ended")
+def _sha256_problem(value: str) -> Optional[str]:
+    if re.fullmatch(SHA256_PATTERN, value):
+        return None
+    return f"got {quote(value)}; a package is named by its sha256: 64 lower-case hex digits"
+
+
+def _override_problem(value: str) -> Optional[str]:
+    if len(value) <= OVERRIDE_MAX_CHARS and re.fullmatch(OVERRIDE_PATTERN, value):
+        return None
+    return f"got {quote(value)}; an override is one line 'dotted.key=value' of at most {OVERRIDE_MAX_CHARS} characters"
+
+
+def _spec_problem(value: Any) -> Optional[str]:
+    if isinstance(value, dict) or (isinstance(value, str) and len(value) <= door.JSON_BODY_MAX_BYTES):
+        return None
+    return f"got {type(value).__name__} {quote(value)}; the job spec is a mapping of its sections, or its YAML text"
+
+
+NewTeamName = Annotated[str, _held_to(name_problem), WithJsonSchema({
+    "type": "string", "minLength": 1, "maxLength": NAME_MAX_CHARS, "pattern": NAME_PATTERN,
+    "not": {"enum": sorted(RESERVED_TEAM_NAMES)},
+    "description": f"a new team's name: {NAME_RULE}; not {', '.join(sorted(RESERVED_TEAM_NAMES))}"})]
+CohortName = Annotated[str, _held_to(lambda v: name_problem(v, "cohort name")), WithJsonSchema({
+    "type": "string", "minLength": 1, "maxLength": NAME_MAX_CHARS, "pattern": NAME_PATTERN,
+    "description": f"teams of a cohort lend each other unused quota; a cohort's name: {NAME_RULE}"})]
+TeamRef = Annotated[str, _held_to(team_ref_problem), WithJsonSchema({
+    "type": "string", "minLength": 1, "maxLength": TEAM_REF_MAX_CHARS, "pattern": TEAM_REF_PATTERN,
+    "description": "an existing team's name (a team made before the name rule may have any name without '/' or "
+                   "control characters)"})]
+Sha256 = Annotated[str, _held_to(_sha256_problem), WithJsonSchema({
+    "type": "string", "pattern": SHA256_PATTERN, "minLength": 64, "maxLength": 64,
+    "description": "a code package's sha256 (64 lower-case hex digits)"})]
+Override = Annotated[str, _held_to(_override_problem), WithJsonSchema({
+    "type": "string", "maxLength": OVERRIDE_MAX_CHARS, "pattern": OVERRIDE_PATTERN,
+    "description": '"dotted.key=value" applied to the spec'})]
+SpecIn = Annotated[Any, _held_to(_spec_problem), WithJsonSchema({
+    "anyOf": [{"type": "object", "description": "the spec's sections (docs/spec_reference.md)"},
+              {"type": "string", "maxLength": door.JSON_BODY_MAX_BYTES, "description": "its YAML or JSON text"}],
+    "description": "the job spec: a mapping, or its YAML text"})]
+FlavorName = Annotated[str, _held_to(lambda v: name_problem(v, "flavor name") or (
+    f"got {quote(v)}; reserved: the service's flavor when it has no table" if v == DEFAULT_FLAVOR else None)),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": NAME_MAX_CHARS, "pattern": NAME_PATTERN,
+                    "not": {"enum": [DEFAULT_FLAVOR]},
+                    "description": f"a flavor of the service's table: {NAME_RULE}; not {DEFAULT_FLAVOR}"})]
+Resource = Annotated[str, _held_to(lambda v: None if v in RESOURCES else f"got {quote(v)}; one of {', '.join(RESOURCES)}"),
+                     WithJsonSchema({"type": "string", "enum": list(RESOURCES),
+                                     "description": "what a quota counts: workers, or per worker cpu, gpu, memory_gb"})]
+Amount = Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)]
+JobId = Annotated[int, PathParam(ge=1, le=MAX_JOB_ID, description="a job's id")]
+Workers = Annotated[int, Field(ge=0, le=MAX_WORKERS)]
+Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT, allow_inf_nan=False)]
+
+
+def _no_default(schema: dict) -> None:
+    schema.pop("default", None)  # optional, but not nullable: leaving it out keeps the value
+
+
+class _Body(BaseModel):
+    """A request body: exactly its declared fields (an unknown one is refused; the schema says
+    ``additionalProperties: false``), each of exactly its JSON type ("1" is not 1)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    field_prefix: ClassVar[str] = ""  # how the API's errors name this body's fields
+
+
+class SubmitIn(_Body):
+    spec: SpecIn
+    team: Optional[TeamRef] = Field(None, description="default: the token's team (required with an admin token)")
+    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT, description="higher is more important")
+    name: Optional[str] = Field(None, min_length=1, max_length=JOB_NAME_MAX_CHARS, pattern=JOB_NAME_PATTERN,
+                                description="default: the spec's name")
+    overrides: list[Override] = Field(default_factory=list, max_length=MAX_OVERRIDES,
+                                      description='"dotted.key=value" applied to the spec')
+    package: Optional[Sha256] = Field(None, description="the sha256 of a code package the team uploaded "
+                                                        "(PUT /v1/packages/{sha256}): the job's working directory")
+
+
+class ActionIn(_Body):
+    reason: Optional[str] = Field(None, max_length=MAX_REASON_CHARS, pattern=ONE_LINE_PATTERN,
+                                  description="recorded with the transition (one line)")
+
+
+class CancelIn(ActionIn):
+    delete_checkpoints: bool = Field(False, description="delete the job's checkpoints once it has ended")
 
 
 class JobOut(BaseModel):
@@ -108,6 +216,21 @@ class JobOut(BaseModel):
     message: str = Field(description="the last transition's reason")
     delete_checkpoints: bool
     package: Optional[str] = Field(None, description="the code package it runs with (sha256), if any")
+    wait_cause: Optional[WaitCause] = Field(
+        description="why it is not running yet (queued, paused, starting or resuming): the scheduler's cause "
+                    "(held ... releasing) or its start's step (runner_start ... restore); null once it runs or has "
+                    "ended, and before the service's first look at it")
+    wait_reason: Optional[str] = Field(description="that reason in a sentence (null with wait_cause)")
+    wait_cause_since_s: Optional[float] = Field(description="since when that cause holds (null with wait_cause)")
+    start_returns: int = Field(description="starts given up in a row (back to the queue, saying why); it fails "
+                                           "past the service's max_start_returns; 0 again once it runs")
+    cpus_per_worker: float = Field(description="what one worker asks (its spec's resources): CPUs")
+    gpus_per_worker: float
+    memory_per_worker_gb: float
+    accelerator: str = Field(description="the GPU type its workers need; empty: any")
+    market: str = Field(description="spot, on-demand or any")
+    flavor: Optional[str] = Field(description="the flavor its workers run on (set when admitted; 'default' for a "
+                                              "service with no flavor table); null while it waits")
     spec: Optional[str] = Field(None, description="the validated spec as stored: JSON text, local paths absolute (GET /v1/jobs/{id} only)")
 
     @classmethod
@@ -132,26 +255,111 @@ class TransitionOut(BaseModel):
     reason: str
 
 
-class TeamIn(BaseModel):
-    name: Optional[str] = Field(None, description="POST only; PUT takes it from the path")
-    nominal_workers: Optional[int] = Field(None, description="guaranteed workers (required on POST)")
-    cohort: Optional[str] = None
-    borrowing_limit_workers: Optional[int] = Field(None, description="null: as much as the cohort lends")
-    lending_limit_workers: Optional[int] = Field(None, description="null: lends all of its nominal quota")
-    weight: Optional[float] = Field(None, description="fair-share weight, default 1")
+class TeamAddIn(_Body):
+    field_prefix: ClassVar[str] = "team."
+    name: NewTeamName
+    nominal_workers: Workers = Field(description="guaranteed workers")
+    cohort: Optional[CohortName] = None
+    borrowing_limit_workers: Optional[Workers] = Field(None, description="null: as much as the cohort lends")
+    lending_limit_workers: Optional[Workers] = Field(None, description="null: lends all of its nominal quota; "
+                                                                       "at most nominal_workers")
+    weight: Weight = Field(1.0, description="fair-share weight")
+
+
+class TeamUpdateIn(_Body):
+    """The fields to change (the name is the path's; a team is not renamed). An explicit null
+    clears a limit or the cohort; the nominal quota and the weight cannot be null."""
+
+    field_prefix: ClassVar[str] = "team."
+    nominal_workers: Workers = Field(None, json_schema_extra=_no_default)
+    cohort: Optional[CohortName] = None
+    borrowing_limit_workers: Optional[Workers] = None
+    lending_limit_workers: Optional[Workers] = None
+    weight: Weight = Field(None, json_schema_extra=_no_default)
+
+
+class QuotaOut(BaseModel):
+    flavor: str
+    resource: str
+    nominal: float
+    borrowing_limit: Optional[float] = Field(description="null: as much as the cohort lends")
+    lending_limit: Optional[float] = Field(description="null: lends all of its nominal quota")
 
 
 class TeamOut(BaseModel):
     name: str
-    nominal_workers: int
+    nominal_workers: int = Field(description="its quota of workers on a service with no flavor table")
     cohort: Optional[str]
     borrowing_limit_workers: Optional[int]
     lending_limit_workers: Optional[int]
     weight: float
+    quotas: list[QuotaOut] = Field(description="its quota per flavor and resource (a flavor table's; a resource "
+                                               "of a flavor not listed: nominal 0, borrowing from its cohort)")
 
     @classmethod
     def of(cls, team: Team) -> "TeamOut":
-        return cls(**{name: getattr(team, name) for name in cls.model_fields})
+        fields = {name: getattr(team, name) for name in cls.model_fields if name != "quotas"}
+        return cls(**fields, quotas=[QuotaOut(**dataclasses.asdict(q)) for q in team.quotas])
+
+
+class QuotaIn(_Body):
+    field_prefix: ClassVar[str] = "quota."
+    resource: Resource
+    nominal: Amount = Field(description="guaranteed amount: workers, CPUs, GPUs or GB")
+    borrowing_limit: Optional[Amount] = Field(None, description="null: as much as the cohort lends")
+    lending_limit: Optional[Amount] = Field(None, description="null: lends all of its nominal quota; at most nominal")
+
+
+class QuotasIn(_Body):
+    """A team's quotas on one flavor, each resource once; an empty list clears them."""
+
+    quotas: list[QuotaIn] = Field(max_length=len(RESOURCES), json_schema_extra={"uniqueItems": True})
+
+
+class FlavorIn(_Body):
+    field_prefix: ClassVar[str] = "flavor."
+    name: FlavorName
+    market: str = Field(pattern=f"^({'|'.join(MARKETS)})$", description="Ray's ray.io/market-type label of its nodes")
+    accelerator: str = Field("", max_length=64, pattern=f"^$|{ACCELERATOR_PATTERN}",
+                             description="Ray's ray.io/accelerator-type label of its nodes (A10G, H100...); empty: "
+                                         "CPU nodes")
+    resources: list[Resource] = Field(["cpu", "gpu"], min_length=1, max_length=len(RESOURCES),
+                                      json_schema_extra={"uniqueItems": True},
+                                      description="what team quotas count on it (each once)")
+    usd_per_cpu_hour: Amount = 0.0
+    usd_per_gpu_hour: Amount = 0.0
+    usd_per_memory_gb_hour: Amount = 0.0
+    max_cpu: Optional[Amount] = Field(None, description="autoscaling: the most CPUs its node groups reach; null: "
+                                                        "Ray's cluster config, else what is up")
+    max_gpu: Optional[Amount] = None
+    max_memory_gb: Optional[Amount] = None
+
+
+class FlavorsIn(_Body):
+    """The whole flavor table, in its order of preference (a job of any market tries the first
+    first); an empty list: the service's implicit flavor (workers, any node)."""
+
+    flavors: list[FlavorIn] = Field(max_length=MAX_FLAVORS)
+
+
+class FlavorOut(BaseModel):
+    name: str
+    market: str
+    accelerator: str
+    resources: list[str]
+    usd_per_cpu_hour: float
+    usd_per_gpu_hour: float
+    usd_per_memory_gb_hour: float
+    max_cpu: Optional[float]
+    max_gpu: Optional[float]
+    max_memory_gb: Optional[float]
+    capacity: Optional[dict[str, float]] = Field(description="what the scheduler may give out now per resource "
+                                                             "(with autoscaling: the ceiling); null: not known here")
+
+    @classmethod
+    def of(cls, flavor: ResourceFlavor, capacity: Optional[dict[str, float]]) -> "FlavorOut":
+        fields = {name: getattr(flavor, name) for name in cls.model_fields if name != "capacity"}
+        return cls(**fields | {"resources": list(flavor.resources)}, capacity=capacity)
 
 
 class TokenOut(BaseModel):
@@ -203,8 +411,7 @@ def _status_of(exc: Exception) -> int:
 def _error_response(exc: Exception) -> JSONResponse:
     status = _status_of(exc)
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": auth.redact(str(exc)), "field": getattr(exc, "field", None)},
-                        status_code=status, headers=headers)
+    return door.refusal(status, str(exc), getattr(exc, "field", None), headers)
 
 
 REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
@@ -213,18 +420,21 @@ REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
 # ----------------------------------------------------------------------------- the app
 
 
-def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
+def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
                base_dir: Optional[str] = None,
-               progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> FastAPI:
+               progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+               capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> FastAPI:
     """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
-    writes them). ``cluster_workers`` (a number, or a function returning the current one) also
-    rejects a submit whose min_workers the cluster could never hold; None: quotas only.
+    writes them; None: the store's log directory, ``Store.log_dir``, which a given one replaces).
+    ``cluster_workers`` (a number, or a function returning the current one) also rejects a
+    submit whose min_workers the cluster could never hold; None: quotas only.
     ``base_dir``: where a submitted spec's relative paths point (default: this process's working
     directory; the runner runs elsewhere, so they are stored absolute). ``progress``: a job's
     live numbers for the jobs page (``service/progress.ProgressSource`` in the service); None:
-    the page lists the jobs without them."""
-    log_root = Path(log_dir)
+    the page lists the jobs without them. ``capacity``: each flavor's ceiling per resource (the
+    service's), for the submit check and ``GET /v1/flavors``; None: quotas only."""
+    log_root = Path(store.log_dir(os.fspath(log_dir) if log_dir is not None else ""))
     auth.install_log_redaction()
     app = FastAPI(title="raytrain-sys job service", version="1",
                   description=__doc__.split("\n\nWhy FastAPI")[0],
@@ -234,16 +444,9 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
 
     for exc_type in (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError):
         app.add_exception_handler(exc_type, lambda _request, exc: _error_response(exc))
+    door.install(app, store)
 
-    @app.exception_handler(RequestValidationError)
-    def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
-        field = ".".join(loc) or None
-        return JSONResponse({"error": f"field '{field}': {first.get('msg', 'invalid request')}",
-                             "field": field}, status_code=400)
-
-    def principal(request: Request) -> Principal:
+    def principal(request: Request, _bearer: Optional[HTTPAuthorizationCredentials] = Depends(BEARER)) -> Principal:
         try:
             return auth.authenticate(store, request.headers.get("authorization"))
         except auth.NotAuthenticated as e:
@@ -295,7 +498,8 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
             auth.check_team(who, team, "jobs")
         job = requests.submit(store, team=team, spec=body.spec, overrides=body.overrides, by=who.name,
                               priority=body.priority, name=body.name or "", base_dir=base_dir, package=body.package,
-                              cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers)
+                              cluster_workers=cluster_workers() if callable(cluster_workers) else cluster_workers,
+                              capacity=capacity() if capacity is not None else None)
         log.info("job %d submitted by %s for team %s (%d..%d workers)", job.id, who.name, team,
                  job.min_workers, job.max_workers)
         return JobOut.of(job)
@@ -309,31 +513,36 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
         auth.check_team(who, team, "packages")
         return team
 
-    @app.put(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, status_code=201, tags=["packages"])
-    async def upload_package(sha256: str, request: Request,
-                             team: Optional[str] = Query(None, description="admin: the team it is for"),
+    @app.put(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, status_code=201, tags=["packages"],
+             openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
+                 "type": "string", "format": "binary", "maxLength": packages.MAX_BYTES}}}}})
+    async def upload_package(sha256: Sha256, request: Request,
+                             team: Optional[TeamRef] = Query(None, description="the team it is for (required with an "
+                                                                                "admin token)"),
                              who: Principal = Depends(principal)) -> PackageOut:
         """Keep a code package (a zip, ``service/packages.py``) for the team's submits. The body
-        is its bytes; ``sha256`` must be theirs. Sending one the team has is not an error."""
+        is its bytes (at most 64 MiB: the front door refuses more, 413); ``sha256`` must be
+        theirs. Sending one the team has is not an error."""
         with audited(who, "upload", f"package {sha256[:12]}", record_ok=False):
             team = package_team(who, team)
-            data = await _read_limited(request, packages.MAX_BYTES)
+            data = await request.body()
         info = await run_in_threadpool(requests.upload_package, store, team=team, sha256=sha256, data=data,
                                        by=who.name)
         return PackageOut(**info)
 
     @app.get(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, tags=["packages"])
-    def get_package(sha256: str, team: Optional[str] = Query(None, description="admin: whose"),
+    def get_package(sha256: Sha256,
+                    team: Optional[TeamRef] = Query(None, description="whose (required with an admin token)"),
                     who: Principal = Depends(principal)) -> PackageOut:
         """Whether the team holds a package (404 when not: upload it)."""
         info = store.package_info(sha256, package_team(who, team))
         if info is None:
-            raise ApiError(404, f"no package {sha256} for this team", "sha256")
+            raise ApiError(404, f"no package {sha256} for this team: upload it", "sha256")
         return PackageOut(**info)
 
     @app.get(f"{API_PREFIX}/jobs", response_model=list[JobOut], tags=["jobs"])
-    def list_jobs(state: Optional[list[JobState]] = Query(None, description="repeatable"),
-                  team: Optional[str] = Query(None, description="admin: one team's jobs; a team token: its own"),
+    def list_jobs(state: Optional[list[JobState]] = Query(None, max_length=len(JobState), description="repeatable"),
+                  team: Optional[TeamRef] = Query(None, description="admin: one team's jobs; a team token: its own"),
                   who: Principal = Depends(principal)) -> list[JobOut]:
         """Jobs in submit order: a team token sees its team's, the admin every team's."""
         return [JobOut.of(j) for j in visible_jobs(who, team, state, "list_jobs")]
@@ -348,7 +557,8 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
         return store.jobs(states=state, team=team)
 
     @app.get(f"{API_PREFIX}/progress", response_model=list[ProgressOut], tags=["jobs"])
-    def jobs_progress(team: Optional[str] = Query(None, description="admin: one team's jobs; a team token: its own"),
+    def jobs_progress(team: Optional[TeamRef] = Query(None, description="admin: one team's jobs; a team token: "
+                                                                        "its own"),
                       who: Principal = Depends(principal)) -> list[ProgressOut]:
         """The jobs the token may list, each with its run's live numbers (the jobs page polls this)."""
         return [ProgressOut(job=JobOut.of(job), progress=progress(job) if progress is not None else None)
@@ -360,12 +570,12 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
         return FileResponse(PAGE_FILE, media_type="text/html; charset=utf-8")
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}", response_model=JobOut, tags=["jobs"])
-    def get_job(job_id: int, who: Principal = Depends(principal)) -> JobOut:
+    def get_job(job_id: JobId, who: Principal = Depends(principal)) -> JobOut:
         with audited(who, "get_job", f"job {job_id}", record_ok=False):
             return JobOut.of(job_of(who, job_id), with_spec=True)
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/transitions", response_model=list[TransitionOut], tags=["jobs"])
-    def transitions(job_id: int, who: Principal = Depends(principal)) -> list[TransitionOut]:
+    def transitions(job_id: JobId, who: Principal = Depends(principal)) -> list[TransitionOut]:
         """Every state change of the job, oldest first, with who made it and why."""
         with audited(who, "get_transitions", f"job {job_id}", record_ok=False):
             job_of(who, job_id)
@@ -373,9 +583,13 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
                               reason=t.reason) for t in store.history(job_id)]
 
     @app.get(f"{API_PREFIX}/jobs/{{job_id}}/logs", tags=["jobs"], response_class=Response,
-             responses={200: {"content": {"text/plain": {}},
-                              "description": "log bytes from offset; header X-Next-Offset is where to ask next"}})
-    def logs(job_id: int, offset: int = Query(0, ge=0), limit: int = Query(LOG_CHUNK_BYTES, ge=1, le=LOG_CHUNK_BYTES),
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "log bytes from offset; header X-Next-Offset is where to ask next",
+                              "headers": {"X-Next-Offset": {"required": True,
+                                                            "description": "the offset to ask from next",
+                                                            "schema": {"type": "integer", "minimum": 0}}}}})
+    def logs(job_id: JobId, offset: int = Query(0, ge=0, le=MAX_LOG_OFFSET),
+             limit: int = Query(LOG_CHUNK_BYTES, ge=1, le=LOG_CHUNK_BYTES),
              who: Principal = Depends(principal)) -> Response:
         """The job's log from byte ``offset`` (at most ``limit`` bytes). Empty, with
         X-Next-Offset equal to the offset, when nothing more was written (or the runner has not
@@ -387,37 +601,34 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
                         headers={"X-Next-Offset": str(next_offset)})
 
     def request(action: str, job_id: int, body: Optional[ActionIn], who: Principal) -> JobOut:
-        """Check what only the API knows (the body, the job's existence and owner: 400, 404, 403,
-        audited here), then write the request through ``requests`` (which audits it: ok or 409)."""
-        body = body or ActionIn()
+        """Check what only the API knows (the job's existence and owner: 404, 403, audited here),
+        then write the request through ``requests`` (which audits it: ok or 409)."""
         with audited(who, action, f"job {job_id}", record_ok=False):
-            if body.delete_checkpoints and action != "cancel":
-                raise ServiceInputError("delete_checkpoints", f"applies to cancel only, not {action}")
             job_of(who, job_id)
-        reason = body.reason or ""
+        reason = (body.reason if body is not None else None) or ""
         if action == "cancel":
             job = requests.cancel(store, job_id, by=who.name, reason=reason,
-                                  delete_checkpoints=body.delete_checkpoints)
+                                  delete_checkpoints=isinstance(body, CancelIn) and body.delete_checkpoints)
         else:
             job = getattr(requests, action)(store, job_id, by=who.name, reason=reason)
         log.info("job %d: %s by %s -> %s%s", job_id, action, who.name, job.state.value, " (held)" if job.held else "")
         return JobOut.of(job)
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/pause", response_model=JobOut, tags=["jobs"])
-    def pause(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
+    def pause(job_id: JobId, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
         """Running: checkpoint and release its workers (-> pausing, held; the reconciler makes
         it paused). Queued, paused, starting, resuming or pausing: held, so the scheduler leaves it
         waiting and the reconciler pauses it once it runs. 409 when it is held already or ended."""
         return request("pause", job_id, body, who)
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/resume", response_model=JobOut, tags=["jobs"])
-    def resume(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
+    def resume(job_id: JobId, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
         """Release a job its team paused (held): it waits for admission again (a paused job that
         is admitted resumes from its checkpoint); a hold not carried out yet is dropped."""
         return request("resume", job_id, body, who)
 
     @app.post(f"{API_PREFIX}/jobs/{{job_id}}/cancel", response_model=JobOut, tags=["jobs"])
-    def cancel(job_id: int, body: Optional[ActionIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
+    def cancel(job_id: JobId, body: Optional[CancelIn] = Body(None), who: Principal = Depends(principal)) -> JobOut:
         """Queued or paused: cancelled now. Starting, running, resuming or pausing: cancelling
         (the reconciler stops it, then cancelled). ``delete_checkpoints`` is recorded with it."""
         return request("cancel", job_id, body, who)
@@ -431,33 +642,60 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
         return [TeamOut.of(t) for t in store.teams()]
 
     @app.post(f"{API_PREFIX}/teams", response_model=TeamOut, status_code=201, tags=["teams"])
-    def add_team(body: TeamIn, who: Principal = Depends(principal)) -> TeamOut:
+    def add_team(body: TeamAddIn, who: Principal = Depends(principal)) -> TeamOut:
+        """A new team and its quota (its name: ``model.NAME_RULE``; the store checks it again)."""
         with audited(who, "add_team", f"team {body.name}"):
             auth.check_admin(who, "adding a team")
-            if body.name in RESERVED_TEAM_NAMES:
-                raise ServiceInputError("team.name", f"{body.name!r} is reserved (it names a principal in the audit)")
-            if body.nominal_workers is None:
-                raise ServiceInputError("team.nominal_workers", "required")
-            fields = body.model_dump(exclude_none=True)
-            team = store.add_team(Team(**fields))
+            team = store.add_team(Team(**body.model_dump()))
         return TeamOut.of(team)
 
     @app.put(f"{API_PREFIX}/teams/{{name}}", response_model=TeamOut, tags=["teams"])
-    def update_team(name: str, body: TeamIn, who: Principal = Depends(principal)) -> TeamOut:
+    def update_team(name: Annotated[TeamRef, PathParam()], body: TeamUpdateIn,
+                    who: Principal = Depends(principal)) -> TeamOut:
         """Change the fields given (an explicit null clears a limit or the cohort); the others keep
         their values."""
         with audited(who, "update_team", f"team {name}"):
             auth.check_admin(who, "changing a team")
-            if body.name not in (None, name):
-                raise ServiceInputError("team.name", f"a team cannot be renamed ({name} -> {body.name})")
             current = _team_or_404(store, name)
-            given = body.model_dump(include=body.model_fields_set - {"name"})  # a null nominal or weight: Team refuses
+            given = body.model_dump(include=body.model_fields_set)
             merged = {f: getattr(current, f) for f in TeamOut.model_fields} | given | {"name": name}
             team = store.update_team(Team(**merged))
         return TeamOut.of(team)
 
+    @app.put(f"{API_PREFIX}/teams/{{name}}/quotas/{{flavor}}", response_model=TeamOut, tags=["teams"])
+    def set_quotas(name: Annotated[TeamRef, PathParam()], flavor: Annotated[FlavorName, PathParam()],
+                   body: QuotasIn, who: Principal = Depends(principal)) -> TeamOut:
+        """Replace the team's quotas on one flavor of the table (each resource it counts once; an
+        empty list clears them: nominal 0 there, borrowing from its cohort)."""
+        with audited(who, "set_quotas", f"team {name} on {flavor}"):
+            auth.check_admin(who, "setting a team's quotas")
+            _team_or_404(store, name)
+            team = store.set_quotas(name, flavor, [FlavorQuota(flavor, q.resource, q.nominal, q.borrowing_limit,
+                                                               q.lending_limit) for q in body.quotas])
+        return TeamOut.of(team)
+
+    # ------------------------------------------------------------------ flavors
+
+    @app.get(f"{API_PREFIX}/flavors", response_model=list[FlavorOut], tags=["flavors"])
+    def list_flavors(who: Principal = Depends(principal)) -> list[FlavorOut]:
+        """The service's flavor table, in its order, each with its capacity now (any token: a
+        team writes its specs' resources.market and accelerator_type for these)."""
+        caps = capacity() if capacity is not None else {}
+        return [FlavorOut.of(f, caps.get(f.name)) for f in store.flavors()]
+
+    @app.put(f"{API_PREFIX}/flavors", response_model=list[FlavorOut], tags=["flavors"])
+    def set_flavors(body: FlavorsIn, who: Principal = Depends(principal)) -> list[FlavorOut]:
+        """Replace the flavor table (admin). A flavor live jobs run on cannot be removed (400
+        naming them)."""
+        with audited(who, "set_flavors", f"{len(body.flavors)} flavors"):
+            auth.check_admin(who, "setting the flavor table")
+            table = store.set_flavors([ResourceFlavor(**f.model_dump() | {"resources": tuple(f.resources)})
+                                       for f in body.flavors])
+        caps = capacity() if capacity is not None else {}
+        return [FlavorOut.of(f, caps.get(f.name)) for f in table]
+
     @app.post(f"{API_PREFIX}/teams/{{name}}/tokens", response_model=TokenOut, status_code=201, tags=["teams"])
-    def issue_token(name: str, who: Principal = Depends(principal)) -> TokenOut:
+    def issue_token(name: Annotated[TeamRef, PathParam()], who: Principal = Depends(principal)) -> TokenOut:
         """A new token for the team, returned once (only its hash is kept)."""
         with audited(who, "issue_token", f"team {name}"):
             auth.check_admin(who, "issuing a token")
@@ -466,7 +704,7 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
         return TokenOut(team=name, token=token)
 
     @app.delete(f"{API_PREFIX}/teams/{{name}}/tokens", response_model=RevokedOut, tags=["teams"])
-    def revoke_tokens(name: str, who: Principal = Depends(principal)) -> RevokedOut:
+    def revoke_tokens(name: Annotated[TeamRef, PathParam()], who: Principal = Depends(principal)) -> RevokedOut:
         """Revoke every token of the team."""
         with audited(who, "revoke_tokens", f"team {name}"):
             auth.check_admin(who, "revoking tokens")
@@ -477,26 +715,12 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike] = DEFAULT_LOG_D
     return app
 
 
-async def _read_limited(request: Request, limit: int) -> bytes:
-    """The request's body, refused (413) past ``limit`` bytes without reading the rest."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"package: {int(declared)} bytes, over the {limit} a package may have", "package")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"package: over the {limit} bytes a package may have", "package")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _team_or_404(store: Store, name: str) -> Team:
     try:
         return store.team(name)
     except ServiceInputError:
         known = ", ".join(t.name for t in store.teams()) or "none"
-        raise ApiError(404, f"unknown team {name!r} (known: {known})", "team") from None
+        raise ApiError(404, f"unknown team {quote(name)} (known: {known})", "team") from None
 
 
 def _read_log(path: Path, offset: int, limit: int) -> tuple[bytes, int]:
@@ -533,23 +757,32 @@ class ServiceHandle:
 
 
 def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
-          log_dir: Union[str, os.PathLike] = DEFAULT_LOG_DIR,
+          log_dir: Union[str, os.PathLike, None] = None,
           cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
           base_dir: Optional[str] = None,
-          progress: Optional[Callable[[JobRecord], Optional[dict]]] = None) -> ServiceHandle:
+          progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+          capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> ServiceHandle:
     """Run the API with uvicorn on a background thread (port 0: a free one) and return once it
     accepts connections. The socket is bound here, so a port in use fails in the caller."""
     import uvicorn
 
-    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers, base_dir=base_dir, progress=progress)
+    app = create_app(store, log_dir=log_dir, cluster_workers=cluster_workers, base_dir=base_dir, progress=progress,
+                     capacity=capacity)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (0 does
+    # not), and without it a response's body waits for the client's delayed ACK of its headers
+    # (40 ms a request on a kept-alive connection).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UserError(f"the job service cannot listen on {host}:{port}: {e.strerror or e}") from None
+        if e.errno == errno.EADDRINUSE:
+            raise UserError(f"port {port} on {host} is taken (another process listens on it): give the job "
+                            f"service another --port, or stop that process") from None
+        raise UserError(f"the job service cannot listen on {host}:{port}: {e.strerror or e}; check --host "
+                        f"and --port") from None
     # log_config=None: uvicorn leaves the process's logging as it is (its records propagate).
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=True, lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="raytrain-sys-api", daemon=True)
@@ -567,4 +800,4 @@ def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
     return ServiceHandle(server, thread, sock, url)
 
 
-__all__ = ["create_app", "serve", "ServiceHandle", "API_PREFIX", "DEFAULT_LOG_DIR"]
+__all__ = ["create_app", "serve", "ServiceHandle", "API_PREFIX"]

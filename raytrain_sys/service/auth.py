@@ -10,12 +10,20 @@ or audit row names the principal ("team a", "admin"), never the token, and
 ``TokenRedactingFilter`` on the service's and uvicorn's loggers blanks anything shaped like one
 in case a caller logs a header by mistake. No HTTP here: refusals are ``NotAuthenticated`` and
 ``NotAllowed``, which the API turns into 401 and 403.
+
+An audit row holds what a user sent only as a short quote: ``record`` escapes control
+characters and cuts each column to its width (``errors.quote``'s length for a user's value), so
+a 10 MB value or a NUL byte is never stored. ``audit_scope`` lets the API see whether a request
+left a row (so a refusal is recorded once, at whichever layer refused it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import re
+from collections.abc import Iterator
 from typing import Optional
 
 from raytrain_sys.service.store import TOKEN_PREFIX, Principal, Store
@@ -23,6 +31,12 @@ from raytrain_sys.service.store import TOKEN_PREFIX, Principal, Store
 ANONYMOUS = "unauthenticated"  # the audit actor of a request without a valid token
 BOOTSTRAP = "bootstrap"  # the audit actor of init_admin (whoever holds the database URL)
 _TOKEN_RE = re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_\-]+")
+# The audit table's column widths (tables.audit): actor and action 64, target 200; result is
+# text, cut here to a few lines' worth: a refusal's reason, not the request that caused it.
+AUDIT_WIDTHS = {"actor": 64, "action": 64, "target": 200, "result": 1000}
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# The rows recorded in the current request so far (None outside one): see ``audit_scope``.
+_ROWS: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("raytrain_sys_audit_rows", default=None)
 
 
 class NotAuthenticated(Exception):
@@ -94,8 +108,35 @@ def check_admin(principal: Principal, what: str) -> None:
 
 
 def record(store: Store, actor: str, action: str, target: str, result: str) -> None:
-    """One audit row (who, what, on what, how it ended), with any token-shaped text blanked."""
-    store.record_audit(actor, action, redact(target), redact(result))
+    """One audit row (who, what, on what, how it ended), with any token-shaped text blanked,
+    control characters escaped and each column cut to its width (``AUDIT_WIDTHS``)."""
+    actor, action, target, result = (_column(name, text) for name, text in
+                                      (("actor", actor), ("action", action), ("target", target), ("result", result)))
+    store.record_audit(actor, action, target, result)
+    rows = _ROWS.get()
+    if rows is not None:
+        rows.append((action, result))
+
+
+def _column(name: str, text: str) -> str:
+    text = _CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], redact(str(text)))
+    width = AUDIT_WIDTHS[name]
+    if len(text) <= width:
+        return text
+    more = f"... ({len(text)} characters)"
+    return text[:width - len(more)] + more
+
+
+@contextlib.contextmanager
+def audit_scope() -> Iterator[list]:
+    """The audit rows ``record`` writes inside the block (in this context and in threads started
+    with a copy of it, as Starlette's threadpool does), as (action, result) pairs."""
+    rows: list = []
+    reset = _ROWS.set(rows)
+    try:
+        yield rows
+    finally:
+        _ROWS.reset(reset)
 
 
 def init_admin(store: Store, *, rotate: bool = False) -> str:
@@ -109,5 +150,5 @@ def init_admin(store: Store, *, rotate: bool = False) -> str:
     return token
 
 
-__all__ = ["ANONYMOUS", "NotAuthenticated", "NotAllowed", "Principal", "TokenRedactingFilter", "authenticate",
+__all__ = ["ANONYMOUS", "AUDIT_WIDTHS", "NotAuthenticated", "audit_scope", "NotAllowed", "Principal", "TokenRedactingFilter", "authenticate",
            "bearer_token", "check_admin", "check_team", "init_admin", "install_log_redaction", "record", "redact"]

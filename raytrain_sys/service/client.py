@@ -11,7 +11,10 @@ text). Errors say what happened and never carry the token: a refused request rai
 ``ServiceRequestError`` with the HTTP status and the server's message (``ServiceRequestInvalid``,
 a ``ServiceInputError`` with ``.field``, for a 400; ``ServiceRequestConflict``, a
 ``JobStateConflict``, for a 409); a service that cannot be reached raises one
-``ServiceRequestError`` naming the URL.
+``ServiceRequestError`` naming the URL. A team's (or cohort's) name is checked before anything
+is sent, by the rule the service holds it to (``service/model.py``): a name the service would
+refuse raises the service's own answer (``ServiceRequestInvalid``, its field and message), so a
+caller handles one error wherever it came from, and a name no URL could carry is never sent.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any, Optional, Union
 
-from raytrain_sys.errors import (ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, SpecError,
-                                 UserError)
+from raytrain_sys.errors import ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, UserError
 from raytrain_sys.service import packages
+from raytrain_sys.service.model import name_problem, team_ref_problem
+from raytrain_sys.spec import read_spec_file
 
 URL_ENV = "RAYTRAIN_SYS_SERVICE_URL"
 TOKEN_ENV = "RAYTRAIN_SYS_TOKEN"
@@ -73,7 +76,7 @@ class Client:
         job as stored (state ``queued``)."""
         body: dict[str, Any] = {"spec": _spec_body(spec_or_path), "overrides": list(overrides or [])}
         if team is not None:
-            body["team"] = team
+            body["team"] = _team_ref(team)
         if priority is not None:
             body["priority"] = priority
         if name is not None:
@@ -92,9 +95,9 @@ class Client:
                        excludes: Iterable[str] = ()) -> dict:
         """Pack ``directory`` (``service/packages.pack``) and upload it unless the service holds
         it for the team already. Returns its info (``sha256``, ``size_bytes``, ``files``)."""
+        query = [("team", _team_ref(team))] if team else None
         data = packages.pack(directory, excludes)
         sha = packages.digest(data)
-        query = [("team", team)] if team else None
         try:
             return self._json("GET", f"/v1/packages/{sha}", query=query)
         except ServiceRequestError as exc:
@@ -104,13 +107,13 @@ class Client:
         return json.loads(raw)
 
     def jobs(self, states: Optional[Iterable[str]] = None, team: Optional[str] = None) -> list[dict]:
-        query = [("state", s) for s in states or ()] + ([("team", team)] if team else [])
+        query = [("state", s) for s in states or ()] + ([("team", _team_ref(team))] if team else [])
         return self._json("GET", "/v1/jobs", query=query)
 
     def progress(self, team: Optional[str] = None) -> list[dict]:
         """The jobs this token may list, each as ``{"job": ..., "progress": ...}``: its run's live
         numbers (what the jobs page shows), None before its run started."""
-        return self._json("GET", "/v1/progress", query=[("team", team)] if team else None)
+        return self._json("GET", "/v1/progress", query=[("team", _team_ref(team))] if team else None)
 
     def job(self, job_id: int) -> dict:
         """The job, with its validated spec as stored (JSON text) under ``spec``."""
@@ -193,6 +196,8 @@ class Client:
     def add_team(self, name: str, nominal_workers: int, *, cohort: Optional[str] = None,
                  borrowing_limit_workers: Optional[int] = None, lending_limit_workers: Optional[int] = None,
                  weight: Optional[float] = None) -> dict:
+        _refuse("team.name", name_problem(name))
+        _refuse("team.cohort", cohort is not None and name_problem(cohort, "cohort name"))
         body = {"name": name, "nominal_workers": nominal_workers, "cohort": cohort,
                 "borrowing_limit_workers": borrowing_limit_workers, "lending_limit_workers": lending_limit_workers,
                 "weight": weight}
@@ -200,14 +205,33 @@ class Client:
 
     def update_team(self, name: str, **fields: Any) -> dict:
         """Change only the fields given (``None`` clears a limit or the cohort)."""
-        return self._json("PUT", f"/v1/teams/{urllib.parse.quote(name, safe='')}", fields)
+        _refuse("team.cohort", fields.get("cohort") is not None and name_problem(fields["cohort"], "cohort name"))
+        return self._json("PUT", _team_path(name), fields)
+
+    def set_quotas(self, team: str, flavor: str, quotas: dict[str, Any]) -> dict:
+        """Replace ``team``'s quotas on ``flavor``: resource -> nominal, or -> {"nominal": ...,
+        "borrowing_limit": ..., "lending_limit": ...}; {} clears them. Returns the team."""
+        _refuse("quota.flavor", name_problem(flavor, "flavor name"))
+        body = [{"resource": r, **(q if isinstance(q, dict) else {"nominal": q})} for r, q in quotas.items()]
+        return self._json("PUT", f"{_team_path(team)}/quotas/{urllib.parse.quote(flavor, safe='')}", {"quotas": body})
+
+    # ------------------------------------------------------------------ flavors
+
+    def flavors(self) -> list[dict]:
+        """The service's flavor table, each flavor with its capacity now (any token)."""
+        return self._json("GET", "/v1/flavors")
+
+    def set_flavors(self, flavors: list[dict]) -> list[dict]:
+        """Replace the flavor table (admin token): a list of {name, market, accelerator, resources,
+        usd_per_cpu_hour, ..., max_cpu, ...}, in order of preference; [] goes back to no table."""
+        return self._json("PUT", "/v1/flavors", {"flavors": list(flavors)})
 
     def issue_token(self, team: str) -> str:
         """A new token for ``team``: the only time it is shown."""
-        return self._json("POST", f"/v1/teams/{urllib.parse.quote(team, safe='')}/tokens")["token"]
+        return self._json("POST", f"{_team_path(team)}/tokens")["token"]
 
     def revoke_tokens(self, team: str) -> int:
-        return self._json("DELETE", f"/v1/teams/{urllib.parse.quote(team, safe='')}/tokens")["revoked"]
+        return self._json("DELETE", f"{_team_path(team)}/tokens")["revoked"]
 
     def health(self) -> dict:
         return self._json("GET", "/healthz")
@@ -255,6 +279,23 @@ def _refusal(status: int, raw: bytes) -> ServiceRequestError:
     return ServiceRequestError(status, message)
 
 
+def _team_path(name: str) -> str:
+    """The team's URL path (its name checked first, then quoted: a name from before the rule may
+    hold characters a path must escape)."""
+    return f"/v1/teams/{urllib.parse.quote(_team_ref(name), safe='')}"
+
+
+def _team_ref(name: str) -> str:
+    _refuse("team", team_ref_problem(name))
+    return name
+
+
+def _refuse(field: str, problem) -> None:
+    """Raise what the service would answer (400 on ``field``) when ``problem`` names one."""
+    if problem:
+        raise ServiceRequestInvalid(field, f"field '{field}': {problem}")
+
+
 def _action(reason: Optional[str]) -> dict:
     return {"reason": reason} if reason else {}
 
@@ -266,12 +307,9 @@ def _spec_body(spec_or_path: Union[str, os.PathLike, dict]) -> Union[dict, str]:
         return spec_or_path
     text = os.fspath(spec_or_path)
     looks_like_path = isinstance(spec_or_path, os.PathLike) or (
-        "\n" not in text and (text.endswith((".yaml", ".yml")) or Path(text).is_file()))
+        "\n" not in text and (text.endswith((".yaml", ".yml")) or os.path.exists(text)))
     if looks_like_path:
-        path = Path(text)
-        if not path.is_file():
-            raise SpecError("SPEC", f"file {text!r} does not exist")
-        text = path.read_text()
+        text = read_spec_file(text)
     return text  # YAML text: the server parses it and names a bad line and column
 
 

@@ -43,7 +43,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from raytrain_sys.errors import ServiceInputError, UserError
+from raytrain_sys.errors import ServiceInputError, UserError, quote
 
 MAX_BYTES = 64 * 1024 * 1024  # under Ray's GCS message limit with room; data belongs in the dataset store
 # Never part of a package: version control, caches and virtual environments.
@@ -123,7 +123,7 @@ def check(data: bytes, sha256: str) -> int:
     at most ``MAX_BYTES`` whose members are relative paths inside the package. Returns the
     number of files; raises ``ServiceInputError`` on ``package``."""
     if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-        raise ServiceInputError("package", f"got {sha256!r}; a package is named by the sha256 of its bytes "
+        raise ServiceInputError("package", f"got {quote(sha256)}; a package is named by the sha256 of its bytes "
                                            f"(64 lower-case hex digits)")
     if len(data) > MAX_BYTES:
         raise ServiceInputError("package", f"is {_mib(len(data))}, over the {_mib(MAX_BYTES)} a package may have")
@@ -138,11 +138,11 @@ def check(data: bytes, sha256: str) -> int:
     except zipfile.BadZipFile as exc:
         raise ServiceInputError("package", f"is not a zip file ({exc})") from None
     if bad is not None:
-        raise ServiceInputError("package", f"member {bad!r} is corrupt")
+        raise ServiceInputError("package", f"member {quote(bad)} is corrupt")
     for name in names:
         parts = Path(name).parts
         if name.startswith(("/", "\\")) or ".." in parts or (parts and ":" in parts[0]):
-            raise ServiceInputError("package", f"member {name!r} is not a path inside the package")
+            raise ServiceInputError("package", f"member {quote(name)} is not a path inside the package")
     if not names:
         raise ServiceInputError("package", "holds no files")
     return len(names)

@@ -20,16 +20,34 @@ One pass (``run_once``), in order:
    user holds -> pausing. A stop that does not land within ``stop_deadline_s`` is made hard by
    killing the runner (its workers and placement groups die with it), but a pause never kills
    a job that has no committed checkpoint: it keeps waiting, and says so.
-4. **Decide and act**: ``decide(store.snapshot(cluster_workers), now)``; each action is logged
-   with its reason and carried out as **intent first, then act**: Admit writes starting (or
-   resuming) before the runner is created; Shrink/Grow write the new target before
+4. **Decide and act**: ``decide(store.snapshot(cluster_workers, flavor_states), now)``; each
+   action is logged with its reason and carried out as **intent first, then act**: Admit writes
+   starting (or resuming), with the flavor it was admitted on, before the runner is created (its
+   launch sets the flavor's node labels and price in the run's spec: ``launch_overrides``); Shrink/Grow write the new target before
    ``runner.resize``; Pause writes pausing before ``runner.pause``. A pass that dies between
    the two leaves the intent, and the next pass (of this service or a restarted one) finishes
    it: a starting job with no runner gets one (only when ``find_runner`` finds none; a named
    create uses ``get_if_exists``: an existing runner is adopted, never a second), a target the
-   runner has not heard of is sent again. After the actions, spare runners are started ahead
+   runner has not heard of is sent again. Before a runner is created, the job's SQLite MLflow
+   store is made here, once (``mlflow_tracker.ensure_store``): jobs admitted together never
+   make one at the same moment. After the actions, spare runners are started ahead
    up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
    The snapshot also feeds the queue and quota gauges per team (``monitor.metrics.ServiceMetrics``).
+   With autoscaling on, the pass ends by asking Ray's autoscaler for the queue's demand
+   (``autoscale.demand``: every admitted job at its target, the head of the queue per flavor),
+   only when it changed, and clearing it when nothing waits (``_ask_autoscaler``).
+5. **Say why**: every job not running yet has a wait reason (``WaitCause`` and a sentence): a
+   queued or paused job the scheduler's ``Wait``, a starting or resuming job the step its runner
+   reports (``service/starts.py``). They are written in one ``store.note_waits`` a pass, only
+   those that changed (hundreds of waiting jobs cost no write while nothing changes), and feed
+   the waiting-jobs gauge per team and cause.
+
+A start that stays in one step longer than ``start_stall_s`` (its runner not answering, its
+workers not placed, ...) is given up: the runner is killed (its placement groups and workers
+with it), then the job goes back to the queue (a resume: to paused) with that reason, or fails
+once ``max_start_returns`` starts in a row were given up (``starts.watch_start``); a start the
+run abandons itself (not placed within ``resources.start_timeout_s``) counts the same way. The
+count is reset when the job runs.
 
 Runner death (the actor gone while its job is live): a job that was starting, running or
 resuming is restarted from its newest committed checkpoint (a fresh start if it has none) as
@@ -53,12 +71,13 @@ from typing import Any, Callable, Optional
 import ray
 
 from raytrain_sys.control.spares import end_spares_of
-from raytrain_sys.errors import JobStateConflict, UserError
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
-from raytrain_sys.service import packages
+from raytrain_sys.service import autoscale, packages
 from raytrain_sys.service import runner as runners
-from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, Grow, JobRecord, JobState, Pause,
-                                        Shrink, TransitionNotAllowed, Wait)
+from raytrain_sys.service import starts
+from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState, Grow, JobRecord, JobState, Pause,
+                                        ResourceFlavor, Shrink, TransitionNotAllowed, Wait, WaitCause)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
 
@@ -69,6 +88,7 @@ SCHEDULER = "scheduler"
 PRUNE_EVERY_S = 3600.0  # how often unused code packages are looked for
 # States whose job has (or is being given) a runner.
 WITH_RUNNER = (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING, JobState.CANCELLING)
+STARTS = (JobState.STARTING, JobState.RESUMING)
 
 
 @dataclass
@@ -78,7 +98,13 @@ class ReconcilerConfig:
     # A pause or cancel not done by then is made hard (the runner killed). Generous: a pause
     # first finishes the step in flight and writes a checkpoint.
     stop_deadline_s: float = 120.0
-    status_timeout_s: float = 10.0  # a runner that does not answer is asked again next pass, not declared dead
+    # A pass waits this long for the runners' answers; one that answers later is read by a later
+    # pass (its question stays asked), so a runner slow to answer (busy starting, or on a loaded
+    # node) never holds the other jobs' passes: 1 s, where a healthy runner answers in ms.
+    status_wait_s: float = 1.0
+    # A question unanswered this long is dropped and asked again; the runner is not declared dead
+    # (Ray says when it is), the start it is in is watched by start_stall_s.
+    status_timeout_s: float = 10.0
     # Runners started ahead for the next launches (runner.new_spare_runner): two, so that a job
     # admitted right after another (a reclaim) does not wait for the spare the first one used
     # to be replaced while the cluster is busy; 0 for none.
@@ -86,6 +112,32 @@ class ReconcilerConfig:
     # A code package (packages.py) that no waiting or running job names and no job submitted
     # within this long named is deleted from the store (looked at once an hour); 0 keeps all.
     package_retention_s: float = 7 * 86400.0
+    # A start that stays this long in one step (its runner not answering, its workers not placed
+    # or not starting, ...) is given up: back to the queue. 10 minutes: a healthy start's steps
+    # take seconds here (a minute on a loaded machine); the spec's own placement bound
+    # (resources.start_timeout_s, 60 s by default) usually acts first. Loading a checkpoint is
+    # not bounded (see starts.py).
+    start_stall_s: float = 600.0
+    # Starts given up in a row before the job fails with the reason: a job the cluster cannot
+    # start never bounces between queued and starting forever; 3 rides out a busy spell.
+    max_start_returns: int = 3
+    # A start admitted against capacity being provisioned (autoscaling) waits this long for its
+    # nodes before it is given up: 10 minutes, where a cloud VM's boot, image pull and Ray's join
+    # take 2-5 (a GPU node's drivers more); its run's own placement bound is set to it at launch.
+    provisioning_timeout_s: float = 600.0
+    # Ask Ray's autoscaler for the queue's demand after each pass (service/autoscale.py); the
+    # scheduler then admits against the ceiling (service/capacity.py). Off: a fixed cluster.
+    autoscaling: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.start_stall_s > 0:
+            raise ServiceInputError("start_stall_s", f"got {self.start_stall_s!r}; must be a number of seconds > 0")
+        if isinstance(self.max_start_returns, bool) or not isinstance(self.max_start_returns, int) \
+                or self.max_start_returns < 0:
+            raise ServiceInputError("max_start_returns", f"got {self.max_start_returns!r}; must be an integer >= 0")
+        if not self.provisioning_timeout_s > 0:
+            raise ServiceInputError("provisioning_timeout_s",
+                                    f"got {self.provisioning_timeout_s!r}; must be a number of seconds > 0")
 
 
 @dataclass
@@ -95,21 +147,35 @@ class _Seen:
     status: Optional[dict] = None
     gone: bool = False
     error: str = ""
+    pending: bool = False  # asked, no answer yet (within status_timeout_s): read by a later pass
 
 
 class Reconciler:
     def __init__(self, store: Store, config: ReconcilerConfig, cluster_workers: Callable[[], int],
-                 step_hook: Optional[Callable] = None, clock: Callable[[], float] = time.time):
+                 step_hook: Optional[Callable] = None, clock: Callable[[], float] = time.time,
+                 flavor_states: Optional[Callable[[tuple[ResourceFlavor, ...]], tuple[FlavorState, ...]]] = None,
+                 request_resources: Optional[Callable[[list, Optional[list]], None]] = None):
         self.store = store
         self.config = config
         self.cluster_workers = cluster_workers
+        # The capacity of each flavor of the table (service/capacity.py); None: the implicit
+        # flavor of cluster_workers, and a table's flavors of unknown capacity (quotas only).
+        self.flavor_states = flavor_states
+        self._table: dict[str, ResourceFlavor] = {}  # the flavor table as this pass read it
+        # Ray's autoscaler SDK (bundles, label selectors); a test may watch the calls.
+        self.request_resources = request_resources or _request_resources
+        self.requested: Optional[autoscale.Request] = None  # the last request Ray accepted
+        self.requested_at_s: Optional[float] = None
         self.step_hook = step_hook
         self.clock = clock
         self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
         self._created: set[int] = set()  # jobs whose runner this process created or found alive
         self._waits: dict[int, str] = {}  # the last Wait reason logged per job
+        self._notes: dict[int, tuple[JobState, WaitCause, str]] = {}  # this pass's wait reasons
+        self._watching: dict[int, float] = {}  # job id -> when this process first watched its start
         self._delete_errors: dict[int, str] = {}  # job id -> why its checkpoints could not be deleted yet
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
+        self._asked: dict[int, tuple[Any, float]] = {}  # job id -> its runner's status question, asked when (monotonic)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self._next_prune_s = 0.0  # when the store's unused code packages are looked at next
@@ -119,7 +185,12 @@ class Reconciler:
     # ------------------------------------------------------------------ one pass
     def run_once(self) -> list[Action]:
         now = self.clock()
+        self._table = {f.name: f for f in self.store.flavors()}  # before any launch: a job's flavor
         jobs = self.store.jobs(states=LIVE_STATES)
+        self._notes = {}
+        self.metrics.waiting(jobs)  # the reasons as the last pass wrote them
+        for job_id in set(self._watching) - {j.id for j in jobs if j.state in STARTS}:
+            del self._watching[job_id]
         seen = self._observe([j for j in jobs if j.state in WITH_RUNNER])
         for job in jobs:
             if job.state in WITH_RUNNER:
@@ -132,19 +203,46 @@ class Reconciler:
         for job_id in list(self._handles):
             if job_id not in {j.id for j in jobs}:
                 self._forget(job_id)
-        snapshot = self.store.snapshot(self.cluster_workers())
+        snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states())
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())
+        states = {j.id: j.state for j in snapshot.jobs}
         for action in actions:
             try:
                 self._carry_out(action)
             except JobStateConflict as exc:
                 log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
+            if isinstance(action, Wait):
+                self._notes[action.job_id] = (states[action.job_id], action.cause, action.reason)
+        self.store.note_waits(self._notes, now_s=self.clock())
+        self._ask_autoscaler(snapshot, actions)
         self._keep_spare_runners()
         self._delete_cancelled_checkpoints()
         self._prune_packages()
         self.passes += 1
         return actions
+
+    def _ask_autoscaler(self, snapshot, actions: list[Action]) -> None:
+        """With autoscaling: ask Ray's autoscaler for the queue's demand (``autoscale.demand``),
+        when it changed; clear it when nothing waits. A failure is logged and asked again next pass."""
+        if not self.config.autoscaling:
+            return
+        request = autoscale.demand(snapshot, actions)
+        if request == self.requested:
+            return
+        try:
+            self.request_resources(request.bundle_dicts(), request.selector_dicts())
+        except Exception as exc:  # noqa: BLE001: the GCS briefly away: the next pass asks again
+            log.warning("could not ask Ray's autoscaler (asked again next pass): %s", exc)
+            return
+        self.requested, self.requested_at_s = request, self.clock()
+        log.info("asked Ray's autoscaler for %s", request.describe())
+
+    def _flavor_states(self) -> tuple[FlavorState, ...]:
+        table = tuple(self._table.values())
+        if self.flavor_states is not None:
+            return self.flavor_states(table)
+        return tuple(FlavorState(f, ()) for f in table)
 
     # ------------------------------------------------------------------ code packages
     def _prune_packages(self) -> None:
@@ -230,8 +328,10 @@ class Reconciler:
 
     # ------------------------------------------------------------------ observe
     def _observe(self, jobs: list[JobRecord]) -> dict[int, _Seen]:
+        """Each runner's status. A question is asked once and waited for at most
+        ``status_wait_s`` by this pass; an answer not in yet is read by a later pass, and a
+        question unanswered for ``status_timeout_s`` is dropped (asked again next pass)."""
         seen: dict[int, _Seen] = {}
-        refs = {}
         for job in jobs:
             handle = self._handles.get(job.id)
             if handle is None:
@@ -242,28 +342,41 @@ class Reconciler:
                 log.info("job %d: re-attached to its runner", job.id)
                 self._handles[job.id] = handle
                 self._created.add(job.id)
-            refs[job.id] = handle.status.remote()
-        if refs:
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.config.status_timeout_s)
-            ready_set = set(ready)
-            for job_id, ref in refs.items():
-                if ref not in ready_set:
-                    seen[job_id] = _Seen(error="no answer")
+            if job.id not in self._asked:
+                self._asked[job.id] = (handle.status.remote(), time.monotonic())
+        asked = {job.id: self._asked[job.id] for job in jobs if job.id in self._asked}
+        if not asked:
+            return seen
+        ready, _ = ray.wait([ref for ref, _ in asked.values()], num_returns=len(asked),
+                            timeout=self.config.status_wait_s)
+        ready_set, now = set(ready), time.monotonic()
+        for job_id, (ref, asked_at) in asked.items():
+            if ref not in ready_set:
+                if now - asked_at < self.config.status_timeout_s:
+                    seen[job_id] = _Seen(pending=True)
                     continue
-                try:
-                    seen[job_id] = _Seen(status=ray.get(ref))
-                    self._runner_ids[job_id] = seen[job_id].status.get("actor_id", "")
-                except ray.exceptions.RayActorError as exc:
-                    seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
-                    self._handles.pop(job_id, None)
-                except ray.exceptions.RayError as exc:
-                    seen[job_id] = _Seen(error=str(exc).splitlines()[0])
+                del self._asked[job_id]
+                seen[job_id] = _Seen(error=f"no answer in {now - asked_at:.0f} s")
+                continue
+            del self._asked[job_id]
+            try:
+                seen[job_id] = _Seen(status=ray.get(ref))
+                self._runner_ids[job_id] = seen[job_id].status.get("actor_id", "")
+            except ray.exceptions.RayActorError as exc:
+                seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
+                self._handles.pop(job_id, None)
+            except ray.exceptions.RayError as exc:
+                seen[job_id] = _Seen(error=str(exc).splitlines()[0])
         return seen
 
     # ------------------------------------------------------------------ record and carry out requests
     def _reconcile(self, job: JobRecord, seen: _Seen, now: float) -> None:
+        if seen.pending:  # its answer is read by a later pass; nothing new is known of it
+            return
         if seen.error and not seen.gone:
             log.warning("job %d: runner did not answer (%s); asked again next pass", job.id, seen.error)
+            if job.state in STARTS:
+                self._watch_start(job, None, now)
             return
         if seen.gone:
             self._runner_gone(job, seen)
@@ -281,7 +394,10 @@ class Reconciler:
                 job.id, job.state, JobState.RUNNING, actor=ACTOR,
                 reason=f"training at step {status['committed_step']} on {status['world_size']} workers "
                        f"(MLflow run {status['mlflow_run_id']}, {status['run_dir']})",
-                workers=status["world_size"], mlflow_run_id=status["mlflow_run_id"] or None, started_at_s=now)
+                workers=status["world_size"], mlflow_run_id=status["mlflow_run_id"] or None, started_at_s=now,
+                start_returns=0)
+        elif job.state in STARTS and status["start_step"]:
+            self._watch_start(job, status["start_step"], now)
         if job.state is JobState.RUNNING:
             if trains and status["world_size"] != job.workers:
                 job = self.store.transition(
@@ -352,11 +468,10 @@ class Reconciler:
                                             reason=f"the run was cancelled: {why}")
             self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; stopped {at}", workers=0, target_workers=0, **ids)
-        elif (result.get("error_type") == "ClusterCapacityError"
-              and job.state in (JobState.STARTING, JobState.RESUMING)):
-            back = JobState.QUEUED if job.state is JobState.STARTING else JobState.PAUSED
-            self.store.transition(job.id, job.state, back, actor=ACTOR, workers=0, target_workers=0,
-                                  reason=f"could not be placed, waits again: {why}")
+        elif result.get("error_type") == "ClusterCapacityError" and job.state in STARTS:
+            cause = WaitCause.PROVISIONING if job.wait_cause is WaitCause.PROVISIONING else WaitCause.PLACEMENT
+            self._give_up(job, starts.give_up(self._start_view(job, self.clock()), cause,
+                                              f"could not be placed: {why}", self.config.max_start_returns))
         elif job.state is JobState.CANCELLING:
             self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; the run ended {outcome}: {why}", workers=0, target_workers=0)
@@ -410,7 +525,10 @@ class Reconciler:
         job = self.store.transition(job.id, job.state, job.state, actor=ACTOR, restarts=job.restarts + 1,
                                     workers=0, target_workers=workers,
                                     reason=f"{lost}; restarting {where} on {workers} workers (restart "
-                                           f"{job.restarts + 1} of {self.config.max_restarts})")
+                                           f"{job.restarts + 1} of {self.config.max_restarts})",
+                                    **(self._admitted(workers, job.wait_cause is WaitCause.PROVISIONING)
+                                       if job.state.pending else {}))
+        self._watching.pop(job.id, None)
         log.warning("job %d: %s", job.id, job.message)
         self._launch(job, workers, job.message, resume=True)
 
@@ -428,7 +546,8 @@ class Reconciler:
             resume = job.state is JobState.PAUSED
             to = JobState.RESUMING if resume else JobState.STARTING
             job = self.store.transition(job.id, job.state, to, actor=SCHEDULER, reason=action.reason,
-                                        workers=0, target_workers=action.workers)
+                                        workers=0, target_workers=action.workers, flavor=action.flavor,
+                                        **self._admitted(action.workers, action.provisioning))
             self._launch(job, action.workers, action.reason, resume=resume)
         elif isinstance(action, (Grow, Shrink)):
             verb = "grow" if isinstance(action, Grow) else "shrink"
@@ -443,6 +562,44 @@ class Reconciler:
         else:
             raise TypeError(f"unknown scheduler action {action!r}")
 
+    # ------------------------------------------------------------------ starts
+    def _admitted(self, workers: int, provisioning: bool = False) -> dict:
+        """A new start's wait reason, written with its transition (the intent): its runner is
+        starting, or (admitted against capacity being provisioned) its nodes are coming."""
+        if provisioning:
+            return {"wait_cause": WaitCause.PROVISIONING,
+                    "wait_reason": starts.admitted_reason(workers, self.config.provisioning_timeout_s)}
+        return {"wait_cause": WaitCause.RUNNER_START, "wait_reason": starts.admitted_reason(workers)}
+
+    def _start_view(self, job: JobRecord, now: float) -> starts.StartView:
+        watched = self._watching.setdefault(job.id, now)
+        since = watched if job.wait_cause_since_s is None else max(job.wait_cause_since_s, watched)
+        return starts.StartView(state=job.state, workers=job.target_workers, checkpoint_step=job.last_checkpoint_step,
+                                cause=job.wait_cause, reason=job.wait_reason, since_s=since,
+                                start_returns=job.start_returns)
+
+    def _watch_start(self, job: JobRecord, step: Optional[str], now: float) -> None:
+        """Note why a start is not running yet (``step``: its runner's, None when it did not
+        answer), or give it up (``starts.watch_start``)."""
+        outcome = starts.watch_start(self._start_view(job, now), step, now, self.config.start_stall_s,
+                                     self.config.max_start_returns, self.config.provisioning_timeout_s)
+        if isinstance(outcome, starts.GiveUp):
+            # The act before the write, unlike an admission: a service that dies in between
+            # leaves a starting job with no runner, which the next pass starts afresh; the other
+            # order would leave a queued job whose stalled runner a new admission adopts by name.
+            self._kill(job.id, f"its start was given up: {outcome.reason}")
+            self._give_up(job, outcome)
+        else:
+            self._notes[job.id] = (job.state, outcome.cause, outcome.reason)
+
+    def _give_up(self, job: JobRecord, outcome: starts.GiveUp) -> None:
+        """A start ended without running (its runner is gone or being ended): back where the job
+        waited, with the reason, or failed."""
+        wait = ({"wait_cause": outcome.cause, "wait_reason": outcome.reason} if outcome.to.pending else {})
+        self.store.transition(job.id, job.state, outcome.to, actor=ACTOR, reason=outcome.reason, workers=0,
+                              target_workers=0, start_returns=outcome.start_returns, **wait)
+        (log.error if outcome.to is JobState.FAILED else log.warning)("job %d: %s", job.id, outcome.reason)
+
     # ------------------------------------------------------------------ runners
     def _launch(self, job: JobRecord, workers: int, reason: str, resume: bool) -> None:
         """Create the job's runner (or adopt the live one under its name); a job with a code
@@ -452,7 +609,8 @@ class Reconciler:
         run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
                                 resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason,
-                                team=job.team, package=job.package or "")
+                                team=job.team, package=job.package or "", overrides=self.launch_overrides(job))
+        self._make_tracking_store(job.id, spec, launch.tracking_uri)
         runtime_env = None
         if job.package:
             try:
@@ -468,6 +626,37 @@ class Reconciler:
         log.info("job %d: runner %s launched (%s on %d workers)", job.id,
                  "(a spare)" if spare is not None else runners.runner_name(job.id),
                  f"resume of MLflow run {run_id}" if run_id else "start", workers)
+
+    def _make_tracking_store(self, job_id: int, spec: dict, tracking_uri: str) -> None:
+        """The job's MLflow store made here, once (``mlflow_tracker.ensure_store``; a second job on it
+        costs nothing), before its runner starts: the runners of jobs admitted together never
+        make a new store at the same moment. A store that cannot be made is left to the runner,
+        whose start fails saying why."""
+        if not (spec.get("tracking") or {}).get("enabled", True):
+            return
+        from raytrain_sys.tracking import mlflow_tracker as mt
+
+        try:
+            mt.ensure_store(tracking_uri)
+        except UserError as exc:
+            log.warning("job %d: its MLflow store is not ready (its start will say why): %s", job_id, exc)
+
+    def launch_overrides(self, job: JobRecord) -> tuple[str, ...]:
+        """What a launch sets in the job's spec (``Launch.overrides``): its flavor's node labels
+        (``ResourceFlavor.node_selector``: the workers' placement) and price per worker hour
+        (``ResourceFlavor.usd_per_worker_hour``: the run's cost per token, spot and on-demand priced
+        apart; an unpriced flavor leaves the spec's own price), and for a start admitted against
+        capacity being provisioned a placement bound of ``provisioning_timeout_s``."""
+        out = []
+        flavor = self._table.get(job.flavor or "")
+        if flavor is not None:
+            out += [f"{key}={value}" for key, value in flavor.node_selector().items()]
+            price = flavor.usd_per_worker_hour(job.shape)
+            if price > 0:
+                out.append(f"resources.cost_per_worker_hour={price!r}")
+        if job.wait_cause is WaitCause.PROVISIONING:
+            out.append(f"resources.start_timeout_s={self.config.provisioning_timeout_s!r}")
+        return tuple(out)
 
     def _handle(self, job_id: int):
         handle = self._handles.get(job_id) or runners.find_runner(job_id)
@@ -487,6 +676,7 @@ class Reconciler:
         """The job's runner is gone or being ended: its warm spares (workers a killed runner
         cannot end) are ended now rather than when they notice."""
         self._handles.pop(job_id, None)
+        self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
         end_spares_of(self._runner_ids.pop(job_id, ""))
 
@@ -507,6 +697,14 @@ class Reconciler:
             if t.from_state is not job.state:
                 return t.at_s
         return job.updated_at_s
+
+
+def _request_resources(bundles: list, selectors: Optional[list]) -> None:
+    """``ray.autoscaler.sdk.request_resources``: the bundles the cluster should hold (a floor on
+    its size, replacing the last request; [] clears it), each with its label selector."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=bundles, bundle_label_selectors=selectors)
 
 
 def checkpoint_root(spec: dict, mlflow_run_id: Optional[str]) -> str:

@@ -25,7 +25,9 @@ The conventions (``model.JobState`` lists the edges):
   and the Supervisor grows only up to ``elastic.max_workers or resources.num_workers``, so a
   spec without a max could never grow back past its admission). A size the team could never
   get is refused on the field that sets it (``spec.elastic.min_workers`` or
-  ``spec.resources.num_workers``). **The store holds the validated spec as JSON**
+  ``spec.resources.num_workers``). Its workers' shape (``shape_of``: CPUs, GPUs, memory,
+  accelerator type, market) is stored with it; with a flavor table, a shape that fits no flavor is
+  refused on the spec field whose change alone would let it (``spec.resources.market``, ...). **The store holds the validated spec as JSON**
   (``json.dumps(spec.to_dict())``), the one format: the reconciler reads it with ``json.loads``.
 * **upload** of a code package (``packages.py``) keeps it for the team; a submit naming a
   package the team has not uploaded is refused on ``package``.
@@ -56,15 +58,16 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Optional, Union
 
-import yaml
-
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, SpecError
 from raytrain_sys.service import auth, packages
-from raytrain_sys.service.model import JobRecord, JobState
+from raytrain_sys.service.model import JobRecord, JobState, WorkerShape
 from raytrain_sys.service.store import Store
-from raytrain_sys.spec import JobSpec, apply_overrides, describe_object, from_dict, from_text
+from raytrain_sys.spec import JobSpec, apply_overrides, describe_object, from_dict, parse_yaml
 
 RETRIES = 3  # a request that meets a job moving under it reads it again this many times
+# A full spec holds about 150 values in 3 levels; model.args and train.task_args add a user's own.
+SPEC_MAX_VALUES = 10_000
+SPEC_MAX_DEPTH = 32
 
 # What each request applies to (the 409's words; the edges are in pause/resume/cancel below).
 APPLIES_TO = {
@@ -82,19 +85,18 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
     (``spec`` for text that is not a mapping, ``overrides`` for a malformed override)."""
     raw = spec
     if isinstance(spec, str):
-        try:
-            raw = yaml.safe_load(spec)
-        except yaml.YAMLError:
-            raw = None
-        else:
-            raw = {} if raw is None else raw
+        try:  # its error names the line and column
+            raw = parse_yaml(spec, field="spec", source="the spec")
+        except SpecError as exc:
+            raise ServiceInputError("spec", str(exc).split(": ", 1)[-1]) from None
+        raw = {} if raw is None else raw
         if not isinstance(raw, dict):
-            try:  # its error names the line and column, or what the text holds instead of a mapping
-                from_text(spec, field="spec", source="the spec")
-            except SpecError as exc:
-                raise ServiceInputError("spec", str(exc).split(": ", 1)[-1]) from None
+            raise ServiceInputError("spec", f"the spec must hold a mapping of sections, got {type(raw).__name__}")
     if not isinstance(raw, dict):
         raise ServiceInputError("spec", f"must be a mapping of spec sections, got {type(raw).__name__}")
+    too_big = _size_problem(raw)
+    if too_big:
+        raise ServiceInputError("spec", too_big)
     try:
         raw = apply_overrides(raw, list(overrides or []))
     except SpecError as exc:
@@ -128,6 +130,25 @@ def parse_spec(spec: Union[dict, str], base_dir: Optional[str] = None,
     return parsed
 
 
+def _size_problem(raw: Any) -> Optional[str]:
+    """Why ``raw`` is too large to be a spec (``SPEC_MAX_VALUES``, ``SPEC_MAX_DEPTH``), or None.
+    Counts a value each time it is reached, so YAML aliases that repeat one list a billion
+    times are stopped at the bound, not expanded."""
+    stack, count = [(raw, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > SPEC_MAX_VALUES:
+            return f"holds more than {SPEC_MAX_VALUES} values; a spec is a few sections of settings"
+        if depth > SPEC_MAX_DEPTH:
+            return f"is nested more than {SPEC_MAX_DEPTH} deep; a spec is a few sections of settings"
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, depth + 1) for v in value)
+    return None
+
+
 def _python_objects(raw: Any, prefix: str = "") -> list[tuple[str, Any]]:
     """(dotted field, value) of every value in a spec mapping that is not plain data."""
     if isinstance(raw, dict):
@@ -147,6 +168,13 @@ def job_size(spec: JobSpec) -> tuple[int, int, bool]:
     return spec.resources.num_workers, spec.resources.num_workers, False
 
 
+def shape_of(spec: JobSpec) -> WorkerShape:
+    """What one worker of the job asks: its spec's ``resources`` (the flavors it may draw from)."""
+    r = spec.resources
+    return WorkerShape(cpu=r.cpus_per_worker, gpu=r.gpus_per_worker, memory_gb=r.memory_per_worker_gb,
+                       accelerator=r.accelerator_type, market=r.market)
+
+
 def stored_spec(spec: JobSpec) -> str:
     """The spec as the store holds it and the reconciler reads it (``json.loads``)."""
     return json.dumps(spec.to_dict())
@@ -155,10 +183,11 @@ def stored_spec(spec: JobSpec) -> str:
 def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority: int = 0, name: str = "",
            overrides: Optional[list[str]] = None, cluster_workers: Optional[int] = None,
            idempotency_key: Optional[str] = None, base_dir: Optional[str] = None,
-           package: Optional[str] = None) -> JobRecord:
+           package: Optional[str] = None, capacity: Optional[dict[str, dict[str, float]]] = None) -> JobRecord:
     """Queue a job (see the module docstring), with the code package ``package`` (a sha256 the
-    team uploaded, ``packages.py``) when given. A refusal raises ``ServiceInputError`` naming the
-    field; nothing but the audit row is written."""
+    team uploaded, ``packages.py``) when given. ``capacity``: each flavor's ceiling (the service's
+    ``flavor_capacity``), else ``cluster_workers`` without a flavor table. A refusal raises
+    ``ServiceInputError`` naming the field; nothing but the audit row is written."""
     try:
         parsed = parse_spec(spec, base_dir, overrides)
         low, high, elastic = job_size(parsed)
@@ -166,8 +195,12 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
             job = store.submit(team=team, name=name or parsed.name, spec=stored_spec(parsed),
                                min_workers=low, max_workers=high, elastic=elastic, priority=priority, actor=by,
                                idempotency_key=idempotency_key, cluster_workers=cluster_workers,
-                               package=package or None)
+                               package=package or None, shape=shape_of(parsed), capacity=capacity)
         except ServiceInputError as exc:
+            if exc.field == "name" and not name:  # the spec's name: the store's bounds are the spec's too
+                raise ServiceInputError("spec.name", str(exc).split(": ", 1)[-1]) from None
+            if exc.field.startswith("resources."):  # the shape fits no flavor: the spec's field
+                raise ServiceInputError(f"spec.{exc.field}", str(exc).split(": ", 1)[-1]) from None
             if exc.field not in ("elastic.min_workers", "elastic.max_workers"):
                 raise
             field = "spec.elastic.min_workers" if parsed.elastic.max_workers else "spec.resources.num_workers"
@@ -277,4 +310,5 @@ def job_dict(job: JobRecord) -> dict[str, Any]:
     """A job as plain data (the API's and the service actor's answer)."""
     out = asdict(job)
     out["state"] = job.state.value
+    out["wait_cause"] = job.wait_cause.value if job.wait_cause is not None else None
     return out

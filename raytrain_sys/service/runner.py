@@ -21,6 +21,9 @@ Why an actor of its own, and why so configured:
   its node lost), Ray removes them (a non-detached actor dies with its owner; a placement
   group with the detached actor that created it). Killing the runner is therefore the hard
   stop of a job.
+* **On a safe node** when the cluster has one (``control/control_actors.py``: it asks the
+  ``raytrain_control`` resource and no spot node): its loss would end the job's run, so a spot
+  reclaim must not take it; its workers run on the job's flavor, where a reclaim is a drain.
 
 Spare runners (``new_spare_runner``, named ``raytrain-sys-runner-spare-<id>``): the reconciler
 keeps two started ahead, imports done, and a launch starts the job on one (``start``) rather than
@@ -46,6 +49,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from raytrain_sys.control.control_actors import control_options
 from raytrain_sys.control.spares import NAMESPACE, SpareSource
 from raytrain_sys.control.supervisor import RunRequests, Supervisor, resume_supervisor
 from raytrain_sys.errors import find_user_error
@@ -86,11 +90,23 @@ class Launch:
     reason: str = ""  # why it was admitted (the scheduler's words)
     team: str = "-"  # the job's team: the run's metrics carry it
     package: str = ""  # the code package it runs with (its runner's working_dir): no warm spare then
+    # Set by the service at each launch ("dotted.key=value"): the flavor it was admitted on (its
+    # market and accelerator type: the workers' label selector), the flavor's price per worker
+    # hour, and a provisioning start's placement bound (the reconciler's launch_overrides).
+    overrides: tuple[str, ...] = ()
+
+    def run_overrides(self) -> list[str]:
+        return run_overrides(self.workers, self.overrides)
 
 
-def start_spec(spec: dict, workers: int) -> dict:
-    """The spec a start runs: the job's, on the admitted number of workers."""
-    return apply_overrides(spec, [f"resources.num_workers={int(workers)}"])
+def run_overrides(workers: int, overrides: tuple[str, ...] = ()) -> list[str]:
+    """What a start or a resume changes in the job's spec: the admitted workers, then ``overrides``."""
+    return [f"resources.num_workers={int(workers)}", *overrides]
+
+
+def start_spec(spec: dict, workers: int, overrides: tuple[str, ...] = ()) -> dict:
+    """The spec a start runs: the job's, on the admitted number of workers, with ``overrides``."""
+    return apply_overrides(spec, run_overrides(workers, overrides))
 
 
 class JobRunner:
@@ -149,11 +165,11 @@ class JobRunner:
             if launch.resume_run_id:
                 self._sup = resume_supervisor(
                     launch.resume_run_id, tracking_uri=launch.tracking_uri,
-                    overrides=[f"resources.num_workers={int(launch.workers)}"],
+                    overrides=launch.run_overrides(),
                     on_step=self._on_step, requests=self.requests, spares=self._spares(),
                     team=launch.team)
             else:
-                self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers)),
+                self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers, launch.overrides)),
                                        on_step=self._on_step, requests=self.requests,
                                        spares=self._spares(), team=launch.team)
             result = self._sup.run()
@@ -186,8 +202,8 @@ class JobRunner:
 
     # ------------------------------------------------------------------ what the reconciler calls
     def status(self) -> dict:
-        """The run as it is now: the Supervisor's state, committed step, world size, MLflow run
-        id, newest checkpoint (step and when this runner saw it committed), run dir; ``done``
+        """The run as it is now: the Supervisor's state, the step of its start (``start_step``),
+        committed step, world size, MLflow run id, newest checkpoint (step and when this runner saw it committed), run dir; ``done``
         and ``result`` once the Supervisor has returned."""
         sup = self._sup
         state = sup.state.value if sup is not None else "launching"
@@ -204,12 +220,33 @@ class JobRunner:
                 checkpoint_step = int(checkpoints[-1]["step"])
                 checkpoint_at_s = self._checkpoint_seen_at.setdefault(checkpoint_step, time.time())
         ceiling, _ = self.requests.max_workers()
-        return {"job_id": self.job_id, "state": state, "committed_step": committed, "world_size": world_size,
+        return {"job_id": self.job_id, "state": state, "start_step": self._start_step(), "committed_step": committed,
+                "world_size": world_size,
                 "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
                 "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
                 "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
                 "actor_id": ray.get_runtime_context().get_actor_id(),
                 "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
+
+    def _start_step(self) -> str:
+        """Where the run's start is, for the job's wait reason (``service/starts.py``):
+        ``supervisor`` (the Supervisor is being built: a resume first reads its run's record),
+        ``preparing`` (pre-flight checks, Ray, the first reads), ``placement`` (the workers'
+        slots asked of the cluster), ``workers`` (their processes, the MLflow run, the process
+        group, the first batch), ``restore`` (a checkpoint loading); "" once it trains or ended."""
+        sup = self._sup
+        if self._done.is_set():
+            return ""
+        if sup is None:
+            return "supervisor"
+        if sup.state.value not in STARTING_STATES:
+            return ""
+        if sup.state.value == "restoring":
+            return "restore"
+        group = sup.group  # made once the data plane is set up (Supervisor.run)
+        if group is None:
+            return "preparing"
+        return "placement" if "placement" not in group.start_phases else "workers"
 
     def progress(self) -> Optional[dict]:
         """The run's live numbers for the jobs page (``monitor.report.progress``: recent losses,
@@ -271,6 +308,7 @@ def launch_runner(launch: Launch, step_hook: Optional[Callable] = None, spare=No
                         str(exc).splitlines()[0])
             ray.kill(spare, no_restart=True)
     extra = {"runtime_env": runtime_env} if runtime_env else {}
+    extra.update(control_options())  # on a safe node when the cluster has one (control_actors.py)
     return RemoteJobRunner.options(name=runner_name(launch.job_id), namespace=NAMESPACE, lifetime="detached",
                                    get_if_exists=True, **extra).remote(launch, step_hook)
 
@@ -280,7 +318,7 @@ def new_spare_runner():
     (``launch_runner(..., spare=)``) instead of waiting for a process to start and import torch
     and MLflow (about 2 s). Detached like every runner: once started it is the job's runner."""
     return RemoteJobRunner.options(name=f"{SPARE_RUNNER_PREFIX}{uuid.uuid4().hex[:12]}", namespace=NAMESPACE,
-                                   lifetime="detached").remote(None)
+                                   lifetime="detached", **control_options()).remote(None)
 
 
 def _spare_runner_names() -> list[str]:

@@ -11,11 +11,25 @@ and upgraded only by the Alembic migrations, run when the store opens). Rules it
 * **Claims under a row lock**: ``claim`` picks the next job with ``FOR UPDATE SKIP LOCKED`` on
   PostgreSQL (two service processes never get the same job); on SQLite every transaction is
   ``BEGIN IMMEDIATE``, which serializes writers.
+* **A wait reason belongs to the state it was given in**: a transition that changes the state
+  clears ``wait_cause``/``wait_reason`` unless it sets new ones (so a job that runs or ends has
+  none, whoever moved it); ``note_waits`` writes the reconciler's reasons for jobs still where
+  it saw them, only those that changed, in one transaction a pass.
 * **Tokens are never stored or logged**: only their HMAC-SHA256 under a per-database key
   (``store_meta``), looked up by hash. ``issue_token`` returns the token once.
+* **One log directory per store** (``log_dir``): recorded in ``store_meta`` by the first part
+  of the service that opens the store for it (or told another one), read by every later part,
+  so that runners write job logs where ``service serve`` and ``jobs logs`` read them.
 * **Errors name their cause**: an unreachable database raises ``ServiceStoreError`` naming the
   URL with its password masked; bad input raises ``ServiceInputError`` naming the field, before
   anything is written.
+* **Flavors** (the service's table, ``flavors``) and each team's quota per flavor and
+  resource (``team_quotas``) are written whole and checked first: a quota names a flavor of the
+  table and a resource it counts; a flavor that live jobs run on is not removed from under them.
+* **Nothing out of bounds is written**, whoever asks (the API, the service actor, a script): a
+  new team's name and a cohort follow ``model.NAME_RULE``, every count and priority is within
+  ``model``'s bounds (well inside the 32-bit columns). A team made before the name rule is read,
+  listed and scheduled as it is.
 
 It decides nothing: which job starts, grows or pauses is the scheduler's; who may do what is the
 API's. Audit rows are written by whoever acts (``record_audit``), refusals included.
@@ -26,24 +40,30 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import os
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
-from sqlalchemy import create_engine, delete, event, func, insert, or_, select, text, update
+from sqlalchemy import bindparam, create_engine, delete, event, func, insert, inspect, or_, select, text, update
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceError, OperationalError
 
-from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
+from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, quote
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import (LIVE_STATES, AuditRecord, JobRecord, JobState, Snapshot, Team,
-                                        TransitionRecord)
+from raytrain_sys.service.model import (DEFAULT_SHAPE, LIVE_STATES, MAX_WEIGHT, PRIORITY_LIMIT, AuditRecord,
+                                        FlavorQuota, FlavorState, JobRecord, JobState, ResourceFlavor, Snapshot, Team,
+                                        TransitionRecord, WaitCause, WorkerShape, check_count, check_flavor_table,
+                                        check_team_name, job_name_problem, name_problem, shape_refusal)
 from raytrain_sys.service.scheduler.quota import never_fits_reason
-from raytrain_sys.service.tables import audit, jobs, packages, store_meta, teams, tokens, transitions
+from raytrain_sys.service.tables import (audit, flavors, jobs, packages, store_meta, team_quotas, teams, tokens,
+                                         transitions)
 
 DEFAULT_URL = "sqlite:///raytrain-service.db"
+LOG_DIR_NAME = "raytrain-sys-logs"  # the default log directory's name, beside a SQLite store's file
+LOG_DIR_KEY = "log_dir"  # store_meta: the log directory every part of the service uses
 TOKEN_PREFIX = "rts_"  # makes a leaked token easy to spot (secret scanners, logs)
 CONNECT_TIMEOUT_S = 5  # a PostgreSQL host that does not answer fails the open in 5 s, not minutes
 SQLITE_BUSY_TIMEOUT_S = 30.0  # a writer waits this long for another (BEGIN IMMEDIATE) before failing
@@ -51,7 +71,9 @@ CLAIM_ATTEMPTS = 5  # a claim that loses a race to another writer tries the next
 
 # The columns ``transition`` may set beside the state (everything else is fixed at submit).
 RUN_FIELDS = frozenset({"held", "delete_checkpoints", "workers", "target_workers", "restarts", "mlflow_run_id", "last_checkpoint_step",
-                        "last_checkpoint_at_s", "started_at_s", "waiting_since_s"})
+                        "last_checkpoint_at_s", "started_at_s", "waiting_since_s", "wait_cause", "wait_reason",
+                        "start_returns", "flavor"})
+WAIT_FIELDS = ("wait_cause", "wait_reason")  # set together; wait_cause_since_s is the store's
 
 
 @dataclass(frozen=True)
@@ -122,8 +144,53 @@ class Store:
             raise
         return store
 
+    @classmethod
+    def missing(cls, url: str) -> Optional[str]:
+        """Why there is no job service store at ``url`` (None: there is one), found without
+        creating anything: a SQLite file that does not exist, or a database without the
+        service's tables. ``open`` would make a new, empty store there."""
+        try:
+            parsed = make_url(url)
+            engine = _engine(parsed)
+        except (ArgumentError, ImportError) as e:
+            raise ServiceStoreError(f"cannot use database URL {mask_url(url)}: {e}") from None
+        if parsed.get_backend_name() == "sqlite":
+            path = parsed.database or ""
+            if path in ("", ":memory:"):
+                return "an in-memory database holds no store"
+            if not os.path.isfile(path):
+                return f"no such file {os.path.abspath(path)}"
+        store = cls(engine, url)
+        try:
+            with store._tx() as conn:
+                has_schema = inspect(conn).has_table("alembic_version")
+        finally:
+            store.close()
+        return None if has_schema else "the database has no job service tables"
+
     def close(self) -> None:
         self.engine.dispose()
+
+    def log_dir(self, given: str = "", base_dir: str = "") -> str:
+        """The directory of the service's logs (``job-<id>.log``, ``service.log``): ``given``
+        when given (recorded, so that every later part uses it too), else the one recorded in
+        this store, else the default, recorded: ``raytrain-sys-logs`` beside a SQLite file, or
+        in ``base_dir`` (default: here) for a database that has no file. Absolute."""
+        with self._tx() as conn:
+            recorded = conn.execute(select(store_meta.c.value).where(store_meta.c.key == LOG_DIR_KEY)).scalar()
+            chosen = os.path.abspath(given) if given else recorded or self._default_log_dir(base_dir)
+            if chosen != recorded:
+                if recorded is None:
+                    conn.execute(insert(store_meta).values(key=LOG_DIR_KEY, value=chosen))
+                else:
+                    conn.execute(update(store_meta).where(store_meta.c.key == LOG_DIR_KEY).values(value=chosen))
+        return chosen
+
+    def _default_log_dir(self, base_dir: str) -> str:
+        database = self.engine.url.database if self.engine.url.get_backend_name() == "sqlite" else None
+        if database and database != ":memory:":
+            return os.path.join(os.path.dirname(os.path.abspath(database)), LOG_DIR_NAME)
+        return os.path.join(os.path.abspath(base_dir or os.getcwd()), LOG_DIR_NAME)
 
     def schema_revision(self) -> Optional[str]:
         """The Alembic revision the database is at."""
@@ -153,62 +220,137 @@ class Store:
     # ------------------------------------------------------------------ teams
 
     def add_team(self, team: Team, *, now_s: Optional[float] = None) -> Team:
-        """Create a team (its quota); a name taken raises ``ServiceInputError`` on team.name."""
+        """Create a team (its quota); a name taken or not following ``model.NAME_RULE``, or a
+        count out of bounds, raises ``ServiceInputError`` on the field."""
+        check_team_name(team.name)
+        _check_team_write(team)
         now = _now(now_s)
         try:
             with self._tx() as conn:
                 conn.execute(insert(teams).values(**_team_row(team), created_at_s=now, updated_at_s=now))
         except IntegrityError:
-            raise ServiceInputError("team.name", f"team {team.name!r} exists already") from None
+            raise ServiceInputError("team.name", f"team {quote(team.name)} exists already") from None
         return team
 
     def update_team(self, team: Team, *, now_s: Optional[float] = None) -> Team:
-        """Change a team's quota, cohort or weight."""
+        """Change a team's quota, cohort or weight (a cohort kept from before the name rule may
+        stay; a new one follows it)."""
         with self._tx() as conn:
-            changed = conn.execute(update(teams).where(teams.c.name == team.name)
-                                   .values(**_team_row(team), updated_at_s=_now(now_s))).rowcount
-        if changed != 1:
-            raise ServiceInputError("team", f"unknown team {team.name!r}")
+            cohort = conn.execute(select(teams.c.cohort).where(teams.c.name == team.name)).first()
+            if cohort is None:
+                raise ServiceInputError("team", f"unknown team {quote(team.name)}")
+            _check_team_write(team, kept_cohort=cohort.cohort)
+            conn.execute(update(teams).where(teams.c.name == team.name)
+                         .values(**_team_row(team), updated_at_s=_now(now_s)))
         return team
 
     def teams(self) -> list[Team]:
         with self._tx() as conn:
-            return [_team(r) for r in conn.execute(select(teams).order_by(teams.c.name))]
+            return _teams(conn)
 
     def team(self, name: str) -> Team:
         with self._tx() as conn:
-            row = conn.execute(select(teams).where(teams.c.name == name)).first()
-        if row is None:
-            raise ServiceInputError("team", f"unknown team {name!r}")
-        return _team(row)
+            found = _teams(conn, name)
+        if not found:
+            raise ServiceInputError("team", f"unknown team {quote(name)}")
+        return found[0]
+
+    def set_quotas(self, team: str, flavor: str, quotas: Sequence[FlavorQuota], *,
+                   now_s: Optional[float] = None) -> Team:
+        """Replace ``team``'s quotas on ``flavor`` (none: it has nominal 0 there and borrows from its
+        cohort). ``flavor`` must be in the table and every resource one it counts."""
+        with self._tx() as conn:
+            if conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
+                raise ServiceInputError("team", f"unknown team {quote(team)}")
+            table = {f.name: f for f in _flavors(conn)}
+            if flavor not in table:
+                known = ", ".join(table) or "none: the service has no flavor table (flavors set)"
+                raise ServiceInputError("quota.flavor", f"got {quote(flavor)}; the service's flavors: {known}")
+            for i, q in enumerate(quotas):
+                if q.flavor != flavor:
+                    raise ServiceInputError(f"quotas[{i}].flavor", f"got {quote(q.flavor)}; this call sets {flavor}'s")
+                if q.resource not in table[flavor].resources:
+                    raise ServiceInputError(f"quotas[{i}].resource", f"got {quote(q.resource)}; {flavor} counts "
+                                                                     f"{', '.join(table[flavor].resources)}")
+            resources = [q.resource for q in quotas]
+            if len(set(resources)) != len(resources):
+                raise ServiceInputError("quotas", f"a resource twice in {quote(resources)}: one quota a resource")
+            conn.execute(delete(team_quotas).where(team_quotas.c.team == team, team_quotas.c.flavor == flavor))
+            for q in quotas:
+                conn.execute(insert(team_quotas).values(team=team, flavor=flavor, resource=q.resource,
+                                                        nominal=float(q.nominal),
+                                                        borrowing_limit=_float(q.borrowing_limit),
+                                                        lending_limit=_float(q.lending_limit)))
+            conn.execute(update(teams).where(teams.c.name == team).values(updated_at_s=_now(now_s)))
+            return _teams(conn, team)[0]
+
+    # ------------------------------------------------------------------ flavors
+
+    def flavors(self) -> tuple[ResourceFlavor, ...]:
+        """The service's flavor table, in its order (empty: the implicit flavor)."""
+        with self._tx() as conn:
+            return _flavors(conn)
+
+    def set_flavors(self, table: Sequence[ResourceFlavor]) -> tuple[ResourceFlavor, ...]:
+        """Replace the flavor table (``model.check_flavor_table``). A flavor that admitted live jobs
+        run on cannot be removed (``ServiceInputError`` on ``flavors`` naming them); quotas of a
+        removed flavor stay, and count again if it comes back."""
+        table = check_flavor_table(list(table))
+        names = {f.name for f in table}
+        with self._tx() as conn:
+            running = conn.execute(select(jobs.c.id, jobs.c.flavor).where(
+                jobs.c.state.in_([s.value for s in LIVE_STATES]), jobs.c.flavor.is_not(None))).all()
+            orphaned = sorted({(row.flavor, row.id) for row in running if row.flavor not in names | {"default"}})
+            if orphaned:
+                listed = ", ".join(f"job {job_id} on {flavor}" for flavor, job_id in orphaned[:10])
+                raise ServiceInputError("flavors", f"would remove flavors live jobs run on ({listed}): keep them "
+                                                   f"until those jobs end")
+            conn.execute(delete(flavors))
+            for position, f in enumerate(table):
+                conn.execute(insert(flavors).values(
+                    name=f.name, position=position, market=f.market, accelerator=f.accelerator,
+                    resources=",".join(f.resources), usd_per_cpu_hour=f.usd_per_cpu_hour,
+                    usd_per_gpu_hour=f.usd_per_gpu_hour, usd_per_memory_gb_hour=f.usd_per_memory_gb_hour,
+                    max_cpu=f.max_cpu, max_gpu=f.max_gpu, max_memory_gb=f.max_memory_gb))
+        return table
 
     # ------------------------------------------------------------------ jobs
 
     def submit(self, *, team: str, name: str, spec: str, min_workers: int, max_workers: Optional[int] = None,
                priority: int = 0, elastic: Optional[bool] = None, actor: str,
                idempotency_key: Optional[str] = None, cluster_workers: Optional[int] = None,
-               package: Optional[str] = None, now_s: Optional[float] = None) -> JobRecord:
-        """Queue a job. Rejects, naming the field and writing nothing: an unknown team, sizes out
-        of range, a min_workers the team could never get (its nominal quota plus borrowing
-        limit, bounded by its cohort and, when given, by ``cluster_workers``), a ``package``
-        the team has not uploaded. A repeated ``idempotency_key`` of the same team returns the
-        job it created first."""
+               package: Optional[str] = None, now_s: Optional[float] = None, shape: WorkerShape = DEFAULT_SHAPE,
+               capacity: Optional[dict[str, dict[str, float]]] = None) -> JobRecord:
+        """Queue a job of workers of ``shape``. Rejects, naming the field and writing nothing: an
+        unknown team, sizes out of range, a shape that fits no flavor of the table (on the spec's
+        field: ``resources.market``, ``resources.accelerator_type`` or
+        ``resources.gpus_per_worker``), a min_workers the team could never get on any flavor it
+        fits (its nominal quota plus borrowing limit, bounded by its cohort and, when given, by
+        the capacity: ``capacity`` per flavor and resource, or ``cluster_workers`` without a
+        table), a ``package`` the team has not uploaded. A repeated ``idempotency_key`` of the same
+        team returns the job it created first."""
         max_workers = min_workers if max_workers is None else max_workers
-        _check_int("elastic.min_workers", min_workers, low=1)
-        _check_int("elastic.max_workers", max_workers, low=min_workers,
-                   low_text=f"at least elastic.min_workers ({min_workers})")
-        _check_int("priority", priority)
-        if not isinstance(name, str) or not name.strip() or len(name) > 200:
-            raise ServiceInputError("name", f"got {name!r}; must be a non-empty string of at most 200 characters")
+        check_count("elastic.min_workers", min_workers, low=1)
+        check_count("elastic.max_workers", max_workers, low=min_workers,
+                    low_name=f"elastic.min_workers ({min_workers})")
+        check_count("priority", priority, low=-PRIORITY_LIMIT, high=PRIORITY_LIMIT)
+        problem = job_name_problem(name)
+        if problem:
+            raise ServiceInputError("name", problem)
         if not isinstance(spec, str):
             raise ServiceInputError("spec", "must be the job spec's YAML or JSON text")
         now = _now(now_s)
         try:
             with self._tx() as conn:
-                all_teams = [_team(r) for r in conn.execute(select(teams))]
+                all_teams = _teams(conn)
                 if team not in {t.name for t in all_teams}:
                     raise ServiceInputError("team", never_fits_reason(team, min_workers, all_teams))
-                never = never_fits_reason(team, min_workers, all_teams, cluster_workers)
+                table = _flavors(conn)
+                refused = shape_refusal(shape, table)
+                if refused:
+                    raise ServiceInputError(*refused)
+                states = None if not table else [FlavorState(f, (capacity or {}).get(f.name, {})) for f in table]
+                never = never_fits_reason(team, min_workers, all_teams, cluster_workers, shape=shape, flavors=states)
                 if never:
                     raise ServiceInputError("elastic.min_workers", never)
                 if package is not None and not self._has_package(conn, package, team):
@@ -225,6 +367,8 @@ class Store:
                     elastic=(max_workers > min_workers) if elastic is None else bool(elastic),
                     workers=0, target_workers=0, restarts=0, submitted_at_s=now, waiting_since_s=now,
                     updated_at_s=now, message="submitted", idempotency_key=idempotency_key, package=package,
+                    cpus_per_worker=shape.cpu, gpus_per_worker=shape.gpu, memory_per_worker_gb=shape.memory_gb,
+                    accelerator=shape.accelerator, market=shape.market,
                 ).returning(jobs.c.id)).scalar_one()
                 conn.execute(insert(transitions).values(job_id=job_id, from_state=None, to_state=JobState.QUEUED.value,
                                                         at_s=now, actor=actor, reason="submitted"))
@@ -245,7 +389,7 @@ class Store:
         try:
             with self._tx() as conn:
                 if conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
-                    raise ServiceInputError("team", f"no team {team!r}")
+                    raise ServiceInputError("team", f"no team {quote(team)}")
                 if self._has_package(conn, sha256, team):
                     return False
                 conn.execute(insert(packages).values(sha256=sha256, team=team, size_bytes=len(data), files=files,
@@ -339,6 +483,14 @@ class Store:
         guard = [jobs.c.id == job_id, jobs.c.state.in_([s.value for s in expected])]
         if expected_held is not None:
             guard.append(jobs.c.held.is_(True) if expected_held else jobs.c.held.is_(False))
+        changes = dict(changes)
+        if any(f in changes for f in WAIT_FIELDS):
+            if not all(f in changes for f in WAIT_FIELDS) or not to.pending:
+                raise ValueError(f"a wait reason is set with both {WAIT_FIELDS}, on a move to a state not running yet")
+            changes["wait_cause"] = WaitCause(changes["wait_cause"]).value
+            changes["wait_cause_since_s"] = now
+        elif current != to.value:  # a reason said why it waited in the state it leaves
+            changes.update(wait_cause=None, wait_reason=None, wait_cause_since_s=None)
         result = conn.execute(update(jobs).where(*guard).values(state=to.value, updated_at_s=now, message=reason,
                                                                 **changes))
         if result.rowcount != 1:
@@ -353,6 +505,35 @@ class Store:
         conn.execute(insert(transitions).values(job_id=job_id, from_state=current, to_state=to.value, at_s=now,
                                                 actor=actor, reason=reason))
         return _job(conn.execute(select(jobs).where(jobs.c.id == job_id)).one())
+
+    def note_waits(self, notes: dict[int, tuple[JobState, WaitCause, str]], *,
+                   now_s: Optional[float] = None) -> int:
+        """Record why jobs not running yet wait: ``notes`` maps a job id to (the state it was
+        seen in, the cause, the sentence). Written only for a job still in that state and only
+        when the cause or the sentence differs from what is stored (no statement at all when
+        nothing changed); ``wait_cause_since_s`` moves only when the cause does. No transitions
+        row (the state does not change) and ``updated_at_s`` is left alone. One transaction;
+        returns how many jobs were written."""
+        if not notes:
+            return 0
+        now = _now(now_s)
+        with self._tx() as conn:
+            stored = conn.execute(select(jobs.c.id, jobs.c.state, jobs.c.wait_cause, jobs.c.wait_reason,
+                                         jobs.c.wait_cause_since_s).where(jobs.c.id.in_(list(notes)))).all()
+            rows = []
+            for row in stored:
+                state, cause, reason = notes[row.id]
+                if row.state != state.value or not state.pending or (row.wait_cause, row.wait_reason) == (
+                        cause.value, reason):
+                    continue
+                since = row.wait_cause_since_s if row.wait_cause == cause.value and row.wait_cause_since_s else now
+                rows.append({"_id": row.id, "_state": state.value, "_cause": cause.value, "_reason": reason,
+                             "_since": since})
+            if rows:
+                conn.execute(update(jobs).where(jobs.c.id == bindparam("_id"), jobs.c.state == bindparam("_state"))
+                             .values(wait_cause=bindparam("_cause"), wait_reason=bindparam("_reason"),
+                                     wait_cause_since_s=bindparam("_since")), rows)
+        return len(rows)
 
     def cancelled_with_checkpoints_to_delete(self) -> list[JobRecord]:
         """Cancelled jobs whose cancel asked for their checkpoints to go, not yet done."""
@@ -421,13 +602,15 @@ class Store:
                                  to_state=JobState(r.to_state), at_s=r.at_s, actor=r.actor, reason=r.reason)
                 for r in rows]
 
-    def snapshot(self, cluster_workers: int) -> Snapshot:
-        """The scheduler's input: every team and every live job, read in one transaction."""
+    def snapshot(self, cluster_workers: int, flavor_states: Sequence[FlavorState] = ()) -> Snapshot:
+        """The scheduler's input: every team (with its quotas) and every live job, read in one
+        transaction, and the cluster's capacity: ``flavor_states`` (the table's flavors with
+        their capacity) or, with none, ``cluster_workers``."""
         with self._tx() as conn:
-            all_teams = [_team(r) for r in conn.execute(select(teams).order_by(teams.c.name))]
+            all_teams = _teams(conn)
             live = [_job(r).view() for r in conn.execute(
                 select(jobs).where(jobs.c.state.in_([s.value for s in LIVE_STATES])).order_by(jobs.c.id))]
-        return Snapshot(all_teams, live, cluster_workers=cluster_workers)
+        return Snapshot(all_teams, live, cluster_workers=cluster_workers, flavors=tuple(flavor_states))
 
     # ------------------------------------------------------------------ audit
 
@@ -458,7 +641,7 @@ class Store:
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         with self._tx() as conn:
             if team is not None and conn.execute(select(teams.c.name).where(teams.c.name == team)).first() is None:
-                raise ServiceInputError("team", f"unknown team {team!r}")
+                raise ServiceInputError("team", f"unknown team {quote(team)}")
             conn.execute(insert(tokens).values(team=team, is_admin=team is None,
                                                token_hash=self._hash(conn, token), created_at_s=_now(now_s)))
         return token
@@ -528,11 +711,19 @@ def _states(expected: Union[JobState, str, Sequence[JobState]]) -> tuple[JobStat
     return tuple(JobState(s) for s in expected)
 
 
-def _check_int(field: str, value: Any, low: Optional[int] = None, low_text: str = "") -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ServiceInputError(field, f"got {value!r}; must be an integer")
-    if low is not None and value < low:
-        raise ServiceInputError(field, f"got {value}; must be {low_text or f'at least {low}'}")
+def _check_team_write(team: Team, kept_cohort: Optional[str] = None) -> None:
+    """The bounds a team is written within (``Team`` itself checks signs and the lending limit;
+    rows from before a bound was set are read as they are)."""
+    for field in ("nominal_workers", "borrowing_limit_workers", "lending_limit_workers"):
+        value = getattr(team, field)
+        if value is not None:
+            check_count(f"team.{field}", value)
+    if not team.weight <= MAX_WEIGHT:
+        raise ServiceInputError("team.weight", f"got {quote(team.weight)}; must be a number in (0, {MAX_WEIGHT:g}]")
+    if team.cohort is not None and team.cohort != kept_cohort:
+        problem = name_problem(team.cohort, "cohort name")
+        if problem:
+            raise ServiceInputError("team.cohort", problem)
 
 
 def _team_row(team: Team) -> dict:
@@ -541,10 +732,35 @@ def _team_row(team: Team) -> dict:
             "lending_limit_workers": team.lending_limit_workers, "weight": float(team.weight)}
 
 
-def _team(row) -> Team:
+def _team(row, quotas: Sequence[FlavorQuota] = ()) -> Team:
     return Team(name=row.name, nominal_workers=row.nominal_workers, cohort=row.cohort,
                 borrowing_limit_workers=row.borrowing_limit_workers,
-                lending_limit_workers=row.lending_limit_workers, weight=row.weight)
+                lending_limit_workers=row.lending_limit_workers, weight=row.weight, quotas=tuple(quotas))
+
+
+def _teams(conn: Connection, name: Optional[str] = None) -> list[Team]:
+    """Every team (or the one named) with its quotas per flavor, in name order."""
+    query, quota_query = select(teams).order_by(teams.c.name), select(team_quotas).order_by(
+        team_quotas.c.team, team_quotas.c.flavor, team_quotas.c.resource)
+    if name is not None:
+        query, quota_query = query.where(teams.c.name == name), quota_query.where(team_quotas.c.team == name)
+    quotas: dict[str, list[FlavorQuota]] = {}
+    for q in conn.execute(quota_query):
+        quotas.setdefault(q.team, []).append(FlavorQuota(q.flavor, q.resource, q.nominal, q.borrowing_limit,
+                                                         q.lending_limit))
+    return [_team(r, quotas.get(r.name, ())) for r in conn.execute(query)]
+
+
+def _flavors(conn: Connection) -> tuple[ResourceFlavor, ...]:
+    return tuple(ResourceFlavor(name=r.name, market=r.market, accelerator=r.accelerator,
+                                resources=tuple(r.resources.split(",")), usd_per_cpu_hour=r.usd_per_cpu_hour,
+                                usd_per_gpu_hour=r.usd_per_gpu_hour, usd_per_memory_gb_hour=r.usd_per_memory_gb_hour,
+                                max_cpu=r.max_cpu, max_gpu=r.max_gpu, max_memory_gb=r.max_memory_gb)
+                 for r in conn.execute(select(flavors).order_by(flavors.c.position)))
+
+
+def _float(value: Optional[float]) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _job(row) -> JobRecord:
@@ -555,4 +771,9 @@ def _job(row) -> JobRecord:
                      last_checkpoint_step=row.last_checkpoint_step, last_checkpoint_at_s=row.last_checkpoint_at_s,
                      submitted_at_s=row.submitted_at_s, waiting_since_s=row.waiting_since_s,
                      started_at_s=row.started_at_s, updated_at_s=row.updated_at_s, message=row.message,
-                     delete_checkpoints=bool(row.delete_checkpoints), package=row.package)
+                     delete_checkpoints=bool(row.delete_checkpoints), package=row.package,
+                     wait_cause=WaitCause(row.wait_cause) if row.wait_cause else None, wait_reason=row.wait_reason,
+                     wait_cause_since_s=row.wait_cause_since_s, start_returns=row.start_returns,
+                     cpus_per_worker=row.cpus_per_worker, gpus_per_worker=row.gpus_per_worker,
+                     memory_per_worker_gb=row.memory_per_worker_gb, accelerator=row.accelerator, market=row.market,
+                     flavor=row.flavor)

@@ -63,6 +63,23 @@ jobs = Table(
     Column("delete_checkpoints", Boolean, nullable=False, server_default=false()),
     # The code package the job runs with (its sha256, see packages.py; migration 0003); NULL: none.
     Column("package", String(64), nullable=True),
+    # Why a job not running yet waits (migration 0004; NULL once it runs or ends, and before the
+    # reconciler's first look): a WaitCause value, its sentence, since when that cause holds.
+    Column("wait_cause", String(32), nullable=True),
+    Column("wait_reason", Text, nullable=True),
+    Column("wait_cause_since_s", Double, nullable=True),
+    # Starts given up in a row (no progress past the bound, or not placed): back to the queue
+    # until max_start_returns, then failed; 0 again once it runs.
+    Column("start_returns", Integer, nullable=False, server_default="0"),
+    # What one worker asks (from the spec, at submit: the scheduler reads no spec) and the flavor
+    # its workers run on (set at admission; NULL while it waits, and for jobs admitted before
+    # flavors: they count on the first flavor their shape fits). Migration 0005.
+    Column("cpus_per_worker", Double, nullable=False, server_default="1"),
+    Column("gpus_per_worker", Double, nullable=False, server_default="0"),
+    Column("memory_per_worker_gb", Double, nullable=False, server_default="0"),
+    Column("accelerator", String(64), nullable=False, server_default=""),
+    Column("market", String(16), nullable=False, server_default="any"),
+    Column("flavor", String(64), nullable=True),
     UniqueConstraint("team", "idempotency_key"),
     Index(None, "state"),
 )
@@ -99,6 +116,34 @@ packages = Table(
     Column("files", Integer, nullable=False),
     Column("data", LargeBinary, nullable=False),
     Column("created_at_s", Double, nullable=False),
+)
+
+# The service's flavor table (Kueue's ResourceFlavors; model.ResourceFlavor), in its order of
+# preference; empty: the implicit flavor counting workers (migration 0005).
+flavors = Table(
+    "flavors", metadata,
+    Column("name", String(64), primary_key=True),
+    Column("position", Integer, nullable=False),  # the table's order: a job of any market tries the first first
+    Column("market", String(16), nullable=False),  # spot | on-demand (Ray's ray.io/market-type)
+    Column("accelerator", String(64), nullable=False),  # Ray's ray.io/accelerator-type; "" CPU only
+    Column("resources", String(64), nullable=False),  # what quotas count on it, comma separated
+    Column("usd_per_cpu_hour", Double, nullable=False),
+    Column("usd_per_gpu_hour", Double, nullable=False),
+    Column("usd_per_memory_gb_hour", Double, nullable=False),
+    Column("max_cpu", Double, nullable=True),  # NULL: no ceiling configured
+    Column("max_gpu", Double, nullable=True),
+    Column("max_memory_gb", Double, nullable=True),
+)
+
+# A team's quota of one resource on one flavor (model.FlavorQuota; migration 0005).
+team_quotas = Table(
+    "team_quotas", metadata,
+    Column("team", String(64), ForeignKey("teams.name"), primary_key=True),
+    Column("flavor", String(64), primary_key=True),
+    Column("resource", String(16), primary_key=True),  # model.RESOURCES
+    Column("nominal", Double, nullable=False),
+    Column("borrowing_limit", Double, nullable=True),  # NULL: as much as the cohort lends
+    Column("lending_limit", Double, nullable=True),  # NULL: lends all of its nominal quota
 )
 
 tokens = Table(

@@ -23,6 +23,7 @@ that still fails after a few retries is dropped with a warning and counted
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -223,11 +224,60 @@ def _bound_http_client(tracking_uri: str) -> None:
             os.environ.setdefault(name, value)
 
 
+_made_stores: set[str] = set()  # SQLite files this process has seen made (ensure_store)
+_made_stores_lock = threading.Lock()
+
+
+def ensure_store(tracking_uri: str) -> None:
+    """Make (or migrate) a SQLite tracking store once, holding an exclusive lock on its
+    directory: MLflow creates a new SQLite store's tables on first open, and two processes
+    opening one at the same moment both run the migrations and fail ("duplicate column name",
+    "table ... already exists"), leaving the file half-made. The lock holds every other process
+    of this machine (two runs, two service jobs, a resume) until the first has made it; after
+    that each opens a finished store. A directory, not a file beside the database: it leaves
+    nothing in the output directory, and takes no lock on the database file, whose own locks
+    are SQLite's. Other stores need nothing: a server or PostgreSQL makes its own schema.
+    Raises ``TrackingError`` when the store cannot be made."""
+    path = _sqlite_path(tracking_uri)
+    if path is None:
+        return
+    path = os.path.abspath(path)
+    with _made_stores_lock:  # threads of this process: one makes it, the others wait for it
+        if path in _made_stores:
+            return
+        check_reachable(tracking_uri)  # its directory made and writable, or a clear error
+        from mlflow import MlflowClient
+
+        with _directory_locked(os.path.dirname(path)):
+            _call(tracking_uri, "create its tables",
+                  lambda: MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1))
+        _made_stores.add(path)
+
+
+@contextlib.contextmanager
+def _directory_locked(directory: str):
+    """An exclusive flock on ``directory`` while the block runs. Where a directory cannot be
+    locked (an NFS mount emulates flock with write locks, which a directory refuses) the block
+    runs unlocked: SQLite on such a mount is unsafe anyway."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.debug("cannot lock %s (%s): the MLflow store is made unlocked", directory, exc)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
 def _client(tracking_uri: str):
     from mlflow import MlflowClient
 
     _bound_http_client(tracking_uri)
     check_reachable(tracking_uri)
+    ensure_store(tracking_uri)
     return MlflowClient(tracking_uri=tracking_uri)
 
 

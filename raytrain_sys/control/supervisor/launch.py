@@ -142,29 +142,38 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
 def check_intact(spec: JobSpec, checkpointer: Checkpointer, found: Preflight) -> None:
     """The checkpoint to resume from, checked before anything starts (its files there, of their
     recorded sizes). A bad one is refused naming the newest intact older checkpoint, or, with
-    resume_from=latest and checkpoint.on_corrupt=previous, replaced by it."""
+    resume_from=latest and checkpoint.on_corrupt=previous, replaced by it (``fall_back``)."""
     info = found.resume_info
     problems = checkpointer.problems(info)
-    if not problems:
-        return
+    if problems:
+        found.resume_info, found.fallback = fall_back(
+            spec, checkpointer, info, f"checkpoint {info.uri} is damaged ({'; '.join(problems)})")
+
+
+def fall_back(spec: JobSpec, checkpointer: Checkpointer, info: CheckpointInfo, what: str
+              ) -> tuple[CheckpointInfo, str]:
+    """``info`` cannot be resumed from (``what`` says why; found before the start, or when its
+    files were loaded). With resume_from=latest and checkpoint.on_corrupt=previous: the newest
+    intact older checkpoint, and the note that says so; every committed checkpoint newer than
+    it is set aside (kept, invisible), so that the run can write those steps again. Otherwise
+    a CheckpointError naming that older checkpoint (its path and step) and the spec field that
+    resumes from it."""
     older = checkpointer.newest_intact(before_step=info.step)
-    what = f"checkpoint {info.uri} is damaged ({'; '.join(problems)})"
     if older is not None and spec.checkpoint.resume_from == "latest" and spec.checkpoint.on_corrupt == "previous":
-        # Every committed checkpoint newer than the one resumed from is damaged (it would have
-        # been chosen otherwise): set aside, so that the run can write those steps again.
         newer = [c for c in checkpointer.list_complete() if c.step > older.step]
         for damaged in newer:
-            checkpointer.set_aside(damaged, "; ".join(checkpointer.problems(damaged)) or "newer than a damaged one")
-        found.resume_info = older
-        found.fallback = (f"{what}: resuming from the newest intact older one, {older.uri} "
-                          f"(checkpoint.on_corrupt=previous); set aside: "
-                          f"{', '.join(os.path.basename(c.uri.rstrip('/')) for c in newer)}")
-        log.warning("%s", found.fallback)
-        return
+            why = what if damaged.step == info.step else "; ".join(checkpointer.problems(damaged))
+            checkpointer.set_aside(damaged, why or "newer than a damaged one")
+        note = (f"{what}: resuming from the newest intact older one, {older.uri} "
+                f"(checkpoint.on_corrupt=previous); set aside: "
+                f"{', '.join(os.path.basename(c.uri.rstrip('/')) for c in newer)}")
+        log.warning("%s", note)
+        return older, note
     if older is None:
         raise CheckpointError(f"{what}, and no older checkpoint under {checkpointer.store.uri} is intact: "
                               f"start the run afresh (no checkpoint.resume_from)")
-    how = ("set checkpoint.on_corrupt=previous to resume from it" if spec.checkpoint.resume_from == "latest"
+    how = ("set checkpoint.on_corrupt: previous in the spec (or --set checkpoint.on_corrupt=previous) to "
+           "resume from it" if spec.checkpoint.resume_from == "latest"
            else f"resume from it (checkpoint.resume_from={older.uri})")
     raise CheckpointError(f"{what}; the newest intact older checkpoint is {older.uri} (step {older.step}): {how}")
 

@@ -47,7 +47,7 @@ from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch, 
 from raytrain_sys.control.supervisor.stragglers import Stragglers
 from raytrain_sys.control.worker_group import WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
-from raytrain_sys.errors import DataError, find_user_error
+from raytrain_sys.errors import CheckpointCorrupt, DataError, find_user_error
 from raytrain_sys.monitor.cost import CostMeter
 from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.parallel.mesh import is_data_leader_rank
@@ -240,7 +240,7 @@ class Supervisor:
             self.membership.form_group()
             phase("group")
             if resume_info is not None:
-                self._restore(resume_info)
+                self._restore_at_start(resume_info, found.checkpointer)
                 phase("restore")
             if warm is not None:
                 warm.join()
@@ -283,6 +283,21 @@ class Supervisor:
             self._transition(State(end.state), end.reason)
         except MustStop as stop:
             self.recovery.fail_with_checkpoint(str(stop))
+    def _restore_at_start(self, info: CheckpointInfo, checkpointer) -> None:
+        """Load the checkpoint the run resumes from. One whose files are found corrupt while
+        loading (a sha256 the pre-flight size check cannot see) is refused naming the newest
+        intact older checkpoint and the field that resumes from it, or with
+        checkpoint.on_corrupt=previous replaced by it (``launch.fall_back``)."""
+        while True:
+            try:
+                self._restore(info)
+                return
+            except Exception as exc:
+                corrupt = find_user_error(exc)
+                if not isinstance(corrupt, CheckpointCorrupt):
+                    raise
+                info, note = launch.fall_back(self.spec, checkpointer, info, str(corrupt))
+                self._transition(State.RESTORING, note)  # recorded in summary.json and as an MLflow event
 
     def _restore(self, info: CheckpointInfo) -> None:
         """Load a durable checkpoint into every member (a resume's)."""

@@ -3,13 +3,13 @@
 No Ray, no database, no clock of its own: ``decide(snapshot, now_s)`` returns ``Admit``,
 ``Grow``, ``Shrink``, ``Pause`` and ``Wait`` values (``raytrain_sys.service.model``), each with a
 human-readable reason, and the reconciler carries them out. ``quota`` holds the Kueue-style
-arithmetic of teams and cohorts, ``ordering`` the named orderings, ``decide`` the pass itself.
+arithmetic of teams and cohorts (per flavor and resource), ``ordering`` the named orderings, ``decide`` the pass itself.
 """
 
 from raytrain_sys.service.scheduler.decide import decide
 from raytrain_sys.service.scheduler.ordering import (admission_order, effective_priority, growth_order,
                                                      pause_order, shrink_order)
-from raytrain_sys.service.scheduler.quota import Quotas, never_fits_reason, team_ceiling_workers
+from raytrain_sys.service.scheduler.quota import FlavorQuotas, Quotas, never_fits_reason, team_ceiling_workers
 
 __all__ = ["decide", "admission_order", "effective_priority", "growth_order", "pause_order", "shrink_order",
-           "Quotas", "never_fits_reason", "team_ceiling_workers"]
+           "FlavorQuotas", "Quotas", "never_fits_reason", "team_ceiling_workers"]

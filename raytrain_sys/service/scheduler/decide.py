@@ -2,10 +2,10 @@
 
 Owns: the choice of which waiting job starts (``Admit``), which running elastic job grows or
 shrinks (``Grow``, ``Shrink``), which running job is paused (``Pause``), and why every waiting
-job still waits (``Wait``). It writes nothing: every action is a value with a reason, carried
+job still waits (``Wait``, with its ``WaitCause``). It writes nothing: every action is a value with a reason, carried
 out by the reconciler (the one writer of run-time transitions), which logs each one. Pure: no
 Ray, no SQL, no clock of its own; the snapshot is never changed (all simulation happens on
-private copies: ``Quotas`` and the ``_Pass`` counters).
+private copies: ``FlavorQuotas`` and the ``_Pass`` counters).
 
 A pass, in order:
 
@@ -29,20 +29,35 @@ A pass, in order:
 
 A shrink or pause frees workers only when the runner has drained them, so the job it was for is
 admitted by a later pass (which sees the smaller ``workers``), never by the same one.
+
+**Flavors** (``snapshot.flavors``, Kueue's ResourceFlavors; none: the implicit flavor of
+``cluster_workers`` worker slots, the service as it was). A job draws from the flavors its
+shape fits (``ResourceFlavor.refuses``), tried in the table's order: the first where it fits
+now, else the first with workers being released for it, else the first where a reclaim makes
+room (Kueue's flavor fungibility: try the next flavor before preempting). Its workers then
+stay on that flavor (``Admit.flavor``): quotas count per flavor and resource, capacity is per
+flavor, victims of a reclaim are jobs on the flavor that is short, growth and reservations are
+per flavor. An admission beyond what is up now but within the ceiling (autoscaling) is marked
+``Admit.provisioning``.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_sys.service.model import (DEFAULT_POLICY, Action, Admit, Grow, JobState, JobView, Pause,
-                                        Policy, Shrink, Snapshot, Team, Wait)
+from raytrain_sys.service.model import (DEFAULT_POLICY, Action, Admit, FlavorState, Grow, JobState, JobView, Pause,
+                                        Policy, Shrink, Snapshot, Team, Wait, WaitCause, WorkerShape, no_flavor_reason)
 from raytrain_sys.service.scheduler.ordering import (admission_order, effective_priority, growth_order,
                                                      pause_order, shrink_order)
-from raytrain_sys.service.scheduler.quota import Quotas, never_fits_reason, team_ceiling_workers
+from raytrain_sys.service.scheduler.quota import EPS, FlavorQuotas, fitting, never_fits_reason
+
+
+def _workers(n: float) -> str:
+    return f"{n:g} worker{'' if n == 1 else 's'}"
 
 
 def decide(snapshot: Snapshot, now_s: float, policy: Policy = DEFAULT_POLICY) -> list[Action]:
@@ -57,8 +72,67 @@ class _Reclaim:
 
     shrinks: list[tuple[JobView, int]]  # (job, its new target)
     pauses: list[JobView]
-    released_workers: int
+    released: dict[str, float]  # of each resource the flavor's capacity counts
     within_nominal: bool  # the waiting job's team stays within its nominal quota
+
+
+class _Room:
+    """One flavor's capacity during a pass, per resource: free now, free once the releases in
+    flight have landed, and free of what is up now (autoscaling: the rest is being provisioned).
+    Claims subtract from all three; a claim on workers being released leaves ``free_now`` at 0."""
+
+    def __init__(self, state: FlavorState):
+        self.state = state
+        self.flavor = state.flavor
+        self.name = state.flavor.name
+        self.ceiling = state.capacity()
+        self.free_now = dict(self.ceiling)
+        self.free_after_release = dict(self.ceiling)
+        self.present_free = state.capacity(present=True)
+        self.reserved_for: Optional[JobView] = None
+
+    def hold(self, shape: WorkerShape, held: float, releasing: float) -> None:
+        """A live job holds ``held`` workers of ``shape`` here, ``releasing`` of them on their way back."""
+        for r in self.free_now:
+            self.free_now[r] -= held * shape.amount(r)
+            self.free_after_release[r] -= (held - releasing) * shape.amount(r)
+        for r in self.present_free:
+            self.present_free[r] -= held * shape.amount(r)
+
+    def workers_now(self, shape: WorkerShape) -> float:
+        return fitting(self.free_now, shape)
+
+    def workers_after_release(self, shape: WorkerShape, released: Optional[dict] = None) -> float:
+        free = self.free_after_release if not released else {r: v + released.get(r, 0.0)
+                                                             for r, v in self.free_after_release.items()}
+        return fitting(free, shape)
+
+    def claim(self, workers: float, shape: WorkerShape) -> bool:
+        """Count ``workers`` of ``shape`` taken (free ones first); True when what is up now did
+        not hold them (they wait for nodes being provisioned)."""
+        provisioning = workers > fitting(self.present_free, shape)
+        for r in self.free_now:
+            amount = workers * shape.amount(r)
+            self.free_now[r] -= min(max(0.0, self.free_now[r]), amount)
+            self.free_after_release[r] -= amount
+        for r in self.present_free:
+            self.present_free[r] -= workers * shape.amount(r)
+        return provisioning
+
+    def reserve(self, job: JobView) -> None:
+        """Keep what is free now for ``job``: nothing behind it may take it, nothing grows into it."""
+        self.reserved_for = job
+        for r in self.free_now:
+            self.free_after_release[r] -= max(0.0, self.free_now[r])
+            self.free_now[r] = min(self.free_now[r], 0.0)
+
+    def describe_free(self, shape: WorkerShape) -> str:
+        now, later = max(0, self.workers_now(shape)), max(0, self.workers_after_release(shape))
+        return f"room for {_count(now)} now and {_count(max(0, later - now))} more being released"
+
+
+def _count(x: float) -> str:
+    return "any number" if x == math.inf else f"{x:g}"
 
 
 class _Pass:
@@ -67,59 +141,86 @@ class _Pass:
         self.policy = policy
         self.teams: dict[str, Team] = {t.name: t for t in snapshot.teams}
         self.cluster_workers = snapshot.cluster_workers
-        usage: dict[str, int] = {}
-        held = 0  # workers the cluster has given to (or promised) live jobs
-        releasing = 0  # of those, workers on their way back (drains and pauses in flight)
+        states = snapshot.flavor_states
+        self.states = states
+        self.rooms: dict[str, _Room] = {s.name: _Room(s) for s in states}
+        self.order = [self.rooms[s.name] for s in states]  # the table's order of preference
+        self.implicit = len(states) == 1 and states[0].flavor.is_implicit
+        flavors = [s.flavor for s in states]
+        self.quotas = FlavorQuotas(snapshot.teams, flavors)
+        self.unused = FlavorQuotas(snapshot.teams, flavors)  # nobody using anything: the quota ceilings
         self.target: dict[int, int] = {}  # simulated targets of running jobs this pass may change
+        self.flavor_of: dict[int, str] = {}  # the flavor each live job's workers are on
         self.candidates: list[JobView] = []  # running jobs that may shrink, pause or grow
         self.waiting: list[JobView] = []
+        self._fits: dict[WorkerShape, list[_Room]] = {}
+        self._ceilings: dict[tuple, float] = {}
         for job in snapshot.jobs:
+            if job.state.admitted or job.state.releasing:
+                room = self._room_of(job)
+                if room is None:
+                    continue  # its shape fits no flavor of the table (changed since): nothing to count it on
+                self.flavor_of[job.id] = room.name
             if job.state.admitted:
-                usage[job.team] = usage.get(job.team, 0) + job.target_workers
-                held += max(job.workers, job.target_workers)
-                releasing += max(0, job.workers - job.target_workers)
+                if job.team in self.teams:
+                    self.quotas.add(job.team, room.name, job.target_workers, job.shape)
+                room.hold(job.shape, max(job.workers, job.target_workers), max(0, job.workers - job.target_workers))
                 if job.state is JobState.RUNNING and not job.changing and job.team in self.teams:
                     self.candidates.append(job)
                     self.target[job.id] = job.target_workers
             elif job.state.releasing:
-                held += job.workers
-                releasing += job.workers
+                room.hold(job.shape, job.workers, job.workers)
             elif job.state.waiting:
                 self.waiting.append(job)
-        self.quotas = Quotas(snapshot.teams, usage)
-        # Free now, and free once every release in flight has landed (claims subtract from both).
-        self.free_now = snapshot.cluster_workers - held
-        self.free_after_release = self.free_now + releasing
-        self.ceiling = {name: min(team_ceiling_workers(name, snapshot.teams), snapshot.cluster_workers)
-                        for name in self.teams}
-        self.reserved_for: Optional[JobView] = None
         self.victims: set[int] = set()
         self.touched_teams: set[str] = set()
         self.admitted: dict[int, int] = {}  # job id -> workers, in admission order
         self.admit_reason: dict[int, str] = {}
+        self.admit_flavor: dict[int, str] = {}
+        self.provisioning: set[int] = set()  # admitted jobs whose workers wait for nodes
         self.admitted_jobs: list[JobView] = []
         self.reclaim_actions: list[Action] = []
         self.waits: list[Wait] = []
-        # A reclaim that failed for (team, priority, within nominal) at need n fails for any
-        # larger need too, until another reclaim changes the victims or the free workers.
+        # A reclaim that failed for (team, priority, within nominal, flavor, shape) at need n fails
+        # for any larger need too, until another reclaim changes the victims or the free workers.
         self.failed_reclaims: dict[tuple, int] = {}
         self.reclaim_epoch = 0
+
+    def _fitting_rooms(self, shape: WorkerShape) -> list[_Room]:
+        """The flavors a worker of ``shape`` may draw from, in the table's order."""
+        rooms = self._fits.get(shape)
+        if rooms is None:
+            rooms = self._fits[shape] = [r for r in self.order if r.flavor.refuses(shape) is None]
+        return rooms
+
+    def _room_of(self, job: JobView) -> Optional[_Room]:
+        """Where a live job's workers are: its flavor, or (admitted before the table had it) the
+        first its shape fits."""
+        if job.flavor in self.rooms:
+            return self.rooms[job.flavor]
+        rooms = self._fitting_rooms(job.shape)
+        return rooms[0] if rooms else None
+
+    def _where(self, room: _Room, shape: WorkerShape) -> str:
+        """" of <flavor>" in a reason, nothing for the implicit flavor."""
+        return "" if self.implicit else f" of {shape.describe()} on {room.name}"
 
     # ------------------------------------------------------------------ the pass
 
     def run(self) -> list[Action]:
         self._admit_in_order()
         grows = self._grow()
-        admits = [Admit(job.id, self.admitted[job.id], self.admit_reason[job.id]) for job in self.admitted_jobs]
+        admits = [Admit(job.id, self.admitted[job.id], self.admit_reason[job.id], flavor=self.admit_flavor[job.id],
+                        provisioning=job.id in self.provisioning) for job in self.admitted_jobs]
         return [*self.reclaim_actions, *admits, *grows, *self.waits]
 
     def _admit_in_order(self) -> None:
         queues: dict[str, deque[JobView]] = {}
         for job in self.waiting:
             if job.held:
-                self.waits.append(Wait(job.id, "held by its team: resume it to queue it again"))
+                self.waits.append(Wait(job.id, WaitCause.HELD, "held by its team: resume it to queue it again"))
             elif job.team not in self.teams:
-                self.waits.append(Wait(job.id, f"unknown team {job.team!r}"))
+                self.waits.append(Wait(job.id, WaitCause.UNKNOWN_TEAM, f"unknown team {job.team!r}"))
             else:
                 queues.setdefault(job.team, []).append(job)  # type: ignore[arg-type]
         for name, jobs in queues.items():
@@ -145,71 +246,132 @@ class _Pass:
 
     # ------------------------------------------------------------------ one waiting job
 
+    def _ceiling(self, job: JobView, room: _Room) -> float:
+        """The most workers of the job's shape its team could ever hold on ``room``'s flavor."""
+        key = (job.team, room.name, job.shape)
+        ceiling = self._ceilings.get(key)
+        if ceiling is None:
+            ceiling = self._ceilings[key] = min(self.unused.headroom(job.team, room.name, job.shape),
+                                                fitting(room.ceiling, job.shape))
+        return ceiling
+
     def _consider(self, job: JobView) -> None:
-        team = self.teams[job.team]
         need = max(1, job.min_workers)
-        if need > self.ceiling[job.team]:
-            never = never_fits_reason(job.team, need, self.teams.values(), self.cluster_workers)
-            self.waits.append(Wait(job.id, f"can never start: {never}"))
+        rooms = self._fitting_rooms(job.shape)
+        if not rooms:
+            refused = no_flavor_reason(job.shape, [s.flavor for s in self.states])
+            self.waits.append(Wait(job.id, WaitCause.NEVER_FITS,
+                                   f"can never start: its shape ({job.shape.describe()}) {refused}"))
             return
-        room = self.quotas.headroom(job.team)
-        if self.reserved_for is not None and need <= room and need > self.free_now:
-            self.waits.append(Wait(job.id, f"the free workers are kept for job {self.reserved_for.id}, "
-                                           f"which has waited since {self.reserved_for.waited_since_s:.0f}"))
+        rooms = [room for room in rooms if need <= self._ceiling(job, room)]
+        if not rooms:
+            never = never_fits_reason(job.team, need, self.teams.values(), shape=job.shape, flavors=self.states)
+            self.waits.append(Wait(job.id, WaitCause.NEVER_FITS, f"can never start: {never}"))
             return
-        if need <= room and need <= self.free_now:
-            self.admit_reason[job.id] = (
-                f"{need} workers fit (min_workers; effective priority "
-                f"{effective_priority(job, self.now_s, self.policy)}): {self.quotas.explain(job.team)}, "
-                f"{self.free_now} of {self.cluster_workers} cluster workers free")
-            self._claim(job, need)
-            self.admitted[job.id] = need
-            self.admitted_jobs.append(job)
+        shape = job.shape
+        open_rooms, reserved, heads = [], None, {}
+        for room in rooms:
+            head = heads[room.name] = self.quotas.headroom(job.team, room.name, shape)
+            if room.reserved_for is not None and need <= head and need > room.workers_now(shape):
+                reserved = reserved or room
+                continue
+            if need <= head and need <= room.workers_now(shape):
+                self._admit(job, need, room)
+                return
+            open_rooms.append(room)
+        for room in open_rooms:
+            if need <= heads[room.name] and need <= room.workers_after_release(shape):
+                self._claim(job, need, room)
+                self.waits.append(Wait(job.id, WaitCause.RELEASING,
+                                       f"{need} workers{self._where(room, shape)} are being released for it "
+                                       f"(drains and pauses in flight); starts once they are free"))
+                return
+        for room in open_rooms:
+            plan = self._plan_reclaim(job, need, room)
+            if plan is not None:
+                self._apply(job, need, room, plan)
+                return
+        if not open_rooms:
+            self.waits.append(Wait(job.id, WaitCause.RESERVED,
+                                   f"the free workers are kept for job {reserved.reserved_for.id}, "
+                                   f"which has waited since {reserved.reserved_for.waited_since_s:.0f}"))
             return
-        if need <= room and need <= self.free_after_release:
-            self._claim(job, need)
-            self.waits.append(Wait(job.id, f"{need} workers are being released for it (drains and pauses "
-                                           f"in flight); starts once they are free"))
-            return
-        plan = self._plan_reclaim(job, team, need)
-        if plan is not None:
-            self._apply(job, need, plan)
-            return
-        self.waits.append(Wait(job.id, self._blocked_reason(job, need, room)))
-        if (need <= room and self.reserved_for is None
+        room = open_rooms[0]
+        head = heads[room.name]  # a reclaim that failed undid its simulation: the quotas are as they were
+        self.waits.append(self._blocked(job, need, head, room))
+        if (need <= head and room.reserved_for is None
                 and self.now_s - job.waited_since_s >= self.policy.reserve_after_s):
-            self.reserved_for = job
-            self.free_after_release -= max(0, self.free_now)
-            self.free_now = min(self.free_now, 0)
+            room.reserve(job)
 
-    def _claim(self, job: JobView, workers: int) -> None:
-        """Count a job's workers against its team and the cluster (free ones first)."""
-        self.quotas.add(job.team, workers)
-        self.free_now -= min(max(0, self.free_now), workers)
-        self.free_after_release -= workers
+    def _admit(self, job: JobView, need: int, room: _Room) -> None:
+        free = max(0, room.workers_now(job.shape))
+        where = (f"{_count(free)} of {room.ceiling['workers']:g} cluster workers free" if self.implicit else
+                 f"{room.name} has room for {_count(free)} workers of {job.shape.describe()}")
+        self.admit_reason[job.id] = (
+            f"{need} workers fit (min_workers; effective priority "
+            f"{effective_priority(job, self.now_s, self.policy)}): {self.quotas.explain(job.team, room.name)}, "
+            f"{where}")
+        if self._claim(job, need, room):
+            self.provisioning.add(job.id)
+            self.admit_reason[job.id] += " (within the ceiling: the autoscaler adds the nodes)"
+        self.admitted[job.id] = need
+        self.admit_flavor[job.id] = room.name
+        self.flavor_of[job.id] = room.name
+        self.admitted_jobs.append(job)
 
-    def _blocked_reason(self, job: JobView, need: int, room: int) -> str:
-        if need > room:
-            return (f"needs {need} workers (min_workers), the team may take {room} more: "
-                    f"{self.quotas.explain(job.team)}; nothing it may reclaim would make room")
-        return (f"needs {need} workers (min_workers), the cluster has {max(0, self.free_now)} free "
-                f"and {max(0, self.free_after_release - max(0, self.free_now))} being released; "
-                f"nothing it may reclaim would make room")
+    def _claim(self, job: JobView, workers: int, room: _Room) -> bool:
+        """Count a job's workers against its team and the flavor's capacity (free ones first)."""
+        self.quotas.add(job.team, room.name, workers, job.shape)
+        return room.claim(workers, job.shape)
+
+    def _blocked(self, job: JobView, need: int, head: float, room: _Room) -> Wait:
+        """Why a job that neither fits nor can reclaim waits: its team's quota, its cohort's, or
+        the cluster's free workers (each sentence opens with it)."""
+        if need <= head:
+            if self.implicit:
+                free_now = max(0.0, room.free_now["workers"])
+                releasing = max(0.0, room.free_after_release["workers"] - free_now)
+                return Wait(job.id, WaitCause.CLUSTER,
+                            f"the cluster is full: needs {_workers(need)} (min_workers), the cluster has "
+                            f"{free_now:g} free and {releasing:g} being released; nothing it may reclaim would make room")
+            return Wait(job.id, WaitCause.CLUSTER,
+                        f"the cluster is full: needs {_workers(need)}{self._where(room, job.shape)} (min_workers), "
+                        f"which has {room.describe_free(job.shape)}; nothing it may reclaim would make room")
+        cause = self._quota_cause(job, need, room)
+        opening = ("over its team's quota" if cause is WaitCause.TEAM_QUOTA
+                   else "its cohort has no quota to lend it now")
+        return Wait(job.id, cause, f"{opening}: needs {_workers(need)}{self._where(room, job.shape)} (min_workers), "
+                                   f"the team may take {_count(head)} more: "
+                                   f"{self.quotas.explain(job.team, room.name)}; nothing it may reclaim would make room")
+
+    def _quota_cause(self, job: JobView, need: int, room: _Room) -> WaitCause:
+        """TEAM_QUOTA when the team's own limits stop it (beyond its nominal quota: its borrowing
+        limit, or a cohort with nobody to borrow from); COHORT when they would allow it and the
+        cohort's pool is what is used up (its own lendable part lent out, or nothing left to borrow)."""
+        team = self.teams[job.team]
+        if self.quotas.within_nominal(job.team, room.name, need, job.shape):
+            return WaitCause.COHORT
+        if self.quotas.over_borrowing_limit(job.team, room.name, need, job.shape):
+            return WaitCause.TEAM_QUOTA
+        lenders = [t for t in self.teams.values() if t.cohort_key == team.cohort_key and t.name != team.name]
+        return WaitCause.COHORT if lenders else WaitCause.TEAM_QUOTA
 
     # ------------------------------------------------------------------ reclaim
 
-    def _plan_reclaim(self, job: JobView, team: Team, need: int) -> Optional[_Reclaim]:
-        within_nominal = self.quotas.usage[job.team] + need <= team.nominal_workers
-        memo_key = (job.team, job.priority, within_nominal, self.reclaim_epoch)
+    def _plan_reclaim(self, job: JobView, need: int, room: _Room) -> Optional[_Reclaim]:
+        team, f, shape = self.teams[job.team], room.name, job.shape
+        within_nominal = self.quotas.within_nominal(job.team, f, need, shape)
+        memo_key = (job.team, job.priority, within_nominal, f, shape, self.reclaim_epoch)
         if need >= self.failed_reclaims.get(memo_key, need + 1):
             return None
         shrinkable, pausable = [], []
         for c in self.candidates:
-            if c.id in self.victims or self.teams[c.team].cohort_key != team.cohort_key:
+            if (c.id in self.victims or self.flavor_of.get(c.id) != f
+                    or self.teams[c.team].cohort_key != team.cohort_key):
                 continue
             if c.team == job.team:
                 may_shrink, may_pause = c.priority <= job.priority, c.priority < job.priority
-            elif self.quotas.borrowed(c.team) > 0:
+            elif self.quotas.borrows(c.team, f):
                 may_shrink = within_nominal or c.priority <= job.priority
                 may_pause = within_nominal or c.priority < job.priority
             else:
@@ -225,25 +387,27 @@ class _Pass:
         pausable.sort(key=lambda c: pause_order(c, self.now_s))
 
         sim_target = {c.id: self.target[c.id] for c in shrinkable + pausable}
-        released = 0
+        released = {r: 0.0 for r in room.ceiling}
+        counted = set(room.ceiling) | set(room.flavor.resources)
 
-        def gap() -> int:
-            return max(need - self.quotas.headroom(job.team), need - (self.free_after_release + released))
+        def gap() -> float:
+            return max(need - self.quotas.headroom(job.team, f, shape),
+                       need - room.workers_after_release(shape, released))
 
         def give_back(c: JobView, workers: int) -> None:
-            nonlocal released
-            self.quotas.add(c.team, -workers)
+            self.quotas.add(c.team, f, -workers, c.shape)
             sim_target[c.id] -= workers
-            released += workers
+            for r in released:
+                released[r] += workers * c.shape.amount(r)
 
         shrinks: dict[int, JobView] = {}
         for c in shrinkable:
             missing = gap()
             if missing <= 0:
                 break
-            workers = min(sim_target[c.id] - c.min_workers, missing)
+            workers = min(sim_target[c.id] - c.min_workers, _victim_workers(missing, shape, c.shape, counted))
             if c.team != job.team:
-                workers = min(workers, self.quotas.borrowed(c.team))
+                workers = min(workers, self.quotas.borrowed_workers(c.team, f, c.shape))
             if workers > 0:
                 give_back(c, workers)
                 shrinks[c.id] = c
@@ -252,7 +416,7 @@ class _Pass:
         for c in pausable:
             if gap() <= 0:
                 break
-            if c.team != job.team and self.quotas.borrowed(c.team) <= 0:
+            if c.team != job.team and not self.quotas.borrows(c.team, f):
                 continue
             if sim_target[c.id] > 0:
                 pauses.append(c)
@@ -260,7 +424,7 @@ class _Pass:
                 give_back(c, sim_target[c.id])
         if gap() > 0:  # not enough: undo the simulation
             for c in {**shrinks, **{p.id: p for p in pauses}}.values():
-                self.quotas.add(c.team, self.target[c.id] - sim_target[c.id])
+                self.quotas.add(c.team, f, self.target[c.id] - sim_target[c.id], c.shape)
             self.failed_reclaims[memo_key] = min(need, self.failed_reclaims.get(memo_key, need))
             return None
         # No more victims than needed: give back pauses that turned out unnecessary (last chosen
@@ -282,9 +446,9 @@ class _Pass:
                 del shrinks[c.id]
         pause_ids = {p.id for p in pauses}
         return _Reclaim(shrinks=[(c, sim_target[c.id]) for c in shrinks.values() if c.id not in pause_ids],
-                        pauses=pauses, released_workers=released, within_nominal=within_nominal)
+                        pauses=pauses, released=released, within_nominal=within_nominal)
 
-    def _apply(self, job: JobView, need: int, plan: _Reclaim) -> None:
+    def _apply(self, job: JobView, need: int, room: _Room, plan: _Reclaim) -> None:
         """Issue a planned reclaim (its quota changes are already counted) and let ``job``
         claim what it frees."""
         self.reclaim_epoch += 1
@@ -292,7 +456,7 @@ class _Pass:
         for victim, to_workers in plan.shrinks:
             self.victims.add(victim.id)
             self.touched_teams.add(victim.team)
-            why = self._reclaim_cause(job, need, victim, plan.within_nominal)
+            why = self._reclaim_cause(job, need, victim, plan.within_nominal, room)
             self.reclaim_actions.append(Shrink(victim.id, to_workers, f"{why}; a drain at a step "
                                                                       f"boundary loses no work"))
             names.append(f"shrink of job {victim.id} to {to_workers}")
@@ -301,7 +465,7 @@ class _Pass:
             self.victims.add(victim.id)
             self.touched_teams.add(victim.team)
             at_risk = victim.work_at_risk(self.now_s)
-            why = self._reclaim_cause(job, need, victim, plan.within_nominal)
+            why = self._reclaim_cause(job, need, victim, plan.within_nominal, room)
             self.reclaim_actions.append(Pause(
                 victim.id, f"{why}; shrinking was not enough, and of the jobs it may pause this one has "
                            f"the least work at risk ({victim.workers} workers x "
@@ -309,16 +473,20 @@ class _Pass:
                 work_at_risk_worker_s=at_risk))
             names.append(f"pause of job {victim.id}")
             self.target[victim.id] = 0
-        self.free_after_release += plan.released_workers
-        self._claim(job, need)
-        self.waits.append(Wait(job.id, f"{need} workers are being reclaimed for it ({', '.join(names)}); "
-                                       f"starts once they are free"))
+        for r, amount in plan.released.items():
+            room.free_after_release[r] += amount
+        self._claim(job, need, room)
+        self.waits.append(Wait(job.id, WaitCause.RELEASING,
+                               f"{need} workers{self._where(room, job.shape)} are being reclaimed for it "
+                               f"({', '.join(names)}); starts once they are free"))
 
-    def _reclaim_cause(self, job: JobView, need: int, victim: JobView, within_nominal: bool) -> str:
-        wants = f"job {job.id} (team {job.team}, priority {job.priority}) needs {need} workers"
+    def _reclaim_cause(self, job: JobView, need: int, victim: JobView, within_nominal: bool, room: _Room) -> str:
+        wants = (f"job {job.id} (team {job.team}, priority {job.priority}) needs {need} "
+                 f"workers{self._where(room, job.shape)}")
         if victim.team != job.team and within_nominal:
-            return (f"{wants} within its team's nominal quota ({self.teams[job.team].nominal_workers}), "
-                    f"which team {victim.team} borrows")
+            nominal = (f"({self.teams[job.team].nominal_workers})" if self.implicit
+                       else f"on {room.name}")
+            return f"{wants} within its team's nominal quota {nominal}, which team {victim.team} borrows"
         if victim.priority < job.priority:
             return f"{wants} and outranks it (priority {victim.priority})"
         return (f"{wants}; this job has equal priority and gives back only workers above its "
@@ -327,8 +495,6 @@ class _Pass:
     # ------------------------------------------------------------------ growth
 
     def _grow(self) -> list[Grow]:
-        if self.reserved_for is not None:
-            return []
         workers: dict[int, int] = {}
         heap = []
         for job in self.candidates + self.admitted_jobs:
@@ -340,24 +506,28 @@ class _Pass:
                 heap.append((growth_order(job, now, self.quotas.share(job.team)), job))
         heapq.heapify(heap)
         grown: dict[int, JobView] = {}
-        while heap and self.free_now > 0 and self.free_after_release > 0:
+        while heap:
             key, job = heapq.heappop(heap)
             current = growth_order(job, workers[job.id], self.quotas.share(job.team))
             if current != key:  # its team's share rose since: take its place again
                 heapq.heappush(heap, (current, job))
                 continue
-            if self.quotas.headroom(job.team) <= 0:
+            room = self.rooms[self.flavor_of[job.id]]
+            if (room.reserved_for is not None or room.workers_now(job.shape) < 1
+                    or room.workers_after_release(job.shape) < 1):
+                continue
+            if self.quotas.headroom(job.team, room.name, job.shape) < 1 - EPS:
                 continue
             workers[job.id] += 1
-            self.quotas.add(job.team, 1)
-            self.free_now -= 1
-            self.free_after_release -= 1
+            self.quotas.add(job.team, room.name, 1, job.shape)
+            if room.claim(1, job.shape) and job.id in self.admitted:
+                self.provisioning.add(job.id)
             grown[job.id] = job
             if workers[job.id] < job.max_workers:
                 heapq.heappush(heap, (growth_order(job, workers[job.id], self.quotas.share(job.team)), job))
         grows = []
         for job in sorted(grown.values(), key=lambda j: j.id):
-            team_line = self.quotas.explain(job.team)
+            team_line = self.quotas.explain(job.team, self.flavor_of[job.id])
             if job.id in self.admitted:
                 self.admit_reason[job.id] += f"; grown to {workers[job.id]} of max {job.max_workers} into idle workers"
                 self.admitted[job.id] = workers[job.id]
@@ -365,3 +535,11 @@ class _Pass:
                 grows.append(Grow(job.id, workers[job.id], f"idle workers, no waiting job can use them; "
                                                            f"after growth {team_line}"))
         return grows
+
+
+def _victim_workers(missing: float, shape: WorkerShape, victim: WorkerShape, counted: set[str]) -> int:
+    """Workers of ``victim``'s shape that free ``missing`` workers of ``shape`` in the resources
+    ``counted`` (one for one when they ask the same of each; the plan then trims any excess
+    worker by worker). 0 when the victim frees none of what the job needs."""
+    ratios = [shape.amount(r) / victim.amount(r) for r in counted if shape.amount(r) > 0 and victim.amount(r) > 0]
+    return math.ceil(missing * max(ratios) - EPS) if ratios else 0
