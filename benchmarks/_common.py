@@ -62,8 +62,8 @@ class CallArgBytes:
         def measured(actor_method, args=None, kwargs=None, **options):
             if actor_method._method_name == method:
                 ctx = ray_worker.global_worker.get_serialization_context()
-                # A lease (train_steps) carries a plan per step: bytes per rank per step.
-                steps = len(args[1]) if method == "train_steps" else 1
+                # A lease (train_steps, report_steps) carries a plan per step: bytes per rank per step.
+                steps = len(args[1]) if method in ("train_steps", "report_steps") else 1
                 sizes.append(ctx.serialize((args, kwargs)).total_bytes / steps)
             return remote(actor_method, args, kwargs, **options)
 

@@ -1,7 +1,7 @@
 """The Supervisor's own cost per step: dispatch, collect, commit and liveness, with no math.
 
-The real ``Supervisor`` runs its real step loop (``run`` -> ``_loop`` -> ``_at_step_boundary``,
-``_dispatch``, ``_may_run_ahead``, ``_collect``, ``_commit``, run-ahead on, the real data plane
+The real ``Supervisor`` runs its real step loop (``run`` -> ``_loop`` -> ``Boundary.run``,
+``Steps.dispatch``, ``Boundary.meanwhile``, ``_follow``, ``Steps.commit``, run-ahead on, the real data plane
 building each global batch and the rows sent to the ranks as task arguments) over N stand-in
 workers that answer every call at once. The stand-ins replace ``TrainWorker`` through the
 documented hook ``WorkerGroup.actor_class``; they are Ray actors of ``--cpus-per-stand-in``
@@ -25,7 +25,7 @@ leases of ``train.steps_per_call = 0``, the default), so their ratio comes from 
                        (each receives, runs and answers a task per step) on the same 2 cores,
                        which real workers do on their own machines.
   per method           wall and main-thread CPU ms per step in each Supervisor method (a light
-                       wrapper on the instance); ``_collect``'s wall is mostly waiting.
+                       wrapper); ``_follow``'s wall (a lease followed to its end) is mostly waiting.
   liveness             one ping round over every member (``supervisor._ping_all``): what the
                        Supervisor pays per ``LIVENESS_EVERY_S`` (1 s) of a step longer than that.
                        Steps that return at once are never pinged.
@@ -67,7 +67,7 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 GOAL_MS_AT_64 = 10.0  # issue 12
 GOAL_EXPONENT = 1.1  # "no faster than linearly", with room for noise
-METHODS = ("_at_step_boundary", "_dispatch", "_may_run_ahead", "_collect", "_commit")
+METHODS = ("_boundary", "_dispatch", "_meanwhile", "_follow", "_commit")
 
 log = logging.getLogger("control_plane")
 
@@ -105,7 +105,7 @@ def stand_in_class():
             return self.step_done
 
         def setup_group(self, rank, world_size, master_addr, master_port, generation) -> dict:
-            self.rank = rank
+            self.rank, self.world_size = rank, world_size
             return {"rank": rank, "backend": "none", "device": "cpu", "replicated": True,
                     "stashed": False}
 
@@ -121,12 +121,33 @@ def stand_in_class():
             return {"loss_sum": 1.0 * rows if self.rank == 0 else 0.0, "rows": float(rows),
                     "grad_norm": 1.0, "lr": 1e-3, "compute_s": 0.0}
 
-        def train_steps(self, first, plans, collective_timeout_s, *pieces) -> list:
+        def _lease(self, first, plans):
             if self.step_done == first:  # TrainWorker's lease: results kept for lease_results
                 self.recent = {}
             for i, (batch, global_units, _) in enumerate(plans):
                 self.recent[first + i] = self.train_step(first + i, batch, global_units)
-            return [self.recent[first + i] for i in range(len(plans))]
+                cut = getattr(self, "cut", None)
+                yield first + i, self.recent[first + i], cut is not None and cut[1] <= first + i + 1
+
+        def train_steps(self, first, plans, collective_timeout_s, *pieces, lease=-1) -> int:
+            return len(list(self._lease(first, plans)))
+
+        def report_steps(self, first, plans, collective_timeout_s, *pieces, lease=-1):
+            """TrainWorker.report_steps: a report a step (every rank's parts: rank 0's, as the
+            stand-ins agree on nothing; a cut stops rank 0 only, as no collective tells the others)."""
+            import numpy as np
+
+            for step, r, cut in self._lease(first, plans):
+                parts = [r["loss_sum"], r["rows"], 0.0, r["compute_s"], 0.0, 0.0]
+                yield [{"step": step, "lr": r["lr"], "grad_norm": r["grad_norm"], "cut": cut,
+                        "ranks": np.array([parts] + [[0.0] + parts[1:]] * (self.world_size - 1))}]
+                if cut:
+                    return
+
+        @ray.method(concurrency_group="control")
+        def cut_lease(self, through, end) -> int:
+            self.cut = (through, end)
+            return self.step_done
 
         @ray.method(concurrency_group="control")
         def lease_results(self, first, stop) -> list:
@@ -230,18 +251,19 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
                 calls.append((name, step, time.perf_counter() - w0, time.thread_time() - c0))
         return wrapper
 
-    # The split Supervisor sequences Steps (dispatch, commit) and liveness.collect: time those
-    # where they live, for this run only (restored below).
+    # The split Supervisor sequences Steps (dispatch, commit) and its Boundary (run: a boundary's
+    # plan carried out; meanwhile: the plan asked while a lease runs); _follow waits for a lease:
+    # time those where they live, for this run only (restored below).
+    from raytrain_sys.control.supervisor import boundary as boundary_mod
     from raytrain_sys.control.supervisor import steps as steps_mod
-    from raytrain_sys.control.supervisor import supervisor as sup_mod
 
     originals = [(steps_mod.Steps, "dispatch", steps_mod.Steps.dispatch),
                  (steps_mod.Steps, "commit", steps_mod.Steps.commit),
-                 (sup_mod, "collect", sup_mod.collect)]
+                 (boundary_mod.Boundary, "run", boundary_mod.Boundary.run),
+                 (boundary_mod.Boundary, "meanwhile", boundary_mod.Boundary.meanwhile),
+                 (sv.Supervisor, "_follow", sv.Supervisor._follow)]
     for owner, attr, fn in originals:
-        setattr(owner, attr, timed("_" + attr, fn))
-    for name in ("_at_step_boundary", "_may_run_ahead"):
-        setattr(sup, name, timed(name, getattr(sup, name)))
+        setattr(owner, attr, timed({"run": "_boundary"}.get(attr, "_" + attr.lstrip("_")), fn))
     # What the driver serializes for the members' train_step calls (Ray's own serializer).
     meter = common.CallArgBytes("train_steps")
     batch_bytes = meter.sizes
@@ -249,7 +271,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
     teardown = sup._teardown
 
     def ping_then_teardown() -> None:
-        # Liveness: ping rounds over every member, as _collect and _survivors_held do.
+        # Liveness: ping rounds over every member, as liveness and survivors_held do.
         if sup.group is not None and sup.group.workers:
             for _ in range(args.pings):
                 w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -351,20 +373,20 @@ def fit_line(ns: list[int], ys: list[float]) -> dict:
 
 def report(runs: list[dict], fits: dict) -> list[str]:
     lines = [f"{'N':>3}  {'steps/call':>10}  {'driver CPU ms/step':>18}  {'wall ms/step':>12}  "
-             f"{'dispatch':>8}  {'collect':>7}  {'commit':>6}  {'boundary':>8}  {'ahead?':>6}  "
+             f"{'dispatch':>8}  {'follow':>7}  {'commit':>6}  {'boundary':>8}  {'cut?':>6}  "
              f"{'ping round':>10}  {'B/rank/step':>11}"]
     for r in runs:
         m = r["methods"]
         lines.append(
             f"{r['workers']:>3}  {r['steps']/max(r['leases'], 1):>10.1f}  {r['driver_cpu_ms_per_step']:>18.2f}  "
             f"{r['wall_ms_per_step']:>12.2f}  "
-            f"{m['dispatch']['wall_ms_per_step']:>8.2f}  {m['collect']['wall_ms_per_step']:>7.2f}  "
-            f"{m['commit']['wall_ms_per_step']:>6.2f}  {m['at_step_boundary']['wall_ms_per_step']:>8.2f}  "
-            f"{m['may_run_ahead']['wall_ms_per_step']:>6.2f}  "
+            f"{m['dispatch']['wall_ms_per_step']:>8.2f}  {m['follow']['wall_ms_per_step']:>7.2f}  "
+            f"{m['commit']['wall_ms_per_step']:>6.2f}  {m['boundary']['wall_ms_per_step']:>8.2f}  "
+            f"{m['meanwhile']['wall_ms_per_step']:>6.2f}  "
             f"{r['liveness_ping_round_ms']['wall_median']:>10.2f}  {r['driver_bytes_per_rank_step']:>11,.0f}")
     lines.append("(driver CPU and wall: over the measured steps, per step; steps/call: the mean lease; "
-                 "per-method columns: wall ms per step spent in Steps.dispatch, collect, Steps.commit, "
-                 "_at_step_boundary, _may_run_ahead; ping round: one ping_all over all N)")
+                 "per-method columns: wall ms per step spent in Steps.dispatch, _follow, Steps.commit, "
+                 "Boundary.run, Boundary.meanwhile; ping round: one ping_all over all N)")
     lines.append("driver CPU ms/step by thread:")
     for r in runs:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["driver_cpu_ms_per_step_by_thread"].items())
