@@ -268,7 +268,7 @@ def print_tables(args, net, rows, drows, cp, gloo) -> None:
               f"(benchmarks/results/allreduce_gloo.json)")
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mfu", type=float, default=MFU)
     p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
@@ -295,10 +295,26 @@ def main() -> int:
     p.add_argument("--control", default=str(HERE / "results" / "control_plane.json"))
     p.add_argument("--gloo", default=str(HERE / "results" / "allreduce_gloo.json"))
     p.add_argument("--json", default="", help="also write the figures here")
-    args = p.parse_args()
+    return p
+
+
+def network(args: argparse.Namespace) -> Net:
     eff = args.link_efficiency
-    net = Net(args.nvlink_gbps * 1e9 * eff, args.ib_gbps * 1e9 * eff, args.nvlink_latency_us * 1e-6,
-              args.ib_latency_us * 1e-6, GPUS_PER_NODE)
+    return Net(args.nvlink_gbps * 1e9 * eff, args.ib_gbps * 1e9 * eff, args.nvlink_latency_us * 1e-6,
+               args.ib_latency_us * 1e-6, GPUS_PER_NODE)
+
+
+def step_time_s(model: str, gpus: int) -> float:
+    """One step of ``model`` at ``gpus`` with overlap, under the default assumptions: the step
+    benchmarks/control_plane.py judges the Supervisor's cost against."""
+    args = parser().parse_args([])
+    row = next(r for r in model_rows(args, network(args), None) if r["model"] == model and r["gpus"] == gpus)
+    return row["step_overlap_s"]
+
+
+def main() -> int:
+    args = parser().parse_args()
+    net = network(args)
     args.driver_Bps = args.driver_gbps * 1e9
     if not args.ref_bytes_per_rank:
         measured = Path(args.data_path)
