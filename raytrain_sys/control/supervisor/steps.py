@@ -213,14 +213,15 @@ class Steps:
         plans = [[] for _ in members]
         pieces: list[dict] = [{} for _ in members]  # per member: reference -> its argument index
         for batch in batches:
+            units = batch.units  # a sum over the global batch's rows: once a step, not once a rank
             if spec.data.delivery == "driver":  # every row through this process: to measure against
                 rows, _ = self.data.rows(batch.start, batch.start + gbs)
                 for i, sl in enumerate(shares):
-                    plans[i].append(({k: v[sl] for k, v in rows.items()}, batch.units, ()))
+                    plans[i].append(({k: v[sl] for k, v in rows.items()}, units, ()))
             else:  # references and row ranges: each rank's rows go node to node, never through here
                 for i, share in enumerate(map(batch.share, shares)):
                     index = pieces[i]
-                    plans[i].append((share.ranges(), batch.units,
+                    plans[i].append((share.ranges(), units,
                                      tuple(index.setdefault(ref, len(index)) for ref in share.refs())))
         deadline_s = self._step_deadline_s(count)
         timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
