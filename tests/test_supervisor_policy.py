@@ -50,6 +50,22 @@ def test_collective_timeout_is_just_past_the_liveness_verdict():
     assert policy.collective_timeout_s(30.0) == 30.0 + policy.LIVENESS_EVERY_S + policy.PING_TIMEOUT_S
 
 
+# ------------------------------------------------------------------ summary.json's refresh
+@pytest.mark.parametrize("now, last_end, cost, due", [
+    (100.0, 0.0, 0.0, True),
+    (100.0, 99.5, 0.002, True),
+    (100.0, 95.0, 0.1, False),
+    (100.0, 80.0, 0.1, True),
+], ids=[
+    "never written in this loop: written",
+    "a small record (2 ms) half a second ago: written again at the log step",
+    "a write of 0.1 s (many ranks' history) 5 s ago: skipped, it would be 2% of the loop",
+    "the same 20 s ago: written, 0.5% of the loop",
+])
+def test_summary_due(now, last_end, cost, due):
+    assert policy.summary_due(now, last_end, cost) is due
+
+
 @pytest.mark.parametrize("times, steps, expected", [
     ([], 4, 2400.0),
     ([0.5, 0.6, 0.7], 4, 30.0),

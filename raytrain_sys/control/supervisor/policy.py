@@ -42,9 +42,23 @@ LEASE_S = 10.0
 # one sent ahead) are referenced in the object store at once, and their references travel in
 # the lease's calls.
 MAX_LEASE_STEPS = 1000
+# summary.json's refresh in the step loop (at every train.log_every_steps-th step) takes at most
+# this share of the loop's time: the record grows with the ranks (rank_times_history: up to 500
+# entries of N ranks each), and a lease's steps commit together, each tenth one asking for a
+# write. The Supervisor's whole budget is 2% of a step (issue 26); this is a quarter of it.
+SUMMARY_SHARE = 0.005
 
 
 # ------------------------------------------------------------------ timing
+def summary_due(now: float, last_end: float, last_cost_s: float) -> bool:
+    """Whether the step loop rewrites summary.json now (a train.log_every_steps step): once the
+    time since the last write ended is at least that write's cost over SUMMARY_SHARE, so that
+    the refresh stays under that share of the loop whatever the number of ranks or the run's
+    length. A small record (a few ms) is still written at every log step; transitions and the
+    run's end write it regardless."""
+    return now - last_end >= last_cost_s / SUMMARY_SHARE
+
+
 def step_deadline_s(step_times: Sequence[float], spec: JobSpec, steps: int = 1) -> float:
     """A call of ``steps`` steps slower than this is hung: a multiple of recent step times,
     with a floor."""

@@ -45,7 +45,7 @@ import ray
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
-                                                    step_deadline_s)
+                                                    step_deadline_s, summary_due)
 from raytrain_sys.control.worker import AGREED
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.data.batches import GlobalBatch
@@ -131,6 +131,7 @@ class Steps:
         self.leases = 0  # leases sent so far: the newest one's id
         self._group_steps = (0, 0)  # (generation, steps committed by that process group)
         self.cut_through = -1  # the newest lease a cut was asked for (``cut``)
+        self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -212,14 +213,15 @@ class Steps:
         plans = [[] for _ in members]
         pieces: list[dict] = [{} for _ in members]  # per member: reference -> its argument index
         for batch in batches:
+            units = batch.units  # a sum over the global batch's rows: once a step, not once a rank
             if spec.data.delivery == "driver":  # every row through this process: to measure against
                 rows, _ = self.data.rows(batch.start, batch.start + gbs)
                 for i, sl in enumerate(shares):
-                    plans[i].append(({k: v[sl] for k, v in rows.items()}, batch.units, ()))
+                    plans[i].append(({k: v[sl] for k, v in rows.items()}, units, ()))
             else:  # references and row ranges: each rank's rows go node to node, never through here
                 for i, share in enumerate(map(batch.share, shares)):
                     index = pieces[i]
-                    plans[i].append((share.ranges(), batch.units,
+                    plans[i].append((share.ranges(), units,
                                      tuple(index.setdefault(ref, len(index)) for ref in share.refs())))
         deadline_s = self._step_deadline_s(count)
         timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
@@ -376,7 +378,10 @@ class Steps:
                 "tokens_per_s": tokens_per_step / mean_dt, "step_time_s": mean_dt,
                 "data_wait_fraction": self.data.wait_s / max(time.perf_counter() - self._run_t0, 1e-9)}
             self.record_cost()
-            self.summary.write()
+            now = time.perf_counter()
+            if summary_due(now, *self._summary_written):
+                self.summary.write()
+                self._summary_written = (time.perf_counter(), time.perf_counter() - now)
 
     def record_cost(self) -> None:
         """Refresh summary.json's cost (when priced) in the record, MLflow and Prometheus."""
