@@ -14,9 +14,10 @@ What a run holds, and where ``lookup()`` (hence ``raytrain-sys resume``) reads i
   ``plots/*.png`` (``monitor/plots.py``, redrawn at each checkpoint and at the end).
 
 Writes made while training runs (metrics, tags, events, checkpoint records, plots), and the
-params of a run just started, go through one background thread, in order: a slow or unreachable MLflow never stalls the training loop. A write
-that still fails after a few retries is dropped with a warning and counted
-(``Tracker.dropped_batches``); ``flush()`` and ``finish()`` wait for the queue to drain.
+params of a run just started, go through one background thread, in order: a slow or unreachable
+MLflow never stalls the training loop. A write that still fails after a few retries is dropped
+with a warning and counted (``Tracker.dropped_batches``); ``flush()`` and ``finish()`` wait for
+the queue to drain.
 ``start`` (the run and its spec; its params are the writer's first writes), ``resume`` and
 ``lookup`` are synchronous and raise ``TrackingError``. ``warm`` opens a store ahead of a run.
 """
