@@ -16,7 +16,9 @@ phase from the end of the one before, in order: preflight, ray (connected), data
 first reads submitted), placement (every slot's bundle placed), workers (every worker up: a
 spare adopted or a process started, its model built), tracking (the MLflow run), group (the
 process group formed), restore (a resume's checkpoint), first_batch (the first global batch
-read), then total).
+read), then total); start_beside (what ran in the background of that start, each its own
+seconds, of which the start waited only for the part its phase above shows: tracking, the MLflow
+run opened; first_read, the first global batch read).
 
 Per rank (control/supervisor/stragglers.py): rank_times ({rank: {node, data_wait_s, compute_s,
 collective_s, optimizer_s, step_s}}: per-rank means over the last train.log_every_steps steps,
@@ -87,6 +89,7 @@ class RunSummary:
     stragglers: list[dict] = field(default_factory=list)
     cost: dict = field(default_factory=dict)  # resources.cost_per_worker_hour: see the module docstring
     start_phases: dict = field(default_factory=dict)  # the newest start's phases, s each: see the module docstring
+    start_beside: dict = field(default_factory=dict)  # what ran beside the newest start, s each: see the module docstring
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 

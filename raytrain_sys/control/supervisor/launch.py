@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
@@ -218,27 +219,38 @@ def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume
 
 class InBackground:
     """``fn()`` in a thread of its own, started by ``start``; ``result`` (which starts it if
-    nothing did) joins it and returns its value or raises its error, in the caller's thread."""
+    nothing did) joins it and returns its value or raises its error, in the caller's thread.
+    ``seconds``: how long ``fn`` ran, once it has returned (the start's ``start_beside``)."""
 
     def __init__(self, fn, name: str):
         self._fn, self._name = fn, name
         self._thread: threading.Thread | None = None
         self._value, self._error = None, None
+        self.seconds: float | None = None
 
     @property
     def started(self) -> bool:
         return self._thread is not None
 
-    def start(self) -> None:
+    def start(self) -> "InBackground":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
+        return self
 
     def _run(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._value = self._fn()
         except BaseException as exc:  # noqa: BLE001: raised in result(), in the caller's thread
             self._error = exc
+        finally:
+            self.seconds = round(time.perf_counter() - t0, 3)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for ``fn`` to return (at most ``timeout`` s); nothing when it was never started."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def result(self):
         self.start()
@@ -248,7 +260,7 @@ class InBackground:
         return self._value
 
 
-def warm_data(spec: JobSpec, data: DataPlane, cursor: int):
+def warm_data(spec: JobSpec, data: DataPlane, cursor: int) -> InBackground | None:
     """Read the first global batch in the background (the plane caches it). Only where a
     read has no side effect: with data.on_bad_shard=skip a bad shard changes the stream's
     ledger, which belongs to the step loop. An error here is met again, and reported, by
@@ -262,9 +274,7 @@ def warm_data(spec: JobSpec, data: DataPlane, cursor: int):
         except Exception as exc:
             log.debug("data warm-up: %s (the first step will report it)", exc)
 
-    thread = threading.Thread(target=read, name="data-warm-up", daemon=True)
-    thread.start()
-    return thread
+    return InBackground(read, "data-warm-up").start()
 
 
 def _point_latest(output_dir: str, run_dir: str) -> None:

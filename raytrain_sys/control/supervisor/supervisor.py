@@ -247,6 +247,8 @@ class Supervisor:
                 self.data.wait_s = 0.0  # spent while the workers started, not waited for by them
             phase("first_batch")
             phase.end()
+            self.summary.start_beside = {k: t.seconds for k, t in (("tracking", tracking), ("first_read", warm))
+                                         if t is not None and t.seconds is not None}
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._train()
             return self._result()
