@@ -49,9 +49,11 @@ def wait_until_quiet(log: logging.Logger, below: float = 0.15, max_s: float = 60
 class CallArgBytes:
     """Bytes Ray serializes for the arguments of every call of actor method ``method`` made by
     this process, per step for the members' leases (``train_steps``) (Ray's own serializer, so ObjectRefs count as what they cost, not as the
-    objects). Installed on creation; ``close()`` puts Ray's method back."""
+    objects). ``plans_at``: the argument holding the lease's plans (one per step; 2 when a rank's
+    index comes first, as control_plane.py's packed stand-ins take it). Installed on creation;
+    ``close()`` puts Ray's method back."""
 
-    def __init__(self, method: str = "train_steps"):
+    def __init__(self, method: str = "train_steps", plans_at: int = 1):
         import ray._private.worker as ray_worker
         import ray.actor
 
@@ -62,8 +64,8 @@ class CallArgBytes:
         def measured(actor_method, args=None, kwargs=None, **options):
             if actor_method._method_name == method:
                 ctx = ray_worker.global_worker.get_serialization_context()
-                # A lease (train_steps) carries a plan per step: bytes per rank per step.
-                steps = len(args[1]) if method == "train_steps" else 1
+                # A lease (train_steps, report_steps) carries a plan per step: bytes per rank per step.
+                steps = len(args[plans_at]) if method in ("train_steps", "report_steps") else 1
                 sizes.append(ctx.serialize((args, kwargs)).total_bytes / steps)
             return remote(actor_method, args, kwargs, **options)
 

@@ -1,40 +1,46 @@
-"""The Supervisor's own cost per step: dispatch, collect, commit and liveness, with no math.
+"""The Supervisor's own cost per step: dispatch, follow, commit and liveness, with no math.
 
-The real ``Supervisor`` runs its real step loop (``run`` -> ``_loop`` -> ``_at_step_boundary``,
-``_dispatch``, ``_may_run_ahead``, ``_collect``, ``_commit``, run-ahead on, the real data plane
-building each global batch and the rows sent to the ranks as task arguments) over N stand-in
-workers that answer every call at once. The stand-ins replace ``TrainWorker`` through the
-documented hook ``WorkerGroup.actor_class``; they are Ray actors of ``--cpus-per-stand-in``
-(0.01) CPU each, so 64 fit on this machine. One local Ray cluster, started here with explicit
-``num_cpus`` and a private temp dir under /tmp, serves every N in turn.
-
-Per N, over the steps after ``--skip-steps`` warm-up steps:
+The real ``Supervisor`` runs its real step loop (``run`` -> ``_loop`` -> ``Boundary.run``,
+``Steps.dispatch``, ``_follow`` with ``Boundary.meanwhile``, ``Steps.commit``, run-ahead on, the
+real data plane building each global batch and the rows' references sent to the ranks as task
+arguments) over N stand-in ranks that answer every call at once. The stand-ins replace
+``TrainWorker`` through the documented hook ``WorkerGroup.actor_class``, packed as a real node
+hosts its GPUs' ranks: ``--ranks-per-actor`` (8) ranks to one Ray actor process
+(``StandInNode``; each call names its rank), so that 512 ranks are 64 processes and fit this
+2-core machine. Each rank still has its own placement group (``--cpus-per-stand-in``, 0.001 CPU)
+and its own calls: the driver sends and follows exactly what it would for N real workers. One
+local Ray cluster, started here with explicit ``num_cpus`` and a private temp dir under /tmp,
+serves every N in turn.
 
 Each N runs once per ``--steps-per-call`` mode (default: one step a call, then the automatic
-leases of ``train.steps_per_call = 0``, the default), so their ratio comes from one invocation.
+leases of ``train.steps_per_call = 0``, the default), back to back, so their ratio comes from one
+invocation. Per N and mode, over the steps after ``--skip-steps`` warm-up steps:
 
   driver CPU ms/step   CPU time of the whole driver process per committed step over the measured
-                       window (under leases a call's steps commit together) (every thread:
-                       the Supervisor's own Python thread, Ray's core-worker threads sending the
-                       tasks and receiving the replies, Ray Data's executor thread). The cost
-                       that one driver process pays, whatever machine the workers are on. The
-                       goal (issue 12: at most 10 ms at N = 64, growing no faster than linearly)
-                       is judged on it.
-  wall ms/step         the interval between two commits: the loop's period with workers that
-                       take no time. On this machine it also holds the N stand-ins' own work
-                       (each receives, runs and answers a task per step) on the same 2 cores,
-                       which real workers do on their own machines.
+                       window (every thread: the Supervisor's own Python thread, Ray's core-worker
+                       threads sending the tasks and receiving the replies, Ray Data's executor
+                       thread). The cost that one driver process pays, whatever machine the
+                       workers are on. The goals are judged on it.
+  wall ms/step         the measured window's wall time per step. On this machine it also holds
+                       the stand-ins' own work (each receives, runs and answers its calls) and the
+                       data plane's reads on the same 2 cores, which real workers do elsewhere.
+  steps/call           the mean lease over the measured window (the automatic lease is bounded by
+                       the steps the data plane has read ahead, here fewer than 10 s of steps).
   per method           wall and main-thread CPU ms per step in each Supervisor method (a light
-                       wrapper on the instance); ``_collect``'s wall is mostly waiting.
-  liveness             one ping round over every member (``supervisor._ping_all``): what the
+                       wrapper); ``_follow``'s wall (a lease followed to its end) is mostly waiting.
+  liveness             one ping round over every member (``probe.ping_all``): what the
                        Supervisor pays per ``LIVENESS_EVERY_S`` (1 s) of a step longer than that.
-                       Steps that return at once are never pinged.
 
-Then a least-squares line ``a + b*N`` through the medians, the growth exponent (slope of log
-cost over log N) and whether the goal is met.
+Then a least-squares line ``a + b*N`` through each mode's figures, R^2, the growth exponent (slope
+of log cost over log N) and the line at twice the largest N (no further). From the two modes,
+each N's cost is split into a part per call (to every member; a lease of L steps pays it once)
+and a part per step (its plans, its report, its commit): cost(L) = call / L + step. Lines
+through both give the Supervisor's CPU per step at any lease, and the goals (issue 26), against
+a GPT-2-small step as ``benchmarks/scaling_model.py`` models it: at N = 64, as measured, at most
+0.5%; at N = 512, the split's lines at GPT-2 small's own automatic lease, at most 2%.
 
-    .venv/bin/python benchmarks/control_plane.py --quick     # N = 2, 8; 60 steps; ~3 min
-    .venv/bin/python benchmarks/control_plane.py             # N = 2, 8, 32, 64; 300 steps; ~12 min
+    .venv/bin/python benchmarks/control_plane.py --quick     # N = 8, 16; 60 steps; ~3 min
+    .venv/bin/python benchmarks/control_plane.py             # N = 8 .. 512; 300 steps; ~25 min
 
 Results go to benchmarks/results/control_plane.json (``"quick": true`` marks a smoke test's).
 """
@@ -65,75 +71,172 @@ import yaml  # noqa: E402
 
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
-GOAL_MS_AT_64 = 10.0  # issue 12
-GOAL_EXPONENT = 1.1  # "no faster than linearly", with room for noise
-METHODS = ("_at_step_boundary", "_dispatch", "_may_run_ahead", "_collect", "_commit")
+# Issue 26: the Supervisor's CPU per step against a GPT-2-small step as docs/SCALING.md models it.
+GOAL_FRACTION_AT_64 = 0.005  # measured directly
+GOAL_FRACTION_AT_512 = 0.02  # from the fit, extrapolated no further than 2x past the measured range
+METHODS = ("_boundary", "_dispatch", "_meanwhile", "_follow", "_commit")
 
 log = logging.getLogger("control_plane")
 
 
-# ----------------------------------------------------------------------------- the stand-in
+# ----------------------------------------------------------------------------- the stand-ins
 
-def stand_in_class():
-    """A Ray actor with TrainWorker's interface whose every call returns at once. Built on
-    demand so that importing this module does not need Ray."""
+class StandInRank:
+    """One stand-in rank's state and answers: TrainWorker's interface, every call returning at
+    once. Several live in one process (``StandInNode``), as a node's ranks live on one machine."""
+
+    def __init__(self):
+        self.step_done = 0
+        self.rank = -1
+        self.world_size = 0
+        self.recent: dict[int, dict] = {}
+        self.cut: tuple[int, int] | None = None
+
+    def setup_group(self, rank, world_size, master_addr, master_port, generation) -> dict:
+        self.rank, self.world_size = rank, world_size
+        return {"rank": rank, "backend": "none", "device": "cpu", "replicated": True, "stashed": False}
+
+    def train_step(self, step, batch, global_units) -> dict:
+        if self.step_done != step:  # TrainWorker's run-ahead check
+            raise RuntimeError(f"step {step + 1} refused: holds step {self.step_done}")
+        self.step_done = step + 1
+        # A RankShare (references and ranges; Ray has resolved the pieces) or rows.
+        rows = batch.num_rows if hasattr(batch, "num_rows") else len(next(iter(batch.values())))
+        return {"loss_sum": 1.0 * rows if self.rank == 0 else 0.0, "rows": float(rows),
+                "grad_norm": 1.0, "lr": 1e-3, "compute_s": 0.0}
+
+    def lease(self, first, plans):
+        """TrainWorker's lease: each step's result, kept for lease_results, and whether a cut
+        ends the lease after it."""
+        if self.step_done == first:
+            self.recent = {}
+        for i, (batch, global_units, _) in enumerate(plans):
+            self.recent[first + i] = self.train_step(first + i, batch, global_units)
+            yield first + i, self.recent[first + i], self.cut is not None and self.cut[1] <= first + i + 1
+
+    def reports(self, first, plans):
+        """TrainWorker.report_steps: a report a step, with every rank's parts (rank 0's: the
+        stand-ins agree on nothing; a cut stops rank 0 only, as no collective tells the others)."""
+        import numpy as np
+
+        for step, r, cut in self.lease(first, plans):
+            parts = [r["loss_sum"], r["rows"], 0.0, r["compute_s"], 0.0, 0.0]
+            yield [{"step": step, "lr": r["lr"], "grad_norm": r["grad_norm"], "cut": cut,
+                    "ranks": np.array([parts] + [[0.0] + parts[1:]] * (self.world_size - 1))}]
+            if cut:
+                return
+
+
+def stand_in_node_class():
+    """A Ray actor hosting several stand-in ranks, each call naming its rank's index first:
+    one process per node's worth of ranks. Built on demand so that importing this module does
+    not need Ray."""
     import ray
 
     @ray.remote(concurrency_groups={"control": 2})  # TrainWorker's: pings pass a running step
-    class StandInWorker:
-        def __init__(self, spec_dict: dict):
-            self.step_done = 0
-            self.rank = -1
+    class StandInNode:
+        def __init__(self):
+            self.ranks: dict[int, StandInRank] = {}
 
-        @ray.method(concurrency_group="control")
-        def node_info(self) -> dict:
+        def _info(self) -> dict:
             import psutil
 
             return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                     "pid": os.getpid(), "create_time": psutil.Process().create_time(),
                     "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
-        def prepare(self) -> dict:
-            return self.node_info()
+        def prepare(self, i) -> dict:
+            self.ranks[i] = StandInRank()
+            return self._info()
 
         @ray.method(concurrency_group="control")
-        def free_port(self) -> int:
+        def node_info(self, i) -> dict:
+            return self._info()
+
+        @ray.method(concurrency_group="control")
+        def free_port(self, i) -> int:
             return 29500  # no process group is formed
 
         @ray.method(concurrency_group="control")
-        def ping(self) -> int:
-            return self.step_done
+        def ping(self, i) -> int:
+            return self.ranks[i].step_done
 
-        def setup_group(self, rank, world_size, master_addr, master_port, generation) -> dict:
-            self.rank = rank
-            return {"rank": rank, "backend": "none", "device": "cpu", "replicated": True,
-                    "stashed": False}
+        def setup_group(self, i, *args) -> dict:
+            return self.ranks[i].setup_group(*args)
 
-        def shutdown(self) -> None:
+        def shutdown(self, i) -> None:
             pass
 
-        def train_step(self, step, batch, global_units, collective_timeout_s=0.0, *pieces) -> dict:
-            if self.step_done != step:  # TrainWorker's run-ahead check
-                raise RuntimeError(f"step {step + 1} refused: holds step {self.step_done}")
-            self.step_done = step + 1
-            # A RankShare (references and ranges; Ray has resolved the pieces) or rows.
-            rows = batch.num_rows if hasattr(batch, "num_rows") else len(next(iter(batch.values())))
-            return {"loss_sum": 1.0 * rows if self.rank == 0 else 0.0, "rows": float(rows),
-                    "grad_norm": 1.0, "lr": 1e-3, "compute_s": 0.0}
+        def train_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1) -> int:
+            return len(list(self.ranks[i].lease(first, plans)))
 
-        def train_steps(self, first, plans, collective_timeout_s, *pieces) -> list:
-            if self.step_done == first:  # TrainWorker's lease: results kept for lease_results
-                self.recent = {}
-            for i, (batch, global_units, _) in enumerate(plans):
-                self.recent[first + i] = self.train_step(first + i, batch, global_units)
-            return [self.recent[first + i] for i in range(len(plans))]
+        def report_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1):
+            yield from self.ranks[i].reports(first, plans)
 
         @ray.method(concurrency_group="control")
-        def lease_results(self, first, stop) -> list:
-            kept = [getattr(self, "recent", {}).get(s) for s in range(first, stop)]
+        def cut_lease(self, i, through, end) -> int:
+            self.ranks[i].cut = (through, end)
+            return self.ranks[i].step_done
+
+        @ray.method(concurrency_group="control")
+        def lease_results(self, i, first, stop) -> list:
+            kept = [self.ranks[i].recent.get(s) for s in range(first, stop)]
             return kept if all(r is not None for r in kept) else []
 
-    return StandInWorker
+    return StandInNode
+
+
+class RankHandle:
+    """What the Supervisor holds as one rank's actor: its node actor's methods, called with the
+    rank's index first (``handle.train_steps.remote(...)``, ``.options(...)``). Not a Ray actor
+    handle: ``ray.kill`` of it fails, which ``WorkerGroup._release`` passes over; the nodes are
+    killed by ``PackedStandIns.close``."""
+
+    def __init__(self, node, index: int):
+        self._node, self._index = node, index
+
+    def __getattr__(self, name: str) -> "_RankMethod":
+        return _RankMethod(getattr(self._node, name), self._index)
+
+
+class _RankMethod:
+    def __init__(self, method, index: int):
+        self._method, self._index = method, index
+
+    def remote(self, *args, **kwargs):
+        return self._method.remote(self._index, *args, **kwargs)
+
+    def options(self, **kwargs) -> "_RankMethod":
+        return _RankMethod(self._method.options(**kwargs), self._index)
+
+
+class PackedStandIns:
+    """The ``WorkerGroup.actor_class`` hook: ``.options(...).remote(spec)`` per slot, as Ray's
+    actor class. Each ``per_node`` slots in a row share one ``StandInNode`` process (0 CPU: the
+    slot's placement group holds its share), so that N ranks cost N / per_node processes."""
+
+    def __init__(self, per_node: int):
+        self.per_node = per_node
+        self.node_class = stand_in_node_class()
+        self.nodes: list = []
+        self.slots = 0
+
+    def options(self, **_slot_options) -> "PackedStandIns":
+        return self  # the slot's name, CPUs and placement: its node actor's own are used
+
+    def remote(self, spec_dict: dict) -> RankHandle:
+        index = self.slots % self.per_node
+        if index == 0:
+            self.nodes.append(self.node_class.options(num_cpus=0).remote())
+        self.slots += 1
+        return RankHandle(self.nodes[-1], index)
+
+    def close(self) -> None:
+        import ray
+
+        for node in self.nodes:
+            ray.kill(node, no_restart=True)
+        self.nodes, self.slots = [], 0
 
 
 # ----------------------------------------------------------------------------- setup
@@ -204,8 +307,10 @@ def thread_kind(native_id: int, names: dict[int, str], main_id: int) -> str:
 
 def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, steps_per_call: int) -> dict:
     from raytrain_sys.control import supervisor as sv
+    from raytrain_sys.control.worker_group import WorkerGroup
 
     spec = make_spec(args, n, data_dir, work_dir, steps_per_call)
+    WorkerGroup.actor_class = stand_ins = PackedStandIns(args.ranks_per_actor)
     skip = args.skip_steps
     marks: list[tuple[int, float, float]] = []  # (committed step, perf_counter, process_time)
     snaps: dict[str, dict] = {}
@@ -230,26 +335,27 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
                 calls.append((name, step, time.perf_counter() - w0, time.thread_time() - c0))
         return wrapper
 
-    # The split Supervisor sequences Steps (dispatch, commit) and liveness.collect: time those
-    # where they live, for this run only (restored below).
+    # The split Supervisor sequences Steps (dispatch, commit) and its Boundary (run: a boundary's
+    # plan carried out; meanwhile: the plan asked while a lease runs); _follow waits for a lease:
+    # time those where they live, for this run only (restored below).
+    from raytrain_sys.control.supervisor import boundary as boundary_mod
     from raytrain_sys.control.supervisor import steps as steps_mod
-    from raytrain_sys.control.supervisor import supervisor as sup_mod
 
     originals = [(steps_mod.Steps, "dispatch", steps_mod.Steps.dispatch),
                  (steps_mod.Steps, "commit", steps_mod.Steps.commit),
-                 (sup_mod, "collect", sup_mod.collect)]
+                 (boundary_mod.Boundary, "run", boundary_mod.Boundary.run),
+                 (boundary_mod.Boundary, "meanwhile", boundary_mod.Boundary.meanwhile),
+                 (sv.Supervisor, "_follow", sv.Supervisor._follow)]
     for owner, attr, fn in originals:
-        setattr(owner, attr, timed("_" + attr, fn))
-    for name in ("_at_step_boundary", "_may_run_ahead"):
-        setattr(sup, name, timed(name, getattr(sup, name)))
+        setattr(owner, attr, timed({"run": "_boundary"}.get(attr, "_" + attr.lstrip("_")), fn))
     # What the driver serializes for the members' train_step calls (Ray's own serializer).
-    meter = common.CallArgBytes("train_steps")
+    meter = common.CallArgBytes("train_steps", plans_at=2)  # the rank's index first
     batch_bytes = meter.sizes
 
     teardown = sup._teardown
 
     def ping_then_teardown() -> None:
-        # Liveness: ping rounds over every member, as _collect and _survivors_held do.
+        # Liveness: ping rounds over every member, as liveness and survivors_held do.
         if sup.group is not None and sup.group.workers:
             for _ in range(args.pings):
                 w0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
@@ -269,6 +375,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         meter.close()
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)
+        stand_ins.close()
     wall = time.perf_counter() - t0
     assert result.committed_steps == args.steps, result
 
@@ -281,6 +388,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
     # per-step marks are lumpy and only the window's total per step is the driver's cost.
     window_cpu_ms = 1e3 * (steady[-1][2] - steady[0][2]) / steps
     window_wall_ms = 1e3 * (steady[-1][1] - steady[0][1]) / steps
+    leases_in_window = sum(1 for m, s, _, _ in calls if m == "_dispatch" and skip <= s < args.steps)
     methods = {}
     for name in METHODS:
         sel = [(w, c) for m, s, w, c in calls if m == name and skip <= s < args.steps]
@@ -298,8 +406,12 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
     first_step_at = marks[0][1] - t0 if marks else float("nan")
     return {
         "workers": n,
+        "stand_in_processes": math.ceil(n / args.ranks_per_actor),
         "steps_per_call": steps_per_call or "auto",
         "leases": sup.summary.leases,
+        # The mean lease over the measured window (its dispatches; under run-ahead one is sent
+        # while the one before it runs).
+        "lease_steps_measured": steps / max(leases_in_window, 1),
         "steps": args.steps,
         "driver_cpu_ms_per_step": window_cpu_ms,
         "wall_ms_per_step": window_wall_ms,
@@ -330,7 +442,8 @@ def quantile(xs: list[float], q: float) -> float:
 
 
 def fit_line(ns: list[int], ys: list[float]) -> dict:
-    """Least squares y = a + b*N; R^2; and the growth exponent: slope of log y over log N."""
+    """Least squares y = a + b*N; R^2; the growth exponent: slope of log y over log N; and the
+    line at twice the largest N measured, as far as it is taken past the measured range."""
     k = len(ns)
     mx, my = sum(ns) / k, sum(ys) / k
     sxx = sum((x - mx) ** 2 for x in ns)
@@ -338,70 +451,132 @@ def fit_line(ns: list[int], ys: list[float]) -> dict:
     a = my - b * mx
     ss_tot = sum((y - my) ** 2 for y in ys)
     ss_res = sum((y - a - b * x) ** 2 for x, y in zip(ns, ys))
-    lx, ly = [math.log(x) for x in ns], [math.log(y) for y in ys]
+    lx, ly = [math.log(x) for x in ns], [math.log(max(y, 1e-9)) for y in ys]
     mlx, mly = sum(lx) / k, sum(ly) / k
     slx = sum((x - mlx) ** 2 for x in lx)
     exponent = sum((x - mlx) * (y - mly) for x, y in zip(lx, ly)) / slx if slx else 0.0
     return {"a_ms": a, "b_ms_per_worker": b, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0,
-            "growth_exponent": exponent,
-            "at_512_ms": a + b * 512}
+            "growth_exponent": exponent, "measured_up_to": max(ns),
+            "at_2x_ms": a + b * 2 * max(ns)}
+
+
+def split_per_call(one: list[dict], auto: list[dict]) -> dict:
+    """Each N's driver CPU per step split in two: per call (sent to every member and followed
+    to its end, shared by a lease's steps) and per step (the step's plans, its report, its
+    commit), from the one-step-a-call run (c1 = call + step) and the lease run (ca = call / L +
+    step, L its measured mean lease): call = (c1 - ca) / (1 - 1 / L). Then a line through each,
+    so that the cost per step of any lease L at N is call(N) / L + step(N)."""
+    rows = []
+    for a, b in zip(one, auto):
+        lease = b["lease_steps_measured"]
+        c1, ca = a["driver_cpu_ms_per_step"], b["driver_cpu_ms_per_step"]
+        call = (c1 - ca) / (1 - 1 / lease) if lease > 1 else float("nan")
+        rows.append({"workers": a["workers"], "lease": lease, "per_call_ms": call, "per_step_ms": c1 - call})
+    ns = [r["workers"] for r in rows]
+    return {"by_n": rows, "per_call": fit_line(ns, [r["per_call_ms"] for r in rows]),
+            "per_step": fit_line(ns, [r["per_step_ms"] for r in rows])}
 
 
 # ----------------------------------------------------------------------------- report
 
 def report(runs: list[dict], fits: dict) -> list[str]:
     lines = [f"{'N':>3}  {'steps/call':>10}  {'driver CPU ms/step':>18}  {'wall ms/step':>12}  "
-             f"{'dispatch':>8}  {'collect':>7}  {'commit':>6}  {'boundary':>8}  {'ahead?':>6}  "
+             f"{'dispatch':>8}  {'follow':>7}  {'commit':>6}  {'boundary':>8}  {'cut?':>6}  "
              f"{'ping round':>10}  {'B/rank/step':>11}"]
     for r in runs:
         m = r["methods"]
         lines.append(
-            f"{r['workers']:>3}  {r['steps']/max(r['leases'], 1):>10.1f}  {r['driver_cpu_ms_per_step']:>18.2f}  "
+            f"{r['workers']:>3}  {r['lease_steps_measured']:>10.1f}  {r['driver_cpu_ms_per_step']:>18.2f}  "
             f"{r['wall_ms_per_step']:>12.2f}  "
-            f"{m['dispatch']['wall_ms_per_step']:>8.2f}  {m['collect']['wall_ms_per_step']:>7.2f}  "
-            f"{m['commit']['wall_ms_per_step']:>6.2f}  {m['at_step_boundary']['wall_ms_per_step']:>8.2f}  "
-            f"{m['may_run_ahead']['wall_ms_per_step']:>6.2f}  "
+            f"{m['dispatch']['wall_ms_per_step']:>8.2f}  {m['follow']['wall_ms_per_step']:>7.2f}  "
+            f"{m['commit']['wall_ms_per_step']:>6.2f}  {m['boundary']['wall_ms_per_step']:>8.2f}  "
+            f"{m['meanwhile']['wall_ms_per_step']:>6.2f}  "
             f"{r['liveness_ping_round_ms']['wall_median']:>10.2f}  {r['driver_bytes_per_rank_step']:>11,.0f}")
-    lines.append("(driver CPU and wall: over the measured steps, per step; steps/call: the mean lease; "
-                 "per-method columns: wall ms per step spent in Steps.dispatch, collect, Steps.commit, "
-                 "_at_step_boundary, _may_run_ahead; ping round: one ping_all over all N)")
+    lines.append("(driver CPU and wall: over the measured steps, per step; steps/call: their mean lease; "
+                 "per-method columns: wall ms per step spent in Steps.dispatch, _follow, Steps.commit, "
+                 "Boundary.run, Boundary.meanwhile; ping round: one ping_all over all N)")
     lines.append("driver CPU ms/step by thread:")
     for r in runs:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["driver_cpu_ms_per_step_by_thread"].items())
-        lines.append(f"  N={r['workers']:>2}: {parts}")
+        lines.append(f"  N={r['workers']:>3}: {parts}")
     for key, label in (("driver_cpu", "driver CPU"), ("wall", "wall")):
         f = fits[key]
         lines.append(f"fit {label:>10}: {f['a_ms']:.2f} ms + {f['b_ms_per_worker'] * 1000:.1f} us x N "
-                     f"(R^2 {f['r2']:.3f}; growth exponent {f['growth_exponent']:.2f}; "
-                     f"extrapolated to N=512: {f['at_512_ms']:.1f} ms)")
+                     f"(R^2 {f['r2']:.3f}; growth exponent {f['growth_exponent']:.2f}; measured up to "
+                     f"N={f['measured_up_to']}; extrapolated to N={2 * f['measured_up_to']}: {f['at_2x_ms']:.1f} ms)")
     return lines
 
 
-def goal(runs: list[dict], fits: dict) -> dict:
+def report_split(split: dict) -> list[str]:
+    lines = ["driver CPU split (from the two modes): per call to every member, and per step",
+             f"{'N':>4}  {'mean lease':>10}  {'per call ms':>11}  {'per step ms':>11}"]
+    for r in split["by_n"]:
+        lines.append(f"{r['workers']:>4}  {r['lease']:>10.1f}  {r['per_call_ms']:>11.2f}  {r['per_step_ms']:>11.3f}")
+    for key in ("per_call", "per_step"):
+        f = split[key]
+        lines.append(f"fit {key.replace('_', ' '):>8}: {f['a_ms']:.3f} ms + {f['b_ms_per_worker'] * 1000:.2f} us x N "
+                     f"(R^2 {f['r2']:.3f}; growth exponent {f['growth_exponent']:.2f}; measured up to "
+                     f"N={f['measured_up_to']})")
+    return lines
+
+
+def goal(runs: list[dict], split: dict | None) -> dict:
+    """Issue 26's goals, against a GPT-2-small step as docs/SCALING.md models it (with overlap,
+    benchmarks/scaling_model.py): at N = 64 the driver CPU per step measured under the automatic
+    lease, at most 0.5% of a step; at 512 the split's lines at GPT-2 small's own automatic lease
+    (call / L + step), at most 2%. The benchmark's leases are shorter than GPT-2 small's (its data
+    plane reads fewer steps ahead than 10 s of them), so the figure at 64 is an upper bound."""
+    import scaling_model
+
     at = {r["workers"]: r for r in runs}
-    biggest = max(at)
-    cpu = at[biggest]["driver_cpu_ms_per_step"]
-    exp = fits["driver_cpu"]["growth_exponent"]
-    met = biggest >= 64 and cpu <= GOAL_MS_AT_64 and exp <= GOAL_EXPONENT
-    return {"largest_n": biggest, "driver_cpu_ms_at_largest": cpu,
-            "wall_ms_at_largest": at[biggest]["wall_ms_per_step"], "growth_exponent": exp,
-            "met": met,
-            "text": (f"goal (<= {GOAL_MS_AT_64:g} ms per step at N=64, growth no faster than linear): "
-                     f"driver CPU {cpu:.2f} ms at N={biggest}, exponent {exp:.2f}: "
-                     + ("met" if met else ("not judged: N=64 not run" if biggest < 64 else "NOT met")))}
+    out: dict = {"met": True, "text": []}
+
+    def judge(key: str, label: str, cpu: float, gpus: int, share: float, **detail) -> None:
+        step_ms = scaling_model.step_time_s("gpt2-small", gpus) * 1e3
+        ok = cpu <= share * step_ms
+        out[key] = {"driver_cpu_ms": cpu, "gpt2_small_step_ms": step_ms, "fraction": cpu / step_ms, "met": ok, **detail}
+        out["met"] &= ok
+        out["text"].append(f"goal at N={gpus} ({label}): driver CPU {cpu:.3f} ms = {cpu / step_ms:.2%} of GPT-2 "
+                           f"small's {step_ms:.1f} ms step (goal <= {share:.1%}): " + ("met" if ok else "NOT met"))
+
+    if 64 in at:
+        lease = at[64]["lease_steps_measured"]
+        judge("at_64", f"measured, leases of {lease:.0f}", at[64]["driver_cpu_ms_per_step"], 64, GOAL_FRACTION_AT_64,
+              lease=lease)
+    else:
+        out["met"] = False
+        out["text"].append("goal at N=64: not judged (N=64 not run)")
+    reach = 2 * split["per_step"]["measured_up_to"] if split is not None else 0
+    if reach >= 512:  # the lines go no further than 2x past the measured range
+        lease = scaling_model.auto_lease(scaling_model.step_time_s("gpt2-small", 512))
+        lines = {"a_s": split["per_call"]["a_ms"] / 1e3, "b_s": split["per_call"]["b_ms_per_worker"] / 1e3,
+                 "c_s": split["per_step"]["a_ms"] / 1e3, "d_s": split["per_step"]["b_ms_per_worker"] / 1e3}
+        how = "within the measured range" if reach >= 1024 else "extrapolated from the measured range"
+        judge("at_512", f"the split's lines {how}, GPT-2 small's lease of {lease}",
+              scaling_model.control_s(lines, 512, lease) * 1e3, 512, GOAL_FRACTION_AT_512, lease=lease, how=how)
+    else:
+        out["met"] = False
+        out["text"].append("goal at N=512: not judged (measured below 256, or no split of the two modes)")
+    out["text"] = "\n".join(out["text"])
+    return out
 
 
 # ----------------------------------------------------------------------------- main
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", default="", help="comma list of N (default 2,8,32,64; --quick 2,8)")
+    p.add_argument("--workers", default="", help="comma list of N (default 8,32,64,128,256,512; --quick 8,16)")
     p.add_argument("--steps", type=int, default=0, help="steps per N (default 300; --quick 60)")
     p.add_argument("--skip-steps", type=int, default=0, help="warm-up steps left out (default 30; --quick 10)")
-    p.add_argument("--global-batch", type=int, default=128,
+    p.add_argument("--global-batch", type=int, default=512,
                    help="rows per step, the same at every N (at least the largest N)")
-    p.add_argument("--cpus-per-stand-in", type=float, default=0.01)
+    p.add_argument("--ranks-per-actor", type=int, default=8,
+                   help="stand-in ranks per process (8: a node's worth of GPUs; 1: a process each)")
+    p.add_argument("--cpus-per-stand-in", type=float, default=0.001,
+                   help="CPUs of each rank's placement group (512 of them fit in 2 CPUs)")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster")
+    p.add_argument("--quiet-wait-s", type=float, default=30.0,
+                   help="at most this long before each run, wait for a quiet machine")
     p.add_argument("--pings", type=int, default=20, help="ping rounds timed per N")
     p.add_argument("--data", default="", help="a prepared token dataset with rows of 129")
     p.add_argument("--delivery", choices=["refs", "driver"], default="refs",
@@ -414,7 +589,7 @@ def main() -> int:
     p.add_argument("--keep-temp", action="store_true")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
-    ns = [int(x) for x in (args.workers or ("2,8" if args.quick else "2,8,32,64")).split(",")]
+    ns = [int(x) for x in (args.workers or ("8,16" if args.quick else "8,32,64,128,256,512")).split(",")]
     args.steps = args.steps or (60 if args.quick else 300)
     args.skip_steps = args.skip_steps or (10 if args.quick else 30)
     if max(ns) > args.global_batch:
@@ -427,22 +602,21 @@ def main() -> int:
         import ray
         import torch
 
-        from raytrain_sys.control.worker_group import WorkerGroup
-
         data_dir = prepare_data(args, work_dir)
         start_ray(args, work_dir)
-        WorkerGroup.actor_class = stand_in_class()
         modes = [int(x) for x in args.steps_per_call.split(",")]
         by_mode = {str(mode or "auto"): [] for mode in modes}
         fits_by_mode, lines = {}, []
         for n in ns:  # the modes back to back at each N: a shared machine's load drifts
             for mode in modes:
-                common.wait_until_quiet(log, max_s=30.0)
+                common.wait_until_quiet(log, max_s=args.quiet_wait_s)
                 log.info("N=%d, steps_per_call %s: %d steps", n, mode or "auto", args.steps)
                 r = measure(args, n, data_dir, work_dir, mode)
                 log.info("N=%d: driver CPU %.2f ms/step, wall %.2f ms/step, %.1f steps a call", n,
                          r["driver_cpu_ms_per_step"], r["wall_ms_per_step"], args.steps / max(r["leases"], 1))
                 by_mode[str(mode or "auto")].append(r)
+                with open(args.out + ".partial", "w") as f:  # a late failure keeps what was measured
+                    json.dump(by_mode, f)
         for mode in modes:
             runs = by_mode[str(mode or "auto")]
             fits = {"driver_cpu": fit_line(ns, [r["driver_cpu_ms_per_step"] for r in runs]),
@@ -455,7 +629,11 @@ def main() -> int:
                          + ", ".join(f"N={a['workers']} {b['driver_cpu_ms_per_step'] / a['driver_cpu_ms_per_step']:.2f}x"
                                      for a, b in zip(first, last)))
         runs, fits = by_mode[str(modes[-1] or "auto")], fits_by_mode[str(modes[-1] or "auto")]
-        verdict = goal(runs, fits)
+        split = None
+        if "1" in by_mode and "auto" in by_mode:
+            split = split_per_call(by_mode["1"], by_mode["auto"])
+            lines += report_split(split)
+        verdict = goal(runs, split)
         lines.append(verdict["text"])
         print("\n".join(lines))
         out = {"benchmark": "control_plane", "quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -464,10 +642,12 @@ def main() -> int:
                "versions": {"python": platform.python_version(), "ray": ray.__version__,
                             "torch": torch.__version__},
                "runs": runs, "fit": fits, "runs_by_steps_per_call": by_mode, "fits_by_steps_per_call": fits_by_mode,
+               "split": split,  # per call and per step
                "goal": verdict, "table": lines}
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
+        os.remove(args.out + ".partial")
         print(f"results: {args.out}")
         return 0 if verdict["met"] or args.quick else 1
     finally:

@@ -30,6 +30,12 @@ node loss <= 5 s, 0 steps redone.
 
     .venv/bin/python benchmarks/recovery.py --quick      # the CI-sized model
     .venv/bin/python benchmarks/recovery.py              # jobs/tinygpt.yaml's model
+    RAYTRAIN_SYS_CODE=/work/main PYTHONPATH=/work/main .venv/bin/python benchmarks/recovery.py
+                                                         # the same, with another checkout's library
+
+The fault comes when rank 0 holds step N (asked on its control path every 20 ms): a moment
+into step N + 1, whatever the lease sizes (a commit comes at a lease's end, so an event at the
+commit of step N would land many steps later under long leases).
 
 Either takes 2.5 to 4.5 min on 2 cores, depending on the load.
 
@@ -55,7 +61,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO))
+# The library measured: this checkout's, or the one RAYTRAIN_SYS_CODE names (set PYTHONPATH to it
+# too, for the workers), to compare two versions with the same benchmark, back to back.
+sys.path.insert(0, os.environ.get("RAYTRAIN_SYS_CODE") or str(REPO))
 
 import _common as common  # noqa: E402
 import _torchrun_ddp as baseline  # noqa: E402  (model build, share reader and step seed)
@@ -169,13 +177,29 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
 
     def on_step(report) -> None:
         commits.append((report.step, time.time()))
-        if report.step == at_step and not fault_at:
-            inject(sup)
+
+    def watch_progress() -> None:
+        # Rank 0 holds step at_step: it runs step at_step + 1 now.
+        while not fault_at and sup.state.value not in ("finished", "failed"):
+            workers = list(sup.group.workers) if sup.group is not None else []
+            try:
+                held = ray.get(workers[0].actor.ping.remote(), timeout=5) if len(workers) == 2 else 0
+            except ray.exceptions.RayError:
+                held = 0
+            if held >= at_step:
+                inject(sup)
+                return
+            time.sleep(0.02)
+
+    import ray
 
     sup = Supervisor(spec, on_step=on_step)
+    watcher = threading.Thread(target=watch_progress, daemon=True)
+    watcher.start()
     t0 = time.perf_counter()
     result = sup.run()
     wall = time.perf_counter() - t0
+    watcher.join(timeout=10)
     if result.status != "finished":
         raise RuntimeError(f"raytrain-sys {fault} run ended {result.status}: {result.reason}")
     summary = RunSummary.read(result.run_dir)
@@ -198,7 +222,7 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
     steps_seen = [s for s, _ in commits]
     redone = len(steps_seen) - len(set(steps_seen))
     regain_t = next(t for s, t in commits if s >= in_flight and t > t_fault)
-    before = [b - a for (_, a), (_, b) in zip(commits[:at_step], commits[1:at_step])]
+    before = [t for t in summary.step_times[:at_step] if t is not None]  # a lease's steps share its time
     return {
         "framework": "raytrain-sys", "fault": fault, "fault_after_step": at_step,
         "recovery_s": next_t - t_fault, "steps_redone": redone + summary.steps_redone,
@@ -423,7 +447,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the CI-sized model (a smoke test)")
     p.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     p.add_argument("--fault-step", type=int, default=15,
-                   help="the fault comes right after this step is committed (default 15)")
+                   help="the fault comes as rank 0 finishes this step (default 15)")
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="checkpoint every K steps, both frameworks (default 10)")
     p.add_argument("--drain-poll-s", type=float, default=0.25,

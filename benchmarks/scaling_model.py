@@ -22,11 +22,14 @@ whole model, gradients all-reduced in buckets):
               all-reduce as soon as its gradients are ready during backward (2/3 of compute:
               4N of 6N); all of it can hide behind backward except the last bucket:
               step = compute + max(0, all-reduce - backward) + one bucket's all-reduce.
-  control     the Supervisor's own CPU per call to p workers, the linear fit a + b p of
-              benchmarks/results/control_plane.json's one-step-a-call run (measured on this
-              machine, extrapolated), shared by the steps of a lease: the automatic lease of
-              train.steps_per_call = 0 holds min(MAX_LEASE_STEPS, LEASE_S / step) steps
-              (control/supervisor/policy.py), so control per step = (a + b p) / lease.
+  control     the Supervisor's own CPU per step at p workers, from
+              benchmarks/results/control_plane.json (measured on this machine with stand-in
+              ranks, N = 8..512): a part per call to every member, a + b p, shared by the steps of
+              a lease, and a part per step, c + d p (its plans, its report, its commit), so
+              control per step = (a + b p) / lease + c + d p, with the automatic lease of
+              train.steps_per_call = 0: min(MAX_LEASE_STEPS, LEASE_S / step) steps
+              (control/supervisor/policy.py). An older result without the split: its
+              one-step-a-call line over the lease, as before.
               With run-ahead it is off the critical path while it is shorter than a step; the
               goal is that it stays under 2% of one.
   efficiency  compute / step: throughput per GPU against one GPU with no communication
@@ -128,13 +131,25 @@ def control_fit(path: Path) -> dict | None:
         return None
     with open(path) as f:
         res = json.load(f)
-    # The cost of one call to every member: the one-step-a-call run (a lease shares it out).
     runs = res.get("runs_by_steps_per_call", {}).get("1", res["runs"])
-    fit = res.get("fits_by_steps_per_call", {}).get("1", res["fit"])["driver_cpu"]
-    return {"a_s": fit["a_ms"] / 1e3, "b_s": fit["b_ms_per_worker"] / 1e3, "quick": res.get("quick", False),
-            "measured_n": [r["workers"] for r in runs],
+    split = res.get("split")
+    if split:  # a part per call (a lease shares it out) and a part per step
+        call, step = split["per_call"], split["per_step"]
+    else:  # the one-step-a-call line, all of it per call
+        call = res.get("fits_by_steps_per_call", {}).get("1", res["fit"])["driver_cpu"]
+        step = {"a_ms": 0.0, "b_ms_per_worker": 0.0}
+    return {"a_s": call["a_ms"] / 1e3, "b_s": call["b_ms_per_worker"] / 1e3,
+            "c_s": step["a_ms"] / 1e3, "d_s": step["b_ms_per_worker"] / 1e3, "split": bool(split),
+            "quick": res.get("quick", False), "measured_n": [r["workers"] for r in runs],
             "measured_ms": [r.get("driver_cpu_ms_per_step", r["driver_cpu_ms"]["median"]) for r in runs],
             "time": res.get("time")}
+
+
+def control_s(cp: dict, p: int, lease: int) -> float:
+    """The Supervisor's CPU per step at ``p`` workers in leases of ``lease`` steps; each line
+    at least 0 (a line through 8..512 can have a negative intercept: below its measured range
+    it says nothing)."""
+    return max(0.0, cp["a_s"] + cp["b_s"] * p) / lease + max(0.0, cp["c_s"] + cp["d_s"] * p)
 
 
 def auto_lease(step_s: float) -> int:
@@ -173,7 +188,7 @@ def model_rows(args: argparse.Namespace, net: Net, cp: dict | None) -> list[dict
             step_no = compute + t_ar
             step_ov = compute + min(t_ar, exposed)
             lease = auto_lease(step_ov)
-            t_cp = (cp["a_s"] + cp["b_s"] * p) / lease if cp else float("nan")
+            t_cp = control_s(cp, p, lease) if cp else float("nan")
             rows.append({
                 "model": name, "params": n_all, "params_non_embedding": n_non_emb, "flops_per_token": fpt,
                 "gpus": p, "tokens_per_gpu": tokens, "compute_s": compute, "grad_bytes": grad,
@@ -232,23 +247,27 @@ def print_tables(args, net, rows, drows, cp, gloo) -> None:
               f"{r['eff_overlap']:>7.1%} {r['goal']:>5.0%} {r['control_s'] * 1e3:>8.1f} "
               f"{r['control_fraction']:>7.1%} {r['eff_overlap_with_control']:>9.1%} {ok}")
     print("(eff: compute / step; ovl: all-reduce overlapped with backward but the last bucket; ctrl: "
-          "Supervisor CPU per step: the measured per-call fit over the automatic lease's steps; "
+          "Supervisor CPU per step: the measured lines, per call over the automatic lease's steps plus per step; "
           "'met' needs eff ovl+ctrl >= goal and ctrl <= 2%)")
     if cp:
-        b = cp["b_s"]
         print()
-        print(f"control plane fit per call (measured here, one step a call, N = "
-              f"{', '.join(map(str, cp['measured_n']))}): {cp['a_s'] * 1e3:.2f} ms + {b * 1e6:.0f} us x N"
-              + (" [quick run]" if cp["quick"] else "") + f"; automatic lease: up to {LEASE_S:g} s of steps, "
-              f"at most {MAX_LEASE_STEPS}")
+        print(f"control plane (measured here, N = {', '.join(map(str, cp['measured_n']))}"
+              + (", quick run" if cp["quick"] else "") + f"): per call {cp['a_s'] * 1e3:.2f} ms + "
+              f"{cp['b_s'] * 1e6:.1f} us x N, per step {cp['c_s'] * 1e3:.3f} ms + {cp['d_s'] * 1e6:.2f} us x N; "
+              f"automatic lease: up to {LEASE_S:g} s of steps, at most {MAX_LEASE_STEPS}")
         for name, cfg in SHAPES.items():
             step = next(r["step_overlap_s"] for r in rows if r["model"] == name and r["gpus"] == 512)
             lease = auto_lease(step)
             # Largest N with the Supervisor under 2% of a step, and where it equals a step.
-            n2 = max(0.0, (CONTROL_GOAL * step * lease - cp["a_s"]) / b)
-            n1 = max(0.0, (step * lease - cp["a_s"]) / b)
-            print(f"  {name:<28} step {step * 1e3:7.1f} ms, lease {lease}: control under 2% up to N = {n2:6.0f}; "
-                  f"the bottleneck (as long as a step) from N = {n1:6.0f}")
+            slope = cp["b_s"] / lease + cp["d_s"]
+            base = cp["a_s"] / lease + cp["c_s"]
+            n2 = max(0.0, (CONTROL_GOAL * step - base) / slope)
+            n1 = max(0.0, (step - base) / slope)
+            reach = 2 * max(cp["measured_n"])  # the lines go no further than 2x past what was measured
+            said = [f"{n:6.0f}" if n <= reach else f"> {reach} (past 2x the measured range: not claimed)"
+                    for n in (n2, n1)]
+            print(f"  {name:<28} step {step * 1e3:7.1f} ms, lease {lease}: control under 2% up to N = {said[0]}; "
+                  f"the bottleneck (as long as a step) from N = {said[1]}")
     print()
     print(f"data path (driver capacity assumed {fmt_bytes(args.driver_Bps)}/s for one Python process "
           f"relaying rows; references {args.ref_bytes_per_rank:g} B per rank per step):")
@@ -268,7 +287,7 @@ def print_tables(args, net, rows, drows, cp, gloo) -> None:
               f"(benchmarks/results/allreduce_gloo.json)")
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mfu", type=float, default=MFU)
     p.add_argument("--peak-tflops", type=float, default=H100_BF16_DENSE_TFLOPS)
@@ -295,10 +314,26 @@ def main() -> int:
     p.add_argument("--control", default=str(HERE / "results" / "control_plane.json"))
     p.add_argument("--gloo", default=str(HERE / "results" / "allreduce_gloo.json"))
     p.add_argument("--json", default="", help="also write the figures here")
-    args = p.parse_args()
+    return p
+
+
+def network(args: argparse.Namespace) -> Net:
     eff = args.link_efficiency
-    net = Net(args.nvlink_gbps * 1e9 * eff, args.ib_gbps * 1e9 * eff, args.nvlink_latency_us * 1e-6,
-              args.ib_latency_us * 1e-6, GPUS_PER_NODE)
+    return Net(args.nvlink_gbps * 1e9 * eff, args.ib_gbps * 1e9 * eff, args.nvlink_latency_us * 1e-6,
+               args.ib_latency_us * 1e-6, GPUS_PER_NODE)
+
+
+def step_time_s(model: str, gpus: int) -> float:
+    """One step of ``model`` at ``gpus`` with overlap, under the default assumptions: the step
+    benchmarks/control_plane.py judges the Supervisor's cost against."""
+    args = parser().parse_args([])
+    row = next(r for r in model_rows(args, network(args), None) if r["model"] == model and r["gpus"] == gpus)
+    return row["step_overlap_s"]
+
+
+def main() -> int:
+    args = parser().parse_args()
+    net = network(args)
     args.driver_Bps = args.driver_gbps * 1e9
     if not args.ref_bytes_per_rank:
         measured = Path(args.data_path)

@@ -108,8 +108,9 @@ class TrainSpec:
     stop_at_step: int = 0  # pause: stop after this many committed steps, with a checkpoint; 0 = run on
     run_ahead: bool = True  # send step k+1 while step k runs (boundaries with work excepted); same results
     # Steps one call to each worker carries (a lease). 0 = auto: one step until step times are
-    # known, then as many as fit in 1 s (8 at most), so short steps share the driver's per-call
-    # cost (~0.5 ms per worker) while a boundary (drain, pause, newcomers) is never 1 s away.
+    # known, then as many as fit in 10 s (1000 at most, and no more than the data read ahead),
+    # so the driver's per-call cost (~0.5 ms per worker) is shared by many steps; a boundary with
+    # work (drain, pause, newcomers) cuts a lease short at the end of the step in flight.
     steps_per_call: int = 0
     # "pkg.module:Class" of a Task (raytrain_sys.train.tasks: units + loss_sum), built with
     # train.task_args, or from Python a Task object. "" = the registered model's own task

@@ -70,3 +70,25 @@ def test_read_resources_place_the_reads_on_the_nodes_that_offer_them(ray_nodes, 
     finally:
         ray_nodes.remove_node(node)
         ray_nodes.wait_for_nodes()
+
+
+def test_a_jobs_first_read_in_the_driver_deals_the_same_rows_as_read_tasks(ray_cluster, dataset):
+    """A job's first read is made in the driver (its reader processes are not up yet), the
+    reads after it by read tasks: the same rows, in the same order, as a plane that reads
+    everything in tasks, across the first chunk's end and a seek back into it."""
+    m = read_manifest(dataset)
+    steps = m.num_rows // B + 3
+    kw = dict(end_position=2 * steps * B, prefetch_steps=2, task=NextToken())
+    here, tasks = DataPlane(dataset, m, 5, 128, 16, B, **kw), DataPlane(dataset, m, 5, 128, 16, B, **kw)
+    here.read_first_here = True
+    try:
+        for step in [*range(steps), 1, 2]:  # then a seek back into the first chunk
+            batch = here.global_batch_refs(step * B)
+            rows, ids = tasks.global_batch(step * B)
+            np.testing.assert_array_equal(batch.ids, ids, err_msg=f"step {step}")
+            got, _ = batch.share(slice(0, B)).fetch()
+            np.testing.assert_array_equal(got["tokens"], rows["tokens"], err_msg=f"step {step}")
+        assert here.reads_here == 1 and tasks.reads_here == 0
+    finally:
+        here.close()
+        tasks.close()

@@ -301,6 +301,51 @@ def test_drain_of_the_last_worker_hands_the_state_over_in_memory(reference, tiny
     assert set(summary["world_sizes"]) == {1}
 
 
+def test_drain_notice_cuts_a_long_lease_short(reference, tiny_dataset, tmp_path, ray_nodes):
+    """All 16 steps in one lease (train.steps_per_call), each step made long (rank 0's compute
+    150x slower, elastic.fault_slow_rank), and a PREEMPTION notice a few steps in. The lease is
+    cut short: the draining member leaves at the end of the step in flight, at most one step
+    and one drain lookup (elastic.drain_poll_s = 1 s) after the notice, not at the lease's end
+    many seconds later; no step is lost, none redone, and the run equals the uninterrupted one."""
+    spec = spec_for(tmp_path, tiny_dataset, train={"steps_per_call": STEPS}, checkpoint={"every_steps": 0},
+                    elastic={"fault_slow_rank": 0, "fault_slow_factor": 150.0, "straggler_margin": 0.0,
+                             "drain_poll_s": 1.0, "hang_floor_s": 60.0})
+    sup, seen = supervisor_with_events(spec, {})
+    drained = {}
+
+    def notice_mid_lease():
+        # A few steps into the lease: rank 0 holds step 3 (asked on its control path).
+        while sup.state.value not in ("finished", "failed"):
+            workers = list(sup.group.workers) if sup.group is not None else []
+            held = ray.get(workers[0].actor.ping.remote(), timeout=10) if len(workers) == 2 else 0
+            if held >= 3:
+                drained.update(t=time.time(), held=held, slot=workers[1].slot)
+                assert drain.drain_node(workers[1].node_id, "PREEMPTION", 120.0, "test: mid-lease")
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=notice_mid_lease, daemon=True)
+    thread.start()
+    try:
+        result = sup.run()
+        thread.join(timeout=30)
+    finally:
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
+    summary = like_reference(result, seen, reference, spec, tiny_dataset)
+    [draining] = transitions(summary, "draining")
+    left_at = draining["step"]
+    step_s = sorted(summary["step_times"][:left_at])[left_at // 2]  # the slow steps' median
+    assert drained["held"] <= left_at <= drained["held"] + 2, (drained, draining)
+    # The uncut lease would have held the node for the rest of the 16 steps: far longer than
+    # the bound below (otherwise this test could not fail).
+    bound_s = step_s + spec.elastic.drain_poll_s + 2.0  # + 2 s for a loaded machine
+    assert (STEPS - left_at) * step_s > bound_s, (step_s, left_at)
+    assert draining["time"] - drained["t"] < bound_s, (draining["time"] - drained["t"], step_s)
+    assert "worker(s) on draining node(s)" in draining["reason"]
+    assert summary["failures"] == 0 and summary["steps_redone"] == 0 and summary["leases"] >= 2
+    assert set(summary["world_sizes"][:left_at]) == {2} and summary["world_sizes"][left_at] == 1
+
+
 # --------------------------------------------------------------------------- endings
 def test_no_leftovers_when_every_worker_is_lost_without_a_checkpoint(tiny_dataset, tmp_path,
                                                                       ray_cluster):

@@ -7,6 +7,7 @@ import pytest
 
 from raytrain_sys.control.supervisor import policy
 from raytrain_sys.control.supervisor.journal import State, TransitionNotAllowed, transition_record
+from raytrain_sys.control.supervisor.requests import StopRequest
 from raytrain_sys.errors import TrainingFailed
 from raytrain_sys.spec import ElasticSpec, ParallelSpec, from_dict
 
@@ -49,6 +50,22 @@ def test_collective_timeout_is_just_past_the_liveness_verdict():
     assert policy.collective_timeout_s(30.0) == 30.0 + policy.LIVENESS_EVERY_S + policy.PING_TIMEOUT_S
 
 
+# ------------------------------------------------------------------ summary.json's refresh
+@pytest.mark.parametrize("now, last_end, cost, due", [
+    (100.0, 0.0, 0.0, True),
+    (100.0, 99.5, 0.002, True),
+    (100.0, 95.0, 0.1, False),
+    (100.0, 80.0, 0.1, True),
+], ids=[
+    "never written in this loop: written",
+    "a small record (2 ms) half a second ago: written again at the log step",
+    "a write of 0.1 s (many ranks' history) 5 s ago: skipped, it would be 2% of the loop",
+    "the same 20 s ago: written, 0.5% of the loop",
+])
+def test_summary_due(now, last_end, cost, due):
+    assert policy.summary_due(now, last_end, cost) is due
+
+
 @pytest.mark.parametrize("times, steps, expected", [
     ([], 4, 2400.0),
     ([0.5, 0.6, 0.7], 4, 30.0),
@@ -67,9 +84,10 @@ def test_lease_deadline(times, steps, expected):
 @pytest.mark.parametrize("train, every, step, last, times, expected", [
     ({}, 0, 0, 100, [], 1),
     ({}, 0, 2, 100, [0.01, 0.01], 1),
-    ({}, 0, 5, 100, [0.01, 0.01, 0.01], policy.MAX_LEASE_STEPS),
-    ({}, 0, 5, 100, [0.2, 0.2, 0.2], 5),
-    ({}, 0, 5, 100, [1.5, 1.6, 1.7], 1),
+    ({}, 0, 5, 10**6, [0.01, 0.01, 0.01], policy.MAX_LEASE_STEPS),
+    ({}, 0, 5, 10**6, [0.2, 0.2, 0.2], int(policy.LEASE_S / 0.2)),
+    ({}, 0, 5, 100, [15.0, 16.0, 17.0], 1),
+    ({}, 0, 5, 100, [0.01, 0.01, 0.01], 95),
     ({}, 10, 7, 100, [0.01, 0.01, 0.01], 3),
     ({}, 0, 97, 100, [0.01, 0.01, 0.01], 3),
     ({"steps_per_call": 4}, 0, 0, 100, [], 4),
@@ -79,8 +97,9 @@ def test_lease_deadline(times, steps, expected):
     "auto, no step time yet: one step a call",
     "auto, warm-up (fewer than three step times): one step a call",
     "auto, 10 ms steps: capped at MAX_LEASE_STEPS",
-    "auto, 200 ms steps: as many as fit in LEASE_S (1 s)",
+    "auto, 200 ms steps: as many as fit in LEASE_S",
     "auto, steps longer than LEASE_S: one step a call",
+    "auto, short steps: to the last step (a boundary cuts a lease short, it need not be short)",
     "a lease ends where a checkpoint is due",
     "a lease ends at the last step",
     "steps_per_call set: that many from the first step",
@@ -90,6 +109,29 @@ def test_lease_deadline(times, steps, expected):
 def test_lease_steps(train, every, step, last, times, expected):
     spec = job(train=train, checkpoint={"every_steps": every})
     assert policy.lease_steps(step, last, spec, times) == expected
+
+
+@pytest.mark.parametrize("train, ready, expected", [
+    ({}, 7, 7), ({}, 0, 1), ({"steps_per_call": 20}, 7, 20),
+], ids=[
+    "auto: no more steps than the data plane has read, so that sending never waits on reads",
+    "auto, nothing read ahead yet: one step",
+    "steps_per_call set: the user's number, read or not",
+])
+def test_lease_steps_read_ahead(train, ready, expected):
+    assert policy.lease_steps(5, 100, job(train=train), [0.01] * 3, ready_steps=ready) == expected
+
+
+@pytest.mark.parametrize("train, group_steps, expected", [
+    ({}, 0, 1), ({}, 2, 1), ({}, 3, 95), ({"steps_per_call": 4}, 0, 4),
+], ids=[
+    "auto, a group just formed (a rebuild, a resize): one step a call",
+    "auto, two steps into a new group: still one",
+    "auto, three steps into it: the full lease",
+    "steps_per_call set: the user's number from a new group's first step",
+])
+def test_lease_steps_after_a_group_forms(train, group_steps, expected):
+    assert policy.lease_steps(5, 100, job(train=train), [0.01] * 3, group_steps=group_steps) == expected
 
 
 # ------------------------------------------------------------------ run-ahead
@@ -283,3 +325,179 @@ def test_transition_record_keeps_when_the_failure_was_seen():
     assert transition_record(State.REBUILDING, "lost", 7, 100.0, 99.5) == {
         "time": 100.0, "state": "rebuilding", "reason": "lost", "step": 7, "detected_at": 99.5}
     assert "detected_at" not in transition_record(State.RUNNING, "ok", 7, 100.0)
+
+
+# ------------------------------------------------------------------ the step boundary's plan
+def facts(step=6, last=20, world=2, target=2, **kw):
+    """A boundary right after a commit: ``world`` members on nodes n0, n1, ..."""
+    members = kw.pop("members", tuple(policy.Member(s, f"n{s}") for s in range(world)))
+    return policy.Facts(step, last, members=members, target=target, just_committed=kw.pop("just_committed", True),
+                        now_unix_s=1000.0, **kw)
+
+
+def kinds(items):
+    return [policy.kind(i) for i in items]
+
+
+PAUSE = StopRequest("pause", "make room", "scheduler")
+
+
+@pytest.mark.parametrize("f, sections, expected", [
+    (facts(), {}, []),
+    (facts(step=10), {"checkpoint": {"every_steps": 5}}, ["Checkpoint"]),
+    (facts(step=10, saved=True), {"checkpoint": {"every_steps": 5}}, []),
+    (facts(step=10, tried=frozenset({"Checkpoint"})), {"checkpoint": {"every_steps": 5}}, []),
+    (facts(step=10, just_committed=False), {"checkpoint": {"every_steps": 5}}, []),
+    (facts(step=20), {"checkpoint": {"every_steps": 5}}, ["StopTraining"]),
+    (facts(step=10, evaluates=True), {"checkpoint": {"every_steps": 5}, "eval": {"every_steps": 10}},
+     ["Checkpoint", "Evaluate"]),
+    (facts(step=20, evaluates=True), {"eval": {"every_steps": 7}, "train": {"max_steps": 20}},
+     ["Evaluate", "StopTraining"]),
+    (facts(stop=PAUSE, draining=(("n1", 1100.0),)), {}, ["StopTraining"]),
+    (facts(early_stop="early stop: no better"), {}, ["StopTraining"]),
+    (facts(straggler=(1, "rank 1 computes 2.00x its peers' median")), {}, ["ReplaceStraggler"]),
+    (facts(draining=(("n1", 1100.0),)), {}, ["LeaveDraining"]),
+    (facts(world=1, target=1, draining=(("n0", 1100.0),), ready=(policy.Member(7, "n5"),)), {}, ["LeaveDraining"]),
+    (facts(draining=(("n1", 1100.0),), pending=(policy.Member(8, "n1"),)), {}, ["Release", "LeaveDraining"]),
+    (facts(world=1, target=1, draining=(("n0", 1100.0),)), {}, ["TrainOnDraining"]),
+    (facts(world=1, target=1, draining=(("n0", 1100.0),), tried=frozenset({"TrainOnDraining"})), {}, []),
+    (facts(world=1, target=1, draining=(("n0", 1100.0),), pending=(policy.Member(9),),
+           tried=frozenset({"TrainOnDraining"})), {}, []),
+    (facts(world=1, target=1, draining=(("n0", 1010.0),)), {}, ["LeaveDraining"]),
+    (facts(world=3, target=1, ceiling_reason="team b is owed its quota"), {}, ["Shrink"]),
+    (facts(pending=(policy.Member(9),)), {}, ["Release"]),
+    (facts(world=1), {}, ["RequestWorkers"]),
+    (facts(world=1, ready=(policy.Member(9, "n9"),)), {}, ["RequestWorkers", "Grow"]),
+    (facts(world=2, target=4, ready=(policy.Member(9, "n9"),)), {"parallel": {"tp": 2}}, ["RequestWorkers", "Bench"]),
+    (facts(world=1, ready=(policy.Member(9, "n9"),), tried=frozenset({"RequestWorkers", "Grow"})), {}, []),
+], ids=[
+    "a step just committed with nothing due: an empty plan (the next lease may be sent ahead)",
+    "a checkpoint due at the step just committed",
+    "a checkpoint due but saved already (a drain saved first): not saved again",
+    "a checkpoint tried at this boundary (its save failed): not again before the next interval",
+    "a start or a restore at a multiple of every_steps: nothing committed, no checkpoint",
+    "the last step: the step loop ends (the ending saves, not the plan)",
+    "a checkpoint and an evaluation at the same step: the checkpoint first",
+    "an evaluation at train.max_steps, then the end of the step loop",
+    "a pause asked for: the step loop ends, nothing else is planned (not even a drain)",
+    "an early stop: the step loop ends",
+    "a straggler to replace",
+    "a member on a draining node with enough staying: it leaves now",
+    "the only member draining with a newcomer ready elsewhere: it hands the state over",
+    "a newcomer starting on a draining node is let go before the members leave",
+    "the only member draining, nobody ready and time left: it trains on",
+    "training on asked at this boundary already: nothing more",
+    "training on with its replacement starting: the replacement is kept (not a surplus newcomer)",
+    "the only member draining and the deadline within the margin: save, then leave",
+    "a ceiling below the world: the members above it leave",
+    "at the target with a newcomer still starting (asked before a shrink): it is let go",
+    "below the target with nobody ready: replacements are asked for",
+    "below the target with a newcomer ready: the world grows",
+    "tp=2 with one newcomer ready: too few for the next world, it waits on standby",
+    "requested and grown at this boundary already: nothing more",
+])
+def test_boundary_plan(f, sections, expected):
+    assert kinds(policy.plan(f, job(**sections))) == expected
+
+
+def test_the_plan_names_who_leaves_and_why():
+    f = facts(world=3, target=1, ceiling_reason="team b is owed its quota")
+    [shrink] = policy.plan(f, job())
+    assert shrink.slots == (1, 2) and shrink.reason == "shrinking to 1 worker(s) at step 6: team b is owed its quota"
+    [leave] = policy.plan(facts(draining=(("n1", 1015.0),)), job())
+    assert leave.slots == (1,) and leave.how == policy.Leave()
+    assert leave.reason == "1 worker(s) on draining node(s) (deadline in 15 s): leaving at step 6"
+    release, handover = policy.plan(facts(world=1, target=1, draining=(("n0", 1100.0),),
+                                          ready=(policy.Member(7, "n0"), policy.Member(8, "n5"))), job())
+    assert release.slots == (7,)  # up on the draining node itself: let go, not a successor
+    assert handover.how == policy.HandOver() and "1 newcomer(s) take the state over" in handover.reason
+    [train_on] = policy.plan(facts(world=1, target=1, draining=(("n0", None),)), job())
+    assert train_on.nodes == ("n0",) and train_on.request == 1 and "no deadline" in train_on.reason
+
+
+def test_the_plan_leaves_its_facts_alone():
+    f = facts(world=1, ready=(policy.Member(9, "n9"),), draining=(("n0", 1100.0),))
+    before = repr(f)
+    policy.plan(f, job())
+    assert repr(f) == before
+
+
+def test_run_ahead_hold_keeps_an_evaluation_boundary():
+    spec = job(eval={"every_steps": 5})
+    assert policy.run_ahead_hold(10, 20, spec, 2, 2) == "an evaluation is due at step 10"
+    assert policy.run_ahead_hold(11, 20, spec, 2, 2) == ""
+
+
+@pytest.mark.parametrize("f, train, held", [
+    (facts(), {}, False),
+    (facts(), {"run_ahead": False}, True),
+    (facts(draining=(("n1", 1100.0),)), {}, True),
+    (facts(stop=PAUSE), {}, True),
+    (facts(straggler=(1, "slow")), {}, True),
+], ids=[
+    "nothing at the boundary: the next lease is sent ahead",
+    "train.run_ahead off: never sent ahead",
+    "a member on a draining node: the boundary is kept for its leaving",
+    "a pause asked for: the boundary is kept for it",
+    "a straggler to replace: the boundary is kept for it",
+])
+def test_run_ahead_is_the_plan_being_empty(f, train, held):
+    spec = job(train=train)
+    reason = policy.hold_reason(f, spec)
+    assert bool(reason) is held, reason
+    if train.get("run_ahead", True):
+        assert bool(policy.plan(f, spec)) is held
+
+
+@pytest.mark.parametrize("f, cut", [
+    (facts(), False),
+    (facts(world=1), False),
+    (facts(world=1, ready=(policy.Member(9, "n9"),)), True),
+    (facts(draining=(("n1", 1100.0),)), True),
+    (facts(stop=PAUSE), True),
+    (facts(pending=(policy.Member(9),)), False),
+], ids=[
+    "nothing to do: the lease runs on",
+    "below the target, nobody ready: replacements asked for at once, the lease runs on",
+    "a newcomer ready: the lease is cut short for it to join",
+    "a member on a draining node: cut short, it leaves after the step in flight",
+    "a pause asked for: cut short",
+    "a newcomer not needed: let go at once, the lease runs on",
+])
+def test_a_running_lease_is_cut_only_for_what_needs_the_members(f, cut):
+    assert bool(policy.boundary_due(f, job())) is cut
+
+
+@pytest.mark.parametrize("step, last, every, due", [
+    (10, 20, 5, True), (11, 20, 5, False), (20, 20, 5, False), (0, 20, 5, False), (10, 20, 0, False),
+], ids=[
+    "a multiple of checkpoint.every_steps", "between two", "the last step: the ending saves",
+    "step 0: nothing to save", "checkpoint.every_steps=0: never",
+])
+def test_checkpoint_due(step, last, every, due):
+    assert policy.checkpoint_due(step, last, job(checkpoint={"every_steps": every})) is due
+
+
+@pytest.mark.parametrize("step, stop, early, save_on_exit, expected", [
+    (20, None, "", True, (True, "finished", "reached train.max_steps=20")),
+    (20, None, "", False, (False, "finished", "reached train.max_steps=20")),
+    (12, PAUSE, "", False, (True, "stopped", "paused by scheduler: make room (at step 12)")),
+    (12, StopRequest("cancel", "no longer needed", "team-a"), "", True,
+     (False, "cancelled", "cancelled by team-a: no longer needed (at step 12)")),
+    (12, None, "early stop: no better", True, (True, "finished", "early stop: no better")),
+    (10, None, "", True, (True, "stopped", "paused at train.stop_at_step=10")),
+    (20, PAUSE, "", True, (True, "finished", "reached train.max_steps=20")),
+], ids=[
+    "train.max_steps reached: finished, saved (checkpoint.save_on_exit)",
+    "train.max_steps reached with save_on_exit off: finished, not saved",
+    "a pause: stopped, saved so it can resume",
+    "a cancel: cancelled, no checkpoint added",
+    "an early stop: finished, with its reason",
+    "train.stop_at_step: stopped, resumable",
+    "a pause that came after the last step: finished",
+])
+def test_ending(step, stop, early, save_on_exit, expected):
+    spec = job(train={"max_steps": 20, "stop_at_step": 10 if step == 10 else 0},
+               checkpoint={"save_on_exit": save_on_exit})
+    e = policy.ending(step, spec, stop, early)
+    assert (e.save, e.state, e.reason) == expected

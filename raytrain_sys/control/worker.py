@@ -55,6 +55,13 @@ log = logging.getLogger(__name__)
 PIECES_FILE = "pieces_rank{rank:05d}.pt"  # one per writing rank; see raytrain_sys.checkpoint.state
 # How long joining a process group may wait for the other members (see setup_group).
 RENDEZVOUS_TIMEOUT_S = 30.0
+# A lease's rank 0 reports its finished steps at least this often (and at the lease's end): a
+# report a step costs the Supervisor a little CPU per step; 0.1 s keeps it to ten a second while
+# what it learns (progress, every rank's step times) is never older than that.
+REPORT_EVERY_S = 0.1
+# A rank's parts of a step that every rank learns in the step's agreement (TrainWorker._agree):
+# the Supervisor's loss sum (data leaders' only), the rows, and where the time went.
+AGREED = ("loss_sum", "rows", "data_wait_s", "compute_s", "collective_s", "optimizer_s")
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -136,6 +143,8 @@ class TrainWorker:
         # The results of the steps of the newest lease that finished here, by step: after a lease
         # fails part-way the Supervisor commits its finished steps from them (lease_results).
         self.recent_results: dict[int, dict[str, float]] = {}
+        self.cut: tuple[int, int] | None = None  # (through lease, end step): the Supervisor's (rank 0)
+        self.cut_through = -1  # leases up to this id are cut short (agreed by every rank: _agree)
         self.task = resolve_task(self.spec)
         # Test only (elastic.fault_slow_rank): this process computes that many times slower,
         # decided when it joins its first process group (StepClock sleeps in proportion).
@@ -294,21 +303,69 @@ class TrainWorker:
             dist.destroy_process_group()
 
     # ------------------------------------------------------------------ the step
-    def train_steps(self, first: int, plans: list, collective_timeout_s: float, *pieces) -> list[dict]:
-        """A lease: steps ``first`` .. ``first + len(plans) - 1`` in order, in one call (the
-        Supervisor sends several when steps are short, sharing its per-call cost out). Each plan
-        is (rows, global loss units, the indices in ``pieces`` of that step's pieces, in order);
-        ``pieces`` are the lease's piece values, each once. One result per step; a step that
-        fails raises, and the results of the steps before it stay in ``recent_results``."""
+    # A lease: steps ``first`` .. ``first + len(plans) - 1`` in order, in one call (the Supervisor
+    # sends many when steps are short, sharing its per-call cost out). Each plan is (rows, global
+    # loss units, the indices in ``pieces`` of that step's pieces, in order); ``pieces`` are the
+    # lease's piece values, each once. Every step ends with the ranks' agreement (``_agree``):
+    # their parts of the step, and whether the lease ends there because the Supervisor cut it
+    # short (``cut_lease``). Rank 0 reports each finished step as it goes (``report_steps``); the
+    # others return how many steps they ran (``train_steps``). A step that fails raises; the
+    # results of the steps before it stay in ``recent_results`` (``lease_results``).
+    def train_steps(self, first: int, plans: list, collective_timeout_s: float, *pieces, lease: int = -1) -> int:
+        """A lease on a rank other than 0: the number of steps it ran (0: cut before it began)."""
+        return sum(len(reports) for reports in self._lease(lease, first, plans, collective_timeout_s, pieces,
+                                                           float("inf")))
+
+    def report_steps(self, first: int, plans: list, collective_timeout_s: float, *pieces, lease: int = -1):
+        """A lease on rank 0: yields the finished steps' reports (``_agree``: every rank's parts
+        of the step, the lease's end) as lists, at least every REPORT_EVERY_S (a Ray generator:
+        the Supervisor reads them while the lease runs: one reporter a step, not a call per rank)."""
+        yield from self._lease(lease, first, plans, collective_timeout_s, pieces, REPORT_EVERY_S)
+
+    def _lease(self, lease: int, first: int, plans: list, collective_timeout_s: float, pieces: tuple,
+               report_every_s: float):
+        if lease <= self.cut_through:
+            return  # sent ahead of a lease that was cut short: it never starts
         if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
             self.recent_results = {}  # the failed lease's finished steps stay asked for)
-        results = []
+        reports, sent_at = [], time.monotonic()
         for i, (batch, global_units, which) in enumerate(plans):
-            result = self.train_step(first + i, batch, global_units, collective_timeout_s,
-                                     *(pieces[k] for k in which))
-            self.recent_results[first + i] = result
-            results.append(result)
-        return results
+            reports.append(self.train_step(first + i, batch, global_units, collective_timeout_s,
+                                           *(pieces[k] for k in which), lease=lease))
+            end = reports[-1]["cut"] or i == len(plans) - 1
+            if end or time.monotonic() - sent_at >= report_every_s:
+                yield reports
+                reports, sent_at = [], time.monotonic()
+            if end:
+                return
+
+    @ray.method(concurrency_group="control")
+    def cut_lease(self, through: int, end: int) -> int:
+        """End the running lease after step ``end - 1`` (or, when this rank is past it, after
+        the step it is in), and leave the leases queued behind it up to ``through`` unstarted.
+        Asked of a lease's rank 0 only: every rank learns it in the next step's agreement
+        (``_agree``), so all of them stop after the same step. Returns the step held."""
+        self.cut = (through, end)
+        return self.step_done
+
+    def _agree(self, lease: int, step: int, result: dict[str, Any]) -> dict[str, Any]:
+        """The ranks' agreement at the end of step ``step`` (of lease ``lease``), in one
+        all-gather over the whole group: every rank's parts of the step (``AGREED``), and a
+        vote that only rank 0 casts, for the cut the Supervisor asked of it. After it every rank
+        knows the same things: the step's report, and whether the lease ends here (leases up to
+        the vote's ``through`` are then cut: the one running ends, the queued ones never start).
+        Runs after the optimizer step: a peer lost in it leaves this rank holding the step,
+        whose result is already kept (the Supervisor commits it from there)."""
+        cut = self.cut
+        vote = cut[0] + 1 if cut is not None and lease <= cut[0] and cut[1] <= step + 1 else 0
+        mine = torch.tensor([vote] + [float(result[k]) for k in AGREED], dtype=torch.float64, device=self.device)
+        table = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(table, mine)
+        table = torch.stack(table).cpu().numpy()
+        through = int(table[:, 0].max()) - 1
+        self.cut_through = max(self.cut_through, through)
+        return {"step": step, "lr": result["lr"], "grad_norm": result["grad_norm"], "ranks": table[:, 1:],
+                "cut": through >= lease}
 
     @ray.method(concurrency_group="control")
     def lease_results(self, first: int, stop: int) -> list[dict[str, float]]:
@@ -317,7 +374,7 @@ class TrainWorker:
         return kept if all(r is not None for r in kept) else []
 
     def train_step(self, step: int, batch: "RankShare | dict[str, np.ndarray]", global_units: int,
-                   collective_timeout_s: float = 0.0, *pieces) -> dict[str, float]:
+                   collective_timeout_s: float = 0.0, *pieces, lease: int | None = None) -> dict[str, Any]:
         """One optimizer step on this rank's rows of step ``step``'s global batch.
 
         The rows are this rank's data-parallel slice (TP and PP peers get the same rows): where
@@ -333,6 +390,9 @@ class TrainWorker:
         assembling its rows from the pieces, ``compute_s`` forward and backward, ``collective_s``
         the exposed wait on the gradient collectives, ``optimizer_s`` clipping and the optimizer
         step. Clock reads only: no collective or device sync is added to the step.
+
+        In a lease (``lease``) the result is kept (``recent_results``) and the step ends with the
+        ranks' agreement (``_agree``), whose report is returned instead.
         """
         assert self.pm is not None and self.optimizer is not None, "setup_group first"
         assert self.stash is None, "this worker holds state not yet loaded into its layout"
@@ -369,10 +429,14 @@ class TrainWorker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done = step + 1
-        return {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
-                "grad_norm": float(grad_norm), "lr": lr, "data_wait_s": data_wait_s,
-                "compute_s": compute_s, "collective_s": collective_s,
-                "optimizer_s": time.perf_counter() - t1}
+        result = {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
+                  "grad_norm": float(grad_norm), "lr": lr, "data_wait_s": data_wait_s,
+                  "compute_s": compute_s, "collective_s": collective_s,
+                  "optimizer_s": time.perf_counter() - t1}
+        if lease is None:
+            return result
+        self.recent_results[step] = result
+        return self._agree(lease, step, result)
 
     def evaluate(self, batch_refs: list, which: list[int]) -> dict[int, dict[str, float]]:
         """The sums of evaluation batches ``which`` (indices into ``batch_refs``, -1: a repeat that

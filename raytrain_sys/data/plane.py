@@ -497,6 +497,11 @@ class DataPlane:
         self._abandoned: list = []  # metadata refs of reads a seek left behind, still running
         self._spans: list[_Span] = []
         self._ctx_ref = None
+        self._ctx: ReadContext | None = None  # the stream's, for a read in this process (read_first_here)
+        # The next read in this process rather than in a read task (set by for_job for a job's
+        # first read: its reader processes do not exist yet; see _read_here). Cleared by that read.
+        self.read_first_here = False
+        self.reads_here = 0  # reads made in this process (read_first_here)
         self._fetched: dict[int, tuple[object, dict]] = {}  # piece first -> (ref, columns), rows()
         # rows()'s fast path: (first, stop, columns, span) of the piece the last batch ended in
         self._hot: tuple | None = None
@@ -518,6 +523,8 @@ class DataPlane:
                     sequences=d.sequences, row_len=spec.model.block_size + 1, task=task,
                     num_readers=d.num_readers, read_resources=d.read_resources)
         plane.transform = d.transform or None
+        # Reads asked onto particular nodes (data.read_resources) are left there.
+        plane.read_first_here = not d.read_resources
         return plane
 
     # ----- window geometry: raw (the plan's) and delivered (after skipped shards) positions
@@ -627,7 +634,7 @@ class DataPlane:
         ctx = ReadContext(self.dataset_uri, self.manifest, self.stream, self.s3_endpoint_url,
                           self.sequences == "pack_masked", tuple(sorted(self.skips.items())),
                           self.task, self.sequences == "bucket", uuid.uuid4().hex, self.transform)
-        self._ctx_ref = ray.put(ctx)
+        self._ctx, self._ctx_ref = ctx, ray.put(ctx)
         self._top_up()
         log.info("data plane: stream opened at window %d offset %d (epoch %d)", g, offset,
                  g // self.windows_per_epoch)
@@ -649,10 +656,30 @@ class DataPlane:
         custom = {k: v for k, v in self.read_resources.items() if k != "CPU"}
         if custom:
             options["resources"] = custom
-        refs = _reader().options(**options).remote(self._ctx_ref, item, first, piece_rows,
-                                                   len(bounds) - 1)
+        refs = self._read_here(item, first, piece_rows, len(bounds) - 1) if self.read_first_here else None
+        if refs is None:
+            refs = _reader().options(**options).remote(self._ctx_ref, item, first, piece_rows,
+                                                       len(bounds) - 1)
         self._pending.append(_Pending(item, first, stop, piece_rows, refs[0], list(refs[1:])))
         self._submit_pos = stop
+
+    def _read_here(self, item: dict[str, int], first: int, piece_rows: int, num_pieces: int) -> list | None:
+        """A job's first read, in this process, its results put in the object store as a read
+        task's would be: a new job's reader processes take seconds to start (2.4-8.6 s measured
+        on a busy node, benchmarks/scheduler.py), and this process is up with its imports done.
+        The first chunk of a stream is one window. The reads after it go to read tasks, whose
+        processes start meanwhile. None when it failed: the read task reads it again, and its
+        error is reported as any read's."""
+        import ray
+
+        self.read_first_here = False
+        try:
+            out = read_chunk(self._ctx, item, first, piece_rows, num_pieces)
+        except Exception as exc:  # noqa: BLE001: met again, and reported, by the read task
+            log.debug("data plane: the first read here failed (%s); a read task reads it", exc)
+            return None
+        self.reads_here += 1
+        return [ray.put(part) for part in out]
 
     def _top_up(self) -> None:
         """Keep the readers ahead of the consumer: at most ``num_readers`` reads running (those
@@ -838,7 +865,7 @@ class DataPlane:
         self._abandoned = []
         self._spans = []
         self._fetched = {}
-        self._ctx_ref = None
+        self._ctx_ref = self._ctx = None
 
     # ----- bad shards
     def _skip(self, bad: int, error: str, frm: int, data_cursor: int) -> None:

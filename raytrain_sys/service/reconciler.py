@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 ACTOR = "reconciler"
 SCHEDULER = "scheduler"
 PRUNE_EVERY_S = 3600.0  # how often unused code packages are looked for
+# MLflow stores the spare runners keep open: a few, as a service's jobs mostly share their team's
+# server or file; each costs a spare a SQLAlchemy engine or an HTTP session.
+TRACKING_URIS_KEPT = 4
 # States whose job has (or is being given) a runner.
 WITH_RUNNER = (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING, JobState.CANCELLING)
 STARTS = (JobState.STARTING, JobState.RESUMING)
@@ -184,6 +187,8 @@ class Reconciler:
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
         self._asked: dict[int, tuple[Any, float]] = {}  # job id -> its runner's status question, asked when (monotonic)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
+        # The MLflow stores of the newest launches, newest last: spare runners open them ahead.
+        self._tracking_uris: list[str] = []
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self._next_prune_s = 0.0  # when the store's unused code packages are looked at next
         self.metrics = ServiceMetrics()  # queue and quota per team, each pass
@@ -314,6 +319,18 @@ class Reconciler:
         while len(self._spares) < wanted:
             handle = runners.new_spare_runner()
             self._spares.append((handle, handle.job.remote()))
+            if self._tracking_uris:
+                handle.warm_tracking.remote(list(self._tracking_uris))
+
+    def _remember_tracking(self, tracking_uri: str) -> None:
+        """A launch's MLflow store: the idle spare runners open it ahead when it is new to them
+        (``JobRunner.warm_tracking``), and the ones started later open it first thing."""
+        known = tracking_uri in self._tracking_uris
+        self._tracking_uris = [u for u in self._tracking_uris if u != tracking_uri][-(TRACKING_URIS_KEPT - 1):]
+        self._tracking_uris.append(tracking_uri)
+        if not known:
+            for handle, _ in self._spares:
+                handle.warm_tracking.remote([tracking_uri])
 
     def spare_runners(self) -> dict:
         """Spare runners kept (``spare_runners``) and how many of them are up."""
@@ -622,7 +639,7 @@ class Reconciler:
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
                                 resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason,
                                 team=job.team, package=job.package or "", overrides=self.launch_overrides(job))
-        self._make_tracking_store(job.id, spec, launch.tracking_uri)
+        tracked = self._make_tracking_store(job.id, spec, launch.tracking_uri)
         runtime_env = None
         if job.package:
             try:
@@ -633,25 +650,29 @@ class Reconciler:
                 log.error("job %d failed at start: %s", job.id, exc)
                 return
         spare = None if runtime_env else self._take_spare_runner()
+        if tracked:  # the spares left open it for the next launches (not the one taken: it starts now)
+            self._remember_tracking(launch.tracking_uri)
         self._handles[job.id] = runners.launch_runner(launch, self.step_hook, spare=spare, runtime_env=runtime_env)
         self._created.add(job.id)
         log.info("job %d: runner %s launched (%s on %d workers)", job.id,
                  "(a spare)" if spare is not None else runners.runner_name(job.id),
                  f"resume of MLflow run {run_id}" if run_id else "start", workers)
 
-    def _make_tracking_store(self, job_id: int, spec: dict, tracking_uri: str) -> None:
+    def _make_tracking_store(self, job_id: int, spec: dict, tracking_uri: str) -> bool:
         """The job's MLflow store made here, once (``mlflow_tracker.ensure_store``; a second job on it
         costs nothing), before its runner starts: the runners of jobs admitted together never
         make a new store at the same moment. A store that cannot be made is left to the runner,
-        whose start fails saying why."""
+        whose start fails saying why. True: made, the job tracks to it."""
         if not (spec.get("tracking") or {}).get("enabled", True):
-            return
+            return False
         from raytrain_sys.tracking import mlflow_tracker as mt
 
         try:
             mt.ensure_store(tracking_uri)
         except UserError as exc:
             log.warning("job %d: its MLflow store is not ready (its start will say why): %s", job_id, exc)
+            return False
+        return True
 
     def launch_overrides(self, job: JobRecord) -> tuple[str, ...]:
         """What a launch sets in the job's spec (``Launch.overrides``): its flavor's node labels

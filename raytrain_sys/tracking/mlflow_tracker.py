@@ -13,11 +13,13 @@ What a run holds, and where ``lookup()`` (hence ``raytrain-sys resume``) reads i
   ``spec.original.json`` (as first started), ``checkpoints.json``, ``events.json`` and
   ``plots/*.png`` (``monitor/plots.py``, redrawn at each checkpoint and at the end).
 
-Writes made while training runs (metrics, tags, events, checkpoint records, plots) go through one
-background thread, in order: a slow or unreachable MLflow never stalls the training loop. A write
-that still fails after a few retries is dropped with a warning and counted
-(``Tracker.dropped_batches``); ``flush()`` and ``finish()`` wait for the queue to drain.
-``start``, ``resume`` and ``lookup`` are synchronous and raise ``TrackingError``.
+Writes made while training runs (metrics, tags, events, checkpoint records, plots), and the
+params of a run just started, go through one background thread, in order: a slow or unreachable
+MLflow never stalls the training loop. A write that still fails after a few retries is dropped
+with a warning and counted (``Tracker.dropped_batches``); ``flush()`` and ``finish()`` wait for
+the queue to drain.
+``start`` (the run and its spec; its params are the writer's first writes), ``resume`` and
+``lookup`` are synchronous and raise ``TrackingError``. ``warm`` opens a store ahead of a run.
 """
 
 from __future__ import annotations
@@ -281,18 +283,25 @@ def _client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
+def warm(tracking_uri: str) -> None:
+    """Open the store as a run's start would, ahead of it: the client (MLflow keeps a SQLite
+    store's engine per URI in the process, and a server's HTTP session), a first query, and
+    the artifact code a run's start uses imported. In a new process the first open costs
+    0.2-2 s (the schema checked, modules imported; more on a busy core); a process that waits
+    for a job (a spare runner) pays it before the job comes. An error here is met again, and
+    reported, when the run is opened."""
+    try:
+        _client(tracking_uri).search_experiments(max_results=1)
+        if not _is_http(tracking_uri):
+            import mlflow.store.artifact.local_artifact_repo  # noqa: F401: the spec's artifacts
+    except Exception as exc:
+        log.debug("preparing the MLflow store %s: %s (reported when the run is opened)", tracking_uri, exc)
+
+
 def prepare_store(tracking_uri: str) -> threading.Thread:
-    """Open the store in the background (a new SQLite store spends seconds creating its tables),
-    while the workers start; join the thread before the first real call. An error here is met
-    again, and reported, by that call."""
-
-    def open_it() -> None:
-        try:
-            _client(tracking_uri).search_experiments(max_results=1)
-        except Exception as exc:
-            log.debug("preparing the MLflow store: %s (reported when the run is opened)", exc)
-
-    thread = threading.Thread(target=open_it, name="mlflow-open", daemon=True)
+    """Open the store in the background (``warm``: a new SQLite store spends seconds creating
+    its tables), while the workers start; join the thread before the first real call."""
+    thread = threading.Thread(target=warm, args=(tracking_uri,), name="mlflow-open", daemon=True)
     thread.start()
     return thread
 
@@ -375,13 +384,14 @@ def _chunks(items: list, size: int) -> list[list]:
 
 @dataclass
 class _Write:
-    kind: str  # "batch" (metrics + tags), "text" (an artifact rewritten whole) or "plots"
+    kind: str  # "batch" (metrics + tags), "params", "text" (an artifact rewritten whole) or "plots"
     metrics: list = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
     artifact: str = ""
     text: str = ""
     summary: dict = field(default_factory=dict)  # "plots": the summary they are drawn from
     count: int = 1  # calls merged into this write, for the dropped count
+    params: list = field(default_factory=list)  # "params": the run's params, one batch
 
 
 class _Writer:
@@ -501,6 +511,8 @@ class _Writer:
                 tags=[RunTag(k, v) for k, v in write.tags.items()],
                 synchronous=True,
             )
+        elif write.kind == "params":
+            self._client.log_batch(self._run_id, params=write.params, synchronous=True)
         elif write.kind == "plots":
             # Drawn in a child process, which this thread waits for: the step loop only handed
             # over a snapshot, and keeps this process's GIL to itself.
@@ -530,7 +542,7 @@ class _Writer:
         now = time.monotonic()
         if now - self._last_warning >= self.warn_every_s:
             self._last_warning = now
-            what = f"artifact {write.artifact}" if write.kind != "batch" else "metrics/tags"
+            what = {"batch": "metrics/tags", "params": "params"}.get(write.kind, f"artifact {write.artifact}")
             log.warning(
                 "MLflow write (%s) to run %s at %s dropped: %s (%d dropped so far; training "
                 "continues)", what, self._run_id, self._tracking_uri, reason, self.dropped,
@@ -603,10 +615,6 @@ class Tracker:
                                               tags=run_tags))
         run_id = run.info.run_id
         try:
-            params = [Param(k, v) for k, v in _spec_params(spec).items()]
-            for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
-                _call(tracking_uri, f"log the params of run {run_id}",
-                      lambda chunk=chunk: client.log_batch(run_id, params=chunk, synchronous=True))
             text = _spec_json(spec)
             for name in (ORIGINAL_SPEC_ARTIFACT, SPEC_ARTIFACT):
                 _call(tracking_uri, f"store {name} of run {run_id}",
@@ -618,7 +626,15 @@ class Tracker:
             except Exception:
                 pass
             raise
-        return cls(client, tracking_uri, run_id, experiment_id)
+        tracker = cls(client, tracking_uri, run_id, experiment_id)
+        # The params (the spec, field by field) through the writer, first in its queue: on a
+        # busy core their batches were most of a start's MLflow seconds (0.2-0.6 s, against
+        # 0.1 s to create the run), which the run's first step no longer waits for. The spec
+        # itself is stored above, before the run is handed out: it is what a resume reads.
+        params = [Param(k, v) for k, v in _spec_params(spec).items()]
+        for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
+            tracker._writer.submit(_Write("params", params=chunk))
+        return tracker
 
     @classmethod
     def resume(cls, tracking_uri: str, run_id: str, spec: JobSpec) -> Tracker:

@@ -4,30 +4,43 @@ and load calls, the commit of the manifest, and its record.
 Owns: the Checkpointer and its store (the one writer of checkpoints under the checkpoint root;
 the manifest, written last, is what makes one visible), the checkpoint records of summary.json
 (``checkpoints``, ``newest_checkpoint``, ``resumed_from``), of MLflow and of Prometheus (save
-seconds and bytes). It never rebuilds the group and records no state transition: a member lost
-while saving surfaces as ``WorkerLost`` from the Supervisor's watch, and the Supervisor decides.
+seconds and bytes). It never rebuilds the group and records no state transition: ``save``
+returns ``Saved`` or ``WriterLost`` (a member lost while saving: the Supervisor rebuilds and
+asks again), ``settle`` and ``save_held`` return what happened, in words for the record. The
+long calls are watched by the ``watch`` the Supervisor passes in (``liveness.watch``).
 
-A background save (``checkpoint.async_save``) is a ``PendingSave``: the members' snapshots were
-taken at its step, their writes run while training goes on, and ``written`` says whether every
-writer's file is durable yet; the Supervisor commits it then, or abandons it.
+A background save (``checkpoint.async_save``) is the ``PendingSave`` in ``pending`` (at most one,
+which only this module writes): the members' snapshots were taken at its step, their writes run
+while training goes on, and ``settle`` commits it once every writer's file is durable, or
+abandons it (a writer left, died or failed; ``abandon``: an older checkpoint is restored).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 
 from raytrain_sys import __version__
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.control.supervisor.liveness import WorkerLost
+from raytrain_sys.control.supervisor.policy import PING_TIMEOUT_S
+from raytrain_sys.control.supervisor.probe import ping_all
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
-from raytrain_sys.errors import CheckpointError
+from raytrain_sys.errors import CheckpointError, StorageError, find_user_error
 from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.spec import JobSpec, from_dict
 
 log = logging.getLogger(__name__)
+
+# Test hook: crash the driver after a checkpoint's data files are written and before its
+# manifest, at this step. Used to prove that a half-written checkpoint stays invisible.
+FAULT_BEFORE_MANIFEST_ENV = "RAYTRAIN_SYS_FAULT_BEFORE_MANIFEST_STEP"
 
 
 def check_compatible(spec: JobSpec, info: CheckpointInfo) -> None:
@@ -61,12 +74,32 @@ class PendingSave:
     started_at: float  # time.perf_counter() when the snapshots were taken
 
 
+@dataclass(frozen=True)
+class Saved:
+    """The members saved the step: committed (``info``), or snapshots taken and written in the
+    background (``pending``, checkpoint.async_save)."""
+
+    info: CheckpointInfo | None = None
+    pending: PendingSave | None = None
+
+
+@dataclass(frozen=True)
+class WriterLost:
+    """A member died or went silent while saving: nothing was committed."""
+
+    worker: Worker
+    reason: str
+
+
 class Checkpoints:
     def __init__(self, spec: JobSpec, checkpointer: Checkpointer, checkpoint_root: str, manifest,
                  summary: RunSummary, tracker, metrics: RunMetrics):
         self.spec, self.checkpointer, self.checkpoint_root = spec, checkpointer, checkpoint_root
         self.manifest, self.summary, self.tracker = manifest, summary, tracker
         self.metrics = metrics
+        # The background save in flight (checkpoint.async_save): at most one, committed or
+        # abandoned at a later boundary (``settle``).
+        self.pending: PendingSave | None = None
 
     def latest(self) -> CheckpointInfo | None:
         return self.checkpointer.latest()
@@ -83,6 +116,111 @@ class Checkpoints:
         background; the reference of its snapshot's size and time."""
         return worker.actor.start_checkpoint.remote(self.checkpoint_root, self.spec.checkpoint.s3_endpoint_url,
                                                     step, stage_dir=self.spec.checkpoint.stage_dir)
+
+    def save(self, group: WorkerGroup, step: int, data_cursor: int, background: bool,
+             watch: Callable) -> Saved | WriterLost:
+        """Have every member write the blocks of the state of ``step`` it owns (in a replicated
+        layout rank 0 owns all of it), then commit the manifest; with ``background``, have them
+        take their snapshots and start writing (``Saved.pending``). ``watch(group, worker, ref,
+        what)``: a call's result, raising ``WorkerLost`` when its worker is lost meanwhile."""
+        t0 = time.perf_counter()
+        call = self.start_call if background else self.save_call
+        refs = [(w, call(w, step)) for w in group.workers]
+        try:
+            done = [(w, watch(group, w, ref, f"the checkpoint of step {step}")) for w, ref in refs]
+        except WorkerLost as lost:
+            ray.wait([r for _, r in refs], num_returns=len(refs), timeout=PING_TIMEOUT_S)
+            return WriterLost(lost.worker, f"worker {lost.worker.slot} on node {lost.worker.node_id[:8]} "
+                                           f"{lost.reason}")
+        now = time.perf_counter()
+        if background:
+            self.pending = self.begin(step, data_cursor, group.world_size, done, now - t0, now)
+            return Saved(pending=self.pending)
+        if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
+            raise RuntimeError(f"injected fault before the manifest of step {step}")
+        files = [record for _, records in done for record in records]
+        return Saved(info=self.commit(step, files, data_cursor, group.world_size, {"stall_s": round(now - t0, 4)}))
+
+    def settle(self, group: WorkerGroup, wait: bool, watch: Callable) -> str:
+        """The background save in flight (``pending``), if any: committed (manifest last) once
+        every writer's file is durable; with ``wait``, block until then, watching the writers.
+        Abandoned, never committed, when a writer left the group, died or failed to write: its
+        files stay an invisible partial directory and the newest committed checkpoint stays the
+        newest. Returns what happened, for the record ("" while the writes run, or none is)."""
+        pending = self.pending
+        if pending is None:
+            return ""
+        members = {w.slot for w in group.workers}
+        gone = [w.slot for w, _ in pending.writers if w.slot not in members]
+        if gone:
+            return self.abandon(f"worker(s) {gone} left the group while writing it")
+        try:
+            if wait:
+                results = [watch(group, w, ref, f"the background checkpoint of step {pending.step}")
+                           for w, ref in pending.writers]
+            else:
+                results = self.written(pending)
+                if results is None:
+                    return ""
+        except (WorkerLost, ray.exceptions.RayError) as exc:
+            user = find_user_error(exc)
+            return self.abandon(str(user) if user is not None else
+                                exc.reason if isinstance(exc, WorkerLost) else type(exc).__name__)
+        self.pending = None
+        timing = {"stall_s": round(pending.stall_s, 4),
+                  "durable_after_s": round(time.perf_counter() - pending.started_at, 4),
+                  "write_s": round(max((r["write_s"] for r in results), default=0.0), 4),
+                  "snapshot_bytes_per_rank": pending.snapshot_bytes_per_rank}
+        try:
+            info = self.commit(pending.step, [f for r in results for f in r["files"]],
+                               pending.data_cursor, pending.world_size, timing)
+        except Exception as exc:
+            user = find_user_error(exc)
+            if user is None or not isinstance(user, (StorageError, CheckpointError)):
+                raise
+            return f"background checkpoint of step {pending.step} not committed: {user}"
+        return (f"checkpoint committed: {info.uri} (written in the background, "
+                f"durable {timing['durable_after_s']:.1f} s after its snapshot)")
+
+    def abandon(self, why: str) -> str:
+        """Give the background save in flight up (it never gets a manifest): what happened, for
+        the record ("" when none was in flight)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return ""
+        return (f"background checkpoint of step {pending.step} abandoned ({why}); "
+                f"the newest checkpoint stays {self.summary.newest_checkpoint or 'none'}")
+
+    def save_held(self, group: WorkerGroup, step: int, data_cursor: int, replicated: bool,
+                  watch: Callable) -> str:
+        """The committed state, written by the members that hold it, as the run stops: no
+        rebuild, no retry through the failure path. The process group may be broken; a save
+        needs none. In a replicated layout any one holder has it all (the next one writes it
+        when one fails); in a sharded one every member must still be there (each writes the
+        blocks it owns). Returns what happened, to end the run's reason with."""
+        held, _, _ = ping_all(group.workers)
+        holders = [w for w in group.workers if held.get(w.slot) == step]
+        if not holders or (not replicated and len(holders) < len(group.workers)):
+            return f"; no complete copy of step {step} left among the workers to save it"
+        files = []
+        started = time.perf_counter()
+        for w in holders:
+            try:
+                files += watch(group, w, self.save_call(w, step, everything=replicated),
+                               f"the final checkpoint of step {step}")
+            except (WorkerLost, ray.exceptions.RayError) as exc:
+                log.warning("worker %d could not save step %d: %s", w.slot, step, exc)
+                if not replicated:
+                    return f"; worker {w.slot} was lost while saving step {step}: not saved"
+                continue
+            if replicated:
+                break
+        else:
+            if replicated:
+                return f"; no surviving worker could save step {step}"
+        info = self.commit(step, files, data_cursor, group.world_size,
+                           {"stall_s": round(time.perf_counter() - started, 4)})
+        return f"; state saved at step {step}: {info.uri}"
 
     def begin(self, step: int, data_cursor: int, world_size: int, started: list, stall_s: float,
               started_at: float) -> PendingSave:

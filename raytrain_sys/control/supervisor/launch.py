@@ -1,10 +1,12 @@
-"""Everything before the first step: pre-flight checks, the previous launch's leftovers, the
-MLflow run, and the data warm-up.
+"""Everything before the first step: a resume's record, pre-flight checks, the previous
+launch's leftovers, the MLflow run, and the data warm-up.
 
 Owns: the run directory's ``latest`` link, the ``Preflight`` values (dataset manifest,
-checkpoint store and checkpointer, task, model FLOPs per token, the checkpoint to resume) and
-the MLflow run's start (tags, run id into summary.json). Everything that can fail on bad input
-is checked here before any Ray resource is taken. Calls no other part of the Supervisor.
+checkpoint store and checkpointer, task, model FLOPs per token, the checkpoint to resume), the
+MLflow run's start (tags, run id into summary.json) and what a resume from MLflow continues
+(``resumed_run``: the spec, run directory and run key its record names). Everything that can
+fail on bad input is checked here before any Ray resource is taken. Calls no other part of the
+Supervisor.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import ray
@@ -24,7 +27,7 @@ from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
 from raytrain_sys.errors import CheckpointError, SpecError, UserError
-from raytrain_sys.spec import JobSpec
+from raytrain_sys.spec import JobSpec, apply_overrides, from_dict
 from raytrain_sys.tracking import mlflow_tracker as mt
 from raytrain_sys.extensions import resolve_task
 
@@ -43,6 +46,49 @@ class Preflight:
     # for MLflow once the run is open; "" when it resumes from the one asked for.
     fallback: str = ""
     eval_set: tuple | None = None  # (uri, manifest) of the evaluation set, with eval.every_steps
+
+
+@dataclass
+class Resumed:
+    """What a resume from MLflow continues: the run's spec (with the overrides), its run
+    directory ("" when it is not on this machine) and the run key of the launch it follows."""
+
+    spec: JobSpec
+    run_dir: str
+    previous_key: str
+
+
+def resumed_run(run_id: str, tracking_uri: str = "", overrides: list[str] | None = None,
+                output_dir: str = "runs", objects: dict | None = None) -> Resumed:
+    """The run ``run_id`` as its MLflow record names it, to continue from its newest checkpoint:
+    its spec (``overrides`` applied; ``objects``: dotted field -> the Python object it was given
+    for an extension point, which the record names but cannot hold), its checkpoint root and run
+    directory. A pause point belongs to the invocation that paused: the resumed run trains on
+    unless ``train.stop_at_step`` is given again."""
+    uri = tracking_uri or mt.default_tracking_uri(os.path.abspath(output_dir))
+    mt.check_reachable(uri)
+    record = mt.Tracker.lookup(uri, run_id)
+    raw = apply_overrides(record.spec_dict, overrides or [])
+    for dotted, obj in (objects or {}).items():
+        section, _, name = dotted.partition(".")
+        raw.setdefault(section, {})[name] = obj
+    raw.setdefault("tracking", {})["uri"] = uri
+    checkpoint_root = record.tags.get(mt.TAG_CHECKPOINT_ROOT, "")
+    if checkpoint_root:
+        raw.setdefault("checkpoint", {})["uri"] = checkpoint_root
+    raw["checkpoint"]["resume_from"] = "latest"
+    if not any(o.startswith("train.stop_at_step=") for o in overrides or []):
+        raw.setdefault("train", {})["stop_at_step"] = 0
+    run_dir = record.run_dir if record.run_dir and os.path.isdir(record.run_dir) else ""
+    previous_key = os.path.basename(record.run_dir.rstrip("/")) if record.run_dir else ""
+    return Resumed(from_dict(raw), run_dir, previous_key)
+
+
+def check_resumable(spec: JobSpec, checkpoint_root: str, run_id: str) -> None:
+    """A resume needs a complete checkpoint: ``CheckpointError`` naming the run otherwise."""
+    if Checkpointer(open_store(checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
+        raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {checkpoint_root}: "
+                              f"nothing to resume; start it again with `raytrain-sys run`")
 
 
 def resolve_dir(path: str) -> str:
@@ -175,27 +221,38 @@ def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume
 
 class InBackground:
     """``fn()`` in a thread of its own, started by ``start``; ``result`` (which starts it if
-    nothing did) joins it and returns its value or raises its error, in the caller's thread."""
+    nothing did) joins it and returns its value or raises its error, in the caller's thread.
+    ``seconds``: how long ``fn`` ran, once it has returned (the start's ``start_beside``)."""
 
     def __init__(self, fn, name: str):
         self._fn, self._name = fn, name
         self._thread: threading.Thread | None = None
         self._value, self._error = None, None
+        self.seconds: float | None = None
 
     @property
     def started(self) -> bool:
         return self._thread is not None
 
-    def start(self) -> None:
+    def start(self) -> "InBackground":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
+        return self
 
     def _run(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._value = self._fn()
         except BaseException as exc:  # noqa: BLE001: raised in result(), in the caller's thread
             self._error = exc
+        finally:
+            self.seconds = round(time.perf_counter() - t0, 3)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for ``fn`` to return (at most ``timeout`` s); nothing when it was never started."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def result(self):
         self.start()
@@ -205,7 +262,7 @@ class InBackground:
         return self._value
 
 
-def warm_data(spec: JobSpec, data: DataPlane, cursor: int):
+def warm_data(spec: JobSpec, data: DataPlane, cursor: int) -> InBackground | None:
     """Read the first global batch in the background (the plane caches it). Only where a
     read has no side effect: with data.on_bad_shard=skip a bad shard changes the stream's
     ledger, which belongs to the step loop. An error here is met again, and reported, by
@@ -219,9 +276,7 @@ def warm_data(spec: JobSpec, data: DataPlane, cursor: int):
         except Exception as exc:
             log.debug("data warm-up: %s (the first step will report it)", exc)
 
-    thread = threading.Thread(target=read, name="data-warm-up", daemon=True)
-    thread.start()
-    return thread
+    return InBackground(read, "data-warm-up").start()
 
 
 def _point_latest(output_dir: str, run_dir: str) -> None:

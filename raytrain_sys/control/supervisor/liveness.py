@@ -2,15 +2,21 @@
 
 Owns: the verdict on members during a step and during a long call outside it
 (``StepOutcome``: how one step went on each member; ``WorkerLost``), and the liveness pings
-of those waits (the pings themselves are ``probe.ping_all``). Writes only the group's membership for what it finds lost
-(``WorkerGroup.reap`` and ``remove``), never a state, a counter or a checkpoint; the timings
-come from ``policy``.
+of those waits (the pings themselves are ``probe.ping_all``). It kills what it finds silent
+(``WorkerGroup.reap``: a stopped process closes no socket, and its peers stay blocked until it
+is gone) but never changes who is in the group: the lost members go back in the verdict, and
+``membership`` removes them. It writes no state, counter or checkpoint; the timings come from
+``policy``.
 
-Failure detection (``collect``): Ray reports a dead actor; survivors' collectives fail when a
-peer's socket closes; members still in a step are pinged every LIVENESS_EVERY_S and lost when
-silent for PING_TIMEOUT_S (a stopped process, a vanished machine that closes no socket); a
-step that outlives its deadline (a multiple of recent step times, elastic.hang_floor_s at
-least) is hung even when its members answer.
+Failure detection: a lease is followed by rank 0's reports (``LeaseWatch``): each report is an
+agreement of every rank at a step's end, so while they come every member is alive and nobody is
+pinged (the driver's cost does not grow with the members per step). When they stop for
+LIVENESS_EVERY_S the members are pinged every LIVENESS_EVERY_S and one silent for
+PING_TIMEOUT_S is lost (a stopped process, a vanished machine that closes no socket); a step
+that outlives its deadline (a multiple of recent step times, elastic.hang_floor_s at least)
+is hung even when its members answer. Then, and at the lease's end, ``collect`` classifies
+every member's call: Ray reports a dead actor; survivors' collectives fail when a peer's
+socket closes.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ class StepOutcome:
     failed: bool = False
     detected_at_unix_s: float = 0.0  # when the first failure of the step was seen
 
+    def lost_among(self, members: list[Worker]) -> list[Worker]:
+        return [w for w in members if w.slot in self.lost]
+
+    def describe(self, members: list[Worker], nodes: bool = True) -> str:
+        """What failed, for the record: each lost member (with its node), each error."""
+        where = (lambda w: f" on node {w.node_id[:8]}") if nodes else (lambda w: "")
+        return "; ".join([f"worker {w.slot}{where(w)} {self.lost[w.slot]}" for w in self.lost_among(members)]
+                         + [f"worker {s} error: {m}" for s, m in self.errored.items()])
+
     def note_failures(self) -> None:
         self.failed = bool(self.lost or self.errored)
         if self.failed and not self.detected_at_unix_s:
@@ -51,7 +66,7 @@ class WorkerLost(Exception):
 
 
 def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
-            deadline_s: float) -> StepOutcome:
+            deadline_s: float, since: float | None = None) -> StepOutcome:
     """Wait for a step on every member; classify each as done, errored or lost.
 
     Lost = dead (Ray reports the actor died), or not answering a ping on its control path
@@ -61,13 +76,14 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
     would wait in their all-reduce until the deadline). The deadline itself catches members
     that answer but do not progress. Survivors whose collective failed because a peer
     vanished report an error quickly; a peer blocked in a collective still answers pings.
-    Members found lost are killed and removed from ``group``.
+    Members found silent are killed; removing them is the caller's (``membership``).
+    ``since``: when the deadline started (``time.monotonic()``; now if None).
     """
     outcome = StepOutcome()
     by_ref = dict(zip(refs, members))
     pending = list(refs)
     t_start = time.monotonic()
-    deadline = t_start + deadline_s
+    deadline = (t_start if since is None else since) + deadline_s
     pings: dict[int, tuple[object, float]] = {}  # slot -> (ping ref, sent at)
     while pending:
         # Once something failed, the rest finish (or fail) fast: their collective broke.
@@ -131,9 +147,7 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
         outcome.note_failures()
         stuck = [by_ref[r] for r in pending]
         # Kill what is lost so that blocked peers' collectives fail, then wait for them.
-        silent = [w for w in stuck if w.slot in outcome.lost]
-        group.reap(silent)
-        group.remove(silent)
+        group.reap([w for w in stuck if w.slot in outcome.lost])
         still = [r for r in pending if by_ref[r].slot in outcome.blocked]
         if still:
             # Their collective fails as soon as the lost members' sockets close, or at the
@@ -154,6 +168,88 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
             outcome.blocked.clear()
     outcome.note_failures()
     return outcome
+
+
+class LeaseWatch:
+    """A lease followed while it runs (``wait``): rank 0's reports as they come (``reports``,
+    each one every rank's parts of a finished step, agreed by all of them: while reports come,
+    every member is alive and nobody is pinged). The report of the lease's last step (or of the
+    step it was cut after) ends it: every rank finished it, so nothing more is waited for (the
+    other members' calls end by themselves). Members are pinged only when no report came for
+    LIVENESS_EVERY_S (one silent for PING_TIMEOUT_S is lost, and killed); the step deadline
+    counts from the newest report. When the lease failed or a member was lost, every member's
+    call is collected (``collect``) into the lease's ``StepOutcome``."""
+
+    def __init__(self, group: WorkerGroup, members: list[Worker], refs: list, reporter, step: int,
+                 last_step: int, step_deadline_s: float):
+        self.group, self.members, self.refs, self.reporter = group, members, refs, reporter
+        self.step, self.last_step, self.deadline_s = step, last_step, step_deadline_s
+        self._ended = False  # the report of the lease's last step came
+        self.reports: list[dict] = []
+        self._progress = time.monotonic()  # the newest report (or the lease's start)
+        self._pings: dict[int, tuple[object, float]] = {}
+        self._error = ""  # rank 0's lease raised this
+        self._silent: dict[int, str] = {}  # members found silent while following
+        self._detected_at = 0.0
+        self._done = False
+
+    def wait(self, timeout_s: float) -> StepOutcome | None:
+        """The lease's outcome once it ended; None if it still runs after ``timeout_s``."""
+        until = time.monotonic() + timeout_s
+        while not self._done:
+            now = time.monotonic()
+            if now >= until:
+                return None
+            ready, _ = ray.wait([self.reporter], timeout=min(until - now, LIVENESS_EVERY_S))
+            if ready:
+                self._take()
+            elif time.monotonic() - self._progress >= LIVENESS_EVERY_S:
+                self._check()
+        return self._outcome()
+
+    def _take(self) -> None:
+        try:
+            ref = next(self.reporter)
+        except StopIteration:  # the lease ended on rank 0
+            self._done = True
+            return
+        try:
+            self.reports += ray.get(ref)
+            self._progress = time.monotonic()
+            self._ended = self._done = self.reports[-1]["cut"] or self.reports[-1]["step"] >= self.last_step
+        except ray.exceptions.RayTaskError as exc:  # its step failed: a peer lost, or an error
+            self._error, self._done = str(exc).strip().splitlines()[-1][:300], True
+        except ray.exceptions.RayError:  # rank 0 died: its call's end says so
+            self._done = True
+
+    def _check(self) -> None:
+        silent = check_liveness(self.members, self._pings)
+        if silent:
+            for w in silent:
+                self._silent[w.slot] = (f"hung: no answer on its control path for {PING_TIMEOUT_S:g} s "
+                                        f"(stopped, or its node is unreachable)")
+            self._detected_at = time.time()
+            self.group.reap(silent)  # so that its peers' collectives fail, and the lease ends
+            self._done = True
+        elif time.monotonic() - self._progress >= self.deadline_s:
+            self._done = True  # no step finished by the deadline: ``collect`` gives the verdict
+
+    def _outcome(self) -> StepOutcome:
+        if self._ended:
+            return StepOutcome()  # every rank finished the lease: its last report is their agreement
+        outcome = collect(self.group, self.members, self.refs, self.step, self.deadline_s, since=self._progress)
+        rank0 = self.members[0].slot
+        if self._error and rank0 in outcome.results:  # a generator's end is not its error
+            del outcome.results[rank0]
+            outcome.errored[rank0] = self._error
+        for slot, why in self._silent.items():
+            outcome.results.pop(slot, None)
+            outcome.errored.pop(slot, None)
+            outcome.lost[slot] = why
+        outcome.note_failures()
+        if self._detected_at:
+            outcome.detected_at_unix_s = min(outcome.detected_at_unix_s or self._detected_at, self._detected_at)
+        return outcome
 
 
 def check_liveness(workers: list[Worker], pings: dict[int, tuple[object, float]]) -> list[Worker]:

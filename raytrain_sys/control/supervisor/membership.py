@@ -1,13 +1,16 @@
 """Who is in the group, and how the members come to hold the committed step.
 
-Owns: the group's membership changes that the Supervisor decides (newcomers in, members to
-standby, lost and leaving members out; ``WorkerGroup`` itself owns the actors), forming a
-process group (``layout_replicated``, which only it writes), and equalizing state across a new
-world: a broadcast from a holder in a replicated layout, pieces through Ray's object store in
-a sharded one, including the pieces of members that left a draining node (only it writes
-``departing_pieces``). It records no state transition, saves or loads no checkpoint and calls
-no other part of the Supervisor: ``reform`` returns ``Reformed``, ``NoHolders`` or
-``Uncovered`` (the Supervisor then restores a checkpoint), or raises ``MembersLost``.
+Owns: who is in the group. It is the one part of the Supervisor that changes it (newcomers
+requested, taken in or benched, lost and leaving members out, newcomers let go; ``WorkerGroup``
+itself owns the actors): the others return requests for it (``liveness``'s lost members, the
+boundary plan's items, ``policy.standby_for_layout``). Also forming a process group
+(``layout_replicated``, which only it writes) and equalizing state across a new world: a
+broadcast from a holder in a replicated layout, pieces through Ray's object store in a sharded
+one, including the pieces of members that left a draining node (only it writes
+``departing_pieces``). It records no state transition, saves or loads no checkpoint and calls no
+other part of the Supervisor: ``rebuild`` returns ``Reformed``, ``BelowMinimum`` (the Supervisor
+waits for workers, ``wait_for``), ``NeedsRestore`` (the members cannot hold the committed step:
+the Supervisor loads a checkpoint, after ``regroup`` when every holder is gone) or ``MustStop``.
 
 State across membership changes: survivors keep their model and optimizer objects; a new
 process group (new generation, new master port) is formed over the members and the ready
@@ -67,6 +70,44 @@ class Uncovered:
     gaps: list[str]
 
 
+@dataclass(frozen=True)
+class Lost:
+    """Members died or went silent while the group re-formed; they were dropped: try again."""
+
+    error: MembersLost
+
+
+@dataclass(frozen=True)
+class AllLost:
+    """No member is left: only a durable checkpoint can continue the run."""
+
+
+@dataclass(frozen=True)
+class BelowMinimum:
+    """Members and ready newcomers are fewer than the smallest world the run may train in."""
+
+    have: int
+    need: int
+
+
+@dataclass(frozen=True)
+class NeedsRestore:
+    """The members cannot hold the committed step: ``gaps``, the tensors the survivors' pieces
+    miss (the only shard of something died); empty when no member holds the step at all."""
+
+    members: list
+    gaps: list[str]
+
+
+@dataclass(frozen=True)
+class MustStop:
+    reason: str
+
+
+# Attempts at re-forming the group (each drops the members found lost) before the run stops.
+REFORM_ATTEMPTS = 5
+
+
 class Membership:
     def __init__(self, spec: JobSpec, group: WorkerGroup, target_size: Callable[[], int] | None = None):
         self.spec, self.group = spec, group
@@ -77,12 +118,59 @@ class Membership:
         self.departing_pieces: list = []  # state of members leaving a draining node
 
     # ------------------------------------------------------------------ who is in
+    def by_slot(self, slots) -> list[Worker]:
+        """The members with these slots, in rank order."""
+        wanted = set(slots)
+        return [w for w in self.group.workers if w.slot in wanted]
+
     def request_replacements(self) -> None:
-        """Replacements are requested at once; they start in the background."""
+        """Replacements are requested at once; they start in the background. Newcomers not up
+        after resources.start_timeout_s are let go and asked for again."""
         self.group.drop_stale_pending(self.spec.resources.start_timeout_s)
-        missing = self.target_size() - len(self.group.workers) - len(self.group.pending)
-        for _ in range(max(0, missing)):
+        self.request(self.target_size() - len(self.group.workers) - len(self.group.pending))
+
+    def request(self, count: int) -> None:
+        for _ in range(max(0, count)):
             self.group.request()
+
+    def ready(self) -> list[Worker]:
+        """Newcomers up and not members (on standby, or started), with their node, without
+        taking them in (``take_ready``): what a boundary's facts list."""
+        g = self.group
+        up = []
+        if g.pending:
+            done, _ = ray.wait([w.ready_ref for w in g.pending], num_returns=len(g.pending), timeout=0)
+            for w in g.pending:
+                if w.ready_ref in done and not w.info:
+                    try:
+                        w.info = ray.get(w.ready_ref)
+                    except ray.exceptions.RayError:
+                        continue  # died while starting: take_ready lets it go
+                up += [w] if w.ready_ref in done and w.info else []
+        return list(g.standby) + up
+
+    def take_ready(self) -> list[Worker]:
+        """The newcomers that are up, out of the standby and pending lists (to add or bench)."""
+        return self.group.ready_pending(timeout_s=0.0)
+
+    def add(self, workers: list[Worker]) -> None:
+        self.group.add(workers)
+
+    def bench(self, workers: list[Worker]) -> None:
+        """Newcomers too few for the next usable world wait on standby."""
+        self.group.standby += workers
+
+    def remove(self, workers: list[Worker]) -> None:
+        """Members lost or leaving out of the group: killed and released."""
+        self.group.remove(workers)
+
+    def release(self, slots) -> None:
+        """Newcomers (starting, up or on standby) the run does not need: let go."""
+        wanted = set(slots)
+        self.group.remove([w for w in self.group.pending + self.group.standby if w.slot in wanted])
+
+    def release_newcomers(self) -> None:
+        self.group.remove(self.group.pending + self.group.standby)
 
     def wait_for(self, need: int, timeout_s: float) -> bool:
         """Take newcomers in as they come up until there are ``need`` members (True), or
@@ -113,10 +201,10 @@ class Membership:
         self.group.reap(lost.silent)
         self.group.remove(lost.dead + lost.silent)
 
-    def take_leavers_pieces(self, leaving: list[Worker], committed_step: int) -> None:
-        """Members about to leave a draining node: in a sharded layout their shards may be the
-        only copy, so their pieces go into the object store first (the node lives until its
-        deadline) for the re-formed group to take; then they leave."""
+    def leave(self, leaving: list[Worker], committed_step: int) -> None:
+        """Members leave (a draining node, a shrink, a straggler): in a sharded layout their
+        shards may be the only copy, so their pieces go into the object store first (the node
+        lives until its deadline) for the re-formed group to take; then they leave."""
         if not self.layout_replicated:
             held, _, _ = ping_all(leaving)
             self.departing_pieces = [w.actor.state_pieces.remote() for w in leaving
@@ -131,42 +219,85 @@ class Membership:
         self.layout_replicated = all(r["replicated"] for r in results)
         return results
 
-    def reform(self, newcomers: list[Worker], committed_step: int,
-               source_slot: int | None = None) -> Reformed | NoHolders | Uncovered:
-        """New process group over the members + ``newcomers``; equalize state from a member
-        that holds the committed step (``source_slot`` when it still can). Raises
-        ``MembersLost`` (with what a ping finds) when a member dies or times out meanwhile."""
-        self.group.add(newcomers)
+    def rebuild(self, committed_step: int, source_slot: int | None = None
+                ) -> Reformed | BelowMinimum | NeedsRestore | MustStop:
+        """The group re-formed around the members that are left (replacements asked for, the
+        ready ones taken in), every member holding the committed step; members lost meanwhile
+        are dropped and the group re-formed again, REFORM_ATTEMPTS times at most."""
+        need = policy.min_world(self.spec)
+        for _ in range(REFORM_ATTEMPTS):
+            self.request_replacements()
+            have = len(self.group.workers) + len(self.ready())
+            if have < need:
+                return BelowMinimum(have, need)
+            outcome = self.reform(committed_step, source_slot)
+            if isinstance(outcome, Lost):
+                continue
+            if isinstance(outcome, (NoHolders, AllLost)):
+                return NeedsRestore([], [])
+            if isinstance(outcome, Uncovered):
+                return NeedsRestore(outcome.members, outcome.gaps)
+            return outcome
+        return MustStop(f"could not re-form the process group after {REFORM_ATTEMPTS} attempts")
+
+    def regroup(self) -> BelowMinimum | None:
+        """No member holds the committed step: a fresh group of new workers (and whoever is
+        left) to load a checkpoint into; ``BelowMinimum`` while too few are up."""
+        self.departing_pieces = []
+        self.request_replacements()
+        have, need = len(self.group.workers) + len(self.ready()), policy.min_world(self.spec)
+        if have < need:
+            return BelowMinimum(have, need)
+        self.group.add(self.take_ready())
+        self.form_group(timeout_s=120.0)
+        return None
+
+    def reform(self, committed_step: int, source_slot: int | None = None
+               ) -> Reformed | NoHolders | Uncovered | Lost | AllLost:
+        """New process group over the members + the newcomers that are up; equalize state from
+        a member that holds the committed step (``source_slot`` when it still can). Members
+        lost meanwhile are dropped (``Lost``: try again; ``AllLost`` when none is left)."""
+        self.group.add(self.group.ready_pending(timeout_s=0.0))
         members = list(self.group.workers)
         try:
-            # Members known lost now (e.g. a node gone since the last step) would stall
-            # the rendezvous until its timeout: leave them out from the start.
-            held, dead, silent = ping_all(members)
-            if dead or silent:
-                raise MembersLost(dead, silent)
-            members = self._fit_to_layout(members, held, committed_step)
-            results = self.form_group(timeout_s=RENDEZVOUS_TIMEOUT_S + 30.0)
-            held, dead, silent = ping_all(members)
-            if dead or silent:
-                raise MembersLost(dead, silent)
-            holders = [w.slot for w in members if held[w.slot] == committed_step]
-            if not holders:
-                return NoHolders(members)
-            if any(r["stashed"] for r in results) or not all(r["replicated"] for r in results):
-                gaps = self._share_state_as_pieces(members, held, committed_step)
-                if gaps:
-                    return Uncovered(members, gaps)
-            elif len(set(held.values())) > 1:
-                src_slot = source_slot if source_slot in holders else holders[0]
-                src = next(i for i, w in enumerate(members) if w.slot == src_slot)
-                ray.get([w.actor.sync_state.remote(src) for w in members], timeout=120)
-            held, dead, silent = ping_all(members)
-            if dead or silent:
-                raise MembersLost(dead, silent)
-            assert set(held.values()) == {committed_step}, \
-                f"members hold {held} after the state sync, committed {committed_step}"
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            raise MembersLost(*ping_all(members)[1:]) from None
+            try:
+                return self._reform(members, committed_step, source_slot)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                raise MembersLost(*ping_all(members)[1:]) from None
+        except MembersLost as lost:
+            log.warning("re-forming the group failed (%s); dropping %d lost workers", lost,
+                        len(lost.dead + lost.silent))
+            self.drop(lost)
+            return Lost(lost) if self.group.workers else AllLost()
+
+    def _reform(self, members: list[Worker], committed_step: int,
+                source_slot: int | None) -> Reformed | NoHolders | Uncovered:
+        # Members known lost now (e.g. a node gone since the last step) would stall
+        # the rendezvous until its timeout: leave them out from the start.
+        held, dead, silent = ping_all(members)
+        if dead or silent:
+            raise MembersLost(dead, silent)
+        members = self._fit_to_layout(members, held, committed_step)
+        results = self.form_group(timeout_s=RENDEZVOUS_TIMEOUT_S + 30.0)
+        held, dead, silent = ping_all(members)
+        if dead or silent:
+            raise MembersLost(dead, silent)
+        holders = [w.slot for w in members if held[w.slot] == committed_step]
+        if not holders:
+            return NoHolders(members)
+        if any(r["stashed"] for r in results) or not all(r["replicated"] for r in results):
+            gaps = self._share_state_as_pieces(members, held, committed_step)
+            if gaps:
+                return Uncovered(members, gaps)
+        elif len(set(held.values())) > 1:
+            src_slot = source_slot if source_slot in holders else holders[0]
+            src = next(i for i, w in enumerate(members) if w.slot == src_slot)
+            ray.get([w.actor.sync_state.remote(src) for w in members], timeout=120)
+        held, dead, silent = ping_all(members)
+        if dead or silent:
+            raise MembersLost(dead, silent)
+        assert set(held.values()) == {committed_step}, \
+            f"members hold {held} after the state sync, committed {committed_step}"
         return Reformed(members)
 
     def _fit_to_layout(self, members: list[Worker], held: dict[int, int], committed_step: int) -> list[Worker]:

@@ -1,8 +1,8 @@
 """Ask members which step they hold: the one question every part of the Supervisor asks.
 
 Owns nothing and writes nothing: it pings on the workers' control path (which answers while a
-step runs) and sorts the answers. ``liveness``, ``membership`` and the Supervisor use it, so
-that none of them has to call another for it.
+step runs) and sorts the answers. ``liveness``, ``membership``, ``checkpoints`` and the
+Supervisor use it, so that none of them has to call another for it.
 """
 
 from __future__ import annotations

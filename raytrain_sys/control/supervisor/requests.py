@@ -7,9 +7,9 @@ both. Holds no Ray object and calls nothing: the Supervisor carries a request ou
 order (a stop ends the step loop at the next boundary, a lower ``max_workers`` makes members
 leave there as a drain does, with no step lost; a higher one requests workers up to it).
 
-A boundary is at most a lease away (``policy.LEASE_S`` of steps, or one step), and the
-Supervisor holds run-ahead while a request waits, so a request is acted on within about one
-step (or one lease) plus the time the step in flight takes.
+A running lease is looked at every ``policy.BOUNDARY_POLL_S`` and cut short at the end of the
+step in flight when a request waits (and nothing is sent ahead across it), so a request is acted
+on within that plus about one step.
 """
 
 from __future__ import annotations

@@ -8,11 +8,18 @@ of cost), the step metrics sent to MLflow and to Prometheus (``monitor.metrics``
 log. Calls no other part of the Supervisor.
 
 Leases: one call to each member carries ``count`` consecutive steps (``policy.lease_steps``:
-one while step times are unknown, more when steps are short), so the driver's cost per call
-(a Ray call per member, sent and collected) is shared by the steps of the lease. Each step is
-committed on its own, in order, as before. A member keeps the results of its recent steps
-(``TrainWorker.lease_results``): when a lease fails part-way, the steps that finished on the
-survivors are committed from them, not redone.
+one while step times are unknown, many when steps are short), so the driver's cost per call
+(a Ray call per member, sent and collected) is shared by the steps of the lease. Rank 0's call
+reports each finished step as it goes (``TrainWorker.report_steps``, a Ray generator: one
+report a step, or every REPORT_EVERY_S), and each report holds every rank's parts of the step
+(the ranks agree on them in the step's all-gather), so the driver learns how the lease goes
+without a call per rank per step; the other ranks' calls return how many steps they ran. Each
+step is committed on its own, in order, at the lease's end (``commit_lease``, from the reports).
+A lease is cut short when a boundary becomes due (``cut``: one call to rank 0, agreed by every
+rank at the end of the step it is in); its remaining steps, and the lease sent ahead of it
+(which then never starts), are sent again after the boundary. A member keeps the results of its
+recent steps (``TrainWorker.lease_results``): when a lease fails part-way, the steps that
+finished on the survivors are committed from them, not redone.
 
 Run-ahead: while lease k runs, the next one is already sent (``dispatch(k + n, after=...)``)
 when the boundary between them has nothing to do; the members start it as they finish lease k,
@@ -24,6 +31,7 @@ before it committed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -37,7 +45,8 @@ import ray
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
-                                                    step_deadline_s)
+                                                    step_deadline_s, summary_due)
+from raytrain_sys.control.worker import AGREED
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.data.batches import GlobalBatch
 from raytrain_sys.data.plane import DataPlane
@@ -75,6 +84,8 @@ class _Dispatch:
     t0: float  # when the members could start it (perf_counter)
     data_wait: float
     sent_ahead: bool  # sent while the lease before it ran
+    lease: int = -1  # the lease's id: the run's leases in the order sent
+    reporter: object = None  # rank 0's reports (TrainWorker.report_steps, a Ray generator)
 
     @property
     def count(self) -> int:
@@ -83,6 +94,18 @@ class _Dispatch:
     @property
     def end(self) -> int:
         return self.step + len(self.batches)
+
+    def part(self, lo: int, hi: int) -> "_Dispatch":
+        """The lease's steps ``step + lo`` .. ``step + hi - 1`` (the ones a cut lease ran, or did not)."""
+        return dataclasses.replace(self, step=self.step + lo, batches=self.batches[lo:hi])
+
+
+def rank_results(reports: list[dict]) -> list[list[dict]]:
+    """Per member (rank order), one result per step, from rank 0's reports of the steps
+    (``TrainWorker._agree``: every rank's parts of each step; lr and grad norm are every rank's)."""
+    rows = [(r["lr"], r["grad_norm"], r["ranks"].tolist()) for r in reports]
+    return [[{**dict(zip(AGREED, ranks[i])), "lr": lr, "grad_norm": norm} for lr, norm, ranks in rows]
+            for i in range(len(reports[0]["ranks"]))] if reports else []
 
 
 class Steps:
@@ -105,6 +128,10 @@ class Steps:
         # (generation, rows per data index): the split of the global batch a straggler's
         # rebalance asked for (stragglers.Rebalance), for that process group only; else even.
         self.rows_split: tuple[int, list[int]] | None = None
+        self.leases = 0  # leases sent so far: the newest one's id
+        self._group_steps = (0, 0)  # (generation, steps committed by that process group)
+        self.cut_through = -1  # the newest lease a cut was asked for (``cut``)
+        self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -127,8 +154,13 @@ class Steps:
         return step_deadline_s(self._step_times, self.spec, steps)
 
     def lease_steps(self, step: int, last: int) -> int:
-        """How many steps the call sending ``step`` carries (``policy.lease_steps``)."""
-        return lease_steps(step, last, self.spec, self._step_times)
+        """How many steps the call sending ``step`` carries (``policy.lease_steps``; the steps
+        read ahead are counted from where step ``step``'s global batch begins)."""
+        gbs = self.spec.train.global_batch_size
+        ready = self.data.rows_ahead(self.data_cursor + (step - self.committed_step) * gbs) // gbs
+        generation, in_group = self._group_steps
+        in_group = in_group + (step - self.committed_step) if generation == self.group.generation else 0
+        return lease_steps(step, last, self.spec, self._step_times, ready, in_group)
 
     def rewind(self, step: int, data_cursor: int) -> None:
         """A durable checkpoint of ``step`` was loaded: the ledger continues from it (steps
@@ -181,28 +213,45 @@ class Steps:
         plans = [[] for _ in members]
         pieces: list[dict] = [{} for _ in members]  # per member: reference -> its argument index
         for batch in batches:
+            units = batch.units  # a sum over the global batch's rows: once a step, not once a rank
             if spec.data.delivery == "driver":  # every row through this process: to measure against
                 rows, _ = self.data.rows(batch.start, batch.start + gbs)
                 for i, sl in enumerate(shares):
-                    plans[i].append(({k: v[sl] for k, v in rows.items()}, batch.units, ()))
+                    plans[i].append(({k: v[sl] for k, v in rows.items()}, units, ()))
             else:  # references and row ranges: each rank's rows go node to node, never through here
                 for i, share in enumerate(map(batch.share, shares)):
                     index = pieces[i]
-                    plans[i].append((share.ranges(), batch.units,
+                    plans[i].append((share.ranges(), units,
                                      tuple(index.setdefault(ref, len(index)) for ref in share.refs())))
         deadline_s = self._step_deadline_s(count)
         timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
-        refs = [w.actor.train_steps.remote(step, plan, timeout_s, *piece)  # dict order: the indices
-                for w, plan, piece in zip(members, plans, pieces)]
+        self.leases += 1
+        # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
+        reporter = members[0].actor.report_steps.remote(step, plans[0], timeout_s, *pieces[0], lease=self.leases)
+        refs = [reporter.completed()] + [w.actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
+                                         for w, plan, piece in zip(members[1:], plans[1:], pieces[1:])]
         return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
-                         self.data.wait_s - wait0, after is not None)
+                         self.data.wait_s - wait0, after is not None, self.leases, reporter)
+
+    def cut(self, running: "_Dispatch", through: int, end: int) -> None:
+        """Cut the running lease short after step ``end - 1`` (or the step its rank 0 is in, if
+        later), and the leases sent ahead of it up to ``through`` with it: one call to rank 0,
+        on its control path (``TrainWorker.cut_lease``). Not waited for."""
+        running.members[0].actor.cut_lease.remote(through, end)
+        self.cut_through = through
+
+    def drop(self, ahead: "_Dispatch") -> None:
+        """The lease sent ahead of one that was cut short: its members end it at once, unstarted
+        (``keep_for_resend`` keeps its batches)."""
+        ray.wait(ahead.refs, num_returns=len(ahead.refs), timeout=PING_TIMEOUT_S)
 
     def settle(self, ahead: "_Dispatch", outcome: StepOutcome) -> None:
         """After a failed lease: wait for the lease sent ahead of it to end on every member still
         in the group. A member whose lease failed refuses the next one at once (it holds the
         wrong step); one whose lease finished runs into its peers' failure in the next lease's
         first collective. Its result is dropped: it was never committed, and the rebuild starts
-        from the state the members hold. A member still in it past the collective timeout is lost.
+        from the state the members hold. A member still in it past the collective timeout is lost
+        (killed, and named in ``outcome.lost`` for the rebuild to remove).
         """
         in_group = {w.slot for w in self.group.workers}
         by_ref = {r: w for r, w in zip(ahead.refs, ahead.members)
@@ -211,6 +260,13 @@ class Steps:
             return
         _, late = ray.wait(list(by_ref), num_returns=len(by_ref),
                            timeout=collective_timeout_s(self._step_deadline_s()) + PING_TIMEOUT_S)
+        while ray.wait([ahead.reporter], timeout=0)[0]:  # its refusal, read (not logged as unhandled)
+            try:
+                ray.get(next(ahead.reporter))
+            except StopIteration:
+                break
+            except ray.exceptions.RayError:
+                pass
         if late:
             stuck = [by_ref[r] for r in late]
             log.warning("worker(s) %s still in step %d after the lease before it failed: treated as lost",
@@ -218,7 +274,6 @@ class Steps:
             for w in stuck:
                 outcome.lost[w.slot] = f"blocked in step {ahead.step + 1} after the lease before it failed"
             self.group.reap(stuck)
-            self.group.remove(stuck)
 
     def commit_lease(self, sent: "_Dispatch", results: list[list[dict]], elapsed_s: float) -> None:
         """Every member finished the lease: commit its steps in order (``results``: per member,
@@ -234,17 +289,14 @@ class Steps:
         """After a failed lease: commit its steps before ``finished`` (the newest step a survivor
         holds): they finished on some replica, so their updates are complete and correct (every
         rank's gradient went into the all-reduce). The loss counts the ranks whose results are
-        known: members that returned the lease, and survivors' kept results of the steps they
-        finished before the failure (``TrainWorker.lease_results``)."""
+        known: the survivors' kept results of the steps they finished (``TrainWorker.lease_results``)."""
         if finished <= sent.step:
             return
         members = sent.members
         leaders = [i for i in range(len(members)) if is_data_leader(i)]  # the ranks whose loss counts
-        known: dict[int, list[dict]] = {i: outcome.results[members[i].slot] for i in range(len(members))
-                                        if members[i].slot in outcome.results}
+        known: dict[int, list[dict]] = {}
         asked = {i: members[i].actor.lease_results.remote(sent.step, finished) for i in range(len(members))
-                 if i not in known and members[i].slot not in outcome.lost
-                 and members[i] in self.group.workers}
+                 if members[i].slot not in outcome.lost and members[i] in self.group.workers}
         for i, ref in asked.items():
             try:
                 kept = ray.get(ref, timeout=PING_TIMEOUT_S)
@@ -271,6 +323,9 @@ class Steps:
         world = world_size or len(shares)
         self.committed_step = step + 1
         self.data_cursor += spec.train.global_batch_size
+        generation, in_group = self._group_steps
+        self._group_steps = (generation, in_group + 1) if generation == self.group.generation else \
+            (self.group.generation, 1)
         self._step_times.append(dt)
         loss = sum(r["loss_sum"] for r in results) / units if units else float("nan")
         self.summary.losses.append(loss)
@@ -323,7 +378,10 @@ class Steps:
                 "tokens_per_s": tokens_per_step / mean_dt, "step_time_s": mean_dt,
                 "data_wait_fraction": self.data.wait_s / max(time.perf_counter() - self._run_t0, 1e-9)}
             self.record_cost()
-            self.summary.write()
+            now = time.perf_counter()
+            if summary_due(now, *self._summary_written):
+                self.summary.write()
+                self._summary_written = (time.perf_counter(), time.perf_counter() - now)
 
     def record_cost(self) -> None:
         """Refresh summary.json's cost (when priced) in the record, MLflow and Prometheus."""

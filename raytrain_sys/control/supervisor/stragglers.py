@@ -25,6 +25,7 @@ and replay stay exactly-once whatever split was used.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 from collections import deque
@@ -126,12 +127,14 @@ class Stragglers:
         self._nodes = [w.info.get("ip") or w.node_id for w in sent.members]
         every = self.spec.train.log_every_steps
         for i, batch in enumerate(sent.batches):
+            # Each rank's loss units from one running sum of the batch's (not a sum per rank).
+            upto = [0, *itertools.accumulate(batch.row_units.tolist())]
             ranks = []
             for r, per_step in enumerate(results):
-                got = per_step[i]
+                got, share = per_step[i], sent.shares[r]
                 ranks.append({**{k: float(got.get(k, 0.0)) for k in PARTS},
                               "rows": float(got.get("rows", 0.0)),
-                              "units": float(batch.row_units[sent.shares[r]].sum())})
+                              "units": float(upto[share.stop] - upto[share.start])})
             self._since_formed += 1
             if self._since_formed > WARMUP_STEPS:
                 self._window.append(ranks)
