@@ -293,7 +293,7 @@ def warm(tracking_uri: str) -> None:
     try:
         _client(tracking_uri).search_experiments(max_results=1)
         if not _is_http(tracking_uri):
-            import mlflow.store.artifact.local_artifact_repo  # noqa: F401: the spec's artifacts
+            import mlflow.store.artifact.local_artifact_repo  # noqa: F401 (the spec's artifacts)
     except Exception as exc:
         log.debug("preparing the MLflow store %s: %s (reported when the run is opened)", tracking_uri, exc)
 
