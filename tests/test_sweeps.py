@@ -253,3 +253,16 @@ def test_a_trial_reports_each_evaluation_of_its_job_once_in_step_order(tmp_path)
     store.close()
     # ASHA's milestones 3, 6 (x2) below max_t 12: a trial at step 6 passed both, at 12 no more.
     assert [rungs_passed(s, 3, 2, 12) for s in (2, 3, 5, 6, 12)] == [0, 1, 1, 2, 2]
+
+
+@pytest.mark.parametrize("mode, curves, best", [
+    # a trial ASHA stopped at step 3 whose job logged a better value before its cancel landed
+    ("min", {"a": [(3, 4.0), (12, 3.9)], "b": [(3, 4.5), (6, 4.1), (12, 3.8)]}, ("b", 3.8)),
+    ("max", {"a": [(3, 0.2), (6, 0.7)], "b": [(3, 0.6)]}, ("a", 0.7)),
+    ("min", {"a": [(3, 1.0)], "b": [(3, 1.0)]}, ("a", 1.0)),  # a tie: the first in the table
+    ("min", {"a": [], "b": []}, (None, None)),  # nothing logged: no best (the sweep fails)
+])
+def test_the_best_trial_is_the_one_whose_job_logged_the_best_value(mode, curves, best):
+    from raytrain_sys.sweeps.runner import best_of
+
+    assert best_of([{"trial": t, "curve": c} for t, c in curves.items()], mode) == best

@@ -240,15 +240,14 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
                                           callbacks=[make_callback(sweep_id, db_url)], verbose=0))
         results = tuner.fit()
         wait_for_trials_to_end(store, sweep_id)
-        if all(r.metrics_dataframe is None or spec.metric not in r.metrics_dataframe for r in results):
+        table = trial_table(store, sweep_id, spec)
+        best_trial, best_value = best_of(table, spec.mode)
+        if best_trial is None:
             errors = sorted({str(r.error).splitlines()[-1] for r in results if r.error})
             why = f"no trial reported {spec.metric}" + (f": {'; '.join(errors)[:400]}" if errors else "")
             store.transition_sweep(sweep_id, SweepState.RUNNING, SweepState.FAILED, actor=ACTOR, reason=why)
             return store.sweep(sweep_id)
-        best = results.get_best_result(metric=spec.metric, mode=spec.mode, scope="all")
-        best_trial = best.metrics.get("trial_id") if best.metrics else None
-        best_value = _best_value(best.metrics_dataframe, spec) if best.metrics_dataframe is not None else None
-        record_outcome(store, sweep, spec, best_trial, best_value)
+        record_outcome(sweep, spec, table, best_trial, best_value)
         try:
             return store.transition_sweep(sweep_id, SweepState.RUNNING, SweepState.FINISHED, actor=ACTOR,
                                           reason=f"{len(results)} trials ended; best {best_trial} "
@@ -303,25 +302,42 @@ def parent_run(store: Store, sweep: SweepRecord) -> SweepRecord:
                                   reason=f"MLflow parent run {run_id}", mlflow_parent_run_id=run_id)
 
 
-def record_outcome(store: Store, sweep: SweepRecord, spec: SweepSpec, best_trial: Optional[str],
+def trial_table(store: Store, sweep_id: int, spec: SweepSpec) -> list[dict]:
+    """Every trial of the sweep: its job, state, MLflow run, config and curve of the metric (each
+    evaluation its job logged, also those after Tune stopped following it: a stopped trial's
+    job trains on until its cancel lands at its next boundary)."""
+    table = []
+    for job in store.trials(sweep_id):
+        raw = json.loads(job.spec)
+        table.append({"trial": job.trial_id, "job": job.id, "state": job.state.value, "mlflow_run_id": job.mlflow_run_id,
+                      "config": {key: _dotted(raw, key) for key in spec.space},
+                      "curve": mlflow_history(job, spec.metric)})
+    return table
+
+
+def best_of(table: list[dict], mode: str) -> tuple[Optional[str], Optional[float]]:
+    """The trial whose job logged the best value of the metric (the lowest with mode "min"), and
+    that value; (None, None) when no trial logged any. The jobs' curves, not Tune's results,
+    decide: the best model is the one a job trained, and Tune stops reading a trial's results
+    when it stops the trial. A tie goes to the trial first in the table."""
+    best: tuple[Optional[str], Optional[float]] = (None, None)
+    for row in table:
+        for _, value in row["curve"]:
+            if best[1] is None or (value < best[1] if mode == "min" else value > best[1]):
+                best = (row["trial"], float(value))
+    return best
+
+
+def record_outcome(sweep: SweepRecord, spec: SweepSpec, table: list[dict], best_trial: Optional[str],
                    best_value: Optional[float]) -> None:
-    """The parent run's end: the best trial and value, and a table of every trial (its job,
-    state, config and curve of the metric)."""
+    """The parent run's end: the best trial and value, and the trials' table (``trial_table``)."""
     from raytrain_sys.sweeps.spec import tracking_uri
     from raytrain_sys.tracking.mlflow_tracker import end_parent_run
 
-    table = []
-    best_job = None
-    for job in store.trials(sweep.id):
-        raw = json.loads(job.spec)
-        config = {key: _dotted(raw, key) for key in spec.space}
-        table.append({"trial": job.trial_id, "job": job.id, "state": job.state.value, "mlflow_run_id": job.mlflow_run_id,
-                      "config": config, "curve": mlflow_history(job, spec.metric)})
-        if job.trial_id == best_trial:
-            best_job = job
+    best = next((row for row in table if row["trial"] == best_trial), None)
     metrics = {f"best_{spec.metric}": best_value} if best_value is not None else {}
-    tags = {"best_trial": str(best_trial), "best_job": str(best_job.id if best_job else ""),
-            "best_run_id": str(best_job.mlflow_run_id if best_job else "")}
+    tags = {"best_trial": str(best_trial), "best_job": str(best["job"] if best else ""),
+            "best_run_id": str(best["mlflow_run_id"] if best else "")}
     end_parent_run(tracking_uri(spec), sweep.mlflow_parent_run_id, metrics, tags, {"trials.json": table})
 
 
@@ -330,15 +346,6 @@ def _dotted(raw: dict, key: str):
     for part in key.split("."):
         node = node.get(part) if isinstance(node, dict) else None
     return node
-
-
-def _best_value(frame, spec: SweepSpec) -> Optional[float]:
-    if spec.metric not in frame:
-        return None
-    values = frame[spec.metric].dropna()
-    if values.empty:
-        return None
-    return float(values.min() if spec.mode == "min" else values.max())
 
 
 @ray.remote(num_cpus=0, max_restarts=0)
@@ -450,4 +457,4 @@ def stop_runner(sweep_id: int) -> None:
 
 
 __all__ = ["run_trial", "follow", "drive", "SweepRunner", "ensure_runners", "rungs_passed", "runner_name",
-           "TrialJobFailed", "make_scheduler", "stop_runner"]
+           "TrialJobFailed", "make_scheduler", "stop_runner", "best_of", "trial_table"]
