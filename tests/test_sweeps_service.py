@@ -10,6 +10,7 @@ every trial's run its child, with each trial's config and curve as its child log
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -99,3 +100,84 @@ def test_an_asha_sweep_stops_trials_as_cancelled_jobs_and_records_its_best(ray_c
     assert [tuple(p) for p in best["curve"]] == curves[done.best_trial]
     assert best["config"]["optim.lr"] == json.loads(
         next(t for t in trials if t.trial_id == done.best_trial).spec)["optim"]["lr"]
+
+
+def tune_trial_states(experiment_dir: str) -> dict[str, str]:
+    """Each trial's status as Tune last saved its experiment (what ``Tuner.restore`` reads)."""
+    import glob
+
+    states: dict[str, str] = {}
+    for path in sorted(glob.glob(os.path.join(experiment_dir, "experiment_state-*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        for trial_json, _ in data.get("trial_data", []):
+            trial = json.loads(trial_json)
+            states[trial["trial_id"]] = trial["status"]
+    return states
+
+
+def test_a_lost_sweep_runner_comes_back_through_restore_and_reruns_nothing(ray_cluster, tiny_dataset, tmp_path,
+                                                                            gates):
+    """The sweep runner killed mid-sweep, one trial finished and one training: the running trial's
+    job keeps committing steps while no runner is up; the reconciler starts another, which
+    restores Tune's experiment: the finished trial is not run again, no trial's job is submitted
+    twice or restarted, and MLflow holds one child run per trial."""
+    from raytrain_sys.sweeps.runner import experiment_name, find_runner
+
+    db = tmp_path / "service.db"
+    base = base_spec(tmp_path, tiny_dataset)
+    base["checkpoint"]["every_steps"] = 1  # a committed step each step: the outage's progress is seen
+    sweep = {"name": "restore", "base": base, "metric": "eval_loss", "mode": "min", "num_samples": 1,
+             "space": {"optim.lr": {"grid": [1e-2, 3e-3]}}, "scheduler": {"type": "fifo"}}
+    gates.hold(2, 3)  # the second trial's job waits at step 3 until the first has finished
+    with running_service(db, gates) as svc:
+        ray.get(svc.add_team.remote("a", 4))
+        record = ray.get(svc.submit_sweep.remote("a", sweep))
+        store = Store.open(f"sqlite:///{db}")
+        try:
+            wait_for(lambda: gates.reached(2, 3) and store.job(1).state is JobState.FINISHED, "trial job 1's end")
+            first = store.job(1)
+            experiment = os.path.join(store.sweep(record["id"]).storage_path,
+                                      experiment_name(store.sweep(record["id"])))
+            wait_for(lambda: tune_trial_states(experiment).get(first.trial_id) == "TERMINATED",
+                     "Tune's saved state of the finished trial")
+            handle = find_runner(record["id"])
+            old_pid = ray.get(handle.status.remote())["pid"]
+            at_kill = store.job(2).last_checkpoint_step
+            ray.kill(handle, no_restart=True)
+            gates.hold(2, 12)  # live when the runner is back, whatever the outage's length
+            gates.go(2, 3)
+            log_path = tmp_path / "raytrain-sys-logs" / f"sweep-{record['id']}.log"
+            wait_for(lambda: "restoring its Tune experiment" in log_path.read_text(), "the runner's restore")
+            during_outage = store.job(2).last_checkpoint_step
+            new = find_runner(record["id"])
+            assert new is not None and ray.get(new.status.remote())["pid"] != old_pid
+            gates.go(2, 12)
+            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
+            done = store.sweep(record["id"])
+            trials = store.trials(record["id"])
+            jobs = store.jobs()
+            submits = [(a.target, a.result) for a in store.audit_log(actor=f"sweep {record['id']}")
+                       if a.action == "submit"]
+        finally:
+            store.close()
+    assert done.state is SweepState.FINISHED and done.runner_restarts == 1, (done.state, done.message)
+    # The running trial trained on while no runner was up, and was never restarted.
+    assert during_outage > at_kill, (at_kill, during_outage)
+    assert [t.id for t in trials] == [j.id for j in jobs] == [1, 2]
+    assert all(t.state is JobState.FINISHED and t.restarts == 0 for t in trials), \
+        [(t.id, t.state, t.restarts, t.message) for t in trials]
+    # Each time a trial's proxy runs it submits (and re-attaches to) its job: the finished trial
+    # was driven once, the running one once before the loss and once after the restore.
+    assert sorted(submits) == [("job 1 (team a)", "ok"), ("job 2 (team a)", "ok"), ("job 2 (team a)", "ok")], submits
+    from mlflow import MlflowClient
+
+    from raytrain_sys.sweeps.runner import spec_of
+    from raytrain_sys.sweeps.spec import tracking_uri
+
+    client = MlflowClient(tracking_uri(spec_of(done)))
+    parent = client.get_run(done.mlflow_parent_run_id)
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(r.info.run_id for r in children) == sorted(t.mlflow_run_id for t in trials)
+    assert done.best_trial in {t.trial_id for t in trials}

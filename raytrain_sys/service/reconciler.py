@@ -172,6 +172,7 @@ class Reconciler:
         # flavor of cluster_workers, and a table's flavors of unknown capacity (quotas only).
         self.flavor_states = flavor_states
         self._table: dict[str, ResourceFlavor] = {}  # the flavor table as this pass read it
+        self._sweep_runners: dict[int, Any] = {}  # the sweep runners this reconciler started (ensure_runners)
         # Ray's autoscaler SDK (bundles, label selectors); a test may watch the calls.
         self.request_resources = request_resources or _request_resources
         self.requested: Optional[autoscale.Request] = None  # the last request Ray accepted
@@ -219,7 +220,7 @@ class Reconciler:
             from raytrain_sys.sweeps.runner import ensure_runners
 
             ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
-                           self.config.sweep_runner_restarts, self.config.status_wait_s)
+                           self.config.sweep_runner_restarts, self.config.status_wait_s, self._sweep_runners)
         snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states())
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())

@@ -396,40 +396,49 @@ def start_runner(sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str):
 
 
 def ensure_runners(store: Store, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
-                   status_wait_s: float = 1.0) -> None:
+                   status_wait_s: float = 1.0, started: Optional[dict] = None) -> None:
     """One pass over the live sweeps: a queued one gets its runner and runs; a running one whose
     runner is gone gets another (``Tuner.restore``), within ``max_restarts``, else fails with
-    its trials cancelled; a runner whose driver raised fails its sweep."""
-    for sweep in store.sweeps(states=[SweepState.QUEUED, SweepState.RUNNING]):
+    its trials cancelled; a runner whose driver raised fails its sweep. ``started`` (the
+    caller's, kept across passes) holds the handles of the runners this caller started: a runner
+    just created may not be found by its name yet (seen: on the pass 0.3 s after its start), and
+    is not lost for that; one whose process is gone is."""
+    started = {} if started is None else started
+    live = store.sweeps(states=[SweepState.QUEUED, SweepState.RUNNING])
+    for sweep_id in set(started) - {s.id for s in live}:
+        del started[sweep_id]
+    for sweep in live:
         try:
-            _ensure(store, sweep, db_url, base_dir, log_dir, max_restarts, status_wait_s)
+            _ensure(store, sweep, db_url, base_dir, log_dir, max_restarts, status_wait_s, started)
         except JobStateConflict as exc:  # a request landed meanwhile: next pass
             log.info("sweep %d moved meanwhile: %s", sweep.id, exc)
 
 
 def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
-            status_wait_s: float) -> None:
+            status_wait_s: float, started: dict) -> None:
     if sweep.state is SweepState.QUEUED:
         store.transition_sweep(sweep.id, SweepState.QUEUED, SweepState.RUNNING, actor="reconciler",
                                reason="its sweep runner starts")
-        start_runner(sweep, db_url, base_dir, log_dir)
+        started[sweep.id] = start_runner(sweep, db_url, base_dir, log_dir)
         return
-    handle = find_runner(sweep.id)
+    handle = find_runner(sweep.id) or started.get(sweep.id)
     status: Optional[dict] = None
     if handle is not None:
         try:
             status = ray.get(handle.status.remote(), timeout=status_wait_s)
         except ray.exceptions.GetTimeoutError:
-            return  # busy: asked again next pass
+            return  # busy, or still starting: asked again next pass
         except ray.exceptions.RayActorError:
             handle = None
     if handle is not None and status is not None and status["done"]:
         if status["error"]:
             _fail(store, sweep, f"its Tune driver raised: {status['error']}")
         ray.kill(handle)
+        started.pop(sweep.id, None)
         return
     if handle is not None:
         return
+    started.pop(sweep.id, None)
     if sweep.runner_restarts >= max_restarts:
         _fail(store, sweep, f"its sweep runner was lost {sweep.runner_restarts + 1} times (budget {max_restarts})")
         return
@@ -437,7 +446,7 @@ def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_di
                            reason=f"its sweep runner was lost: started again ({sweep.runner_restarts + 1} of "
                                   f"{max_restarts}), Tune restores its experiment",
                            runner_restarts=sweep.runner_restarts + 1)
-    start_runner(sweep, db_url, base_dir, log_dir)
+    started[sweep.id] = start_runner(sweep, db_url, base_dir, log_dir)
 
 
 def _fail(store: Store, sweep: SweepRecord, why: str) -> None:
