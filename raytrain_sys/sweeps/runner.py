@@ -423,13 +423,14 @@ def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_di
         return
     handle = find_runner(sweep.id) or started.get(sweep.id)
     status: Optional[dict] = None
+    lost = "not found"
     if handle is not None:
         try:
             status = ray.get(handle.status.remote(), timeout=status_wait_s)
-        except ray.exceptions.GetTimeoutError:
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
             return  # busy, or still starting: asked again next pass
-        except ray.exceptions.RayActorError:
-            handle = None
+        except ray.exceptions.RayActorError as exc:
+            handle, lost = None, type(exc).__name__
     if handle is not None and status is not None and status["done"]:
         if status["error"]:
             _fail(store, sweep, f"its Tune driver raised: {status['error']}")
@@ -443,7 +444,7 @@ def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_di
         _fail(store, sweep, f"its sweep runner was lost {sweep.runner_restarts + 1} times (budget {max_restarts})")
         return
     store.transition_sweep(sweep.id, SweepState.RUNNING, SweepState.RUNNING, actor="reconciler",
-                           reason=f"its sweep runner was lost: started again ({sweep.runner_restarts + 1} of "
+                           reason=f"its sweep runner was lost ({lost}): started again ({sweep.runner_restarts + 1} of "
                                   f"{max_restarts}), Tune restores its experiment",
                            runner_restarts=sweep.runner_restarts + 1)
     started[sweep.id] = start_runner(sweep, db_url, base_dir, log_dir)
