@@ -181,3 +181,68 @@ def test_a_lost_sweep_runner_comes_back_through_restore_and_reruns_nothing(ray_c
                                   filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(r.info.run_id for r in children) == sorted(t.mlflow_run_id for t in trials)
     assert done.best_trial in {t.trial_id for t in trials}
+
+
+def trial_summary(tmp_path, sweep_id: int, trial_id: str) -> dict:
+    """summary.json of the trial's run (its job runs in <output_dir>/sweep-<id>/<trial>)."""
+    import glob
+
+    runs = [p for p in glob.glob(str(tmp_path / "runs" / f"sweep-{sweep_id}" / trial_id / "*" / "summary.json"))
+            if not os.path.islink(os.path.dirname(p))]
+    assert len(runs) == 1, runs
+    with open(runs[0]) as f:
+        return json.load(f)
+
+
+def test_an_asha_stop_cancels_the_trial_and_the_survivor_grows_into_its_worker(ray_cluster, tiny_dataset, tmp_path,
+                                                                               gates):
+    """Two trials in a team of 2 workers, one worker each; the worse one reaches ASHA's first
+    rung (step 3) after the better one, so ASHA stops it: its job is cancelled at step 3, and the
+    scheduler grows the survivor into the freed worker, where it commits its next steps on 2."""
+    db = tmp_path / "service.db"
+    sweep = {"name": "stop", "base": base_spec(tmp_path, tiny_dataset), "metric": "eval_loss", "mode": "min",
+             "num_samples": 1, "space": {"optim.lr": {"grid": [3e-2, 1e-5]}},
+             "scheduler": {"type": "asha", "grace_period_steps": 3, "reduction_factor": 2}}
+    gates.hold(1, 2)
+    gates.hold(2, 2)  # both before their first evaluation (step 3): the test orders them
+    with running_service(db, gates) as svc:
+        ray.get(svc.add_team.remote("a", 2))
+        record = ray.get(svc.submit_sweep.remote("a", sweep))
+        store = Store.open(f"sqlite:///{db}")
+        try:
+            wait_for(lambda: gates.reached(1, 2) and gates.reached(2, 2), "both trials at step 2")
+            lr = {j: json.loads(store.job(j).spec)["optim"]["lr"] for j in (1, 2)}
+            good, bad = sorted((1, 2), key=lambda j: -lr[j])  # 3e-2 learns, 1e-5 hardly moves
+            gates.hold(good, 6)
+            gates.go(good, 2)
+            wait_for(lambda: store.job(good).rung >= 1, "the better trial past ASHA's first rung")
+            gates.hold(bad, 4)  # it cannot finish before its cancel lands, however late
+            gates.go(bad, 2)
+            wait_for(lambda: store.job(bad).state is JobState.CANCELLING, "ASHA's stop of the worse trial")
+            gates.go(bad, 4)
+            wait_for(lambda: store.job(bad).state is JobState.CANCELLED, "the stopped trial's cancel")
+            wait_for(lambda: gates.reached(good, 6) and store.job(good).target_workers == 2,
+                     "the survivor's growth into the freed worker")
+            gates.wait_for_newcomer(good)
+            gates.go(good, 6)
+            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
+            done = store.sweep(record["id"])
+            stopped, survivor = store.job(bad), store.job(good)
+            stopped_at = next(t.at_s for t in store.history(bad) if t.to_state is JobState.CANCELLING)
+            grows = [t for t in store.history(good) if t.reason.startswith("grow to 2")]
+            survivor_states = [t.to_state for t in store.history(good)]
+        finally:
+            store.close()
+    assert done.state is SweepState.FINISHED, done.message
+    assert "stopped by the sweep's scheduler at step 3" in stopped.message, stopped.message
+    # The survivor ran to its end (ASHA's end of a trial at max_t is no cancel of its job).
+    assert survivor.state is JobState.FINISHED and JobState.CANCELLING not in survivor_states, survivor_states
+    assert done.best_trial == survivor.trial_id
+    # The freed worker went to the survivor, decided after the stop, and it trained on it (it
+    # started on 2, the team's 2 free, and shrank to 1 for the second trial).
+    assert grows and grows[0].at_s >= stopped_at, (stopped_at, [(t.at_s, t.reason) for t in grows])
+    summary = trial_summary(tmp_path, record["id"], survivor.trial_id)
+    worlds = summary["world_sizes"]
+    assert worlds[5] == 1 and worlds[-1] == 2, worlds
+    assert summary["steps_redone"] == 0
+    assert trial_summary(tmp_path, record["id"], stopped.trial_id)["world_sizes"][-1] == 1

@@ -180,6 +180,8 @@ def make_callback(sweep_id: int, db_url: str):
             if job is None or job.state.terminal:
                 return  # it finished (its proxy returned), or never submitted
             sweep = self.store.sweep(sweep_id)
+            if trial.last_result and int(trial.last_result.get("step", 0)) >= spec_of(sweep).max_steps:
+                return  # ASHA ends a trial at max_t: its job is finishing on its own (a cancel would skip its last checkpoint)
             at = f" at step {trial.last_result.get('step')}" if trial.last_result else ""
             try:
                 if spec_of(sweep).keep_stopped:
