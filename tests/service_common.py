@@ -95,6 +95,10 @@ def running_service(db, gates: StepGates, **config):
         yield handle
     finally:
         stop_service()
-        for name in runner_actors():
+        from raytrain_sys.sweeps.runner import SWEEP_RUNNER_PREFIX
+
+        sweep_runners = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                         if a["namespace"] == NAMESPACE and a["name"].startswith(SWEEP_RUNNER_PREFIX)]
+        for name in runner_actors() + sweep_runners:
             with contextlib.suppress(ValueError):
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

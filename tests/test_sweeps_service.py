@@ -141,7 +141,7 @@ def test_a_lost_sweep_runner_comes_back_through_restore_and_reruns_nothing(ray_c
                                       experiment_name(store.sweep(record["id"])))
             wait_for(lambda: tune_trial_states(experiment).get(first.trial_id) == "TERMINATED",
                      "Tune's saved state of the finished trial")
-            handle = find_runner(record["id"])
+            handle = find_runner(store.sweep(record["id"]))
             old_pid = ray.get(handle.status.remote())["pid"]
             at_kill = store.job(2).last_checkpoint_step
             ray.kill(handle, no_restart=True)
@@ -150,7 +150,7 @@ def test_a_lost_sweep_runner_comes_back_through_restore_and_reruns_nothing(ray_c
             log_path = tmp_path / "raytrain-sys-logs" / f"sweep-{record['id']}.log"
             wait_for(lambda: "restoring its Tune experiment" in log_path.read_text(), "the runner's restore")
             during_outage = store.job(2).last_checkpoint_step
-            new = find_runner(record["id"])
+            new = find_runner(store.sweep(record["id"]))
             assert new is not None and ray.get(new.status.remote())["pid"] != old_pid
             gates.go(2, 12)
             wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")

@@ -105,17 +105,18 @@ def cancel(store: Store, sweep_id: int, *, by: str, reason: str = "") -> SweepRe
         return job_requests.cancel(store, job_id, by=by, reason=reason)
 
     record = _request(store, sweep_id, by, "cancel", (SweepState.QUEUED, SweepState.RUNNING, SweepState.PAUSED),
-                      SweepState.CANCELLED, why, stop, before_trials=lambda: _stop_quietly(stop_runner, sweep_id))
+                      SweepState.CANCELLED, why, stop,
+                      before_trials=lambda: _stop_quietly(stop_runner, store.sweep(sweep_id)))
     return record
 
 
-def _stop_quietly(stop_runner, sweep_id: int) -> None:
+def _stop_quietly(stop_runner, sweep: SweepRecord) -> None:
     """Stop the sweep's runner before its trials, so that no proxy submits another; without
     Ray (a store-only caller) the reconciler's pass finds the sweep ended and leaves it."""
     import ray
 
     if ray.is_initialized():
-        stop_runner(sweep_id)
+        stop_runner(sweep)
 
 
 def _request(store: Store, sweep_id: int, by: str, action: str, expected: tuple, to: SweepState, why: str,

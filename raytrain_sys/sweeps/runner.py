@@ -50,8 +50,11 @@ PROXY_MEMORY_BYTES = 2 ** 20  # the proxy's whole bundle (see the module docstri
 ACTOR = "sweep-runner"
 
 
-def runner_name(sweep_id: int) -> str:
-    return f"{SWEEP_RUNNER_PREFIX}{int(sweep_id)}"
+def runner_name(sweep: SweepRecord) -> str:
+    """The runner's actor name: the sweep's id and submit second (``experiment_name``), so that a
+    sweep of another store on the same cluster (``raytrain-sys sweep`` beside a service, a test's
+    fresh store) never finds this one's runner as its own."""
+    return f"{SWEEP_RUNNER_PREFIX}{experiment_name(sweep)[len('sweep-'):]}"
 
 
 def experiment_name(sweep: SweepRecord) -> str:
@@ -383,16 +386,16 @@ class SweepRunner:
 # ----------------------------------------------------------------------------- the reconciler's part
 
 
-def find_runner(sweep_id: int):
+def find_runner(sweep: SweepRecord):
     try:
-        return ray.get_actor(runner_name(sweep_id), namespace=NAMESPACE)
+        return ray.get_actor(runner_name(sweep), namespace=NAMESPACE)
     except ValueError:
         return None
 
 
 def start_runner(sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str):
     os.makedirs(log_dir, exist_ok=True)
-    return SweepRunner.options(name=runner_name(sweep.id), namespace=NAMESPACE, lifetime="detached",
+    return SweepRunner.options(name=runner_name(sweep), namespace=NAMESPACE, lifetime="detached",
                                get_if_exists=True, **control_options()).remote(
         sweep.id, db_url, base_dir, os.path.join(log_dir, f"sweep-{sweep.id}.log"))
 
@@ -423,7 +426,7 @@ def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_di
                                reason="its sweep runner starts")
         started[sweep.id] = start_runner(sweep, db_url, base_dir, log_dir)
         return
-    handle = find_runner(sweep.id) or started.get(sweep.id)
+    handle = find_runner(sweep) or started.get(sweep.id)
     status: Optional[dict] = None
     lost = "not found"
     if handle is not None:
@@ -462,8 +465,8 @@ def _fail(store: Store, sweep: SweepRecord, why: str) -> None:
                 pass
 
 
-def stop_runner(sweep_id: int) -> None:
-    handle = find_runner(sweep_id)
+def stop_runner(sweep: SweepRecord) -> None:
+    handle = find_runner(sweep)
     if handle is not None:
         ray.kill(handle)
 
