@@ -68,6 +68,8 @@ REFUSALS = [
      "base.checkpoint.every_steps", "committed checkpoint"),
     ("PBT's interval between checkpoints", with_(scheduler={"type": "pbt", "perturbation_interval_steps": 7}),
      "scheduler.perturbation_interval_steps", "multiple of base.checkpoint.every_steps"),
+    ("a valid PBT sweep, until its exploit from a checkpoint is built", with_(scheduler="pbt"),
+     "scheduler", "pbt is not available yet"),
     ("a worker cap below one trial", with_(max_workers=0), "max_workers", "one trial's size"),
     ("a base spec field out of range", with_(base=base_with("train", max_steps=-1)), "base.train.max_steps", ""),
     ("zero samples", with_(num_samples=0), "num_samples", "1..1000"),
