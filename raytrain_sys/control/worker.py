@@ -305,8 +305,9 @@ class TrainWorker:
     # ------------------------------------------------------------------ the step
     # A lease: steps ``first`` .. ``first + len(plans) - 1`` in order, in one call (the Supervisor
     # sends many when steps are short, sharing its per-call cost out). Each plan is (rows, global
-    # loss units, the indices in ``pieces`` of that step's pieces, in order); ``pieces`` are the
-    # lease's piece values, each once. Every step ends with the ranks' agreement (``_agree``):
+    # loss units, the indices in ``pieces`` of that step's pieces, in order), dealt here from the
+    # lease's one plan (``data.batches.RankPlan``; a list of rows with data.delivery=driver);
+    # ``pieces`` are the lease's piece values, each once. Every step ends with the ranks' agreement (``_agree``):
     # their parts of the step, and whether the lease ends there because the Supervisor cut it
     # short (``cut_lease``). Rank 0 reports each finished step as it goes (``report_steps``); the
     # others return how many steps they ran (``train_steps``). A step that fails raises; the
