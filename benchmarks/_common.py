@@ -59,6 +59,8 @@ class CallArgBytes:
         import ray._private.worker as ray_worker
         import ray.actor
 
+        from raytrain_sys.data.batches import lease_length
+
         self.sizes: list[int] = []
         self._orig = remote = ray.actor.ActorMethod._remote
         sizes, calls = self.sizes, [0]
@@ -67,7 +69,7 @@ class CallArgBytes:
             if actor_method._method_name == method and calls[0] % every == 0:
                 ctx = ray_worker.global_worker.get_serialization_context()
                 # A lease (train_steps, report_steps) carries a plan per step: bytes per rank per step.
-                steps = len(args[plans_at]) if method in ("train_steps", "report_steps") else 1
+                steps = lease_length(args[plans_at]) if method in ("train_steps", "report_steps") else 1
                 sizes.append(ctx.serialize((args, kwargs)).total_bytes / steps)
             calls[0] += actor_method._method_name == method
             return remote(actor_method, args, kwargs, **options)

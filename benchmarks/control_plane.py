@@ -133,6 +133,8 @@ def stand_in_node_class():
     not need Ray."""
     import ray
 
+    from raytrain_sys.data.batches import lease_plans  # a lease's plans as TrainWorker reads them
+
     @ray.remote(concurrency_groups={"control": 2})  # TrainWorker's: pings pass a running step
     class StandInNode:
         def __init__(self):
@@ -168,10 +170,10 @@ def stand_in_node_class():
             pass
 
         def train_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1) -> int:
-            return len(list(self.ranks[i].lease(first, plans)))
+            return len(list(self.ranks[i].lease(first, lease_plans(plans))))
 
         def report_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1):
-            yield from self.ranks[i].reports(first, plans)
+            yield from self.ranks[i].reports(first, lease_plans(plans))
 
         @ray.method(concurrency_group="control")
         def cut_lease(self, i, through, end) -> int:

@@ -52,10 +52,13 @@ def test_a_share_assembled_from_pieces_is_its_rows_of_the_batch(piece_rows, shar
                                     [slice(0, 32)], [slice(0, 0), slice(0, 32)]],
                          ids=["2 even", "3 uneven", "1 rank", "an empty share"])
 def test_a_lease_plan_deals_each_rank_what_share_deals_it(piece_rows, shares):
-    """``rank_plans`` (one plan for every rank, its rows and its pieces beside it) gives each rank,
+    """``rank_plans`` (one plan for every rank, its rows and its pieces beside it), as the rank
+    reads it (``lease_plans``), gives each rank,
     step by step, the ranges, units and pieces ``GlobalBatch.share`` gives it, and passes each
     rank every piece it reads, once, and no other."""
-    from raytrain_sys.data.batches import rank_plans
+    import msgpack
+
+    from raytrain_sys.data.batches import lease_length, lease_plans, rank_plans
 
     B = 32
     bounds = piece_bounds(20, 400, piece_rows)
@@ -65,8 +68,10 @@ def test_a_lease_plan_deals_each_rank_what_share_deals_it(piece_rows, shares):
     batches = [GlobalBatch(s, [p for p in pieces if p.first < s + B and p.stop > s], np.arange(s, s + B),
                            np.arange(B, dtype=np.int64) % 3 + s, width=s % 5) for s in starts]
     batches[-1].pieces[:] = [Piece(p.first, p.stop, "kept-" + p.ref) for p in batches[-1].pieces]
-    for sl, (plan, refs) in zip(shares, rank_plans(batches, shares)):
-        assert len(plan) == len(batches) and len(set(refs)) == len(refs)
+    for sl, (sent, refs) in zip(shares, rank_plans(batches, shares)):
+        msgpack.packb(sent)  # plain values: Ray sends them with no pickling
+        plan = lease_plans(sent)
+        assert len(plan) == lease_length(sent) == len(batches) and len(set(refs)) == len(refs)
         used = set()
         for batch, (share, units, which) in zip(batches, plan):
             want = batch.share(sl)

@@ -114,16 +114,14 @@ class LeasePlan:
     normalizes by ``units`` loss units, trims to ``width``, and lies in the pieces
     ``entries[previous step's end:end]``; ``entries``: a row each, ``(first, stop, piece)``: a
     piece's rows and its index among the lease's distinct pieces (one piece often holds the rows
-    of several steps). Travels as two byte strings: one copy, not an object per step."""
+    of several steps). Travels as two byte strings (``rank_plans``): one copy, not an object
+    per step."""
 
     steps: np.ndarray  # (count, 4) int64
     entries: np.ndarray  # (pieces of every step, 3) int64
 
     def __len__(self) -> int:
         return len(self.steps)
-
-    def __reduce__(self):
-        return _lease_plan, (self.steps.tobytes(), self.entries.tobytes())
 
     @classmethod
     def of(cls, batches: list[GlobalBatch]) -> tuple["LeasePlan", list]:
@@ -149,11 +147,6 @@ class LeasePlan:
         for e, p in enumerate(piece.tolist()):  # entries, not ranks: a lease's few pieces
             need[:, p] |= overlap[:, e]
         return need
-
-
-def _lease_plan(steps: bytes, entries: bytes) -> LeasePlan:
-    return LeasePlan(np.frombuffer(steps, dtype=np.int64).reshape(-1, 4),
-                     np.frombuffer(entries, dtype=np.int64).reshape(-1, 3))
 
 
 @dataclass(frozen=True)
@@ -182,11 +175,31 @@ class RankPlan:
                    tuple(self.arg[p] for _, _, p in parts))
 
 
-def rank_plans(batches: list[GlobalBatch], shares: list[slice]) -> list[tuple[RankPlan, list]]:
-    """Per rank (``shares``' order): its plan of the lease and the piece references to pass
-    beside it (each once, in argument order)."""
+def rank_plans(batches: list[GlobalBatch], shares: list[slice]) -> list[tuple[tuple, list]]:
+    """Per rank (``shares``' order): its plan of the lease as it travels, and the piece
+    references to pass beside it (each once, in argument order). The plan travels as plain
+    values, ``(steps, plan's steps as bytes, its entries as bytes, lo, hi, arg)``, the bytes the
+    same for every rank: Ray packs such a call's arguments without pickling any object of ours
+    (``lease_plans`` makes the ``RankPlan`` of it on the rank)."""
     plan, refs = LeasePlan.of(batches)
     need = plan.needs(shares)
     args = np.where(need, np.cumsum(need, axis=1) - 1, -1).tolist()  # per rank: piece -> its argument
-    return [(RankPlan(plan, sl.start, sl.stop, tuple(arg)), [refs[p] for p in np.flatnonzero(mine).tolist()])
-            for sl, arg, mine in zip(shares, args, need)]
+    steps, entries = plan.steps.tobytes(), plan.entries.tobytes()
+    return [((len(plan), steps, entries, sl.start, sl.stop, tuple(arg)),
+             [refs[p] for p in np.flatnonzero(mine).tolist()]) for sl, arg, mine in zip(shares, args, need)]
+
+
+def lease_plans(sent: "tuple | list") -> "RankPlan | list":
+    """A lease call's plans as the rank iterates them: the ``RankPlan`` of a plan sent by
+    ``rank_plans``, or the list of per-step plans as sent (rows, with data.delivery=driver)."""
+    if not isinstance(sent, tuple):
+        return sent
+    _, steps, entries, lo, hi, arg = sent
+    plan = LeasePlan(np.frombuffer(steps, dtype=np.int64).reshape(-1, 4),
+                     np.frombuffer(entries, dtype=np.int64).reshape(-1, 3))
+    return RankPlan(plan, lo, hi, tuple(arg))
+
+
+def lease_length(sent: "tuple | list") -> int:
+    """The steps of a lease call's plans, as sent."""
+    return sent[0] if isinstance(sent, tuple) else len(sent)
