@@ -33,7 +33,7 @@ def wait_until_quiet(log: logging.Logger, below: float = 0.15, max_s: float = 60
 
     import psutil
 
-    t0 = time.monotonic()
+    t0, busy = time.monotonic(), 0.0
     while time.monotonic() - t0 < max_s:
         busy = psutil.cpu_percent(interval=1.0) / 100.0
         if busy < below:
@@ -50,23 +50,28 @@ class CallArgBytes:
     """Bytes Ray serializes for the arguments of every call of actor method ``method`` made by
     this process, per step for the members' leases (``train_steps``) (Ray's own serializer, so ObjectRefs count as what they cost, not as the
     objects). ``plans_at``: the argument holding the lease's plans (one per step; 2 when a rank's
-    index comes first, as control_plane.py's packed stand-ins take it). Installed on creation;
-    ``close()`` puts Ray's method back."""
+    index comes first, as control_plane.py's packed stand-ins take it). ``every``: measure one call
+    in this many (serializing a call again costs what Ray's own serializing of it does, which a
+    benchmark of the driver's CPU must not add to it). Installed on creation; ``close()`` puts
+    Ray's method back."""
 
-    def __init__(self, method: str = "train_steps", plans_at: int = 1):
+    def __init__(self, method: str = "train_steps", plans_at: int = 1, every: int = 1):
         import ray._private.worker as ray_worker
         import ray.actor
 
+        from raytrain_sys.data.batches import lease_length
+
         self.sizes: list[int] = []
         self._orig = remote = ray.actor.ActorMethod._remote
-        sizes = self.sizes
+        sizes, calls = self.sizes, [0]
 
         def measured(actor_method, args=None, kwargs=None, **options):
-            if actor_method._method_name == method:
+            if actor_method._method_name == method and calls[0] % every == 0:
                 ctx = ray_worker.global_worker.get_serialization_context()
                 # A lease (train_steps, report_steps) carries a plan per step: bytes per rank per step.
-                steps = len(args[plans_at]) if method in ("train_steps", "report_steps") else 1
+                steps = lease_length(args[plans_at]) if method in ("train_steps", "report_steps") else 1
                 sizes.append(ctx.serialize((args, kwargs)).total_bytes / steps)
+            calls[0] += actor_method._method_name == method
             return remote(actor_method, args, kwargs, **options)
 
         ray.actor.ActorMethod._remote = measured

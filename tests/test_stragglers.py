@@ -17,6 +17,7 @@ import json
 import os
 import statistics
 
+import numpy as np
 import pytest
 
 from raytrain_sys.control.supervisor import Supervisor
@@ -264,3 +265,15 @@ def test_an_unmitigated_straggler_is_one_event(tmp_path, tiny_dataset):
     summary = RunSummary(job="t", run_dir=str(tmp_path))
     assert set(feed(Stragglers(spec, summary, tracker=None), 0, [1.0, 1.0, 2.5], 40)) == {None}
     assert [(e["step"], e["rank"], e["kind"], e["action"]) for e in summary.stragglers] == [(12, 2, SLOW, "none")]
+
+
+@pytest.mark.parametrize("values", [[1.0, 2.0], [3.0, 1.0, 2.0], [1.0, 1.0, 1.0, 5.0], [2.0, 2.0, 2.0, 2.0, 2.0],
+                                    [0.3, 0.1, 0.7, 0.2, 0.9, 0.4], [0.0, 0.0, 4.0, 1.0, 1.0, 4.0, 4.0]],
+                         ids=["two ranks", "odd world", "a tie below an outlier", "all equal", "even world",
+                              "ties on both sides"])
+def test_peer_medians_are_each_ranks_median_of_the_others(values):
+    """One sort for every rank gives exactly ``statistics.median`` of its peers' values."""
+    from raytrain_sys.control.supervisor.stragglers import peer_medians
+
+    got = peer_medians(np.array(values)).tolist()
+    assert got == [statistics.median(values[:r] + values[r + 1:]) for r in range(len(values))]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_sys.checkpoint.background import BackgroundWrite
-from raytrain_sys.data.batches import RankShare
+from raytrain_sys.data.batches import RankShare, lease_plans
 from raytrain_sys.extensions import resolve_task
 from raytrain_sys.niceness import process_niceness, set_niceness
 from raytrain_sys.parallel import mesh as meshlib
@@ -305,8 +305,9 @@ class TrainWorker:
     # ------------------------------------------------------------------ the step
     # A lease: steps ``first`` .. ``first + len(plans) - 1`` in order, in one call (the Supervisor
     # sends many when steps are short, sharing its per-call cost out). Each plan is (rows, global
-    # loss units, the indices in ``pieces`` of that step's pieces, in order); ``pieces`` are the
-    # lease's piece values, each once. Every step ends with the ranks' agreement (``_agree``):
+    # loss units, the indices in ``pieces`` of that step's pieces, in order), dealt here from the
+    # lease's one plan (``data.batches.lease_plans``; a list of rows with data.delivery=driver);
+    # ``pieces`` are the lease's piece values, each once. Every step ends with the ranks' agreement (``_agree``):
     # their parts of the step, and whether the lease ends there because the Supervisor cut it
     # short (``cut_lease``). Rank 0 reports each finished step as it goes (``report_steps``); the
     # others return how many steps they ran (``train_steps``). A step that fails raises; the
@@ -328,7 +329,7 @@ class TrainWorker:
             return  # sent ahead of a lease that was cut short: it never starts
         if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
             self.recent_results = {}  # the failed lease's finished steps stay asked for)
-        reports, sent_at = [], time.monotonic()
+        reports, sent_at, plans = [], time.monotonic(), lease_plans(plans)
         for i, (batch, global_units, which) in enumerate(plans):
             reports.append(self.train_step(first + i, batch, global_units, collective_timeout_s,
                                            *(pieces[k] for k in which), lease=lease))

@@ -35,7 +35,7 @@ from raytrain_sys.control.supervisor.liveness import watch
 from raytrain_sys.control.supervisor.membership import Membership, NeedsRestore
 from raytrain_sys.control.supervisor.recovery import Recovery
 from raytrain_sys.control.supervisor.requests import RunRequests
-from raytrain_sys.control.supervisor.steps import Steps, _Dispatch, rank_results
+from raytrain_sys.control.supervisor.steps import Steps, _Dispatch
 from raytrain_sys.control.supervisor.stragglers import Rebalance, Replace, Stragglers
 from raytrain_sys.control.worker_group import Worker
 from raytrain_sys.errors import StorageError, TrainingFailed, find_user_error
@@ -181,7 +181,7 @@ class Boundary:
         before it are not observed: they ran with the old one), or a slow member to replace."""
         if hi <= lo or sent.lease <= self._old_split_through:
             return
-        self.stragglers.observe(sent.part(lo, hi), rank_results(reports[lo:hi]), self.group.generation)
+        self.stragglers.observe_reports(sent.part(lo, hi), reports[lo:hi], self.group.generation)
         decision = self.stragglers.decide(sent.step + hi)
         if isinstance(decision, Rebalance):
             self.redeal, self._old_split_through = (self.group.generation, tuple(decision.rows)), self.steps.leases

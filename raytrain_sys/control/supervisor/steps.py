@@ -48,7 +48,7 @@ from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_t
                                                     step_deadline_s, summary_due)
 from raytrain_sys.control.worker import AGREED
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
-from raytrain_sys.data.batches import GlobalBatch
+from raytrain_sys.data.batches import GlobalBatch, rank_plans
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.monitor.cost import CostMeter
 from raytrain_sys.monitor.metrics import RunMetrics
@@ -106,6 +106,15 @@ def rank_results(reports: list[dict]) -> list[list[dict]]:
     rows = [(r["lr"], r["grad_norm"], r["ranks"].tolist()) for r in reports]
     return [[{**dict(zip(AGREED, ranks[i])), "lr": lr, "grad_norm": norm} for lr, norm, ranks in rows]
             for i in range(len(reports[0]["ranks"]))] if reports else []
+
+
+def report_result(report: dict) -> dict:
+    """A step's result from rank 0's report of it, as ``commit`` reads it: the ranks' losses summed
+    (in rank order, as a sum over their results would), the step's lr and grad norm, and the
+    slowest rank's compute; no record per rank."""
+    ranks = report["ranks"]
+    return {"loss_sum": sum(ranks[:, AGREED.index("loss_sum")].tolist()), "lr": report["lr"],
+            "grad_norm": report["grad_norm"], "compute_s": float(ranks[:, AGREED.index("compute_s")].max())}
 
 
 class Steps:
@@ -207,29 +216,22 @@ class Steps:
             batches.append(kept if kept is not None else
                            self.data.global_batch_refs(self.data_cursor + (s - self.committed_step) * gbs))
         self._resend = {k: b for k, b in self._resend.items() if k >= step + count}
-        # Per member: one (rows, loss units, which of the trailing arguments are its pieces) per
-        # step, then the lease's piece references, each once (a piece holds the rows of several
-        # steps; Ray's cost is per reference passed), as the call's own arguments.
-        plans = [[] for _ in members]
-        pieces: list[dict] = [{} for _ in members]  # per member: reference -> its argument index
-        for batch in batches:
-            units = batch.units  # a sum over the global batch's rows: once a step, not once a rank
-            if spec.data.delivery == "driver":  # every row through this process: to measure against
-                rows, _ = self.data.rows(batch.start, batch.start + gbs)
-                for i, sl in enumerate(shares):
-                    plans[i].append(({k: v[sl] for k, v in rows.items()}, units, ()))
-            else:  # references and row ranges: each rank's rows go node to node, never through here
-                for i, share in enumerate(map(batch.share, shares)):
-                    index = pieces[i]
-                    plans[i].append((share.ranges(), units,
-                                     tuple(index.setdefault(ref, len(index)) for ref in share.refs())))
+        if spec.data.delivery == "driver":  # every row through this process: to measure against
+            rows = [self.data.rows(batch.start, batch.start + gbs)[0] for batch in batches]
+            sent = [([({k: v[sl] for k, v in r.items()}, batch.units, ()) for batch, r in zip(batches, rows)], [])
+                    for sl in shares]
+        else:  # references and row ranges: each rank's rows go node to node, never through here
+            # One plan of the lease shared by every rank, and per rank its rows and its pieces'
+            # references, each once (a piece holds the rows of several steps; Ray's cost is per
+            # reference passed), as the call's own arguments: nothing per rank per step.
+            sent = rank_plans(batches, shares)
         deadline_s = self._step_deadline_s(count)
         timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
         self.leases += 1
         # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
-        reporter = members[0].actor.report_steps.remote(step, plans[0], timeout_s, *pieces[0], lease=self.leases)
+        reporter = members[0].actor.report_steps.remote(step, sent[0][0], timeout_s, *sent[0][1], lease=self.leases)
         refs = [reporter.completed()] + [w.actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
-                                         for w, plan, piece in zip(members[1:], plans[1:], pieces[1:])]
+                                         for w, (plan, piece) in zip(members[1:], sent[1:])]
         return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
                          self.data.wait_s - wait0, after is not None, self.leases, reporter)
 
@@ -275,13 +277,13 @@ class Steps:
                 outcome.lost[w.slot] = f"blocked in step {ahead.step + 1} after the lease before it failed"
             self.group.reap(stuck)
 
-    def commit_lease(self, sent: "_Dispatch", results: list[list[dict]], elapsed_s: float) -> None:
-        """Every member finished the lease: commit its steps in order (``results``: per member,
-        one result per step). The lease's time is shared evenly by its steps."""
+    def commit_lease(self, sent: "_Dispatch", reports: list[dict], elapsed_s: float) -> None:
+        """Every member finished the lease: commit its steps in order (``reports``: rank 0's, one a
+        step, every rank's parts as one array). The lease's time is shared evenly by its steps."""
         for i, batch in enumerate(sent.batches):
-            self.commit(sent.step + i, [r[i] for r in results], batch.units, batch.ids, sent.shares,
+            self.commit(sent.step + i, [report_result(reports[i])], batch.units, batch.ids, sent.shares,
                         elapsed_s / sent.count, sent.data_wait if i == 0 else 0.0)
-        self.metrics.ranks(results, sent.members)
+        self.metrics.ranks(rank_results(reports[-1:]), sent.members)  # the gauges show the last step
         self.summary.leases += 1
 
     def commit_finished(self, sent: "_Dispatch", outcome: StepOutcome, finished: int,

@@ -4,7 +4,9 @@ Owns: ``rank_times``, ``rank_times_history`` and ``stragglers`` in summary.json,
 step metrics sent to MLflow (``rank<r>/<part>``), the straggler events (log line, MLflow event
 and ``raytrain.straggler`` tag) and the gauge ``raytrain_straggler_flagged`` (labels job, team,
 rank, node; 1 while a rank is flagged). Calls no other part of the Supervisor: ``observe`` reads
-the per-rank results of committed steps, ``decide`` returns what the policy asks
+the per-rank results of committed steps (``observe_reports``: rank 0's reports, every rank's
+parts of a step as one array; the window keeps them as arrays, a rank's record is made only when
+``rank_times`` is refreshed), ``decide`` returns what the policy asks
 (``Rebalance``, ``Replace`` or None) and the Supervisor carries it out.
 
 Each rank reports where its step went (``TrainWorker.train_step``: data wait, compute,
@@ -25,13 +27,14 @@ and replay stay exactly-once whatever split was used.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.control.worker import AGREED
 from raytrain_sys.data.order import weighted_rows
 from raytrain_sys.parallel.mesh import data_index_of_rank
 from raytrain_sys.spec import JobSpec
@@ -39,6 +42,10 @@ from raytrain_sys.spec import JobSpec
 log = logging.getLogger(__name__)
 
 PARTS = ("data_wait_s", "compute_s", "collective_s", "optimizer_s")  # TrainWorker.train_step's
+# A step's record in the window: one row per rank, these columns (an array, not a dict per rank:
+# the window is kept for every rank at every step).
+COLUMNS = (*PARTS, "rows", "units")
+_REPORTED = [AGREED.index(k) for k in COLUMNS[:-1]]  # the columns of a report's ``ranks`` table
 HISTORY_MAX = 500  # rank_times_history entries; when full, every other one is dropped
 # Steps after a group forms that the straggler window skips: the first step builds DDP's buckets
 # (and compiles, with train.compile), the second still pays for it on some ranks.
@@ -63,6 +70,24 @@ class Flagged:
     per_unit_ratio: float  # the same per loss unit
 
 
+def peer_medians(values: np.ndarray) -> np.ndarray:
+    """For each element, the median of the others (``statistics.median``'s: the middle one, or
+    the mean of the middle two), for all of them in one sort rather than one sort each."""
+    n = len(values)
+    if n < 2:
+        return np.full(n, np.nan)  # no others
+    order = np.argsort(values, kind="stable")
+    v = values[order]
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)  # each element's place in the sorted values
+
+    def peer(k: int) -> np.ndarray:  # the k-th smallest of the others, per element
+        return np.where(k < pos, v[k], v[min(k + 1, n - 1)])
+
+    m = n - 1
+    return peer(m // 2) if m % 2 else (peer(m // 2 - 1) + peer(m // 2)) / 2
+
+
 def find_stragglers(means: list[RankMeans], margin: float) -> list[Flagged]:
     """Ranks whose mean compute exceeds the median of their peers' by ``margin``, each with
     its kind: ``slow_rank`` when its compute per loss unit exceeds its peers' median by the same
@@ -71,15 +96,13 @@ def find_stragglers(means: list[RankMeans], margin: float) -> list[Flagged]:
     out = []
     if margin <= 0 or len(means) < 2:
         return out
-    for r, m in enumerate(means):
-        peers = [p for i, p in enumerate(means) if i != r]
-        median = statistics.median(p.compute_s for p in peers)
-        if median <= 0 or m.compute_s <= (1.0 + margin) * median:
-            continue
-        per_unit = statistics.median(p.compute_s / max(p.units, 1e-9) for p in peers)
-        per_unit_ratio = (m.compute_s / max(m.units, 1e-9)) / per_unit if per_unit > 0 else 1.0
+    compute = np.array([m.compute_s for m in means], dtype=np.float64)
+    per_unit = compute / np.maximum(np.array([m.units for m in means], dtype=np.float64), 1e-9)
+    median, unit_median = peer_medians(compute), peer_medians(per_unit)
+    for r in np.flatnonzero((median > 0) & (compute > (1.0 + margin) * median)).tolist():
+        per_unit_ratio = float(per_unit[r] / unit_median[r]) if unit_median[r] > 0 else 1.0
         kind = SLOW if per_unit_ratio > 1.0 + margin else IMBALANCE
-        out.append(Flagged(r, kind, m.compute_s / median, per_unit_ratio))
+        out.append(Flagged(r, kind, float(compute[r] / median[r]), per_unit_ratio))
     return out
 
 
@@ -122,22 +145,27 @@ class Stragglers:
     def observe(self, sent, results: list[list[dict]], generation: int) -> None:
         """A lease about to be committed: ``sent`` the dispatch (members, shares, batches), ``results``
         per member one result per step. Refreshes ``rank_times`` at every train.log_every_steps."""
+        self._observe(sent, [np.array([[float(per_step[i].get(k, 0.0)) for k in COLUMNS[:-1]] for per_step in results])
+                             for i in range(len(sent.batches))], generation)
+
+    def observe_reports(self, sent, reports: list[dict], generation: int) -> None:
+        """The same from rank 0's reports of the steps (``TrainWorker._agree``: every rank's parts
+        as one array a step), with no record per rank."""
+        self._observe(sent, [r["ranks"][:, _REPORTED] for r in reports], generation)
+
+    def _observe(self, sent, parts: list[np.ndarray], generation: int) -> None:
         if generation != self._generation:
             self._reset(generation)
         self._nodes = [w.info.get("ip") or w.node_id for w in sent.members]
         every = self.spec.train.log_every_steps
+        starts = np.array([sl.start for sl in sent.shares])
+        stops = np.array([sl.stop for sl in sent.shares])
         for i, batch in enumerate(sent.batches):
             # Each rank's loss units from one running sum of the batch's (not a sum per rank).
-            upto = [0, *itertools.accumulate(batch.row_units.tolist())]
-            ranks = []
-            for r, per_step in enumerate(results):
-                got, share = per_step[i], sent.shares[r]
-                ranks.append({**{k: float(got.get(k, 0.0)) for k in PARTS},
-                              "rows": float(got.get("rows", 0.0)),
-                              "units": float(upto[share.stop] - upto[share.start])})
+            upto = np.concatenate(([0], np.cumsum(batch.row_units, dtype=np.int64)))
             self._since_formed += 1
             if self._since_formed > WARMUP_STEPS:
-                self._window.append(ranks)
+                self._window.append(np.column_stack([parts[i], (upto[stops] - upto[starts]).astype(np.float64)]))
             step = sent.step + i + 1
             if step % every == 0 and self._window:
                 self._refresh(step, list(self._window)[-every:])
@@ -149,11 +177,11 @@ class Stragglers:
             self._set_gauge(rank, node, 0.0)
         self._flagged = {}
 
-    def _refresh(self, step: int, steps: list[list[dict]]) -> None:
-        n = len(steps)
+    def _refresh(self, step: int, steps: list[np.ndarray]) -> None:
+        mean = _mean(steps)
         ranks = {}
-        for r in range(len(steps[0])):
-            parts = {k: sum(s[r][k] for s in steps) / n for k in PARTS}
+        for r, row in enumerate(mean[:, :len(PARTS)].tolist()):
+            parts = dict(zip(PARTS, row))
             ranks[str(r)] = {"node": self._nodes[r] if r < len(self._nodes) else "", **parts,
                              "step_s": sum(parts.values())}
         self.summary.rank_times = ranks
@@ -176,8 +204,8 @@ class Stragglers:
             return None
         window = list(self._window)[-e.straggler_window_steps:]
         world = len(window[0])
-        means = [RankMeans(*(sum(s[r][k] for s in window) / len(window) for k in ("compute_s", "units", "rows")))
-                 for r in range(world)]
+        mean = _mean(window)[:, [COLUMNS.index(k) for k in ("compute_s", "units", "rows")]]
+        means = [RankMeans(*row) for row in mean.tolist()]
         found = find_stragglers(means, e.straggler_margin)
         for rank in [r for r in self._flagged if r not in {f.rank for f in found}]:
             self._set_gauge(rank, self._flagged.pop(rank), 0.0)
@@ -240,5 +268,13 @@ class Stragglers:
             log.debug("could not set raytrain_straggler_flagged: %s", exc)
 
 
-__all__ = ["Stragglers", "find_stragglers", "rebalanced_rows", "Rebalance", "Replace", "RankMeans",
+def _mean(steps: list[np.ndarray]) -> np.ndarray:
+    """The steps' records averaged, each element summed in step order (as a running sum would)."""
+    total = steps[0].copy()
+    for s in steps[1:]:
+        total += s
+    return total / len(steps)
+
+
+__all__ = ["peer_medians", "Stragglers", "find_stragglers", "rebalanced_rows", "Rebalance", "Replace", "RankMeans",
            "Flagged", "SLOW", "IMBALANCE"]

@@ -43,7 +43,7 @@ from raytrain_sys.control.supervisor.liveness import LeaseWatch, StepOutcome
 from raytrain_sys.control.supervisor.membership import Membership
 from raytrain_sys.control.supervisor.recovery import MustStop, Recovery
 from raytrain_sys.control.supervisor.requests import RunRequests
-from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch, rank_results
+from raytrain_sys.control.supervisor.steps import StepReport, Steps, _Dispatch
 from raytrain_sys.control.supervisor.stragglers import Stragglers
 from raytrain_sys.control.worker_group import WorkerGroup, connect_ray
 from raytrain_sys.data.plane import DataPlane
@@ -352,7 +352,7 @@ class Supervisor:
                         ahead = None
                 if reports:  # committed: every rank finished these steps (each report is their agreement)
                     self.summary.steps_run_ahead += ran.count if cur.sent_ahead else 0
-                    self.steps.commit_lease(ran, rank_results(reports), done_at - cur.t0)
+                    self.steps.commit_lease(ran, reports, done_at - cur.t0)
                 self.boundary.settle(wait=False)
         finally:
             self.steps.close()
