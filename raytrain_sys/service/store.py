@@ -448,22 +448,31 @@ class Store:
                                                              packages.c.team == team)).first() is not None
 
     def job(self, job_id: int) -> JobRecord:
-        with self._tx() as conn:
-            row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
-        if row is None:
-            raise ServiceInputError("job_id", f"no job {job_id}")
-        return _job(row)
+        return _job(self._one(jobs, job_id, "job"))
 
     def jobs(self, *, states: Optional[Iterable[Union[JobState, str]]] = None,
              team: Optional[str] = None) -> list[JobRecord]:
         """Jobs in submit order, optionally only those in ``states`` or of one team."""
-        query = select(jobs).order_by(jobs.c.id)
-        if states is not None:
-            query = query.where(jobs.c.state.in_([JobState(s).value for s in states]))
-        if team is not None:
-            query = query.where(jobs.c.team == team)
+        return [_job(r) for r in self._listed(jobs, states and [JobState(s).value for s in states], team)]
+
+    def _one(self, table, row_id: int, what: str):
+        """The row ``row_id`` of ``table`` (jobs, sweeps), or a 404's error naming ``<what>_id``."""
         with self._tx() as conn:
-            return [_job(r) for r in conn.execute(query)]
+            row = conn.execute(select(table).where(table.c.id == row_id)).first()
+        if row is None:
+            raise ServiceInputError(f"{what}_id", f"no {what} {row_id}")
+        return row
+
+    def _listed(self, table, states: Optional[list[str]], team: Optional[str]) -> list:
+        """``table``'s rows (jobs, sweeps) in submit order, only those in ``states`` (values;
+        None: all) and of ``team`` (None: every team's)."""
+        query = select(table).order_by(table.c.id)
+        if states is not None:
+            query = query.where(table.c.state.in_(states))
+        if team is not None:
+            query = query.where(table.c.team == team)
+        with self._tx() as conn:
+            return list(conn.execute(query))
 
     def transition(self, job_id: int, expected: Union[JobState, Sequence[JobState]], to: JobState, *,
                    actor: str, reason: str, now_s: Optional[float] = None, expected_held: Optional[bool] = None,
@@ -658,22 +667,12 @@ class Store:
             return _sweep(conn.execute(select(sweeps).where(sweeps.c.id == sweep_id)).one())
 
     def sweep(self, sweep_id: int) -> SweepRecord:
-        with self._tx() as conn:
-            row = conn.execute(select(sweeps).where(sweeps.c.id == sweep_id)).first()
-        if row is None:
-            raise ServiceInputError("sweep_id", f"no sweep {sweep_id}")
-        return _sweep(row)
+        return _sweep(self._one(sweeps, sweep_id, "sweep"))
 
     def sweeps(self, *, states: Optional[Iterable[Union[SweepState, str]]] = None,
                team: Optional[str] = None) -> list[SweepRecord]:
         """Sweeps in submit order, optionally only those in ``states`` or of one team."""
-        query = select(sweeps).order_by(sweeps.c.id)
-        if states is not None:
-            query = query.where(sweeps.c.state.in_([SweepState(s).value for s in states]))
-        if team is not None:
-            query = query.where(sweeps.c.team == team)
-        with self._tx() as conn:
-            return [_sweep(r) for r in conn.execute(query)]
+        return [_sweep(r) for r in self._listed(sweeps, states and [SweepState(s).value for s in states], team)]
 
     def transition_sweep(self, sweep_id: int, expected: Union[SweepState, Sequence[SweepState]], to: SweepState, *,
                          actor: str, reason: str, now_s: Optional[float] = None, **changes: Any) -> SweepRecord:
