@@ -81,6 +81,7 @@ from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState,
                                         ResourceFlavor, Shrink, TransitionNotAllowed, Wait, WaitCause)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
+from raytrain_sys.tracking import mlflow_tracker as mt
 
 log = logging.getLogger(__name__)
 
@@ -642,7 +643,7 @@ class Reconciler:
         spec = json.loads(job.spec)
         run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
-                                resume_run_id=run_id or "", tracking_uri=_tracking_uri(spec), reason=reason,
+                                resume_run_id=run_id or "", tracking_uri=mt.spec_tracking_uri(spec), reason=reason,
                                 team=job.team, package=job.package or "", overrides=self.launch_overrides(job))
         tracked = self._make_tracking_store(job.id, spec, launch.tracking_uri)
         runtime_env = None
@@ -670,8 +671,6 @@ class Reconciler:
         whose start fails saying why. True: made, the job tracks to it."""
         if not (spec.get("tracking") or {}).get("enabled", True):
             return False
-        from raytrain_sys.tracking import mlflow_tracker as mt
-
         try:
             mt.ensure_store(tracking_uri)
         except UserError as exc:
@@ -753,13 +752,6 @@ def checkpoint_root(spec: dict, mlflow_run_id: Optional[str]) -> str:
         return uri
     if not mlflow_run_id:
         return ""
-    from raytrain_sys.tracking import mlflow_tracker as mt
-
-    return mt.Tracker.lookup(_tracking_uri(spec), mlflow_run_id).tags.get(mt.TAG_CHECKPOINT_ROOT, "")
+    return mt.Tracker.lookup(mt.spec_tracking_uri(spec), mlflow_run_id).tags.get(mt.TAG_CHECKPOINT_ROOT, "")
 
 
-def _tracking_uri(spec: dict) -> str:
-    from raytrain_sys.tracking.mlflow_tracker import default_tracking_uri
-
-    uri = (spec.get("tracking") or {}).get("uri") or ""
-    return uri or default_tracking_uri(spec.get("output_dir") or "runs")

@@ -99,10 +99,9 @@ def mlflow_history(job: JobRecord, metric: str) -> list[tuple[int, float]]:
     """The job's evaluations of ``metric`` as its MLflow run logged them (none before it runs)."""
     if not job.mlflow_run_id:
         return []
-    from raytrain_sys.service.reconciler import _tracking_uri
-    from raytrain_sys.tracking.mlflow_tracker import metric_history
+    from raytrain_sys.tracking.mlflow_tracker import metric_history, spec_tracking_uri
 
-    return metric_history(_tracking_uri(json.loads(job.spec)), job.mlflow_run_id, metric)
+    return metric_history(spec_tracking_uri(json.loads(job.spec)), job.mlflow_run_id, metric)
 
 
 def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> None:

@@ -108,6 +108,13 @@ def default_tracking_uri(output_dir: str) -> str:
     return f"sqlite:///{os.path.abspath(output_dir)}/mlflow.db"
 
 
+def spec_tracking_uri(spec: dict) -> str:
+    """Where a job spec given as a plain dict (the service's stored spec) tracks: its
+    tracking.uri, else the embedded default under its output_dir."""
+    uri = (spec.get("tracking") or {}).get("uri") or ""
+    return uri or default_tracking_uri(spec.get("output_dir") or "runs")
+
+
 def _is_http(tracking_uri: str) -> bool:
     return urllib.parse.urlparse(tracking_uri).scheme in ("http", "https")
 
