@@ -71,7 +71,7 @@ class PendingSave:
     writers: list  # (Worker, reference of its checkpoint_written call), for the members that own blocks
     stall_s: float  # the step boundary's wait for the snapshots
     snapshot_bytes_per_rank: int  # the largest member's snapshot
-    started_at: float  # time.perf_counter() when the snapshots were taken
+    started_at: float  # time.perf_counter() when the snapshots were asked for
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,9 @@ class Checkpoints:
                                            f"{lost.reason}")
         now = time.perf_counter()
         if background:
-            self.pending = self.begin(step, data_cursor, group.world_size, done, now - t0, now)
+            # Timed from the call: every rank's write starts after it (and before the replies
+            # reach us), so durable_after_s is never below a rank's own write_s.
+            self.pending = self.begin(step, data_cursor, group.world_size, done, now - t0, t0)
             return Saved(pending=self.pending)
         if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
             raise RuntimeError(f"injected fault before the manifest of step {step}")
