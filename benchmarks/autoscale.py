@@ -14,8 +14,9 @@ Sections (``--sections``, comma list; each adds its figures and its goal to the 
             first step: the runner, placement, worker processes, the MLflow run, the process
             group). Goal: ours at most 1.2x the warm submit-to-first-step of
             ``benchmarks/scheduler.py`` (its ``first_step`` section: measured here in the same
-            invocation with ``--reference run``, else its latest figure read from
-            ``benchmarks/results/scheduler.json``, and the JSON says which).
+            invocation, the default, so the ratio is of one machine state; ``--reference file``
+            reads the latest figure in ``benchmarks/results/scheduler.json`` instead, which may
+            be an older run's on another load, and the JSON says which).
   release   From the queue empty (the job's end) to the node's release. Goal: the idle timeout
             plus one pass.
   drain     The termination path on an autoscaled node: the job elastic 1..2 on two 1-CPU nodes,
@@ -24,7 +25,7 @@ Sections (``--sections``, comma list; each adds its figures and its goal to the 
 
     .venv/bin/python benchmarks/autoscale.py                     # scale_up and release, 3 rounds; drain once
     .venv/bin/python benchmarks/autoscale.py --rounds 1 --quick  # one round of each
-    .venv/bin/python benchmarks/autoscale.py --reference run     # the warm reference measured here too
+    .venv/bin/python benchmarks/autoscale.py --reference file    # the warm reference read, not measured
 
 Results go to benchmarks/results/autoscale.json (``"quick": true`` marks a smoke test's).
 """
@@ -157,8 +158,9 @@ def main() -> int:
     p.add_argument("--warm-workers", type=int, default=1,
                    help="the service's warm spares per node (its spare runners then up too), as a service runs")
     p.add_argument("--v2", action="store_true", help="Ray's autoscaler v2 (default v1)")
-    p.add_argument("--reference", choices=("file", "run"), default="file",
-                   help="the warm submit-to-first-step: the latest benchmarks/results/scheduler.json, or run it now")
+    p.add_argument("--reference", choices=("file", "run"), default="run",
+                   help="the warm submit-to-first-step: run it now (default, the same invocation), or the "
+                        "latest benchmarks/results/scheduler.json (an older run's, on another load)")
     p.add_argument("--quick", action="store_true", help="one round")
     p.add_argument("--out", default=str(HERE / "results" / "autoscale.json"))
     p.add_argument("--verbose", action="store_true")
