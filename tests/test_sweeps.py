@@ -268,3 +268,35 @@ def test_the_best_trial_is_the_one_whose_job_logged_the_best_value(mode, curves,
     from raytrain_sys.sweeps.runner import best_of
 
     assert best_of([{"trial": t, "curve": c} for t, c in curves.items()], mode) == best
+
+
+def test_the_parent_run_holds_a_plot_of_every_trials_curve_with_the_best_drawn_bold(tmp_path):
+    """What a user opens on the sweep's parent run: one line per trial that logged a value
+    (a trial ended before its first evaluation has none), the best bold and named, the trials
+    stopped early dashed; the PNG is an artifact of the run beside trials.json."""
+    import mlflow
+
+    from raytrain_sys.monitor.plots import sweep_curves_figure
+    from raytrain_sys.tracking import mlflow_tracker as mt
+
+    table = [{"trial": "t1", "state": "finished", "curve": [(3, 4.2), (6, 3.9), (12, 3.7)]},
+             {"trial": "t2", "state": "cancelled", "curve": [(3, 4.6), (6, 4.4)]},
+             {"trial": "t3", "state": "cancelled", "curve": []}]
+    fig = sweep_curves_figure(table, "eval_loss", best_trial="t1")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert set(lines) == {"t1 (best)", "t2"}
+    assert list(lines["t1 (best)"].get_ydata()) == [4.2, 3.9, 3.7]
+    assert lines["t1 (best)"].get_linewidth() > lines["t2"].get_linewidth()
+    assert lines["t1 (best)"].get_linestyle() == "-" and lines["t2"].get_linestyle() == "--"
+    assert fig.axes[0].get_ylabel() == "eval_loss"
+    assert sweep_curves_figure(table[2:], "eval_loss") is None  # nothing logged: no empty plot
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    run_id = mt.start_parent_run(uri, "sweeps", "sweep-1", {"metric": "eval_loss"}, {})
+    mt.end_parent_run(uri, run_id, {"best_eval_loss": 3.7}, {"best_trial": "t1"}, {"trials.json": table},
+                      figures={"sweep_curves.png": fig})
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    assert {a.path for a in client.list_artifacts(run_id)} == {"trials.json", "sweep_curves.png"}
+    with open(client.download_artifacts(run_id, "sweep_curves.png", str(tmp_path)), "rb") as png:
+        assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert client.get_run(run_id).info.status == "FINISHED"

@@ -96,6 +96,7 @@ def test_an_asha_sweep_stops_trials_as_cancelled_jobs_and_records_its_best(ray_c
     for t in trials:
         assert client.get_run(t.mlflow_run_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
     table = json.loads(open(client.download_artifacts(parent.info.run_id, "trials.json", str(tmp_path))).read())
+    assert "sweep_curves.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     best = next(row for row in table if row["trial"] == done.best_trial)
     assert [tuple(p) for p in best["curve"]] == curves[done.best_trial]
     assert best["config"]["optim.lr"] == json.loads(

@@ -14,6 +14,9 @@ per-rank timings) is left out rather than drawn empty:
   and optimizer (``rank_times``), and a heat map of each rank's step time over the run
   (``rank_times_history``): a slow rank is a bright row.
 
+A sweep's parent run gets one more, from its trials' table rather than a summary:
+``sweep_curves.png`` (``sweep_curves_figure``), every trial's curve of the sweep's metric.
+
 Drawn with matplotlib's object API (``Figure``, no pyplot: no global figure state, and a PNG is
 rendered by Agg whatever backend a notebook chose). While a run trains they are drawn in a child
 process (``write_plots_apart``): drawn on a thread of the driver, they would hold its GIL for a
@@ -186,6 +189,33 @@ def rank_breakdown_figure(summary: dict):
         ax.set_yticks(range(len(ranks)), ranks)
         ax.set(xlabel="step", ylabel="rank", title="step time per rank (ms)")
         fig.colorbar(image, ax=ax)
+    return fig
+
+
+LEGEND_TRIALS = 12  # a sweep's figure names its trials in a legend up to this many; past it, only the best
+
+
+def sweep_curves_figure(table: list[dict], metric: str, best_trial: str | None = None):
+    """A sweep's trials on one figure: each trial's curve of ``metric`` as its job logged it
+    (``sweeps.runner.trial_table`` rows: ``trial``, ``state``, ``curve`` as (step, value)
+    pairs), the best trial drawn bold, trials that did not finish dashed (stopped early by
+    the scheduler, cancelled, failed). None when no trial logged a value."""
+    rows = [r for r in table if r.get("curve")]
+    if not rows:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    for row in rows:
+        steps, values = zip(*row["curve"])
+        best = row["trial"] == best_trial
+        label = (f"{row['trial']} (best)" if best else str(row["trial"])) if (
+            best or len(rows) <= LEGEND_TRIALS) else None
+        ax.plot(steps, values, marker="o", markersize=3, label=label,
+                linewidth=2.4 if best else 1.0, alpha=1.0 if best else 0.7,
+                linestyle="-" if row.get("state") == "finished" else "--", zorder=3 if best else 2)
+    ax.set(xlabel="step", ylabel=metric, title=f"{metric} per trial ({len(rows)} trials; dashed: ended early)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
     return fig
 
 

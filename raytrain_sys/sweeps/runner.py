@@ -334,7 +334,9 @@ def best_of(table: list[dict], mode: str) -> tuple[Optional[str], Optional[float
 
 def record_outcome(sweep: SweepRecord, spec: SweepSpec, table: list[dict], best_trial: Optional[str],
                    best_value: Optional[float]) -> None:
-    """The parent run's end: the best trial and value, and the trials' table (``trial_table``)."""
+    """The parent run's end: the best trial and value, the trials' table (``trial_table``) and
+    the plot of their curves (``sweep_curves.png``)."""
+    from raytrain_sys.monitor.plots import sweep_curves_figure
     from raytrain_sys.sweeps.spec import tracking_uri
     from raytrain_sys.tracking.mlflow_tracker import end_parent_run
 
@@ -342,7 +344,9 @@ def record_outcome(sweep: SweepRecord, spec: SweepSpec, table: list[dict], best_
     metrics = {f"best_{spec.metric}": best_value} if best_value is not None else {}
     tags = {"best_trial": str(best_trial), "best_job": str(best["job"] if best else ""),
             "best_run_id": str(best["mlflow_run_id"] if best else "")}
-    end_parent_run(tracking_uri(spec), sweep.mlflow_parent_run_id, metrics, tags, {"trials.json": table})
+    figure = sweep_curves_figure(table, spec.metric, best_trial)
+    end_parent_run(tracking_uri(spec), sweep.mlflow_parent_run_id, metrics, tags, {"trials.json": table},
+                   figures={"sweep_curves.png": figure} if figure is not None else {})
 
 
 def _dotted(raw: dict, key: str):

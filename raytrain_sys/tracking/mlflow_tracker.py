@@ -860,8 +860,9 @@ def start_parent_run(tracking_uri: str, experiment: str, run_name: str, params: 
 
 
 def end_parent_run(tracking_uri: str, run_id: str, metrics: dict[str, float], tags: dict[str, str],
-                   artifacts: dict[str, Any], status: str = "FINISHED") -> None:
-    """Record a sweep's outcome on its parent run (metrics, tags, JSON artifacts) and end it."""
+                   artifacts: dict[str, Any], status: str = "FINISHED", figures: dict[str, Any] | None = None) -> None:
+    """Record a sweep's outcome on its parent run (metrics, tags, JSON artifacts, and
+    ``figures``: matplotlib figures saved as PNGs under their names) and end it."""
     import tempfile
     import time as _time
 
@@ -877,5 +878,9 @@ def end_parent_run(tracking_uri: str, run_id: str, metrics: dict[str, float], ta
             path = os.path.join(tmp, name)
             with open(path, "w") as f:
                 json.dump(value, f, indent=1, default=str)
+            _call(tracking_uri, f"log {name}", lambda p=path: client.log_artifact(run_id, p))
+        for name, fig in (figures or {}).items():
+            path = os.path.join(tmp, name)
+            fig.savefig(path)
             _call(tracking_uri, f"log {name}", lambda p=path: client.log_artifact(run_id, p))
     _call(tracking_uri, "end the sweep's run", lambda: client.set_terminated(run_id, status))
