@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -232,4 +233,48 @@ def test_page_says_why_a_job_is_not_running_yet(tmp_path):
     text = re.sub(r"<[^>]+>", "", wait.group(2))
     assert text == f"waiting on team quota for 3 min: {reason}"
     assert 'class="wait"' not in cards[str(runs)] and "test: running" in cards[str(runs)]
+    store.close()
+
+
+@needs_chromium
+def test_page_groups_a_sweeps_trials_under_their_sweep(tmp_path):
+    """A sweep's trials are shown together under their sweep (how many, how many run), each card
+    naming its trial and rung, the trial that passed more rungs first; a job of its own stays
+    outside. ``jobs status`` names the trial and its sweep too. The sweep runner's part is played
+    through the store."""
+    from raytrain_sys.service.model import SweepState
+
+    store = Store.open(f"sqlite:///{tmp_path}/svc.db")
+    store.add_team(Team("a", 4))
+    token = store.issue_token("a")
+    alone = user_requests.submit(store, team="a", spec={"name": "alone", "train": {"max_steps": 40}}, by="a").id
+    sweep = store.submit_sweep(team="a", name="lr", spec="{}", priority=0, max_workers=4,
+                               storage_path=str(tmp_path / "tune"), actor="a")
+    store.transition_sweep(sweep.id, SweepState.QUEUED, SweepState.RUNNING, actor="reconciler", reason="test")
+    trials = [store.submit(team="a", name=f"lr-{t}", spec="{}", min_workers=1, max_workers=2, actor="sweep-runner",
+                           sweep_id=sweep.id, trial_id=t).id for t in ("t0001", "t0002")]
+    for state in (JobState.STARTING, JobState.RUNNING):
+        store.transition(trials[0], store.job(trials[0]).state, state, actor="reconciler", reason=f"test: {state.value}")
+    assert store.set_rung(trials[0], 1)
+    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs") as handle:
+        dom = chromium(f"{handle.url}/#token={token}")
+        shown = Client(handle.url, token).job(trials[0])
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+               "RAYTRAIN_SYS_SERVICE_URL": handle.url, "RAYTRAIN_SYS_TOKEN": token}
+        status = subprocess.run([sys.executable, "-m", "raytrain_sys.cli.main", "jobs", "status", str(trials[0])],
+                                env=env, capture_output=True, text=True, timeout=60)
+    box = dom.index(f'<div class="sweep" data-sweep-id="{sweep.id}">')
+    heading = re.sub(r"<[^>]+>", "", re.search(r"<h3>(.*?)</h3>", dom[box:], re.S).group(1))
+    assert heading == f"sweep #{sweep.id} · 2 trials · 1 running"
+    # In page order after the heading: the trials, the one that passed more rungs first, then the
+    # job of its own (submitted before them: newest first).
+    order = [(job_id, (re.search(r'data-sweep-id="(\d+)"', attrs) or [None, ""])[1]) for job_id, attrs in
+             re.findall(r'<section class="job" data-job-id="(\d+)"([^>]*)>', dom[box:])]
+    assert order == [(str(trials[0]), str(sweep.id)), (str(trials[1]), str(sweep.id)), (str(alone), "")], order
+    cards = job_cards(dom)
+    assert "trial t0001 · rung 1" in cards[str(trials[0])] and "trial t0002 · rung 0" in cards[str(trials[1])]
+    assert 'class="trial"' not in cards[str(alone)]
+    assert (shown["sweep_id"], shown["trial_id"], shown["rung"]) == (sweep.id, "t0001", 1)
+    assert status.returncode == 0, status.stderr
+    assert re.search(rf"trial\s+t0001 of sweep {sweep.id}, rung 1", status.stdout), status.stdout
     store.close()

@@ -199,6 +199,9 @@ def _status(args: argparse.Namespace) -> int:
         fields[4:4] = [("reason", job["wait_reason"]),
                        ("waits on", f"{job['wait_cause']} since {_when(job['wait_cause_since_s'])} "
                                     f"({_age(job['wait_cause_since_s'])} ago)")]
+    if job.get("sweep_id") is not None:
+        fields.insert(3, ("trial", f"{job['trial_id']} of sweep {job['sweep_id']}, rung {job['rung']} "
+                                   f"(raytrain-sys sweeps status {job['sweep_id']})"))
     if job.get("start_returns"):
         fields.append(("starts given up", f"{job['start_returns']} in a row (the transitions say why)"))
     if job.get("package"):

@@ -234,6 +234,11 @@ class JobOut(BaseModel):
     market: str = Field(description="spot, on-demand or any")
     flavor: Optional[str] = Field(description="the flavor its workers run on (set when admitted; 'default' for a "
                                               "service with no flavor table); null while it waits")
+    sweep_id: Optional[int] = Field(None, description="the sweep it is a trial of (docs/SWEEPS.md); null for a job "
+                                                    "submitted on its own")
+    trial_id: Optional[str] = Field(None, description="its trial's id within that sweep")
+    rung: int = Field(0, description="the sweep scheduler's rungs the trial passed (it grows before trials that "
+                                     "passed fewer); 0 for other jobs")
     spec: Optional[str] = Field(None, description="the validated spec as stored: JSON text, local paths absolute (GET /v1/jobs/{id} only)")
 
     @classmethod
