@@ -8,9 +8,9 @@ rank its slice of it the same way, and the rank fetches the pieces itself (``Ran
 node to node, never through the driver. A lease of many steps is sent as one ``LeasePlan`` that
 every rank shares (each step's start, loss units and pieces, as arrays) and, per rank, its row
 range and which of the lease's pieces it is passed (``RankPlan``): the rank deals itself each
-step's ``RankShare``, so the driver's work and bytes per rank do not grow with the lease. Which rows make a global batch, and which of them a rank
-gets, is decided elsewhere (``data.order`` and ``parallel.mesh.rank_data_slices``); this module
-only turns positions into references.
+step's ``RankShare``, so the driver's work and bytes per rank do not grow with the lease. Which
+rows make a global batch, and which of them a rank gets, is decided elsewhere (``data.order``
+and ``parallel.mesh.rank_data_slices``); this module only turns positions into references.
 
 No Ray import at module level: the driver's tests build these without a cluster.
 """
