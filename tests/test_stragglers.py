@@ -225,14 +225,17 @@ def feed(stragglers, first_step: int, computes: list[float], steps: int, rows: i
 
     import numpy as np
 
+    from raytrain_sys.control.worker import AGREED
+
     world = len(computes)
     members = [SimpleNamespace(info={"ip": f"10.0.0.{r}"}, node_id=f"n{r}") for r in range(world)]
     shares = [slice(r * rows, (r + 1) * rows) for r in range(world)]
     batch = SimpleNamespace(row_units=np.full(world * rows, 32))
     for s in range(first_step, first_step + steps):
         sent = SimpleNamespace(step=s, members=members, shares=shares, batches=[batch])
-        results = [[{"compute_s": c, "collective_s": max(computes) - c, "rows": rows}] for c in computes]
-        stragglers.observe(sent, results, generation=1)
+        parts = [{"compute_s": c, "collective_s": max(computes) - c, "rows": rows} for c in computes]
+        report = {"ranks": np.array([[float(p.get(k, 0.0)) for k in AGREED] for p in parts])}  # rank 0's, as sent
+        stragglers.observe_reports(sent, [report], generation=1)
         yield stragglers.decide(s + 1)
 
 

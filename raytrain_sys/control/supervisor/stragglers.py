@@ -3,9 +3,9 @@
 Owns: ``rank_times``, ``rank_times_history`` and ``stragglers`` in summary.json, the per-rank
 step metrics sent to MLflow (``rank<r>/<part>``), the straggler events (log line, MLflow event
 and ``raytrain.straggler`` tag) and the gauge ``raytrain_straggler_flagged`` (labels job, team,
-rank, node; 1 while a rank is flagged). Calls no other part of the Supervisor: ``observe`` reads
-the per-rank results of committed steps (``observe_reports``: rank 0's reports, every rank's
-parts of a step as one array; the window keeps them as arrays, a rank's record is made only when
+rank, node; 1 while a rank is flagged). Calls no other part of the Supervisor: ``observe_reports`` reads
+the per-rank results of committed steps (rank 0's reports, every rank's parts of a step as one
+array; the window keeps them as arrays, a rank's record is made only when
 ``rank_times`` is refreshed), ``decide`` returns what the policy asks
 (``Rebalance``, ``Replace`` or None) and the Supervisor carries it out.
 
@@ -142,15 +142,11 @@ class Stragglers:
         self._gauge = None
 
     # ------------------------------------------------------------------ per-step records
-    def observe(self, sent, results: list[list[dict]], generation: int) -> None:
-        """A lease about to be committed: ``sent`` the dispatch (members, shares, batches), ``results``
-        per member one result per step. Refreshes ``rank_times`` at every train.log_every_steps."""
-        self._observe(sent, [np.array([[float(per_step[i].get(k, 0.0)) for k in COLUMNS[:-1]] for per_step in results])
-                             for i in range(len(sent.batches))], generation)
-
     def observe_reports(self, sent, reports: list[dict], generation: int) -> None:
-        """The same from rank 0's reports of the steps (``TrainWorker._agree``: every rank's parts
-        as one array a step), with no record per rank."""
+        """A lease about to be committed: ``sent`` the dispatch (members, shares, batches),
+        ``reports`` rank 0's reports of its steps (``TrainWorker._agree``: every rank's parts as
+        one array a step), with no record per rank. Refreshes ``rank_times`` at every
+        train.log_every_steps."""
         self._observe(sent, [r["ranks"][:, _REPORTED] for r in reports], generation)
 
     def _observe(self, sent, parts: list[np.ndarray], generation: int) -> None:
