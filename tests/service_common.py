@@ -5,6 +5,7 @@ service's start and clean-up on the session cluster."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 
@@ -18,7 +19,8 @@ class StepGates:
 
     Files in ``root`` drive it: with ``hold-<job>-<step>`` present, the job's step loop stops at
     the commit of that step, writes ``at-<job>-<step>`` and waits for ``go-<job>-<step>``
-    (a step redone after a restore passes once go exists). With ``newcomer-<job>`` present,
+    (a step redone after a restore passes once go exists); ``pids`` reads the run's worker
+    processes at that hold. With ``newcomer-<job>`` present,
     the loop waits (once) for every requested worker to be ready, so a grow lands whole before the end."""
 
     def __init__(self, root: str, timeout_s: float = 240.0):
@@ -28,7 +30,10 @@ class StepGates:
     def __call__(self, job_id, sup, report) -> None:
         step = report.step
         if os.path.exists(self._path("hold", job_id, step)):
-            open(self._path("at", job_id, step), "w").close()
+            at = self._path("at", job_id, step)
+            with open(at + ".tmp", "w") as f:  # the run's worker processes (for a kill), whole once seen
+                json.dump({"pids": [w.info["pid"] for w in sup.group.workers]}, f)
+            os.replace(at + ".tmp", at)
             deadline = time.monotonic() + self.timeout_s
             while not os.path.exists(self._path("go", job_id, step)):
                 if time.monotonic() > deadline:
@@ -49,6 +54,11 @@ class StepGates:
 
     def reached(self, job_id: int, step: int) -> bool:
         return os.path.exists(self._path("at", job_id, step))
+
+    def pids(self, job_id: int, step: int) -> list[int]:
+        """The process ids of the job's workers when its step loop held at ``step``."""
+        with open(self._path("at", job_id, step)) as f:
+            return json.load(f)["pids"]
 
     def go(self, job_id: int, step: int) -> None:
         open(self._path("go", job_id, step), "w").close()

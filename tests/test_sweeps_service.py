@@ -9,18 +9,21 @@ every trial's run its child, with each trial's config and curve as its child log
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import signal
 import time
 
 import pytest
 import ray
+import torch
 
 from raytrain_sys.service.model import JobState, SweepState
 from raytrain_sys.service.store import Store
 from raytrain_sys.sweeps.runner import mlflow_history
-from tests.helpers import tiny_spec
-from tests.service_common import StepGates, running_service
+from tests.helpers import read_summary, tiny_spec
+from tests.service_common import StepGates, runner_heard, running_service
 
 WAIT_S = 420.0
 
@@ -105,7 +108,6 @@ def test_an_asha_sweep_stops_trials_as_cancelled_jobs_and_records_its_best(ray_c
 
 def tune_trial_states(experiment_dir: str) -> dict[str, str]:
     """Each trial's status as Tune last saved its experiment (what ``Tuner.restore`` reads)."""
-    import glob
 
     states: dict[str, str] = {}
     for path in sorted(glob.glob(os.path.join(experiment_dir, "experiment_state-*.json"))):
@@ -186,7 +188,6 @@ def test_a_lost_sweep_runner_comes_back_through_restore_and_reruns_nothing(ray_c
 
 def trial_summary(tmp_path, sweep_id: int, trial_id: str) -> dict:
     """summary.json of the trial's run (its job runs in <output_dir>/sweep-<id>/<trial>)."""
-    import glob
 
     runs = [p for p in glob.glob(str(tmp_path / "runs" / f"sweep-{sweep_id}" / trial_id / "*" / "summary.json"))
             if not os.path.islink(os.path.dirname(p))]
@@ -247,3 +248,210 @@ def test_an_asha_stop_cancels_the_trial_and_the_survivor_grows_into_its_worker(r
     assert worlds[5] == 1 and worlds[-1] == 2, worlds
     assert summary["steps_redone"] == 0
     assert trial_summary(tmp_path, record["id"], stopped.trial_id)["world_sizes"][-1] == 1
+
+
+def pass_of(service_log: str, pattern: str) -> list[tuple[int, int]]:
+    """(pass, job) of each line of the reconciler's log that matches ``pattern`` (a regex with one
+    group, the job's id, after the line's ``pass N: ``)."""
+    import re
+
+    return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"pass (\d+): " + pattern, service_log)]
+
+
+def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_worker_on_in_one_pass(
+        ray_cluster, tiny_dataset, tmp_path, gates):
+    """Issue 28's done-when 1: six trials (lr x weight decay) in a team of the cluster's 4 workers,
+    submitted with POST /v1/sweeps. Every job is held before its first evaluation (step 3, ASHA's
+    first rung); the two of lr 1e-5 (hardly learning) go on only once a learning trial has passed
+    that rung, so ASHA stops both. Each stopped trial's worker is taken by another trial (a queued
+    one admitted, or a survivor grown) in the reconciler's pass that recorded the stopped job's
+    end, or the next: "within one pass" is read from the service log, whose lines of a pass carry
+    its number; that trial then commits a step on it (its MLflow world_size, measured from the
+    end). The parent run names the best trial, whose config and curve are its child run's."""
+    from mlflow import MlflowClient
+
+    from raytrain_sys.service.client import Client
+    from raytrain_sys.sweeps.runner import spec_of
+    from raytrain_sys.sweeps.spec import tracking_uri
+    from tests.test_jobs_page import free_port
+
+    db = tmp_path / "service.db"
+    sweep = {"name": "lr-wd", "base": base_spec(tmp_path, tiny_dataset), "metric": "eval_loss", "mode": "min",
+             "num_samples": 1,
+             "space": {"optim.lr": {"grid": [3e-2, 1e-2, 1e-5]}, "optim.weight_decay": {"grid": [0.0, 0.1]}},
+             "scheduler": {"type": "asha", "grace_period_steps": 3, "reduction_factor": 2}}
+    for job_id in range(1, 7):
+        gates.hold(job_id, 2)
+    port = free_port()
+
+    def lr(job) -> float:
+        return json.loads(job.spec)["optim"]["lr"]
+
+    with running_service(db, gates, serve_api=True, port=port) as svc:
+        ray.get(svc.add_team.remote("a", 4))
+        store = Store.open(f"sqlite:///{db}")
+        try:
+            client = Client(f"http://127.0.0.1:{port}", store.issue_token("a"))
+            record = client.submit_sweep(sweep)
+            assert record["state"] == "queued" and record["team"] == "a", record
+            released: set[int] = set()
+
+            def release() -> bool:
+                trials = store.trials(record["id"])
+                learner_ranked = any(lr(t) > 1e-4 and t.rung >= 1 for t in trials)
+                for t in trials:
+                    if t.id not in released and gates.reached(t.id, 2) and (lr(t) > 1e-4 or learner_ranked):
+                        gates.go(t.id, 2)
+                        released.add(t.id)
+                return len(released) == 6
+
+            wait_for(release, "every trial past step 2")
+            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
+            shown = client.sweep(record["id"])
+            done = store.sweep(record["id"])
+            trials = store.trials(record["id"])
+            history = {t.id: store.history(t.id) for t in trials}
+        finally:
+            store.close()
+    assert shown["state"] == "finished" and shown["best_trial"] == done.best_trial, shown["message"]
+    assert len(shown["trials"]) == 6 and all(t.state.terminal for t in trials), [(t.id, t.state) for t in trials]
+    stopped = [t for t in trials if t.state is JobState.CANCELLED]
+    assert all("stopped by the sweep's scheduler" in t.message for t in stopped), [(t.id, t.message) for t in stopped]
+    assert {t.id for t in trials if lr(t) < 1e-4} <= {t.id for t in stopped}, [(t.id, lr(t), t.state) for t in trials]
+    assert len(stopped) >= 2
+
+    # Each stopped trial's end, the pass that recorded it, and the other trial given its worker.
+    service_log = (tmp_path / "raytrain-sys-logs" / "service.log").read_text()
+    ended = {job: p for p, job in pass_of(service_log, r"job (\d+): ending its runner: its run ended cancelled")}
+    taken = pass_of(service_log, r"(?:admit|grow) job (\d+) ")
+    trial_ids = {t.id for t in trials}
+    runs = {t.id: t.mlflow_run_id for t in trials}
+    client = MlflowClient(tracking_uri(spec_of(done)))
+    handed_on = {}
+    for t in stopped:
+        end_at = next(h.at_s for h in history[t.id] if h.to_state is JobState.CANCELLED)
+        takers = [job for p, job in taken if job in trial_ids and job != t.id and ended[t.id] <= p <= ended[t.id] + 1]
+        for job in takers:
+            # Its first step on more workers than it had before the end (a new trial: its first step).
+            before = [m.value for m in client.get_metric_history(runs[job], "world_size") if m.timestamp / 1e3 < end_at]
+            after = [m for m in client.get_metric_history(runs[job], "world_size")
+                     if m.timestamp / 1e3 >= end_at and m.value > (before[-1] if before else 0)]
+            if after:
+                handed_on[t.id] = (job, after[0].step, round(after[0].timestamp / 1e3 - end_at, 2))
+                break
+    print(f"stopped trial's job -> (job given its worker, its step there, s from the end): {handed_on}")
+    assert len(handed_on) >= 2, (handed_on, ended, taken)
+
+    # MLflow: the parent names the best trial; its row holds the child's config and curve.
+    parent = client.get_run(done.mlflow_parent_run_id)
+    assert parent.data.tags["best_trial"] == done.best_trial
+    for t in trials:
+        assert client.get_run(t.mlflow_run_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
+    with open(client.download_artifacts(parent.info.run_id, "trials.json", str(tmp_path))) as f:
+        table = json.load(f)
+    best_job = next(t for t in trials if t.trial_id == done.best_trial)
+    best = next(row for row in table if row["trial"] == done.best_trial)
+    child_spec = json.loads(best_job.spec)
+    assert best["config"] == {"optim.lr": child_spec["optim"]["lr"],
+                              "optim.weight_decay": child_spec["optim"]["weight_decay"]}, best["config"]
+    assert [tuple(p) for p in best["curve"]] == mlflow_history(best_job, "eval_loss")
+    assert done.best_value == pytest.approx(min(v for _, v in best["curve"]), rel=1e-9)
+
+
+def test_a_trial_loses_a_worker_and_is_shrunk_by_a_higher_priority_job_and_trains_as_if_undisturbed(
+        ray_cluster, tiny_dataset, tmp_path, gates):
+    """Issue 28's done-when 2 and 3: two fp64 trials, each grown to 2 of the team's 4 workers. A
+    worker of the first is SIGKILLed at step 4; at step 7 a job of priority 10 asking 2 workers
+    makes the scheduler shrink both trials to 1. Tune sees no trial error; both trials finish with
+    no step redone, each with the losses of the same trial run alone undisturbed (rtol 1e-6), and
+    the killed trial's samples each seen once."""
+    from raytrain_sys.spec import from_dict
+    from raytrain_sys.sweeps.runner import experiment_name
+    from tests.ft_common import expected_sample_ids
+
+    db = tmp_path / "service.db"
+    base = base_spec(tmp_path, tiny_dataset)
+    base["train"].update(precision="fp64", steps_per_call=1)
+    base["data"]["log_sample_ids"] = True
+    sweep = {"name": "disturbed", "base": base, "metric": "eval_loss", "mode": "min", "num_samples": 1,
+             "space": {"optim.lr": {"grid": [1e-2, 3e-3]}}, "scheduler": {"type": "fifo"}}
+    fixed_elastic = tiny_spec(tmp_path, tiny_dataset).to_dict()["elastic"]  # not elastic: one size throughout
+    urgent = tiny_spec(tmp_path / "urgent", tiny_dataset, train={"max_steps": 4, "precision": "fp64"},
+                       resources={"num_workers": 2}).to_dict() | {"name": "urgent"}
+    for job_id in (1, 2):
+        gates.hold(job_id, 2)
+        gates.hold(job_id, 7)
+        gates.hold(job_id, 10)
+    gates.hold(1, 4)
+    with running_service(db, gates) as svc:
+        ray.get(svc.add_team.remote("a", 4))
+        record = ray.get(svc.submit_sweep.remote("a", sweep))
+        store = Store.open(f"sqlite:///{db}")
+        try:
+            wait_for(lambda: all(gates.reached(j, 2) and store.job(j).target_workers == 2 for j in (1, 2)),
+                     "both trials at step 2, grown into the idle workers")
+            for job_id in (1, 2):
+                gates.go(job_id, 2)
+            wait_for(lambda: gates.reached(1, 4), "trial job 1 at step 4")
+            pids = gates.pids(1, 4)
+            assert len(pids) == 2, pids
+            os.kill(pids[1], signal.SIGKILL)
+            gates.wait_for_newcomer(1)  # its replacement joins before step 7: the reclaim finds both on 2
+            gates.go(1, 4)
+            wait_for(lambda: all(gates.reached(j, 7) and store.job(j).workers == 2 for j in (1, 2)),
+                     "both trials at step 7 on 2 workers")
+            urgent_id = ray.get(svc.submit.remote("a", urgent, priority=10))["id"]
+            wait_for(lambda: all(store.job(j).target_workers == 1 for j in (1, 2)), "the shrink of both trials")
+            for job_id in (1, 2):
+                runner_heard(tmp_path, job_id, "resize to 1")
+                gates.go(job_id, 7)
+            # Held at step 10 until the urgent job has run on the workers the trials gave back.
+            wait_for(lambda: store.job(urgent_id).state.terminal and gates.reached(1, 10) and gates.reached(2, 10),
+                     "the urgent job's end")
+            for job_id in (1, 2):
+                gates.go(job_id, 10)
+            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
+            done = store.sweep(record["id"])
+            trials = store.trials(record["id"])
+            urgent_job = store.job(urgent_id)
+            # Each trial again, alone on an idle cluster: a job of its spec on one worker, never resized.
+            alone = {}
+            for t in trials:
+                spec = json.loads(t.spec)
+                spec.update(output_dir=str(tmp_path / "alone" / t.trial_id), name=f"alone-{t.trial_id}",
+                            elastic=fixed_elastic)
+                spec["tracking"].update(uri="", parent_run_id="")
+                alone[t.id] = ray.get(svc.submit.remote("a", spec))["id"]
+            wait_for(lambda: all(store.job(j).state.terminal for j in alone.values()), "the trials run alone")
+            alone_jobs = {t: store.job(j) for t, j in alone.items()}
+            shrinks = {j: [h.reason for h in store.history(j) if h.reason.startswith("shrink to 1")] for j in (1, 2)}
+            experiment = os.path.join(done.storage_path, experiment_name(done))
+        finally:
+            store.close()
+    assert done.state is SweepState.FINISHED, done.message
+    assert urgent_job.state is JobState.FINISHED, urgent_job.message
+    assert [t.id for t in trials] == [1, 2] and all(t.state is JobState.FINISHED and t.restarts == 0 for t in trials), \
+        [(t.id, t.state, t.restarts, t.message) for t in trials]
+    assert all(len(s) == 1 and f"job {urgent_id} (team a" in s[0] for s in shrinks.values()), shrinks
+    # Tune saw both trials end well: the worker's loss was the job's business, never a trial error.
+    assert sorted(tune_trial_states(experiment).values()) == ["TERMINATED", "TERMINATED"]
+    for t in trials:
+        summary = trial_summary(tmp_path, record["id"], t.trial_id)
+        assert summary["steps_redone"] == 0 and summary["committed_steps"] == 12, summary["world_sizes"]
+        assert summary["world_sizes"][9] == 1, summary["world_sizes"]  # shrunk while the urgent job ran
+        # The same trial alone, undisturbed (on one worker: in fp64 the world size changes no loss).
+        assert alone_jobs[t.id].state is JobState.FINISHED, alone_jobs[t.id].message
+        [reference] = [read_summary(os.path.dirname(p)) for p in
+                       glob.glob(str(tmp_path / "alone" / t.trial_id / "alone-*" / "summary.json"))]
+        assert set(reference["world_sizes"]) == {1} and reference["steps_redone"] == 0
+        torch.testing.assert_close(torch.tensor(summary["losses"], dtype=torch.float64),
+                                   torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-6, atol=0)
+    killed = trial_summary(tmp_path, record["id"], trials[0].trial_id)
+    assert killed["failures"] == 1 and killed["world_sizes"][3] == 2, killed["world_sizes"]
+    # Exactly once: each committed step logged once, its ids the plan's, no sample twice.
+    with open(os.path.join(killed["run_dir"], "sample_ids.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert [line["step"] for line in lines] == list(range(1, 13))
+    ids = [i for line in lines for rank in line["ranks"] for i in rank]
+    assert ids == expected_sample_ids(from_dict(json.loads(trials[0].spec)), tiny_dataset, 12)
+    assert len(set(ids)) == len(ids)

@@ -21,7 +21,8 @@ One pass (``run_once``), in order:
    killing the runner (its workers and placement groups die with it), but a pause never kills
    a job that has no committed checkpoint: it keeps waiting, and says so.
 4. **Decide and act**: ``decide(store.snapshot(cluster_workers, flavor_states), now)``; each
-   action is logged with its reason and carried out as **intent first, then act**: Admit writes
+   action is logged with its reason (and the pass's number, as is a runner ended in step 2: what
+   one pass saw end and what it decided read together) and carried out as **intent first, then act**: Admit writes
    starting (or resuming), with the flavor it was admitted on, before the runner is created (its
    launch sets the flavor's node labels and price in the run's spec: ``launch_overrides``); Shrink/Grow write the new target before
    ``runner.resize``; Pause writes pausing before ``runner.pause``. A pass that dies between
@@ -195,7 +196,7 @@ class Reconciler:
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self._next_prune_s = 0.0  # when the store's unused code packages are looked at next
         self.metrics = ServiceMetrics()  # queue and quota per team, each pass
-        self.passes = 0
+        self.passes = 0  # passes done: the number of the pass in progress, as its log lines say
 
     # ------------------------------------------------------------------ one pass
     def run_once(self) -> list[Action]:
@@ -572,9 +573,9 @@ class Reconciler:
         if isinstance(action, Wait):
             if self._waits.get(action.job_id) != action.reason:
                 self._waits[action.job_id] = action.reason
-                log.info("%s", action)
+                log.info("pass %d: %s", self.passes, action)
             return
-        log.info("%s", action)
+        log.info("pass %d: %s", self.passes, action)
         self._waits.pop(action.job_id, None)
         job = self.store.job(action.job_id)
         if isinstance(action, Admit):
@@ -705,7 +706,7 @@ class Reconciler:
     def _kill(self, job_id: int, why: str) -> None:
         handle = self._handles.get(job_id) or runners.find_runner(job_id)
         if handle is not None:
-            log.info("job %d: ending its runner: %s", job_id, why)
+            log.info("pass %d: job %d: ending its runner: %s", self.passes, job_id, why)
             ray.kill(handle, no_restart=True)
         self._forget(job_id)  # after the kill: its spares are ended once, with no runner left to adopt more
 
