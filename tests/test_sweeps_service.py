@@ -260,52 +260,82 @@ def pass_of(service_log: str, pattern: str) -> list[tuple[int, int]]:
 
 def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_worker_on_in_one_pass(
         ray_cluster, tiny_dataset, tmp_path, gates):
-    """Issue 28's done-when 1: six trials (lr x weight decay) in a team of the cluster's 4 workers,
-    submitted with POST /v1/sweeps. Every job is held before its first evaluation (step 3, ASHA's
-    first rung); the two of lr 1e-5 (hardly learning) go on only once a learning trial has passed
-    that rung, so ASHA stops both. Each stopped trial's worker is taken by another trial (a queued
-    one admitted, or a survivor grown) in the reconciler's pass that recorded the stopped job's
-    end, or the next: "within one pass" is read from the service log, whose lines of a pass carry
-    its number; that trial then commits a step on it (its MLflow world_size, measured from the
-    end). The parent run names the best trial, whose config and curve are its child run's."""
+    """Issue 28's done-when 1: six trials (lr x weight decay) submitted with POST /v1/sweeps, all
+    running at once on one worker each (half a CPU; the service counts 6 workers and the team's
+    quota, raised from 1 to 6 once every trial's job is queued, starts none grown). Every job is
+    held before its first evaluation (step 3, ASHA's only rung) and let go one at a time, the
+    learning ones from the worst expected to the best (so each is the best so far and goes on) and
+    the two of lr 1e-5 last: ASHA stops both, and they are held after that evaluation until the
+    stop reaches them. The survivors wait at step 4 until both have ended: each stopped trial's
+    worker goes to a survivor, grown by the reconciler's pass that recorded the stopped job's end
+    or the next ("within one pass", read from the service log, whose lines of a pass carry its
+    number), and that survivor commits a step on it (its MLflow world_size; the seconds from the
+    end are printed). The parent run names the best trial, whose config and curve are its child
+    run's."""
     from mlflow import MlflowClient
 
     from raytrain_sys.service.client import Client
+    from raytrain_sys.service.model import Team
     from raytrain_sys.sweeps.runner import spec_of
     from raytrain_sys.sweeps.spec import tracking_uri
     from tests.test_jobs_page import free_port
 
     db = tmp_path / "service.db"
-    sweep = {"name": "lr-wd", "base": base_spec(tmp_path, tiny_dataset), "metric": "eval_loss", "mode": "min",
-             "num_samples": 1,
+    base = base_spec(tmp_path, tiny_dataset)
+    base["resources"]["cpus_per_worker"] = 0.5
+    sweep = {"name": "lr-wd", "base": base, "metric": "eval_loss", "mode": "min", "num_samples": 1,
              "space": {"optim.lr": {"grid": [3e-2, 1e-2, 1e-5]}, "optim.weight_decay": {"grid": [0.0, 0.1]}},
-             "scheduler": {"type": "asha", "grace_period_steps": 3, "reduction_factor": 2}}
+             # One rung (3 x 4 reaches max_t): a survivor is never stopped before it trains on its new worker.
+             "scheduler": {"type": "asha", "grace_period_steps": 3, "reduction_factor": 4}}
     for job_id in range(1, 7):
         gates.hold(job_id, 2)
+        gates.hold(job_id, 4)
     port = free_port()
 
     def lr(job) -> float:
         return json.loads(job.spec)["optim"]["lr"]
 
-    with running_service(db, gates, serve_api=True, port=port) as svc:
-        ray.get(svc.add_team.remote("a", 4))
+    def worst_first(job) -> tuple:  # a lower lr learns less in 3 steps; weight decay 0.1 costs a little
+        return lr(job) < 1e-4, lr(job), -json.loads(job.spec)["optim"]["weight_decay"]
+
+    with running_service(db, gates, serve_api=True, port=port, cluster_workers=6) as svc:
+        ray.get(svc.add_team.remote("a", 1))
         store = Store.open(f"sqlite:///{db}")
         try:
             client = Client(f"http://127.0.0.1:{port}", store.issue_token("a"))
             record = client.submit_sweep(sweep)
             assert record["state"] == "queued" and record["team"] == "a", record
-            released: set[int] = set()
+            wait_for(lambda: len(store.trials(record["id"])) == 6, "every trial's job submitted")
+            store.update_team(Team("a", 6))
+            order = [t.id for t in sorted(store.trials(record["id"]), key=worst_first)]
+            released: dict[int, set[int]] = {2: set(), 4: set()}
 
             def release() -> bool:
-                trials = store.trials(record["id"])
-                learner_ranked = any(lr(t) > 1e-4 and t.rung >= 1 for t in trials)
-                for t in trials:
-                    if t.id not in released and gates.reached(t.id, 2) and (lr(t) > 1e-4 or learner_ranked):
-                        gates.go(t.id, 2)
-                        released.add(t.id)
-                return len(released) == 6
+                trials = {t.id: t for t in store.trials(record["id"])}
+                # The next first evaluation once Tune has ranked the one before (rung: it read it).
+                ranked = [j for j in order if j in released[2] and trials[j].rung >= 1]
+                if len(ranked) == len(released[2]) < 6 and gates.reached(order[len(ranked)], 2):
+                    gates.go(order[len(ranked)], 2)
+                    released[2].add(order[len(ranked)])
+                for t in trials.values():
+                    # A trial ASHA stopped goes on from step 4 once the stop has reached its runner: a
+                    # tiny trial would otherwise finish before Tune has read its first evaluation.
+                    if t.id not in released[4] and gates.reached(t.id, 4) and t.state is JobState.CANCELLING:
+                        runner_heard(tmp_path, t.id, "cancel")
+                        gates.go(t.id, 4)
+                        released[4].add(t.id)
+                live = [t for t in trials.values() if t.state is JobState.RUNNING]
+                if (len(ranked) < 6 or any(t.state is JobState.CANCELLING for t in trials.values())
+                        or not all(gates.reached(t.id, 4) for t in live)
+                        or sum(t.target_workers for t in live) < min(6, 2 * len(live))):
+                    return False  # a stop still to come or to land, or its workers not given on yet
+                for t in live:  # the survivors: each grown one trains on its new worker from its next steps
+                    if t.target_workers > t.workers:
+                        gates.wait_for_newcomer(t.id)
+                    gates.go(t.id, 4)
+                return True
 
-            wait_for(release, "every trial past step 2")
+            wait_for(release, "both stopped trials' ends and their workers given to the survivors")
             wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
             shown = client.sweep(record["id"])
             done = store.sweep(record["id"])
