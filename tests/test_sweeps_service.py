@@ -485,3 +485,67 @@ def test_a_trial_loses_a_worker_and_is_shrunk_by_a_higher_priority_job_and_train
     ids = [i for line in lines for rank in line["ranks"] for i in rank]
     assert ids == expected_sample_ids(from_dict(json.loads(trials[0].spec)), tiny_dataset, 12)
     assert len(set(ids)) == len(ids)
+
+
+def local_sweep_files(tmp_path, dataset, **changes) -> str:
+    """A sweep file (two trials of a 4-step tiny GPT on one worker, FIFO) beside its base job spec
+    file, as a user writes them for ``raytrain-sys sweep``; returns the sweep file's path."""
+    import yaml
+
+    base = tiny_spec(tmp_path, dataset, train={"max_steps": 4, "log_every_steps": 2},
+                     eval={"every_steps": 2, "max_rows": 16, "batch_rows": 8, "dataset": dataset},
+                     resources={"num_workers": 1}).to_dict()
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(base))
+    sweep = {"name": "local", "base": "tiny.yaml", "metric": "eval_loss", "mode": "min",
+             "space": {"optim.lr": {"grid": [1e-2, 1e-5]}}, "scheduler": "fifo", **changes}
+    (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(sweep))
+    return str(tmp_path / "sweep.yaml")
+
+
+def test_raytrain_sys_sweep_runs_a_sweep_on_a_cluster_without_a_service_and_records_its_best(
+        ray_cluster, tiny_dataset, tmp_path):
+    """`raytrain-sys sweep SWEEP.yaml` on the session's cluster (RAY_ADDRESS; no service running):
+    exit 0, the best trial printed, and recorded in its store (sweeps.db in the base's output_dir)
+    and in the MLflow parent run."""
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    from raytrain_sys.sweeps.runner import spec_of
+    from raytrain_sys.sweeps.spec import tracking_uri
+
+    path = local_sweep_files(tmp_path, tiny_dataset)
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster}
+    ran = subprocess.run([sys.executable, "-m", "raytrain_sys.cli.main", "sweep", path], env=env,
+                         capture_output=True, text=True, timeout=WAIT_S, cwd=tmp_path, check=False)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    store = Store.open(f"sqlite:///{tmp_path / 'runs' / 'sweeps.db'}")
+    try:
+        [done] = store.sweeps()
+        trials = store.trials(done.id)
+    finally:
+        store.close()
+    assert done.state is SweepState.FINISHED and len(trials) == 2, done.message
+    assert all(t.state is JobState.FINISHED for t in trials), [(t.id, t.state, t.message) for t in trials]
+    # The trial of lr 1e-2 learns: it is the best, printed as the store and the parent run record it.
+    best = next(t for t in trials if t.trial_id == done.best_trial)
+    assert json.loads(best.spec)["optim"]["lr"] == 1e-2
+    assert f"best             {done.best_trial} ({done.best_value})" in ran.stdout, ran.stdout
+    assert "state            finished" in ran.stdout
+    parent = MlflowClient(tracking_uri(spec_of(done))).get_run(done.mlflow_parent_run_id)
+    assert parent.data.tags["best_trial"] == done.best_trial
+    assert parent.data.metrics["best_eval_loss"] == pytest.approx(done.best_value, rel=1e-9)
+
+
+def test_raytrain_sys_sweep_refuses_a_bad_sweep_file_naming_the_field(tmp_path, tiny_dataset, capsys):
+    """A space over a field the job spec does not have: exit 2 before any cluster is touched, one
+    line naming the field."""
+    from raytrain_sys.cli.main import main
+
+    path = local_sweep_files(tmp_path, tiny_dataset, space={"optim.lrr": {"grid": [1e-2]}})
+    assert main(["sweep", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("raytrain-sys: error: field 'space.optim.lrr': ") and "\n" not in err, err
+    assert "did you mean 'lr'" in err
+    assert not (tmp_path / "runs").exists()  # no store, no run
