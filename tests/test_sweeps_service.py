@@ -360,7 +360,8 @@ def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_work
     handed_on = {}
     for t in stopped:
         end_at = next(h.at_s for h in history[t.id] if h.to_state is JobState.CANCELLED)
-        takers = [job for p, job in taken if job in trial_ids and job != t.id and ended[t.id] <= p <= ended[t.id] + 1]
+        end_pass = ended.get(t.id, -2)  # no line: its runner was gone already, and the check below fails
+        takers = [job for p, job in taken if job in trial_ids and job != t.id and end_pass <= p <= end_pass + 1]
         for job in takers:
             # Its first step on more workers than it had before the end (a new trial: its first step).
             before = [m.value for m in client.get_metric_history(runs[job], "world_size") if m.timestamp / 1e3 < end_at]
@@ -370,7 +371,7 @@ def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_work
                 handed_on[t.id] = (job, after[0].step, round(after[0].timestamp / 1e3 - end_at, 2))
                 break
     print(f"stopped trial's job -> (job given its worker, its step there, s from the end): {handed_on}")
-    assert len(handed_on) >= 2, (handed_on, ended, taken)
+    assert {t.id for t in trials if lr(t) < 1e-4} <= set(handed_on), (handed_on, ended, taken)
 
     # MLflow: the parent names the best trial; its row holds the child's config and curve.
     parent = client.get_run(done.mlflow_parent_run_id)
@@ -390,7 +391,7 @@ def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_work
 
 def test_a_trial_loses_a_worker_and_is_shrunk_by_a_higher_priority_job_and_trains_as_if_undisturbed(
         ray_cluster, tiny_dataset, tmp_path, gates):
-    """Issue 28's done-when 2 and 3: two fp64 trials, each grown to 2 of the team's 4 workers. A
+    """Issue 28's done-when 2 and 3: two fp64 trials, each on 2 of the team's 4 workers. A
     worker of the first is SIGKILLed at step 4; at step 7 a job of priority 10 asking 2 workers
     makes the scheduler shrink both trials to 1. Tune sees no trial error; both trials finish with
     no step redone, each with the losses of the same trial run alone undisturbed (rtol 1e-6), and
