@@ -82,6 +82,14 @@ class CallArgBytes:
         ray.actor.ActorMethod._remote = self._orig
 
 
+def add_reference_flag(p: argparse.ArgumentParser) -> None:
+    """``--reference run|file``: where ``warm_reference`` takes the warm start from."""
+    p.add_argument("--reference", choices=("file", "run"), default="run",
+                   help="the warm submit-to-first-step: run benchmarks/scheduler.py now (default, the same "
+                        "invocation), or the latest benchmarks/results/scheduler.json (an older run's, on "
+                        "another load)")
+
+
 def warm_reference(reference: str, rounds: int, work) -> dict:
     """The warm submit-to-first-step of ``benchmarks/scheduler.py`` (its ``first_step`` section,
     warm spares and a spare runner), the yardstick of the service's other starts: measured now in

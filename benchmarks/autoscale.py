@@ -138,9 +138,7 @@ def main() -> int:
     p.add_argument("--warm-workers", type=int, default=1,
                    help="the service's warm spares per node (its spare runners then up too), as a service runs")
     p.add_argument("--v2", action="store_true", help="Ray's autoscaler v2 (default v1)")
-    p.add_argument("--reference", choices=("file", "run"), default="run",
-                   help="the warm submit-to-first-step: run it now (default, the same invocation), or the "
-                        "latest benchmarks/results/scheduler.json (an older run's, on another load)")
+    common.add_reference_flag(p)
     p.add_argument("--quick", action="store_true", help="one round")
     p.add_argument("--out", default=str(HERE / "results" / "autoscale.json"))
     p.add_argument("--verbose", action="store_true")
