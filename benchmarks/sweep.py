@@ -207,7 +207,7 @@ def sweep_figures(run: dict, threshold: float, steps: int) -> dict:
             "worker_s_training": round(sum(t["worker_s_training"] for t in run["trials"]), 1),
             "trials_stopped": sum(t["state"] == "cancelled" for t in run["trials"]),
             "trials_to_the_end": sum(bool(t["evals"]) and t["evals"][-1][0] >= steps for t in run["trials"]),
-            "trials": [{k: v for k, v in t.items() if k not in ("history", "worlds")} for t in run["trials"]]}
+            "trials": run["trials"]}
 
 
 # ----------------------------------------------------------------------------- ASHA's stops
@@ -245,7 +245,11 @@ def stop_to_step(run: dict) -> list[dict]:
                     gains.append((first, h["at_s"], kind, other["trial_id"]))
         at_step = next((re.search(r"at step (\d+)", h["reason"]) for h in trial["history"] if h["to"] == "cancelling"),
                        None)
-        row = {"trial_id": trial["trial_id"], "stopped_at_step": int(at_step.group(1)) if at_step else None,
+        rung = int(at_step.group(1)) if at_step else None
+        logged = next((at for step, _, at in trial["evals"] if step == rung), None)
+        row = {"trial_id": trial["trial_id"], "stopped_at_step": rung,
+               # Tune's lag: the evaluation ASHA stopped the trial on, logged, to the stop
+               "eval_to_stop_s": round(stop - logged, 3) if logged else None,
                "ran_to_step": int(ran_to.group(1)) if ran_to else None, "ended": end["to"] if end else None,
                "stop_to_end_s": round(freed - stop, 3) if freed else None, "step_s": None}
         if gains:
@@ -362,7 +366,8 @@ def table(f: dict) -> list[str]:
              f"| best trial, {METRIC} | {g['best_trial']} {g['best_value']:.4f} | {a['best_trial']} "
              f"{a['best_value']:.4f} | |", ""]
     lines.append("ASHA's stops: " + "; ".join(
-        f"{s['trial_id']} at step {s['stopped_at_step']} ({s['ended']} at step {s['ran_to_step']}): " + (
+        f"{s['trial_id']} at step {s['stopped_at_step']} ({s['eval_to_stop_s']} s after that evaluation; "
+        f"{s['ended']} at step {s['ran_to_step']}): " + (
             f"{s['step_s']:.2f} s to a step of the {s['to']} (stop to its end {s['stop_to_end_s']}, end to the "
             f"decision {s['end_to_decision_s']}, decision to the step {s['decision_to_step_s']})"
             if s["step_s"] is not None else "its workers not taken") for s in f["stops"]))
@@ -380,9 +385,7 @@ def main() -> int:
                    help="rounds of the trial-alone comparison and of the warm reference (medians)")
     p.add_argument("--cluster-cpus", type=int, default=4, help="worker slots of the local cluster")
     p.add_argument("--warm-workers", type=int, default=2, help="warm spares per node (scheduler.py's warm start)")
-    p.add_argument("--reference", choices=("file", "run"), default="run",
-                   help="the warm submit-to-first-step: run benchmarks/scheduler.py now (default), or read "
-                        "the latest benchmarks/results/scheduler.json (an older run's, on another load)")
+    common.add_reference_flag(p)
     p.add_argument("--quick", action="store_true", help="400-step trials, one round")
     p.add_argument("--out", default=str(HERE / "results" / "sweep.json"))
     p.add_argument("--verbose", action="store_true")
