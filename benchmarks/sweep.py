@@ -199,13 +199,21 @@ def final_value(trial: dict):
     return trial["evals"][-1][1] if trial["evals"] else None
 
 
+def start_s(trial: dict):
+    """A trial's start: its admission to its first committed step (None: never admitted or no step)."""
+    admitted = next((h["at_s"] for h in trial["history"] if h["to"] == "starting"), None)
+    return round(trial["worlds"][0][0] - admitted, 3) if admitted is not None and trial["worlds"] else None
+
+
 def sweep_figures(run: dict, threshold: float, steps: int) -> dict:
     found, by = found_at_s(run, threshold)
+    starts = sorted(s for s in map(start_s, run["trials"]) if s is not None)
     return {"sweep_id": run["sweep_id"], "submit_to_end_s": run["wall_s"], "found_within_2pct_s": found,
             "found_by_trial": by, "best_trial": run["best_trial"], "best_value": run["best_value"],
             "worker_s_held": round(sum(t["worker_s_held"] for t in run["trials"]), 1),
             "worker_s_training": round(sum(t["worker_s_training"] for t in run["trials"]), 1),
             "trials_stopped": sum(t["state"] == "cancelled" for t in run["trials"]),
+            "start_s": starts, "start_median_s": round(statistics.median(starts), 3) if starts else None,
             "trials_to_the_end": sum(bool(t["evals"]) and t["evals"][-1][0] >= steps for t in run["trials"]),
             "trials": run["trials"]}
 
@@ -363,6 +371,8 @@ def table(f: dict) -> list[str]:
              f"{ratio(a['worker_s_training'], g['worker_s_training'])} |",
              f"| trials stopped / run to the end | {g['trials_stopped']} / {g['trials_to_the_end']} | "
              f"{a['trials_stopped']} / {a['trials_to_the_end']} | |",
+             f"| a trial's start, admission to first step: median (range), s | {g['start_median_s']} "
+             f"({g['start_s'][0]}-{g['start_s'][-1]}) | {a['start_median_s']} ({a['start_s'][0]}-{a['start_s'][-1]}) | |",
              f"| best trial, {METRIC} | {g['best_trial']} {g['best_value']:.4f} | {a['best_trial']} "
              f"{a['best_value']:.4f} | |", ""]
     lines.append("ASHA's stops: " + "; ".join(
