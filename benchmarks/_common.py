@@ -82,6 +82,45 @@ class CallArgBytes:
         ray.actor.ActorMethod._remote = self._orig
 
 
+def add_reference_flag(p: argparse.ArgumentParser) -> None:
+    """``--reference run|file``: where ``warm_reference`` takes the warm start from."""
+    p.add_argument("--reference", choices=("file", "run"), default="run",
+                   help="the warm submit-to-first-step: run benchmarks/scheduler.py now (default, the same "
+                        "invocation), or the latest benchmarks/results/scheduler.json (an older run's, on "
+                        "another load)")
+
+
+def warm_reference(reference: str, rounds: int, work) -> dict:
+    """The warm submit-to-first-step of ``benchmarks/scheduler.py`` (its ``first_step`` section,
+    warm spares and a spare runner), the yardstick of the service's other starts: measured now in
+    a process of its own (``reference`` "run": ``rounds`` jobs, the ratio then of one machine
+    state), or (``reference`` "file") the latest figure in ``benchmarks/results/scheduler.json``,
+    which may be an older run's on another load; the result says which."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    if reference == "run":
+        out = Path(work) / "scheduler.json"
+        # scheduler.py exits 1 when its own goals are not met; its figures are written all the same
+        run = subprocess.run([sys.executable, str(here / "scheduler.py"), "--sections", "first_step", "--rounds",
+                              str(rounds), "--out", str(out)], timeout=1800,
+                             env={**os.environ, "PYTHONPATH": str(here.parent)})
+        if run.returncode not in (0, 1) or not out.exists():
+            raise RuntimeError(f"benchmarks/scheduler.py failed (exit {run.returncode}): no warm reference")
+        source = "measured in this invocation (benchmarks/scheduler.py --sections first_step)"
+    else:
+        out = here / "results" / "scheduler.json"
+        source = "the latest figure of benchmarks/scheduler.py (benchmarks/results/scheduler.json)"
+    data = json.loads(out.read_text())
+    warm = data["sections"]["first_step"]["warm"]
+    return {"median_s": warm["median_s"], "source": source, "measured_at": data.get("time"),
+            "runs_s": warm["submit_to_first_step_s"]}
+
+
 def report_head(benchmark: str, quick: bool, loadavg_before: tuple) -> dict:
     """The fields every results JSON opens with: what ran, when, on which versions and load."""
     import os

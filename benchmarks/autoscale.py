@@ -67,26 +67,6 @@ def scenario(work: Path, dataset: str, *flags: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def warm_reference(args, work: Path) -> dict:
-    """The warm submit-to-first-step: measured now (``--reference run``), or the latest figure."""
-    if args.reference == "run":
-        out = work / "scheduler.json"
-        # scheduler.py exits 1 when its own goals are not met; its figures are written all the same
-        run = subprocess.run([sys.executable, str(HERE / "scheduler.py"), "--sections", "first_step", "--rounds",
-                              str(args.rounds), "--out", str(out)], timeout=1800,
-                             env={**os.environ, "PYTHONPATH": str(REPO)})
-        if run.returncode not in (0, 1) or not out.exists():
-            raise RuntimeError(f"benchmarks/scheduler.py failed (exit {run.returncode}): no warm reference")
-        source = "measured in this invocation (benchmarks/scheduler.py --sections first_step)"
-    else:
-        out = HERE / "results" / "scheduler.json"
-        source = f"the latest figure of benchmarks/scheduler.py (benchmarks/results/scheduler.json)"
-    data = json.loads(out.read_text())
-    warm = data["sections"]["first_step"]["warm"]
-    return {"median_s": warm["median_s"], "source": source, "measured_at": data.get("time"),
-            "runs_s": warm["submit_to_first_step_s"]}
-
-
 def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
@@ -158,9 +138,7 @@ def main() -> int:
     p.add_argument("--warm-workers", type=int, default=1,
                    help="the service's warm spares per node (its spare runners then up too), as a service runs")
     p.add_argument("--v2", action="store_true", help="Ray's autoscaler v2 (default v1)")
-    p.add_argument("--reference", choices=("file", "run"), default="run",
-                   help="the warm submit-to-first-step: run it now (default, the same invocation), or the "
-                        "latest benchmarks/results/scheduler.json (an older run's, on another load)")
+    common.add_reference_flag(p)
     p.add_argument("--quick", action="store_true", help="one round")
     p.add_argument("--out", default=str(HERE / "results" / "autoscale.json"))
     p.add_argument("--verbose", action="store_true")
@@ -178,7 +156,7 @@ def main() -> int:
     if "scale_up" in sections or "release" in sections:
         rounds, _ = run_scale_up(args, work, dataset)
         if "scale_up" in sections:
-            results["scale_up"] = scale_up_section(rounds, warm_reference(args, work))
+            results["scale_up"] = scale_up_section(rounds, common.warm_reference(args.reference, args.rounds, work))
         if "release" in sections:
             results["release"] = release_section(rounds, IDLE_TIMEOUT_S, POLL_S)
     if "drain" in sections:

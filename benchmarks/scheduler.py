@@ -205,7 +205,10 @@ class ServiceBench:
             raw.setdefault(section, {}).update(fields)
         return raw
 
-    def start_service(self, warm: int, teams: list[tuple[str, int]], cluster_workers: int | None = None):
+    def start_service(self, warm: int, teams: list[tuple[str, int]], cluster_workers: int | None = None,
+                      step_hook=None):
+        """The service on a fresh store, ``teams`` (name, nominal workers) in one cohort; its runners
+        call ``step_hook`` at each committed step (default ``StepTimes``: ``first_step_at``)."""
         from raytrain_sys.control.spares import find_pool
         from raytrain_sys.service.service import start_service
 
@@ -214,7 +217,7 @@ class ServiceBench:
         for f in os.listdir(self.hooks):  # job ids start again at 1 in the new service's store
             os.remove(os.path.join(self.hooks, f))
         svc = start_service(f"sqlite:///{self.work}/svc-{time.monotonic_ns()}.db", serve_api=False, poll_s=0.2,
-                            step_hook=StepTimes(self.hooks), warm_workers_per_node=warm,
+                            step_hook=step_hook or StepTimes(self.hooks), warm_workers_per_node=warm,
                             log_dir=os.path.join(self.work, "logs"), cluster_workers=cluster_workers)
         for name, nominal in teams:
             ray.get(svc.add_team.remote(name, nominal, cohort="all"))
