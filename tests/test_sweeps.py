@@ -372,6 +372,8 @@ SEGMENT_PLANS = [
      _job(5, 1, resume_from="/runs/b/checkpoints/step_00000006"), (1, "b", None, False)),
     ("a second exploit from another checkpoint starts a third segment", _pointer("b", 12),
      _job(5, 1, resume_from="/runs/b/checkpoints/step_00000006"), (2, "b", 5, True)),
+    ("an exploit from a donor at the last step has nothing to train: the newest segment", _pointer("b", 20),
+     _job(4, 0, JobState.FINISHED), (0, None, None, False)),
 ]
 
 
@@ -379,7 +381,7 @@ SEGMENT_PLANS = [
 def test_the_segment_a_trials_proxy_follows(pointer, newest, expected):
     from raytrain_sys.sweeps.runner import segment_plan
 
-    plan = segment_plan("a", pointer, newest)
+    plan = segment_plan("a", pointer, newest, max_steps=20)
     assert (plan.segment, plan.donor.trial_id if plan.donor else None, plan.end_job, plan.new) == expected
 
 

@@ -116,7 +116,8 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> Non
         sweep = store.sweep(sweep_id)
         spec = spec_of(sweep)
         trial_id = tune.get_context().get_trial_id()
-        plan = segment_plan(trial_id, read_pointer(tune.get_checkpoint()), newest_segment(store.trials(sweep_id), trial_id))
+        pointer = read_pointer(tune.get_checkpoint())
+        plan = segment_plan(trial_id, pointer, newest_segment(store.trials(sweep_id), trial_id), spec.max_steps)
         donor = plan.donor
         if plan.new and not checkpoint_exists(donor.uri, spec):
             raise TrialJobFailed(f"trial {trial_id} was to continue from trial {donor.trial_id}'s checkpoint "
@@ -133,7 +134,10 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> Non
         log.info("trial %s of sweep %d follows job %d (segment %d%s)", trial_id, sweep_id, job.id, plan.segment,
                  f", from trial {donor.trial_id}'s checkpoint at step {donor.step}" if donor else "")
         report = Reporter(store, spec, trial_id, plan, config)
-        follow(store, job.id, spec.metric, report, mlflow_history)
+        # Tune had every result up to its checkpoint's step (a trial paused or restored goes on
+        # after it; a segment's job logs nothing before its donor's step).
+        seen = pointer.step if pointer is not None and (donor is not None or pointer.trial_id == trial_id) else 0
+        follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen)
     finally:
         store.close()
 
@@ -174,13 +178,15 @@ class SegmentPlan:
     new: bool = False
 
 
-def segment_plan(trial_id: str, pointer: Optional[Pointer], newest: Optional[JobRecord]) -> SegmentPlan:
+def segment_plan(trial_id: str, pointer: Optional[Pointer], newest: Optional[JobRecord],
+                 max_steps: int) -> SegmentPlan:
     """The segment a trial's proxy follows, from the checkpoint Tune started it with and the
-    trial's newest segment's job. No checkpoint, or the trial's own (Tune restored it after its
-    runner was lost): its newest segment (0 when it has none). A donor's (PBT exploited it): the
-    segment already started from that checkpoint (the proxy driven again), else the next one,
-    the newest ended first."""
-    if pointer is None or pointer.trial_id == trial_id:
+    trial's newest segment's job. No checkpoint, or the trial's own (Tune paused it, or restored
+    it after its runner was lost): its newest segment (0 when it has none). A donor's (PBT
+    exploited it): the segment already started from that checkpoint (the proxy driven again),
+    else the next one, the newest ended first; but a donor's checkpoint at ``max_steps`` has no
+    step left to train: the newest segment."""
+    if pointer is None or pointer.trial_id == trial_id or (pointer.step >= max_steps and newest is not None):
         return SegmentPlan(newest.segment if newest is not None else 0)
     if newest is not None and resumed_from(newest) == pointer.uri:
         return SegmentPlan(newest.segment, pointer)
@@ -340,6 +346,9 @@ def make_callback(sweep_id: int, db_url: str):
             return newest_segment(self.store.trials(sweep_id), trial.trial_id)
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
+            log.info("trial %s: %s at step %s (job %s, checkpoint step %s)", trial.trial_id,
+                     {k: v for k, v in result.items() if k.startswith("eval_")}, result.get("step"),
+                     result.get("job_id"), result.get("checkpoint_step"))
             spec = spec_of(self.store.sweep(sweep_id))
             if spec.scheduler.type != "asha":
                 return
@@ -382,9 +391,14 @@ def make_scheduler(spec: SweepSpec):
         return ASHAScheduler(time_attr="step", max_t=spec.max_steps, grace_period=s.grace_period_steps,
                              reduction_factor=s.reduction_factor)
     if s.type == "pbt":
+        # Synchronous: the population is ranked once every trial has reached the interval, so every
+        # trial ranked in the upper quantile holds a checkpoint (a trial waiting for the others is
+        # paused with its newest pointer). Tune's asynchronous PBT gives a trial a checkpoint only if
+        # it ranked in the upper quantile when it itself reached the interval, and skips an exploit
+        # from a donor that ranked first, alone ("Skip exploit"). Pausing a proxy pauses no job.
         return PopulationBasedTraining(time_attr="step", perturbation_interval=s.perturbation_interval_steps,
                                        hyperparam_mutations=pbt_mutations(spec), quantile_fraction=s.quantile_fraction,
-                                       resample_probability=s.resample_probability)
+                                       resample_probability=s.resample_probability, synch=True)
     return FIFOScheduler()
 
 
@@ -574,8 +588,11 @@ class SweepRunner:
         if log_path:
             handler = logging.FileHandler(log_path)
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            logging.getLogger("raytrain_sys").addHandler(handler)
-            logging.getLogger("raytrain_sys").setLevel(logging.INFO)
+            # Ours, and Tune's schedulers' decisions (PBT's exploits, or a "Skip exploit" of a
+            # trial with no checkpoint): what the sweep's log is read for.
+            for name in ("raytrain_sys", "ray.tune.schedulers"):
+                logging.getLogger(name).addHandler(handler)
+                logging.getLogger(name).setLevel(logging.INFO)
         self.sweep_id = sweep_id
         self._error = ""
         self._done = threading.Event()
