@@ -234,7 +234,9 @@ class CheckpointSpec:
     every_steps: int = 100  # 0 = only on clean exit
     keep_last: int = 3  # older complete checkpoints are deleted; the newest never is
     s3_endpoint_url: str = ""  # "" uses AWS_ENDPOINT_URL or AWS's default
-    resume_from: str = ""  # "" = fresh start, "latest" = newest complete in uri, or a URI
+    # "" = fresh start, "latest" = newest complete in uri, or a URI (another run's checkpoint: its
+    # state is saved in this run's own root before the first step, so this run never needs it again)
+    resume_from: str = ""
     save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
     # resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of
     # another size than its manifest says) or its load (a file of another sha256): "fail" names
@@ -252,10 +254,10 @@ class CheckpointSpec:
     # uploads it from there (the snapshot's memory is freed once the file is on disk; for slow
     # object stores); "" = upload from memory
     stage_dir: str = ""
-    # optim fields this run may hold other values of than the checkpoint it resumes from (a PBT
-    # exploit: the donor trial's checkpoint, continued with mutated values); only those a resume
-    # takes from the spec at every step (RESUME_CHANGEABLE), never the model, the data or the
-    # optimizer's own state. [] = every training field as the checkpoint's (training_hash)
+    # fields this run may hold other values of than the checkpoint it resumes from (a PBT exploit:
+    # the donor trial's checkpoint, continued with mutated values): optim.lr, optim.min_lr_ratio,
+    # optim.warmup_steps, optim.grad_clip only, which a resume reads from the spec at every step;
+    # [] = every training field as the checkpoint's
     resume_changes: list = field(default_factory=list)
 
 

@@ -9,11 +9,18 @@ reconciler writes the sweep's start and its runner's restarts (``ensure_runners`
 
 * **A trial is a proxy** that needs no CPU (a 1 MiB memory bundle: Tune will not run a trial of no
   resource, and a fraction of a CPU would take a worker slot's CPU from the cluster). It submits
-  its job (``(sweep, trial)`` unique: a trial driven again re-attaches to its job), follows the
-  job's evaluations in MLflow and reports each as ``step`` (the committed step: the schedulers'
-  ``time_attr``) with the metric and the job's newest committed checkpoint step. The job trains,
+  its job (``(sweep, trial, segment)`` unique: a trial driven again re-attaches to its job),
+  follows the job's evaluations in MLflow and reports each as ``step`` (the committed step: the
+  schedulers' ``time_attr``) with the metric, and as Tune's checkpoint a pointer to the job's
+  committed checkpoint of that step (``Pointer``: a small JSON file, never a copy of the model).
+  The job trains,
   shrinks, grows, pauses and recovers as any service job: a lost worker is the job's business,
   never a trial error, and the trial keeps training while the sweep's runner is down.
+* **PBT's exploit is a new segment**: Tune restarts an exploited trial's proxy with its donor's
+  pointer; the proxy cancels the trial's job and submits the trial's next segment, a job of its
+  own that starts from the donor's committed checkpoint with the mutated values
+  (``segment_plan``; ``trial_spec``); the segment's MLflow run is tagged with its donor. PBT runs
+  synchronous, so that every trial it ranks holds a checkpoint (``make_scheduler``).
 * **Tune's stop is a service action**: when a trial ends while its job is live (ASHA stopped it,
   or its proxy failed) the job is cancelled, or paused and held with ``keep_stopped``; the
   next scheduling pass gives its workers to the next trial or grows the survivors. Each rung a
