@@ -241,14 +241,12 @@ def _end_exploited(store: Store, sweep_id: int, plan: SegmentPlan) -> None:
         log.info("job %d: %s", plan.end_job, exc)
 
 
-def job_checkpoint(job: JobRecord, step: int, s3_endpoint_url: str = ""):
-    """The job's newest committed checkpoint at ``step`` or before (CheckpointInfo), None
-    before its first."""
+def newest_checkpoint(root: str, step: int, s3_endpoint_url: str = ""):
+    """The newest committed checkpoint (CheckpointInfo) at ``step`` or before in the checkpoint
+    root ``root``, None before the first."""
     from raytrain_sys.checkpoint.checkpointer import Checkpointer
     from raytrain_sys.checkpoint.store import open_store
-    from raytrain_sys.service.reconciler import checkpoint_root
 
-    root = checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
     if not root:
         return None
     done = [c for c in Checkpointer(open_store(root, s3_endpoint_url), None).list_complete() if c.step <= step]
@@ -266,6 +264,7 @@ class Reporter:
         self.store, self.spec, self.trial_id, self.plan, self.config = store, spec, trial_id, plan, config
         self.wait_s, self.sleep = wait_s, sleep
         self._marked = plan.donor is None
+        self._roots: dict[int, str] = {}  # job id -> its checkpoint root (read from its MLflow run once)
 
     def __call__(self, result: dict) -> None:
         import tempfile
@@ -286,12 +285,19 @@ class Reporter:
                 json.dump(vars(pointer), f)
             tune.report({**result, "checkpoint_step": info.step}, checkpoint=tune.Checkpoint.from_directory(tmp))
 
+    def _root(self, job: JobRecord) -> str:
+        from raytrain_sys.service.reconciler import checkpoint_root
+
+        if not self._roots.get(job.id):
+            self._roots[job.id] = checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
+        return self._roots[job.id]
+
     def _checkpoint(self, job: JobRecord, step: int):
         every = int(self.spec.base["checkpoint"]["every_steps"])
         s3 = self.spec.base["checkpoint"]["s3_endpoint_url"]
         deadline = time.monotonic() + self.wait_s
         while True:
-            info = job_checkpoint(job, step, s3)
+            info = newest_checkpoint(self._root(job), step, s3)
             if (info is not None and info.step == step) or not every or step % every or job.state.terminal \
                     or time.monotonic() > deadline:
                 return info
