@@ -234,7 +234,9 @@ class CheckpointSpec:
     every_steps: int = 100  # 0 = only on clean exit
     keep_last: int = 3  # older complete checkpoints are deleted; the newest never is
     s3_endpoint_url: str = ""  # "" uses AWS_ENDPOINT_URL or AWS's default
-    resume_from: str = ""  # "" = fresh start, "latest" = newest complete in uri, or a URI
+    # "" = fresh start, "latest" = newest complete in uri, or a URI (another run's checkpoint: its
+    # state is saved in this run's own root before the first step, so this run never needs it again)
+    resume_from: str = ""
     save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
     # resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of
     # another size than its manifest says) or its load (a file of another sha256): "fail" names
@@ -252,6 +254,11 @@ class CheckpointSpec:
     # uploads it from there (the snapshot's memory is freed once the file is on disk; for slow
     # object stores); "" = upload from memory
     stage_dir: str = ""
+    # fields this run may hold other values of than the checkpoint it resumes from (a PBT exploit:
+    # the donor trial's checkpoint, continued with mutated values): optim.lr, optim.min_lr_ratio,
+    # optim.warmup_steps, optim.grad_clip only, which a resume reads from the spec at every step;
+    # [] = every training field as the checkpoint's
+    resume_changes: list = field(default_factory=list)
 
 
 @dataclass
@@ -398,6 +405,12 @@ class JobSpec:
 
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim")
+# The training fields a resume reads from the spec at each step rather than from the checkpoint
+# (the learning-rate schedule's and the clipping's: ``lr_at``, the step's clip), so a run may
+# resume another's checkpoint with other values of them (``checkpoint.resume_changes``). The
+# optimizer's group hyperparameters (weight_decay, betas, eps) are not: a restore loads them
+# from the checkpoint.
+RESUME_CHANGEABLE = ("optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip")
 # Ray's accelerator types (ray.util.accelerators: A10G, H100, TPU-V4...), as node labels carry them.
 ACCELERATOR_TYPE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
@@ -598,6 +611,11 @@ def validate(spec: JobSpec) -> JobSpec:
                         f"got {quote(spec.optim.lr_base_batch_size)}; optim.lr_scaling="
                         f"{spec.optim.lr_scaling} scales optim.lr from the global batch it was tuned "
                         f"for: give that batch size")
+    for changed in spec.checkpoint.resume_changes:
+        if changed not in RESUME_CHANGEABLE:
+            raise SpecError("checkpoint.resume_changes", f"got {quote(changed)}; a resume takes only "
+                                                         f"{', '.join(RESUME_CHANGEABLE)} from the spec "
+                                                         f"rather than from the checkpoint")
     if spec.optim.min_lr_ratio > 1:
         raise SpecError("optim.min_lr_ratio", f"got {quote(spec.optim.min_lr_ratio)}; must be at most 1")
     if spec.optim.warmup_steps > spec.train.max_steps:

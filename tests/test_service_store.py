@@ -55,7 +55,7 @@ def test_a_fresh_database_is_made_by_alembic_and_matches_the_tables(store_url):
 
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0006"
+        assert store.schema_revision() == migrations.head() == "0007"
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), metadata)
         assert diff == [], f"tables.py and the migrations differ: {diff}"
@@ -113,7 +113,7 @@ def test_a_database_at_0003_is_upgraded_and_its_jobs_wait_without_a_reason_until
     engine.dispose()
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0006"
+        assert store.schema_revision() == migrations.head() == "0007"
         waits, starts = store.jobs()
         assert [(j.name, j.state, j.wait_cause, j.wait_reason, j.start_returns) for j in (waits, starts)] == [
             ("waits", JobState.QUEUED, None, None, 0), ("starts", JobState.STARTING, None, None, 0)]
@@ -581,7 +581,7 @@ def test_a_database_at_0004_is_upgraded_keeping_its_teams_jobs_and_decisions(sto
     engine.dispose()
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0006"
+        assert store.schema_revision() == migrations.head() == "0007"
         waits, runs, odd = store.jobs()
         assert (waits.shape.cpu, waits.shape.market, waits.flavor) == (2.0, "spot", None)
         assert (runs.shape.cpu, runs.shape.market, runs.state, runs.workers) == (1.0, "any", JobState.RUNNING, 2)
@@ -647,3 +647,42 @@ def test_a_submit_whose_shape_fits_no_flavor_names_the_field(store, shape, field
                      capacity={"spot-cpu": {"cpu": 8.0, "gpu": 2.0}})
     assert err.value.field == field and words in str(err.value), str(err.value)
     assert store.jobs() == []
+
+
+def test_a_database_at_0006_is_upgraded_its_trials_jobs_segment_0_and_a_trial_takes_more_segments(store_url):
+    """A store of the revision before trial segments, with a sweep and its trial's job: the job
+    is the trial's segment 0; the trial may then take a segment 1 (a PBT exploit), and each
+    segment submitted again is found, not made twice."""
+    from alembic import command
+
+    engine = create_engine(store_url)
+    with engine.begin() as conn:
+        command.upgrade(migrations.config(conn), "0006")
+        conn.execute(metadata.tables["teams"].insert().values(
+            name="a", nominal_workers=2, weight=1.0, created_at_s=1.0, updated_at_s=1.0))
+        sweep_id = conn.execute(metadata.tables["sweeps"].insert().values(
+            team="a", name="s", spec="{}", priority=0, state="running", storage_path="/tmp", runner_restarts=0,
+            submitted_at_s=1.0, updated_at_s=1.0, message="submitted").returning(
+            metadata.tables["sweeps"].c.id)).scalar_one()
+        conn.execute(jobs.insert().values(
+            team="a", name="trial", spec="{}", priority=0, state="running", held=False, min_workers=1, max_workers=1,
+            elastic=False, workers=1, target_workers=1, restarts=0, submitted_at_s=1.0, waiting_since_s=1.0,
+            updated_at_s=1.0, message="submitted", sweep_id=sweep_id, trial_id="t1"))
+    engine.dispose()
+    store = Store.open(store_url)
+    try:
+        assert store.schema_revision() == migrations.head() == "0007"
+        [old] = store.trials(sweep_id)
+        assert (old.trial_id, old.segment, old.state) == ("t1", 0, JobState.RUNNING)
+
+        def submit(segment: int):
+            return store.submit(team="a", name="trial", spec="{}", min_workers=1, actor="sweep",
+                                sweep_id=sweep_id, trial_id="t1", segment=segment)
+
+        assert submit(0).id == old.id  # re-attaches, as before
+        second = submit(1)
+        assert second.id != old.id and second.segment == 1
+        assert submit(1).id == second.id
+        assert [(j.trial_id, j.segment) for j in store.trials(sweep_id)] == [("t1", 0), ("t1", 1)]
+    finally:
+        store.close()

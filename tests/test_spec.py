@@ -140,10 +140,12 @@ def test_any_json_value_in_any_field_is_a_spec_error_naming_a_field_or_a_valid_s
     ({"resources": {"accelerator_type": "A 10", "gpus_per_worker": 1}}, "resources.accelerator_type",
      "Ray's accelerator type"),
     ({"resources": {"memory_per_worker_gb": -1}}, "resources.memory_per_worker_gb", "must be 0 or more"),
+    ({"checkpoint": {"resume_changes": ["optim.weight_decay"]}}, "checkpoint.resume_changes",
+     "a resume takes only optim.lr"),
 ], ids=["an integer past 64 bits", "a number past a float", "infinity", "data where an import path goes",
         "a list where a task goes", "a name on two lines", "a 10,000-character unknown key, quoted short",
         "a market Ray's labels do not name", "a GPU type without GPUs", "a GPU type no label could carry",
-        "negative memory"])
+        "negative memory", "a resume change the checkpoint's optimizer state would undo"])
 def test_values_no_run_could_use_are_refused_naming_the_field(raw, field, words):
     with pytest.raises(SpecError) as err:
         from_dict(raw)

@@ -68,8 +68,12 @@ REFUSALS = [
      "base.checkpoint.every_steps", "committed checkpoint"),
     ("PBT's interval between checkpoints", with_(scheduler={"type": "pbt", "perturbation_interval_steps": 7}),
      "scheduler.perturbation_interval_steps", "multiple of base.checkpoint.every_steps"),
-    ("a valid PBT sweep, until its exploit from a checkpoint is built", with_(scheduler="pbt"),
-     "scheduler", "pbt is not available yet"),
+    ("PBT mutating a field a resume takes from the checkpoint",
+     with_(scheduler="pbt", space={"optim.lr": {"loguniform": [1e-4, 1e-2]}, "optim.weight_decay": {"uniform": [0, 0.1]}}),
+     "space.optim.weight_decay", "make it a grid"),
+    ("PBT mutating the model", with_(scheduler="pbt", space={"optim.lr": {"loguniform": [1e-4, 1e-2]},
+                                                             "model.n_layer": {"choice": [1, 2]}}),
+     "space.model.n_layer", "an exploit continues the donor's checkpoint"),
     ("a worker cap below one trial", with_(max_workers=0), "max_workers", "one trial's size"),
     ("a base spec field out of range", with_(base=base_with("train", max_steps=-1)), "base.train.max_steps", ""),
     ("zero samples", with_(num_samples=0), "num_samples", "1..1000"),
@@ -300,3 +304,99 @@ def test_the_parent_run_holds_a_plot_of_every_trials_curve_with_the_best_drawn_b
     with open(client.download_artifacts(run_id, "sweep_curves.png", str(tmp_path)), "rb") as png:
         assert png.read(8) == b"\x89PNG\r\n\x1a\n"
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_a_pbt_sweep_is_accepted_and_its_segments_start_from_their_donors_checkpoint():
+    """PBT mutates what a resume takes from the spec (lr) and any field outside the training
+    settings (eval.max_rows); grids are cloned with the donor. A segment's job runs in a
+    directory of its own and resumes the donor's checkpoint with its mutated fields allowed."""
+    raw = with_(scheduler={"type": "pbt", "quantile_fraction": 0.5},
+                space={"optim.lr": {"loguniform": [1e-4, 1e-2]}, "eval.max_rows": {"choice": [8, 16]},
+                       "optim.weight_decay": {"grid": [0.0, 0.1]}})
+    sweep = parse_sweep(raw, base_dir="/tmp")
+    assert (sweep.scheduler.type, sweep.scheduler.perturbation_interval_steps, sweep.scheduler.quantile_fraction) == \
+        ("pbt", 5, 0.5)  # the interval defaults to the base's checkpoint interval
+    assert sweep_from_dict(json.loads(json.dumps(sweep.to_dict()))) == sweep
+    first = trial_spec(sweep, {"optim.lr": 0.004}, 7, "t1")
+    assert first["checkpoint"]["resume_from"] == "" and first["checkpoint"]["resume_changes"] == []
+    donor = "/runs/sweep-7/t2/tiny/checkpoints/step_00000010"
+    seg = trial_spec(sweep, {"optim.lr": 0.005}, 7, "t1", segment=2, donor_checkpoint=donor)
+    assert seg["checkpoint"]["resume_from"] == donor and seg["checkpoint"]["resume_changes"] == ["optim.lr"]
+    assert seg["output_dir"] == first["output_dir"] + "/segment-2" and seg["name"] == "tiny-t1-s2"
+    assert seg["optim"]["lr"] == 0.005
+
+
+def test_a_checkpoint_resumes_with_the_changes_its_spec_allows_and_no_others():
+    from raytrain_sys.checkpoint.checkpointer import CheckpointInfo
+    from raytrain_sys.control.supervisor.checkpoints import check_compatible
+    from raytrain_sys.errors import CheckpointError
+    from raytrain_sys.spec import from_dict
+
+    donor = from_dict({"optim": {"lr": 1e-3}})
+    info = CheckpointInfo("/c/step_00000010", 10, {"training_hash": donor.training_hash(),
+                                                    "spec": donor.plain_dict()})
+    with pytest.raises(CheckpointError, match="optim.lr"):  # a changed lr, not allowed
+        check_compatible(from_dict({"optim": {"lr": 2e-3}}), info)
+    check_compatible(from_dict({"optim": {"lr": 2e-3}, "checkpoint": {"resume_changes": ["optim.lr"]}}), info)
+    with pytest.raises(CheckpointError, match="optim.weight_decay"):  # allowed lr, but weight decay changed too
+        check_compatible(from_dict({"optim": {"lr": 2e-3, "weight_decay": 0.5},
+                                    "checkpoint": {"resume_changes": ["optim.lr"]}}), info)
+
+
+def _job(job_id: int, segment: int, state: JobState = JobState.RUNNING, resume_from: str = ""):
+    from raytrain_sys.service.model import JobRecord
+
+    return JobRecord(id=job_id, team="a", name="t", spec=json.dumps({"checkpoint": {"resume_from": resume_from}}),
+                     priority=0, state=state, held=False, min_workers=1, max_workers=1, elastic=False, workers=1,
+                     target_workers=1, restarts=0, mlflow_run_id=None, last_checkpoint_step=None,
+                     last_checkpoint_at_s=None, submitted_at_s=0.0, waiting_since_s=0.0, started_at_s=None,
+                     updated_at_s=0.0, message="", sweep_id=1, trial_id="a", segment=segment)
+
+
+def _pointer(trial: str, step: int):
+    from raytrain_sys.sweeps.runner import Pointer
+
+    return Pointer(trial, 0, 9, step, f"/runs/{trial}/checkpoints/step_{step:08d}")
+
+
+SEGMENT_PLANS = [
+    ("a new trial submits its first segment", None, None, (0, None, None, False)),
+    ("a trial driven again before its first report re-attaches", None, _job(4, 0), (0, None, None, False)),
+    ("a trial restored with its own checkpoint re-attaches to its newest segment", _pointer("a", 6), _job(5, 1),
+     (1, None, None, False)),
+    ("an exploit ends the live segment and starts the next from the donor's checkpoint", _pointer("b", 6),
+     _job(4, 0), (1, "b", 4, True)),
+    ("an exploit of a trial whose segment ended ends nothing", _pointer("b", 6), _job(4, 0, JobState.CANCELLED),
+     (1, "b", None, True)),
+    ("a proxy driven again after an exploit re-attaches to the segment it started", _pointer("b", 6),
+     _job(5, 1, resume_from="/runs/b/checkpoints/step_00000006"), (1, "b", None, False)),
+    ("a second exploit from another checkpoint starts a third segment", _pointer("b", 12),
+     _job(5, 1, resume_from="/runs/b/checkpoints/step_00000006"), (2, "b", 5, True)),
+    ("an exploit from a donor at the last step has nothing to train: the newest segment", _pointer("b", 20),
+     _job(4, 0, JobState.FINISHED), (0, None, None, False)),
+]
+
+
+@pytest.mark.parametrize("pointer, newest, expected", [c[1:] for c in SEGMENT_PLANS], ids=[c[0] for c in SEGMENT_PLANS])
+def test_the_segment_a_trials_proxy_follows(pointer, newest, expected):
+    from raytrain_sys.sweeps.runner import segment_plan
+
+    plan = segment_plan("a", pointer, newest, max_steps=20)
+    assert (plan.segment, plan.donor.trial_id if plan.donor else None, plan.end_job, plan.new) == expected
+
+
+CURVES = [
+    ("one segment: its curve", [(0, [(3, 4.0), (6, 3.5)])], [(3, 4.0), (6, 3.5)]),
+    ("an exploit at step 6: the first segment up to 6, then the clone's",
+     [(0, [(3, 4.0), (6, 3.9), (9, 3.8)]), (6, [(9, 3.1), (12, 3.0)])], [(3, 4.0), (6, 3.9), (9, 3.1), (12, 3.0)]),
+    ("a segment exploited before it logged anything", [(0, [(3, 4.0)]), (3, []), (3, [(6, 3.0)])],
+     [(3, 4.0), (6, 3.0)]),
+]
+
+
+@pytest.mark.parametrize("segments, curve", [c[1:] for c in CURVES], ids=[c[0] for c in CURVES])
+def test_a_trials_curve_across_its_segments(segments, curve):
+    from raytrain_sys.sweeps.runner import checkpoint_step_of, trial_curve
+
+    assert trial_curve(segments) == curve
+    assert [checkpoint_step_of(u) for u in ("", "/c/step_00000012", "s3://b/c/step_00000003/")] == [0, 12, 3]

@@ -508,3 +508,117 @@ def test_raytrain_sys_sweep_refuses_a_bad_sweep_file_naming_the_field(tmp_path, 
     assert err.startswith("raytrain-sys: error: field 'space.optim.lrr': ") and "\n" not in err, err
     assert "did you mean 'lr'" in err
     assert not (tmp_path / "runs").exists()  # no store, no run
+
+
+def job_summary(job) -> dict:
+    """summary.json of the job's run (in its spec's output_dir; a segment's is its own)."""
+    import glob
+
+    out = json.loads(job.spec)["output_dir"]
+    runs = [p for p in glob.glob(os.path.join(out, "*", "summary.json")) if not os.path.islink(os.path.dirname(p))]
+    assert len(runs) == 1, (job.id, runs)
+    with open(runs[0]) as f:
+        return json.load(f)
+
+
+def eval_at(job, step: int) -> float | None:
+    return dict(mlflow_history(job, "eval_loss")).get(step) if job.mlflow_run_id else None
+
+
+def test_a_pbt_exploit_starts_the_next_segment_from_the_donors_committed_checkpoint(ray_cluster, tiny_dataset,
+                                                                                     tmp_path, gates):
+    """Four PBT trials of one worker each (11 steps, evaluated and checkpointed every 3, perturbed
+    at 6, half the population in each quantile). Once all four have reported step 6, PBT ranks
+    them and exploits the lower two; their jobs (held at step 7) are cancelled and each
+    trial's next segment, a job of its own, starts from its donor's committed checkpoint with the
+    mutated lr: the clone's parameters at its first step (the state its workers saved at the
+    start) equal the donor's checkpoint tensor for tensor. Tune never skips an exploit; every
+    job trains each step once and reads its data on from the checkpoint's position; a segment's
+    MLflow run is a child of the sweep's, tagged with its donor; the trial's curve runs across
+    its segments."""
+    from tests.helpers import assert_params_equal, final_params
+
+    db = tmp_path / "service.db"
+    base = base_spec(tmp_path, tiny_dataset)
+    base["train"]["max_steps"] = 11  # one perturbation (at 6; at 12 there would be another)
+    base["checkpoint"]["keep_last"] = 10  # a donor's checkpoint outlives the exploits of this short sweep
+    base["elastic"] = {"min_workers": 0, "max_workers": 0}
+    sweep = {"name": "pbt", "base": base, "metric": "eval_loss", "mode": "min", "num_samples": 4,
+             "space": {"optim.lr": {"loguniform": [1e-5, 3e-2]}},
+             "scheduler": {"type": "pbt", "perturbation_interval_steps": 6, "quantile_fraction": 0.5,
+                           "resample_probability": 0.0}}
+    for job_id in (1, 2, 3, 4):
+        gates.hold(job_id, 7)  # no first segment finishes before the exploits' cancels land (at 9)
+    with running_service(db, gates) as svc:
+        ray.get(svc.add_team.remote("a", 4))
+        record = ray.get(svc.submit_sweep.remote("a", sweep))
+        log_path = tmp_path / "raytrain-sys-logs" / f"sweep-{record['id']}.log"
+        store = Store.open(f"sqlite:///{db}")
+        try:
+            exploited_ids = wait_for(lambda: (lambda ids: ids if len(ids) == 2 else None)(
+                [t.id for t in store.trials(record["id"]) if t.state is JobState.CANCELLING]),
+                "PBT's exploits ending the lower half's jobs")
+            for j in exploited_ids:
+                runner_heard(tmp_path, j, "cancel")  # else its step loop may end the run first
+            for j in (1, 2, 3, 4):
+                gates.go(j, 7)
+            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
+            done = store.sweep(record["id"])
+            trials = store.trials(record["id"])
+        finally:
+            store.close()
+    sweep_log = log_path.read_text()
+    assert done.state is SweepState.FINISHED, done.message
+    assert "Skip exploit" not in sweep_log
+    assert "[Exploit] Cloning trial" in sweep_log
+    exploited = store_job = next(t for t in trials if t.id == exploited_ids[0])
+    for job in (t for t in trials if t.id in exploited_ids):
+        assert job.state is JobState.CANCELLED and "exploited by PBT" in job.message, job.message
+    segments = [t for t in trials if t.segment > 0]
+    assert sorted(s.trial_id for s in segments if s.segment == 1) == \
+        sorted(t.trial_id for t in trials if t.id in exploited_ids), [(t.id, t.trial_id, t.segment) for t in trials]
+    from mlflow import MlflowClient
+
+    from raytrain_sys.sweeps.runner import checkpoint_step_of, resumed_from, spec_of, trial_table
+    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.tracking import mlflow_tracker as mt
+
+    client = MlflowClient(tracking_uri(spec_of(done)))
+    gbs = base["train"]["global_batch_size"]
+    for seg in segments:
+        donor_uri = resumed_from(seg)
+        start = checkpoint_step_of(donor_uri)
+        summary = job_summary(seg)
+        # The clone at its first step: the state its workers saved at the start (in its own root)
+        # is the donor's checkpoint, tensor for tensor.
+        own = next(c for c in summary["checkpoints"] if c["step"] == start)
+        assert os.path.dirname(own["uri"].rstrip("/")) != os.path.dirname(donor_uri.rstrip("/"))
+        assert_params_equal(final_params(own["uri"]), final_params(donor_uri))
+        run = client.get_run(seg.mlflow_run_id)
+        assert run.data.tags[mt.TAG_PARENT_RUN] == done.mlflow_parent_run_id
+        assert run.data.tags[mt.TAG_DONOR_STEP] == str(start) and run.data.tags[mt.TAG_DONOR_CHECKPOINT] == donor_uri
+        donor_trial = run.data.tags[mt.TAG_DONOR_TRIAL]
+        assert donor_trial != seg.trial_id and donor_uri.split("/sweep-")[1].split("/")[1] == donor_trial
+        lr = json.loads(seg.spec)["optim"]["lr"]
+        assert [(m.step, m.value) for m in client.get_metric_history(seg.mlflow_run_id, "optim.lr")] == [(start, lr)]
+        assert min(step for step, _ in mlflow_history(seg, "eval_loss")) > start  # it evaluates after its start
+    # Every job trained each of its steps once, its data read on from where its start left it.
+    for job in trials:
+        summary = job_summary(job)
+        assert summary["steps_redone"] == 0, (job.id, summary["steps_redone"])
+        assert summary["data_cursor"] == summary["committed_steps"] * gbs, (job.id, summary["data_cursor"])
+    assert all(t.state in (JobState.FINISHED, JobState.CANCELLED) for t in trials)
+    # The exploited trial's curve: its first job's up to the donor's step, then its segment's.
+    spec = spec_of(done)
+    store = Store.open(f"sqlite:///{db}")
+    try:
+        row = next(r for r in trial_table(store, done.id, spec) if r["trial"] == exploited.trial_id)
+    finally:
+        store.close()
+    first_seg = min((s for s in segments if s.trial_id == exploited.trial_id), key=lambda s: s.segment)
+    start = checkpoint_step_of(resumed_from(first_seg))
+    assert [p for p in row["curve"] if p[0] <= start] == [p for p in mlflow_history(store_job, "eval_loss")
+                                                           if p[0] <= start]
+    newest = max((t for t in trials if t.trial_id == exploited.trial_id), key=lambda t: t.segment)
+    assert row["curve"][-1] == mlflow_history(newest, "eval_loss")[-1] and len(row["segments"]) >= 2
+    assert row["job"] == newest.id and row["config"]["optim.lr"] == json.loads(newest.spec)["optim"]["lr"]

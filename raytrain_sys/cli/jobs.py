@@ -200,7 +200,8 @@ def _status(args: argparse.Namespace) -> int:
                        ("waits on", f"{job['wait_cause']} since {_when(job['wait_cause_since_s'])} "
                                     f"({_age(job['wait_cause_since_s'])} ago)")]
     if job.get("sweep_id") is not None:
-        fields.insert(3, ("trial", f"{job['trial_id']} of sweep {job['sweep_id']}, rung {job['rung']} "
+        segment = f", segment {job['segment']}" if job.get("segment") else ""
+        fields.insert(3, ("trial", f"{job['trial_id']} of sweep {job['sweep_id']}, rung {job['rung']}{segment} "
                                    f"(raytrain-sys sweeps status {job['sweep_id']})"))
     if job.get("start_returns"):
         fields.append(("starts given up", f"{job['start_returns']} in a row (the transitions say why)"))

@@ -75,8 +75,8 @@ def _print_sweep(sweep: dict) -> None:
     for key, value in fields:
         print(f"{key:<{width}}  {value}")
     print()
-    _table(("TRIAL", "JOB", "STATE", "WORKERS", "RUNG", "CHECKPOINT"),
-           [(t["trial_id"], t["job_id"], t["state"], t["workers"], t["rung"],
+    _table(("TRIAL", "SEGMENT", "JOB", "STATE", "WORKERS", "RUNG", "CHECKPOINT"),
+           [(t["trial_id"], t.get("segment", 0), t["job_id"], t["state"], t["workers"], t["rung"],
              "-" if t["last_checkpoint_step"] is None else t["last_checkpoint_step"]) for t in sweep["trials"] or []])
 
 

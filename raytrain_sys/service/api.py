@@ -239,6 +239,9 @@ class JobOut(BaseModel):
     trial_id: Optional[str] = Field(None, description="its trial's id within that sweep")
     rung: int = Field(0, description="the sweep scheduler's rungs the trial passed (it grows before trials that "
                                      "passed fewer); 0 for other jobs")
+    segment: int = Field(0, description="the trial's PBT segment: 0, one more each time PBT exploited the trial "
+                                        "(its job ended, this one started from the donor's checkpoint); 0 for "
+                                        "other jobs")
     spec: Optional[str] = Field(None, description="the validated spec as stored: JSON text, local paths absolute (GET /v1/jobs/{id} only)")
 
     @classmethod
@@ -260,6 +263,8 @@ class TrialOut(BaseModel):
     state: JobState
     workers: int
     rung: int = Field(description="the sweep scheduler's rungs it passed (it grows first)")
+    segment: int = Field(0, description="its PBT segment: a trial exploited by PBT has one job per segment, "
+                                        "the newest live, the earlier ones cancelled")
     last_checkpoint_step: Optional[int]
 
 

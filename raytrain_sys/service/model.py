@@ -600,6 +600,7 @@ class JobRecord:
     sweep_id: Optional[int] = None
     trial_id: Optional[str] = None
     rung: int = 0  # the sweep scheduler's rungs the trial passed (its sweep runner writes it): growth order
+    segment: int = 0  # the trial's PBT segment (migration 0007): 0, and one more each time it was exploited
 
     @property
     def shape(self) -> WorkerShape:

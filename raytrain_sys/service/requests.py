@@ -184,11 +184,12 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
            overrides: Optional[list[str]] = None, cluster_workers: Optional[int] = None,
            idempotency_key: Optional[str] = None, base_dir: Optional[str] = None,
            package: Optional[str] = None, capacity: Optional[dict[str, dict[str, float]]] = None,
-           sweep_id: Optional[int] = None, trial_id: Optional[str] = None) -> JobRecord:
+           sweep_id: Optional[int] = None, trial_id: Optional[str] = None, segment: int = 0) -> JobRecord:
     """Queue a job (see the module docstring), with the code package ``package`` (a sha256 the
     team uploaded, ``packages.py``) when given. ``capacity``: each flavor's ceiling (the service's
     ``flavor_capacity``), else ``cluster_workers`` without a flavor table. A sweep's trial names
-    its ``sweep_id`` and ``trial_id`` (a trial submitted again gets its job back). A refusal raises
+    its ``sweep_id``, ``trial_id`` and ``segment`` (a trial's segment submitted again gets its job
+    back). A refusal raises
     ``ServiceInputError`` naming the field; nothing but the audit row is written."""
     try:
         parsed = parse_spec(spec, base_dir, overrides)
@@ -198,7 +199,7 @@ def submit(store: Store, *, team: str, spec: Union[dict, str], by: str, priority
                                min_workers=low, max_workers=high, elastic=elastic, priority=priority, actor=by,
                                idempotency_key=idempotency_key, cluster_workers=cluster_workers,
                                package=package or None, shape=shape_of(parsed), capacity=capacity,
-                               sweep_id=sweep_id, trial_id=trial_id)
+                               sweep_id=sweep_id, trial_id=trial_id, segment=segment)
         except ServiceInputError as exc:
             if exc.field == "name" and not name:  # the spec's name: the store's bounds are the spec's too
                 raise ServiceInputError("spec.name", str(exc).split(": ", 1)[-1]) from None

@@ -327,7 +327,7 @@ class Store:
                idempotency_key: Optional[str] = None, cluster_workers: Optional[int] = None,
                package: Optional[str] = None, now_s: Optional[float] = None, shape: WorkerShape = DEFAULT_SHAPE,
                capacity: Optional[dict[str, dict[str, float]]] = None, sweep_id: Optional[int] = None,
-               trial_id: Optional[str] = None) -> JobRecord:
+               trial_id: Optional[str] = None, segment: int = 0) -> JobRecord:
         """Queue a job of workers of ``shape``. Rejects, naming the field and writing nothing: an
         unknown team, sizes out of range, a shape that fits no flavor of the table (on the spec's
         field: ``resources.market``, ``resources.accelerator_type`` or
@@ -336,8 +336,9 @@ class Store:
         the capacity: ``capacity`` per flavor and resource, or ``cluster_workers`` without a
         table), a ``package`` the team has not uploaded. A repeated ``idempotency_key`` of the same
         team returns the job it created first. A sweep's trial (``sweep_id`` and ``trial_id``, given
-        together) of a live sweep of the same team: the trial's job when it has one already (a
-        trial driven again re-attaches), else a new one."""
+        together, and its ``segment``: 0, one more after each PBT exploit) of a live sweep of the
+        same team: that segment's job when it has one already (a trial driven again re-attaches),
+        else a new one."""
         if (sweep_id is None) != (trial_id is None):
             raise ValueError("a trial names both its sweep_id and its trial_id")
         max_workers = min_workers if max_workers is None else max_workers
@@ -363,7 +364,7 @@ class Store:
                     if row is not None:
                         return _job(row)
                 if sweep_id is not None:
-                    row = self._trial_row(conn, sweep_id, trial_id)
+                    row = self._trial_row(conn, sweep_id, trial_id, segment)
                     if row is not None:
                         return _job(row)
                     _check_trial_sweep(conn, sweep_id, team)
@@ -375,6 +376,7 @@ class Store:
                     updated_at_s=now, message="submitted", idempotency_key=idempotency_key, package=package,
                     cpus_per_worker=shape.cpu, gpus_per_worker=shape.gpu, memory_per_worker_gb=shape.memory_gb,
                     accelerator=shape.accelerator, market=shape.market, sweep_id=sweep_id, trial_id=trial_id,
+                    segment=segment,
                 ).returning(jobs.c.id)).scalar_one()
                 conn.execute(insert(transitions).values(job_id=job_id, from_state=None, to_state=JobState.QUEUED.value,
                                                         at_s=now, actor=actor, reason="submitted"))
@@ -382,7 +384,7 @@ class Store:
         except IntegrityError:  # the same idempotency key (or trial), submitted at the same moment elsewhere
             if sweep_id is not None:
                 with self._tx() as conn:
-                    row = self._trial_row(conn, sweep_id, trial_id)
+                    row = self._trial_row(conn, sweep_id, trial_id, segment)
                 if row is None:
                     raise
                 return _job(row)
@@ -727,8 +729,9 @@ class Store:
                                 .values(rung=int(rung))).rowcount == 1
 
     @staticmethod
-    def _trial_row(conn: Connection, sweep_id: int, trial_id: Optional[str]):
-        return conn.execute(select(jobs).where(jobs.c.sweep_id == sweep_id, jobs.c.trial_id == trial_id)).first()
+    def _trial_row(conn: Connection, sweep_id: int, trial_id: Optional[str], segment: int):
+        return conn.execute(select(jobs).where(jobs.c.sweep_id == sweep_id, jobs.c.trial_id == trial_id,
+                                               jobs.c.segment == segment)).first()
 
     # ------------------------------------------------------------------ audit
 
@@ -932,4 +935,5 @@ def _job(row) -> JobRecord:
                      wait_cause_since_s=row.wait_cause_since_s, start_returns=row.start_returns,
                      cpus_per_worker=row.cpus_per_worker, gpus_per_worker=row.gpus_per_worker,
                      memory_per_worker_gb=row.memory_per_worker_gb, accelerator=row.accelerator, market=row.market,
-                     flavor=row.flavor, sweep_id=row.sweep_id, trial_id=row.trial_id, rung=row.rung)
+                     flavor=row.flavor, sweep_id=row.sweep_id, trial_id=row.trial_id, rung=row.rung,
+                     segment=row.segment)

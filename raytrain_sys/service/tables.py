@@ -85,8 +85,12 @@ jobs = Table(
     Column("sweep_id", Integer, ForeignKey("sweeps.id"), nullable=True),
     Column("trial_id", String(64), nullable=True),
     Column("rung", Integer, nullable=False, server_default="0"),  # rungs the trial passed: it grows first
+    # The trial's segment (migration 0007): 0, then one more each time PBT exploits the trial (its
+    # job ended, the next started from the donor's checkpoint); (sweep_id, trial_id, segment)
+    # unique, so that a proxy driven again re-attaches to its segment's job.
+    Column("segment", Integer, nullable=False, server_default="0"),
     UniqueConstraint("team", "idempotency_key"),
-    UniqueConstraint("sweep_id", "trial_id"),
+    UniqueConstraint("sweep_id", "trial_id", "segment"),
     Index(None, "state"),
 )
 

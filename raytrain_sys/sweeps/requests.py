@@ -147,5 +147,6 @@ def sweep_dict(sweep: SweepRecord, trials: Optional[list] = None) -> dict[str, A
     out["spec"] = json.loads(sweep.spec)
     if trials is not None:
         out["trials"] = [{"job_id": j.id, "trial_id": j.trial_id, "state": j.state.value, "workers": j.workers,
-                          "rung": j.rung, "last_checkpoint_step": j.last_checkpoint_step} for j in trials]
+                          "rung": j.rung, "segment": j.segment, "last_checkpoint_step": j.last_checkpoint_step}
+                         for j in trials]
     return out

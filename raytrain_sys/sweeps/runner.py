@@ -9,11 +9,18 @@ reconciler writes the sweep's start and its runner's restarts (``ensure_runners`
 
 * **A trial is a proxy** that needs no CPU (a 1 MiB memory bundle: Tune will not run a trial of no
   resource, and a fraction of a CPU would take a worker slot's CPU from the cluster). It submits
-  its job (``(sweep, trial)`` unique: a trial driven again re-attaches to its job), follows the
-  job's evaluations in MLflow and reports each as ``step`` (the committed step: the schedulers'
-  ``time_attr``) with the metric and the job's newest committed checkpoint step. The job trains,
+  its job (``(sweep, trial, segment)`` unique: a trial driven again re-attaches to its job),
+  follows the job's evaluations in MLflow and reports each as ``step`` (the committed step: the
+  schedulers' ``time_attr``) with the metric, and as Tune's checkpoint a pointer to the job's
+  committed checkpoint of that step (``Pointer``: a small JSON file, never a copy of the model).
+  The job trains,
   shrinks, grows, pauses and recovers as any service job: a lost worker is the job's business,
   never a trial error, and the trial keeps training while the sweep's runner is down.
+* **PBT's exploit is a new segment**: Tune restarts an exploited trial's proxy with its donor's
+  pointer; the proxy cancels the trial's job and submits the trial's next segment, a job of its
+  own that starts from the donor's committed checkpoint with the mutated values
+  (``segment_plan``; ``trial_spec``); the segment's MLflow run is tagged with its donor. PBT runs
+  synchronous, so that every trial it ranks holds a checkpoint (``make_scheduler``).
 * **Tune's stop is a service action**: when a trial ends while its job is live (ASHA stopped it,
   or its proxy failed) the job is cancelled, or paused and held with ``keep_stopped``; the
   next scheduling pass gives its workers to the next trial or grows the survivors. Each rung a
@@ -30,6 +37,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import ray
@@ -105,7 +113,9 @@ def mlflow_history(job: JobRecord, metric: str) -> list[tuple[int, float]]:
 
 
 def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> None:
-    """Tune's function trainable: submit (or find) this trial's job and report its evaluations."""
+    """Tune's function trainable: submit (or find) this trial's job, or the job of its next PBT
+    segment when Tune restarted it with a donor's checkpoint (``segment_plan``), and report its
+    evaluations, each with a pointer to the job's committed checkpoint as Tune's checkpoint."""
     from ray import tune
 
     store = Store.open(db_url)
@@ -113,14 +123,204 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> Non
         sweep = store.sweep(sweep_id)
         spec = spec_of(sweep)
         trial_id = tune.get_context().get_trial_id()
+        pointer = read_pointer(tune.get_checkpoint())
+        plan = segment_plan(trial_id, pointer, newest_segment(store.trials(sweep_id), trial_id), spec.max_steps)
+        donor = plan.donor
+        if plan.new and not checkpoint_exists(donor.uri, spec):
+            raise TrialJobFailed(f"trial {trial_id} was to continue from trial {donor.trial_id}'s checkpoint "
+                                 f"{donor.uri} (step {donor.step}), which its retention deleted meanwhile: raise "
+                                 f"base.checkpoint.keep_last ({spec.base['checkpoint']['keep_last']})")
+        if plan.end_job is not None:
+            _end_exploited(store, sweep_id, plan)
         job = requests.submit(store, team=sweep.team,
-                              spec=trial_spec(spec, config, sweep_id, trial_id, sweep.mlflow_parent_run_id or ""), by=f"sweep {sweep_id}",
-                              priority=sweep.priority, name=f"{sweep.name} {trial_id}"[:200], base_dir=base_dir,
-                              sweep_id=sweep_id, trial_id=trial_id)
-        log.info("trial %s of sweep %d follows job %d", trial_id, sweep_id, job.id)
-        follow(store, job.id, spec.metric, tune.report, mlflow_history)
+                              spec=trial_spec(spec, config, sweep_id, trial_id, sweep.mlflow_parent_run_id or "",
+                                              segment=plan.segment, donor_checkpoint=donor.uri if donor else ""),
+                              by=f"sweep {sweep_id}", priority=sweep.priority,
+                              name=f"{sweep.name} {trial_id}{f' s{plan.segment}' if plan.segment else ''}"[:200],
+                              base_dir=base_dir, sweep_id=sweep_id, trial_id=trial_id, segment=plan.segment)
+        log.info("trial %s of sweep %d follows job %d (segment %d%s)", trial_id, sweep_id, job.id, plan.segment,
+                 f", from trial {donor.trial_id}'s checkpoint at step {donor.step}" if donor else "")
+        report = Reporter(store, spec, trial_id, plan, config)
+        # Tune had every result up to its checkpoint's step (a trial paused or restored goes on
+        # after it; a segment's job logs nothing before its donor's step).
+        seen = pointer.step if pointer is not None and (donor is not None or pointer.trial_id == trial_id) else 0
+        follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen)
     finally:
         store.close()
+
+
+# ----------------------------------------------------------------------------- PBT's segments
+
+
+POINTER_FILE = "raytrain_sys_checkpoint.json"
+# How long a report at a checkpoint step waits for that checkpoint to be committed (an evaluation
+# and the checkpoint of one step land at the same boundary, in either order): PBT's donor then
+# names the checkpoint of the step it was ranked at.
+CHECKPOINT_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """What a trial gives Tune as its checkpoint: where its job's committed checkpoint is (our
+    checkpointer wrote it), never a copy of the model. PBT hands a donor's to the trial it
+    exploits."""
+
+    trial_id: str
+    segment: int
+    job_id: int
+    step: int
+    uri: str
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """What a trial's proxy follows: ``segment`` (submitted, or re-attached to), started from
+    ``donor`` (None: its own start or its own checkpoints), after ending ``end_job`` (the
+    trial's previous segment, still live) when not None; ``new``: a segment from a donor not
+    submitted yet."""
+
+    segment: int
+    donor: Optional[Pointer] = None
+    end_job: Optional[int] = None
+    new: bool = False
+
+
+def segment_plan(trial_id: str, pointer: Optional[Pointer], newest: Optional[JobRecord],
+                 max_steps: int) -> SegmentPlan:
+    """The segment a trial's proxy follows, from the checkpoint Tune started it with and the
+    trial's newest segment's job. No checkpoint, or the trial's own (Tune paused it, or restored
+    it after its runner was lost): its newest segment (0 when it has none). A donor's (PBT
+    exploited it): the segment already started from that checkpoint (the proxy driven again),
+    else the next one, the newest ended first; but a donor's checkpoint at ``max_steps`` has no
+    step left to train: the newest segment."""
+    if pointer is None or pointer.trial_id == trial_id or (pointer.step >= max_steps and newest is not None):
+        return SegmentPlan(newest.segment if newest is not None else 0)
+    if newest is not None and resumed_from(newest) == pointer.uri:
+        return SegmentPlan(newest.segment, pointer)
+    if newest is None:
+        return SegmentPlan(1, pointer, new=True)
+    return SegmentPlan(newest.segment + 1, pointer, None if newest.state.terminal else newest.id, new=True)
+
+
+def resumed_from(job: JobRecord) -> str:
+    return json.loads(job.spec).get("checkpoint", {}).get("resume_from", "")
+
+
+def newest_segment(trials: list[JobRecord], trial_id: str) -> Optional[JobRecord]:
+    """The trial's job of its highest segment, None before it has one."""
+    return max((j for j in trials if j.trial_id == trial_id), key=lambda j: j.segment, default=None)
+
+
+def read_pointer(checkpoint) -> Optional[Pointer]:
+    """The pointer in a Tune checkpoint (``tune.get_checkpoint()``), None without one."""
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as path:
+        with open(os.path.join(path, POINTER_FILE)) as f:
+            return Pointer(**json.load(f))
+
+
+def checkpoint_exists(uri: str, spec: SweepSpec) -> bool:
+    from raytrain_sys.checkpoint.checkpointer import open_checkpoint
+    from raytrain_sys.errors import CheckpointError
+
+    try:
+        open_checkpoint(uri, spec.base["checkpoint"]["s3_endpoint_url"])
+        return True
+    except CheckpointError:
+        return False
+
+
+def _end_exploited(store: Store, sweep_id: int, plan: SegmentPlan) -> None:
+    donor = plan.donor
+    why = (f"exploited by PBT: its trial continues as segment {plan.segment} from trial {donor.trial_id}'s "
+           f"checkpoint at step {donor.step}")
+    try:
+        requests.cancel(store, plan.end_job, by=f"sweep {sweep_id}", reason=why)
+    except JobStateConflict as exc:  # it ended or is ending meanwhile
+        log.info("job %d: %s", plan.end_job, exc)
+
+
+def newest_checkpoint(root: str, step: int, s3_endpoint_url: str = ""):
+    """The newest committed checkpoint (CheckpointInfo) at ``step`` or before in the checkpoint
+    root ``root``, None before the first."""
+    from raytrain_sys.checkpoint.checkpointer import Checkpointer
+    from raytrain_sys.checkpoint.store import open_store
+
+    if not root:
+        return None
+    done = [c for c in Checkpointer(open_store(root, s3_endpoint_url), None).list_complete() if c.step <= step]
+    return max(done, key=lambda c: c.step, default=None)
+
+
+class Reporter:
+    """The proxy's ``report``: each evaluation to Tune with a pointer to the job's committed
+    checkpoint at that step (waited for up to CHECKPOINT_WAIT_S at a checkpoint step, else the
+    newest before it); a segment started from a donor's checkpoint gets its MLflow run marked
+    (donor, step, mutated values) at its first report."""
+
+    def __init__(self, store: Store, spec: SweepSpec, trial_id: str, plan: SegmentPlan, config: dict,
+                 wait_s: float = CHECKPOINT_WAIT_S, sleep: Callable[[float], None] = time.sleep):
+        self.store, self.spec, self.trial_id, self.plan, self.config = store, spec, trial_id, plan, config
+        self.wait_s, self.sleep = wait_s, sleep
+        self._marked = plan.donor is None
+        self._roots: dict[int, str] = {}  # job id -> its checkpoint root (read from its MLflow run once)
+
+    def __call__(self, result: dict) -> None:
+        import tempfile
+
+        from ray import tune
+
+        job = self.store.job(int(result["job_id"]))
+        if not self._marked:  # the first report: its run exists (it logged the evaluation)
+            mark_segment(job, self.spec, self.plan, self.config)
+            self._marked = True
+        info = self._checkpoint(job, int(result["step"]))
+        if info is None:
+            tune.report(result)
+            return
+        pointer = Pointer(self.trial_id, job.segment, job.id, info.step, info.uri)
+        with tempfile.TemporaryDirectory() as tmp:
+            with open(os.path.join(tmp, POINTER_FILE), "w") as f:
+                json.dump(vars(pointer), f)
+            tune.report({**result, "checkpoint_step": info.step}, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+    def _root(self, job: JobRecord) -> str:
+        from raytrain_sys.service.reconciler import checkpoint_root
+
+        if not self._roots.get(job.id):
+            self._roots[job.id] = checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
+        return self._roots[job.id]
+
+    def _checkpoint(self, job: JobRecord, step: int):
+        every = int(self.spec.base["checkpoint"]["every_steps"])
+        s3 = self.spec.base["checkpoint"]["s3_endpoint_url"]
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            info = newest_checkpoint(self._root(job), step, s3)
+            if (info is not None and info.step == step) or not every or step % every or job.state.terminal \
+                    or time.monotonic() > deadline:
+                return info
+            self.sleep(0.2)
+            job = self.store.job(job.id)
+
+
+def mark_segment(job: JobRecord, spec: SweepSpec, plan: SegmentPlan, config: dict) -> bool:
+    """Tag a segment's MLflow run with its donor (trial, step, checkpoint) and log its mutated
+    values as metrics at its start step; False when it has no run yet or was marked before."""
+    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.tracking import mlflow_tracker as mt
+
+    donor = plan.donor
+    if donor is None or not job.mlflow_run_id:
+        return False
+    raw = json.loads(job.spec)  # the values the segment's job runs with
+    mutated = {key: float(value) for key, d in spec.space.items() if d.kind != "grid"
+               for value in [_dotted(raw, key)] if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    return mt.mark_segment(tracking_uri(spec), job.mlflow_run_id,
+                           {mt.TAG_SEGMENT: str(plan.segment), mt.TAG_DONOR_TRIAL: donor.trial_id,
+                            mt.TAG_DONOR_STEP: str(donor.step), mt.TAG_DONOR_CHECKPOINT: donor.uri},
+                           mutated, donor.step)
 
 
 # ----------------------------------------------------------------------------- Tune's decisions
@@ -156,12 +356,12 @@ def make_callback(sweep_id: int, db_url: str):
             return {"_store": None, "_rungs": dict(self._rungs)}
 
         def _job(self, trial) -> Optional[JobRecord]:
-            for job in self.store.trials(sweep_id):
-                if job.trial_id == trial.trial_id:
-                    return job
-            return None
+            return newest_segment(self.store.trials(sweep_id), trial.trial_id)
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
+            log.info("trial %s: %s at step %s (job %s, checkpoint step %s)", trial.trial_id,
+                     {k: v for k, v in result.items() if k.startswith("eval_")}, result.get("step"),
+                     result.get("job_id"), result.get("checkpoint_step"))
             spec = spec_of(self.store.sweep(sweep_id))
             if spec.scheduler.type != "asha":
                 return
@@ -204,9 +404,14 @@ def make_scheduler(spec: SweepSpec):
         return ASHAScheduler(time_attr="step", max_t=spec.max_steps, grace_period=s.grace_period_steps,
                              reduction_factor=s.reduction_factor)
     if s.type == "pbt":
+        # Synchronous: the population is ranked once every trial has reached the interval, so every
+        # trial ranked in the upper quantile holds a checkpoint (a trial waiting for the others is
+        # paused with its newest pointer). Tune's asynchronous PBT gives a trial a checkpoint only if
+        # it ranked in the upper quantile when it itself reached the interval, and skips an exploit
+        # from a donor that ranked first, alone ("Skip exploit"). Pausing a proxy pauses no job.
         return PopulationBasedTraining(time_attr="step", perturbation_interval=s.perturbation_interval_steps,
                                        hyperparam_mutations=pbt_mutations(spec), quantile_fraction=s.quantile_fraction,
-                                       resample_probability=s.resample_probability)
+                                       resample_probability=s.resample_probability, synch=True)
     return FIFOScheduler()
 
 
@@ -307,16 +512,47 @@ def parent_run(store: Store, sweep: SweepRecord) -> SweepRecord:
 
 
 def trial_table(store: Store, sweep_id: int, spec: SweepSpec) -> list[dict]:
-    """Every trial of the sweep: its job, state, MLflow run, config and curve of the metric (each
-    evaluation its job logged, also those after Tune stopped following it: a stopped trial's
+    """Every trial of the sweep, in the order of their first jobs: its newest segment's job,
+    state, MLflow run and config (the values it ended with), its segments (job, run, the step it
+    started at) and its curve of the metric across its segments (``trial_curve``: each
+    evaluation its jobs logged, also those after Tune stopped following it: a stopped trial's
     job trains on until its cancel lands at its next boundary)."""
-    table = []
+    by_trial: dict[str, list[JobRecord]] = {}
     for job in store.trials(sweep_id):
-        raw = json.loads(job.spec)
-        table.append({"trial": job.trial_id, "job": job.id, "state": job.state.value, "mlflow_run_id": job.mlflow_run_id,
-                      "config": {key: _dotted(raw, key) for key in spec.space},
-                      "curve": mlflow_history(job, spec.metric)})
+        by_trial.setdefault(job.trial_id, []).append(job)
+    table = []
+    for trial_id, jobs in by_trial.items():
+        jobs = sorted(jobs, key=lambda j: j.segment)
+        newest = jobs[-1]
+        raw = json.loads(newest.spec)
+        segments = [{"segment": j.segment, "job": j.id, "mlflow_run_id": j.mlflow_run_id,
+                     "start_step": checkpoint_step_of(resumed_from(j))} for j in jobs]
+        table.append({"trial": trial_id, "job": newest.id, "state": newest.state.value,
+                      "mlflow_run_id": newest.mlflow_run_id, "config": {key: _dotted(raw, key) for key in spec.space},
+                      "segments": segments,
+                      "curve": trial_curve([(s["start_step"], mlflow_history(j, spec.metric))
+                                            for s, j in zip(segments, jobs)])})
     return table
+
+
+def checkpoint_step_of(uri: str) -> int:
+    """The step of a checkpoint directory's URI (``.../step_00000012``: 12); 0 for "" (a
+    segment started from scratch)."""
+    name = uri.rstrip("/").rpartition("/")[2]
+    return int(name[len("step_"):]) if name.startswith("step_") and name[len("step_"):].isdigit() else 0
+
+
+def trial_curve(segments: list[tuple[int, list[tuple[int, float]]]]) -> list[tuple[int, float]]:
+    """A trial's curve across its PBT segments, each (start step, its job's curve) in segment
+    order: a segment's points up to the next segment's start, then the next one's. The points
+    an exploited segment logged past the step its successor started from (its job trained on
+    until its cancel landed) are not the trial's: the trial went on from the donor's
+    checkpoint."""
+    curve: list[tuple[int, float]] = []
+    for i, (start, points) in enumerate(segments):
+        end = segments[i + 1][0] if i + 1 < len(segments) else None
+        curve.extend((step, value) for step, value in points if step > start and (end is None or step <= end))
+    return curve
 
 
 def best_of(table: list[dict], mode: str) -> tuple[Optional[str], Optional[float]]:
@@ -365,8 +601,11 @@ class SweepRunner:
         if log_path:
             handler = logging.FileHandler(log_path)
             handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            logging.getLogger("raytrain_sys").addHandler(handler)
-            logging.getLogger("raytrain_sys").setLevel(logging.INFO)
+            # Ours, and Tune's schedulers' decisions (PBT's exploits, or a "Skip exploit" of a
+            # trial with no checkpoint): what the sweep's log is read for.
+            for name in ("raytrain_sys", "ray.tune.schedulers"):
+                logging.getLogger(name).addHandler(handler)
+                logging.getLogger(name).setLevel(logging.INFO)
         self.sweep_id = sweep_id
         self._error = ""
         self._done = threading.Event()

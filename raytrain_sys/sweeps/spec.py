@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from raytrain_sys.errors import ServiceInputError, quote
+from raytrain_sys.spec import RESUME_CHANGEABLE
 
 DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
 SCHEDULERS = ("asha", "fifo", "pbt")
@@ -45,7 +46,8 @@ MAX_SPACE_KEYS = 64  # the space's fields: far more than any sweep tunes at once
 MAX_DOMAIN_VALUES = 1_000  # a grid's or a choice's values: each is checked against the base spec
 # Fields a trial must not take from the space: the service sets them (its run's place and name) or
 # they would make every trial the same job (pause with a request, not a step).
-FIXED_FIELDS = ("name", "output_dir", "train.stop_at_step", "checkpoint.uri", "checkpoint.resume_from", "tracking")
+FIXED_FIELDS = ("name", "output_dir", "train.stop_at_step", "checkpoint.uri", "checkpoint.resume_from",
+                "checkpoint.resume_changes", "tracking")
 SWEEP_FIELDS = ("name", "base", "space", "metric", "mode", "num_samples", "scheduler", "max_workers",
                 "keep_stopped")
 SCHEDULER_FIELDS = {
@@ -316,14 +318,36 @@ def _scheduler(raw: Any, base: dict, space: dict) -> SchedulerSpec:
                     0.5 if key == "quantile_fraction" else 1):
                 raise ServiceInputError(f"scheduler.{key}", f"got {quote(value)}; a fraction in "
                                                             f"0..{0.5 if key == 'quantile_fraction' else 1}")
-        # Refused until its exploit is built: a trial proxy has no checkpoint of Tune's, so
-        # Tune would restart an exploited trial from scratch with the donor's values (Ray's
-        # #27170), the very thing a sweep here must not do. The checks above stay: a spec
-        # written now is the one accepted then.
-        raise ServiceInputError("scheduler", "pbt is not available yet: its exploit from the donor "
-                                             "trial's committed checkpoint is not built (docs/SWEEPS.md, "
-                                             "'Not built yet'); use asha or fifo")
+        for key, domain in space.items():
+            if domain.kind != "grid" and not continues_a_checkpoint(base, key, domain):
+                raise ServiceInputError(f"space.{key}", f"PBT mutates it, and an exploit continues the donor's "
+                                                        f"checkpoint, which another value of it would not "
+                                                        f"(a resume takes only {', '.join(RESUME_CHANGEABLE)} "
+                                                        f"from the spec); make it a grid, or leave it out")
+        out = SchedulerSpec(type=kind, perturbation_interval_steps=interval,
+                            quantile_fraction=float(raw.get("quantile_fraction", SchedulerSpec.quantile_fraction)),
+                            resample_probability=float(raw.get("resample_probability",
+                                                               SchedulerSpec.resample_probability)))
     return out
+
+
+def continues_a_checkpoint(base: dict, key: str, domain: Domain) -> bool:
+    """Whether a run of ``base`` with any value of ``domain`` at ``key`` may resume another's
+    checkpoint (a PBT exploit): the field is one a resume reads from the spec
+    (``RESUME_CHANGEABLE``), or no value of it changes the training settings a checkpoint
+    records (``training_hash``: an eval or logging field)."""
+    from raytrain_sys.spec import from_dict
+
+    if key in RESUME_CHANGEABLE:
+        return True
+    same = from_dict(base).training_hash()
+    return all(from_dict(set_field(base, key, value)).training_hash() == same for value in domain.candidates())
+
+
+def resume_changes(sweep: SweepSpec) -> list[str]:
+    """The fields a PBT segment's job may hold other values of than its donor's checkpoint (its
+    ``checkpoint.resume_changes``): the mutated fields a resume reads from the spec."""
+    return [key for key, d in sweep.space.items() if d.kind != "grid" and key in RESUME_CHANGEABLE]
 
 
 def tune_space(sweep: SweepSpec) -> dict:
@@ -347,20 +371,28 @@ def pbt_mutations(sweep: SweepSpec) -> dict:
     return {key: make[d.kind](d.values) for key, d in sweep.space.items() if d.kind != "grid"}
 
 
-def trial_spec(sweep: SweepSpec, config: dict, sweep_id: int, trial_id: str, parent_run_id: str = "") -> dict:
+def trial_spec(sweep: SweepSpec, config: dict, sweep_id: int, trial_id: str, parent_run_id: str = "",
+               segment: int = 0, donor_checkpoint: str = "") -> dict:
     """The job spec of the trial Tune configured: the base with each of the space's fields set
     to its value in ``config`` (keys the space does not name are Tune's own and ignored), named
     for its trial, in a directory of its own (``<output_dir>/sweep-<id>/<trial>``: its run dir
-    and checkpoints), and tracked in the base's MLflow store as a child of the sweep's run."""
+    and checkpoints), and tracked in the base's MLflow store as a child of the sweep's run.
+    A PBT segment after the first (``segment`` > 0) runs in ``<trial>/segment-<n>`` and starts
+    from ``donor_checkpoint`` (the donor trial's committed checkpoint), with its mutated values
+    allowed to differ from that checkpoint's (``checkpoint.resume_changes``)."""
     spec = sweep.base
     for key in sweep.space:
         if key in config:
             spec = set_field(spec, key, _plain(config[key]))
     spec = copy.deepcopy(spec)
-    spec["name"] = f"{sweep.base['name']}-{trial_id}"
-    spec["output_dir"] = f"{sweep.base['output_dir']}/sweep-{sweep_id}/{trial_id}"
+    spec["name"] = f"{sweep.base['name']}-{trial_id}" + (f"-s{segment}" if segment else "")
+    spec["output_dir"] = f"{sweep.base['output_dir']}/sweep-{sweep_id}/{trial_id}" + (
+        f"/segment-{segment}" if segment else "")
     spec["tracking"]["uri"] = tracking_uri(sweep)
     spec["tracking"]["parent_run_id"] = parent_run_id
+    if segment:
+        spec["checkpoint"]["resume_from"] = donor_checkpoint
+        spec["checkpoint"]["resume_changes"] = resume_changes(sweep)
     return spec
 
 

@@ -884,3 +884,25 @@ def end_parent_run(tracking_uri: str, run_id: str, metrics: dict[str, float], ta
             fig.savefig(path)
             _call(tracking_uri, f"log {name}", lambda p=path: client.log_artifact(run_id, p))
     _call(tracking_uri, "end the sweep's run", lambda: client.set_terminated(run_id, status))
+
+
+TAG_SEGMENT = "raytrain_sys.segment"
+TAG_DONOR_TRIAL = "raytrain_sys.donor_trial"
+TAG_DONOR_STEP = "raytrain_sys.donor_step"
+TAG_DONOR_CHECKPOINT = "raytrain_sys.donor_checkpoint"
+
+
+def mark_segment(tracking_uri: str, run_id: str, tags: dict[str, str], metrics: dict[str, float], step: int) -> bool:
+    """Tag a PBT segment's run with its donor and log its mutated values as metrics at ``step``
+    (its start), once: False when the run was marked already (a trial proxy driven again)."""
+    from mlflow.entities import Metric, RunTag
+
+    client = _client(tracking_uri)
+    run = _get_run(client, tracking_uri, run_id)
+    if TAG_SEGMENT in run.data.tags:
+        return False
+    now_ms = int(time.time() * 1000)
+    _call(tracking_uri, "mark the segment's run", lambda: client.log_batch(
+        run_id, metrics=[Metric(k, float(v), now_ms, int(step)) for k, v in metrics.items()],
+        tags=[RunTag(k, _fit(v, MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]))
+    return True

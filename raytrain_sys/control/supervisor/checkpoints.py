@@ -17,6 +17,7 @@ abandons it (a writer left, died or failed; ``abandon``: an older checkpoint is 
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -49,6 +50,9 @@ def check_compatible(spec: JobSpec, info: CheckpointInfo) -> None:
     if meta.get("training_hash") == spec.training_hash():
         return
     old = from_dict(meta["spec"]) if "spec" in meta else None
+    if old is not None and spec.checkpoint.resume_changes and \
+            with_values_of(spec, old, spec.checkpoint.resume_changes).training_hash() == meta.get("training_hash"):
+        return  # only the fields the spec allows to change differ (a PBT segment's mutated values)
     diffs = []
     if old is not None:
         a, b = old.flat(), spec.flat()
@@ -60,6 +64,15 @@ def check_compatible(spec: JobSpec, info: CheckpointInfo) -> None:
         f"checkpoint {info.uri} was written with different training settings "
         f"({', '.join(diffs) or 'training hash differs'}); resuming would not continue the same "
         f"run: restore those fields or start a new run")
+
+
+def with_values_of(spec: JobSpec, other: JobSpec, fields: list[str]) -> JobSpec:
+    """A copy of ``spec`` with each dotted field of ``fields`` set to its value in ``other``."""
+    out = copy.deepcopy(spec)
+    for dotted in fields:
+        section, name = dotted.split(".", 1)
+        setattr(getattr(out, section), name, getattr(getattr(other, section), name))
+    return out
 
 
 @dataclass

@@ -70,6 +70,12 @@ class RunResult:
     reason: str = ""
 
 
+def started_from_another_root(resumed_uri: str, checkpoint_root: str) -> bool:
+    """Whether the checkpoint a run resumed from (``.../step_NNNNNNNN``) lies outside the run's own
+    checkpoint root."""
+    return resumed_uri.rstrip("/").rpartition("/")[0] != checkpoint_root.rstrip("/")
+
+
 class Supervisor:
     def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
                  previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None,
@@ -241,6 +247,12 @@ class Supervisor:
             phase("group")
             if resume_info is not None:
                 self._restore_at_start(resume_info, found.checkpointer)
+                if started_from_another_root(resume_info.uri, self.checkpoint_root):
+                    # Resumed from another run's checkpoint (a PBT segment from its donor's):
+                    # the state is saved in this run's own root first, so that its recovery, a
+                    # pause and its resume never need that checkpoint, which the other run's
+                    # retention may delete.
+                    self.boundary.checkpoint(final=False)
                 phase("restore")
             if warm is not None:
                 warm.join()
