@@ -291,7 +291,7 @@ class Reconciler:
         (storage unreachable) is tried again next pass, and said once."""
         for job in self.store.cancelled_with_checkpoints_to_delete():
             try:
-                root = checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
+                root = mt.spec_checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
                 if not root:
                     reason = "no checkpoints to delete: the job never ran"
                 else:
@@ -743,16 +743,3 @@ def _request_resources(bundles: list, selectors: Optional[list]) -> None:
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=bundles, bundle_label_selectors=selectors)
-
-
-def checkpoint_root(spec: dict, mlflow_run_id: Optional[str]) -> str:
-    """Where a job's checkpoints are: its spec's ``checkpoint.uri``, else the root its MLflow run
-    recorded (``<run dir>/checkpoints``); "" when it never started a run."""
-    uri = spec.get("checkpoint", {}).get("uri") or ""
-    if uri:
-        return uri
-    if not mlflow_run_id:
-        return ""
-    return mt.Tracker.lookup(mt.spec_tracking_uri(spec), mlflow_run_id).tags.get(mt.TAG_CHECKPOINT_ROOT, "")
-
-

@@ -49,6 +49,7 @@ from raytrain_sys.service import requests
 from raytrain_sys.service.model import JobRecord, JobState, SweepRecord, SweepState
 from raytrain_sys.service.store import Store
 from raytrain_sys.sweeps.spec import SweepSpec, pbt_mutations, sweep_from_dict, trial_spec, tune_space
+from raytrain_sys.tracking.mlflow_tracker import spec_checkpoint_root
 
 log = logging.getLogger(__name__)
 
@@ -286,10 +287,8 @@ class Reporter:
             tune.report({**result, "checkpoint_step": info.step}, checkpoint=tune.Checkpoint.from_directory(tmp))
 
     def _root(self, job: JobRecord) -> str:
-        from raytrain_sys.service.reconciler import checkpoint_root
-
         if not self._roots.get(job.id):
-            self._roots[job.id] = checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
+            self._roots[job.id] = spec_checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
         return self._roots[job.id]
 
     def _checkpoint(self, job: JobRecord, step: int):

@@ -906,3 +906,12 @@ def mark_segment(tracking_uri: str, run_id: str, tags: dict[str, str], metrics: 
         run_id, metrics=[Metric(k, float(v), now_ms, int(step)) for k, v in metrics.items()],
         tags=[RunTag(k, _fit(v, MAX_TAG_VAL_LENGTH)) for k, v in tags.items()]))
     return True
+
+
+def spec_checkpoint_root(spec: dict, run_id: str | None) -> str:
+    """Where a job spec given as a plain dict keeps its checkpoints: its ``checkpoint.uri``, else
+    the root its MLflow run recorded (``<run dir>/checkpoints``); "" when it never started a run."""
+    uri = (spec.get("checkpoint") or {}).get("uri") or ""
+    if uri or not run_id:
+        return uri
+    return Tracker.lookup(spec_tracking_uri(spec), run_id).tags.get(TAG_CHECKPOINT_ROOT, "")
