@@ -404,16 +404,24 @@ def _what_torch_refused(error: Exception) -> str:
     return f" (it names {match.group(1)})" if match else ""
 
 
+def split_checkpoint_uri(uri: str) -> tuple[str, int] | None:
+    """A checkpoint directory URI (``.../step_00000010``) as (its store root, its step); None
+    for anything else."""
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    match = _STEP_DIR.match(name)
+    return (parent, int(match.group(1))) if match and parent else None
+
+
 def open_checkpoint(uri: str, s3_endpoint_url: str = "") -> tuple[Checkpointer, CheckpointInfo]:
     """Open a checkpoint directory URI (``.../step_00000010``): a read-only Checkpointer on its
     parent store (retention off) and the checkpoint's info."""
-    parent, _, name = uri.rstrip("/").rpartition("/")
-    if not _STEP_DIR.match(name) or not parent:
+    split = split_checkpoint_uri(uri)
+    if split is None:
         raise CheckpointError(
             f"{uri!r} is not a checkpoint directory: expected a URI ending in /step_NNNNNNNN"
         )
-    checkpointer = Checkpointer(open_store(parent, s3_endpoint_url), keep_last=None)
-    return checkpointer, checkpointer.resolve(name)
+    checkpointer = Checkpointer(open_store(split[0], s3_endpoint_url), keep_last=None)
+    return checkpointer, checkpointer.resolve(uri.rstrip("/").rpartition("/")[2])
 
 
 def load_checkpoint_dir(uri: str, s3_endpoint_url: str = "") -> CheckpointInfo:

@@ -537,8 +537,10 @@ def trial_table(store: Store, sweep_id: int, spec: SweepSpec) -> list[dict]:
 def checkpoint_step_of(uri: str) -> int:
     """The step of a checkpoint directory's URI (``.../step_00000012``: 12); 0 for "" (a
     segment started from scratch)."""
-    name = uri.rstrip("/").rpartition("/")[2]
-    return int(name[len("step_"):]) if name.startswith("step_") and name[len("step_"):].isdigit() else 0
+    from raytrain_sys.checkpoint.checkpointer import split_checkpoint_uri
+
+    split = split_checkpoint_uri(uri)
+    return split[1] if split is not None else 0
 
 
 def trial_curve(segments: list[tuple[int, list[tuple[int, float]]]]) -> list[tuple[int, float]]:

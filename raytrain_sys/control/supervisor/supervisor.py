@@ -30,7 +30,7 @@ from typing import Callable
 
 import ray
 
-from raytrain_sys.checkpoint.checkpointer import CheckpointInfo
+from raytrain_sys.checkpoint.checkpointer import CheckpointInfo, split_checkpoint_uri
 from raytrain_sys.control.run_record import RunSummary, git_commit
 from raytrain_sys.control.spares import SpareSource
 import raytrain_sys.control.supervisor.launch as launch
@@ -73,7 +73,8 @@ class RunResult:
 def started_from_another_root(resumed_uri: str, checkpoint_root: str) -> bool:
     """Whether the checkpoint a run resumed from (``.../step_NNNNNNNN``) lies outside the run's own
     checkpoint root."""
-    return resumed_uri.rstrip("/").rpartition("/")[0] != checkpoint_root.rstrip("/")
+    split = split_checkpoint_uri(resumed_uri)
+    return (split[0] if split is not None else "") != checkpoint_root.rstrip("/")
 
 
 class Supervisor:
