@@ -11,7 +11,7 @@ if [ "${SKIP_INSTALL:-0}" != "1" ]; then
     # shellcheck disable=SC1091
     . .venv/bin/activate
 fi
-args=(-q -p no:cacheprovider --durations=15)
+args=(-q -p no:cacheprovider --durations=40)
 if [ "${FAST:-0}" = "1" ]; then args+=(-m "not slow"); fi
 if [ "$#" -eq 0 ]; then args+=(tests notebooks --nbmake); fi
 exec python -m pytest "${args[@]}" "$@"
