@@ -598,7 +598,7 @@ class _Writer:
                 self._apply(write)
             except BaseException as exc:  # noqa: BLE001: raised in the caller's thread (check_open)
                 with self._cond:
-                    self.open_error = exc
+                    self.open_error, self._closing = exc, True  # the thread ends: no run to write to
                     self.dropped += sum(w.count for w in self._pending)
                     self._pending.clear()
             finally:
@@ -674,15 +674,13 @@ class Tracker:
         tags: dict[str, str],
         artifact_root: str | None = None,
     ) -> Tracker:
-        """Create a run (and its experiment if missing) holding the spec as params and artifact.
-
-        ``artifact_root`` is where a local (sqlite) store keeps artifacts, e.g.
+        """Create a run (and its experiment if missing) holding the spec as params and artifact,
+        and return once it exists (``begin``, waited for; its params still go through the
+        writer). ``artifact_root`` is where a local (sqlite) store keeps artifacts, e.g.
         ``<output_dir>/mlartifacts``; an http server decides that itself.
         """
-        client = _client(tracking_uri)
-        run_id, experiment_id = _create_run(client, tracking_uri, experiment, run_name, spec, tags, artifact_root)
-        tracker = cls(client, tracking_uri, run_id, experiment_id)
-        tracker._queue_params(spec)
+        tracker = cls.begin(tracking_uri, experiment, run_name, spec, tags, artifact_root)
+        tracker.opened()
         return tracker
 
     @classmethod
@@ -696,13 +694,18 @@ class Tracker:
         artifact_root: str | None = None,
         on_open: Callable[[Tracker], None] | None = None,
     ) -> Tracker:
-        """``start`` as the writer's first write: returns at once, ``run_id`` "" until the run
-        exists. What is logged meanwhile waits in the queue behind the opening, in order.
+        """A run (and its experiment if missing) made by the writer as its first write, holding
+        the spec as an artifact (stored with the run: what a resume reads) and as params (the
+        writer's next writes: on a busy core their batches were most of a start's MLflow
+        seconds, 0.2-0.6 s against 0.1 s to create the run). Returns at once, ``run_id`` ""
+        until the run exists; what is logged meanwhile waits behind the opening, in order.
         ``on_open(tracker)`` is called in the writer's thread once the run exists (its spec
         stored, before its params), ``open_span`` then holding when the opening began and ended
         (``time.perf_counter``). A failed opening (the store refused, an experiment deleted; an
         unreachable store is the caller's pre-flight check) is kept: ``check_open`` raises it,
         ``opened`` waits for the opening and raises it, and every write is dropped."""
+        from mlflow.entities import Param
+
         tracker = cls(None, tracking_uri, "", "")
         began = time.perf_counter()
 
@@ -720,19 +723,10 @@ class Tracker:
             return client, run_id
 
         tracker._writer.submit(_Write("open", opener=open_run))
-        tracker._queue_params(spec)
-        return tracker
-
-    def _queue_params(self, spec: JobSpec) -> None:
-        """The params (the spec, field by field) through the writer, first in its queue after the
-        run: on a busy core their batches were most of a start's MLflow seconds (0.2-0.6 s,
-        against 0.1 s to create the run), which the run's first step no longer waits for. The
-        spec itself is stored with the run (``_create_run``): it is what a resume reads."""
-        from mlflow.entities import Param
-
         params = [Param(k, v) for k, v in _spec_params(spec).items()]
         for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
-            self._writer.submit(_Write("params", params=chunk))
+            tracker._writer.submit(_Write("params", params=chunk))
+        return tracker
 
     def check_open(self) -> None:
         """Raise the ``TrackingError`` of a failed opening (``begin``); nothing while it opens."""
