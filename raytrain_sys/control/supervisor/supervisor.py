@@ -175,6 +175,7 @@ class Supervisor:
         removed = launch.clean_up_previous_launch(spec, self.previous_run_key)
         phase = self._phase = launch.Phases()
         phase.record(self.summary)  # filled as the start goes (a failed one keeps its part)
+        commit = launch.InBackground(git_commit, "git-commit").start()  # two git calls: beside the pre-flight
         try:
             found = launch.preflight(spec, self.output_dir, self.run_dir, self.checkpoint_root,
                                      self.tracking_uri)
@@ -182,7 +183,7 @@ class Supervisor:
             resume_info = found.resume_info
             self.summary.spec_hash = spec.spec_hash()
             self.summary.training_hash = spec.training_hash()
-            self.summary.git_commit = git_commit()
+            self.summary.git_commit = commit.result()
             self.summary.tracking_uri = self.tracking_uri
             if resume_info is not None:
                 check_compatible(spec, resume_info)
