@@ -27,8 +27,9 @@ Why an actor of its own, and why so configured:
 
 Spare runners (``new_spare_runner``, named ``raytrain-sys-runner-spare-<id>``): the reconciler
 keeps two started ahead, imports done and the MLflow stores of the service's newest jobs opened
-(``warm_tracking``: the process's client of each store, which the job's run then opens on), and a launch starts the job on one (``start``) rather than waiting about
-2 s for a process to start and import torch and MLflow, and 0.2-2 s more to open the store.
+(``warm_tracking``: the process's client of each store, which the job's run then opens on), and
+a launch starts the job on one (``start``) rather than waiting about 2 s for a process to start
+and import torch and MLflow, and 0.2-2 s more to open the store.
 Once started it is the job's runner in every respect; ``find_runner`` finds it by asking the
 spares which job they run.
 

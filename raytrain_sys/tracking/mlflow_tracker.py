@@ -18,11 +18,11 @@ params of a run just started, go through one background thread, in order: a slow
 MLflow never stalls the training loop. A write that still fails after a few retries is dropped
 with a warning and counted (``Tracker.dropped_batches``); ``flush()`` and ``finish()`` wait for
 the queue to drain.
-``start`` (the run and its spec; its params are the writer's first writes), ``resume`` and
-``lookup`` are synchronous and raise ``TrackingError``. ``begin`` is ``start`` made the writer's
-first write: it returns at once, the writes made before the run exists wait behind its opening,
+``begin`` makes a new run as the writer's first write (the run and its spec; its params the
+next writes): it returns at once, the writes made before the run exists wait behind its opening,
 and a failed opening is kept for ``check_open``/``opened`` to raise (the Supervisor trains
-while a new run opens). ``warm`` opens a store ahead of a run; a process keeps one client per
+while a new run opens). ``start`` is ``begin`` waited for; it, ``resume`` and ``lookup`` are
+synchronous and raise ``TrackingError``. ``warm`` opens a store ahead of a run; a process keeps one client per
 store (``_client``), so a spare runner's warm client is the one its job's run opens on.
 """
 

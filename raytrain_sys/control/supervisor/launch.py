@@ -201,12 +201,12 @@ def clean_up_previous_launch(spec: JobSpec, previous_run_key: str) -> list:
 
 
 def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume_run_id: str,
-                   run_dir: str, output_dir: str, checkpoint_root: str, on_open=None):
+                   run_dir: str, output_dir: str, checkpoint_root: str):
     """The run's MLflow tracker (None with tracking off); its run id goes into ``summary``.
     A resume reopens its run here (its record was read before). A new run is opened by the
     tracker's writer (``Tracker.begin``): this returns at once, training starts while it opens,
-    and its run id reaches ``summary`` (then ``on_open(tracker)``) in the writer's thread once
-    the run exists; the step loop raises a failed opening (``Tracker.check_open``)."""
+    and its run id reaches ``summary`` in the writer's thread once the run exists; the step loop
+    raises a failed opening (``Tracker.check_open``)."""
     if not spec.tracking.enabled:
         return None
     tags = {mt.TAG_GIT_COMMIT: summary.git_commit, mt.TAG_RUN_DIR: run_dir,
@@ -219,8 +219,6 @@ def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume
 
     def opened(tracker) -> None:
         summary.mlflow_run_id = tracker.run_id
-        if on_open is not None:
-            on_open(tracker)
 
     run_name = spec.tracking.run_name or os.path.basename(run_dir)
     if spec.tracking.parent_run_id:
