@@ -319,13 +319,16 @@ def section_first_step(args: argparse.Namespace) -> dict:
             bench.wait_job(svc, job_id)
             if i:  # the first one opens the MLflow store and starts the service's own pieces
                 times.append(first)
+                b_sum = bench.summary(name)
                 phases.append({"phases_s": start_split(ray.get(svc.history.remote(job_id)), None,
-                                                       bench.summary(name), t0, t0 + first)})
+                                                       b_sum, t0, t0 + first),
+                               "start_spans": start_spans(b_sum)})
             log.info("%s: submit to first step %.2f s", name, first)
         bench.stop_service()
         out[variant] = {"submit_to_first_step_s": [round(t, 3) for t in times],
                         "median_s": round(statistics.median(times), 3),
-                        "median_phases_s": {k: round(v, 3) for k, v in median_phases(phases).items()}}
+                        "median_phases_s": {k: round(v, 3) for k, v in median_phases(phases).items()},
+                        "start_spans": [p["start_spans"] for p in phases]}
     warm_s, fresh_s = out["warm"]["median_s"], out["fresh"]["median_s"]
     args._warm_start_s = warm_s  # the reclaim's yardstick, when it runs in this invocation
     out["ratio_warm_to_fresh"] = round(warm_s / fresh_s, 3)
@@ -344,7 +347,9 @@ def report_first_step(r: dict) -> list[str]:
             f"| every process started for the job | {r['fresh']['median_s']:.2f} | {r['fresh']['submit_to_first_step_s']} |",
             f"| warm spares and a spare runner | {r['warm']['median_s']:.2f} | {r['warm']['submit_to_first_step_s']} |",
             f"ratio warm/fresh: {r['ratio_warm_to_fresh']:.2f}x; {r['goal']['text']}",
-            f"median phases, fresh (s): {split('fresh')}", f"median phases, warm (s): {split('warm')}", ""]
+            f"median phases, fresh (s): {split('fresh')}", f"median phases, warm (s): {split('warm')}",
+            f"start spans, last fresh round (s from the Supervisor's start): {spans_line(r['fresh']['start_spans'][-1])}",
+            f"start spans, last warm round: {spans_line(r['warm']['start_spans'][-1])}", ""]
 
 
 def section_reclaim(args: argparse.Namespace) -> dict:
@@ -386,7 +391,8 @@ def section_reclaim(args: argparse.Namespace) -> dict:
         spares = next((t["reason"] for t in b_sum["transitions"] if " workers placed" in t["reason"]), "")
         out["rounds"].append({"submit_to_first_step_s": round(first, 3), "steps_redone": a_sum["steps_redone"],
                               "borrower_world_sizes": sorted(set(a_sum["world_sizes"])), "phases_s": phases,
-                              "b_workers_placed": spares, "warm_wait_s": round(warm_wait, 3)})
+                              "b_workers_placed": spares, "warm_wait_s": round(warm_wait, 3),
+                              "start_spans": start_spans(b_sum)})
         log.info("reclaim round %d: %.2f s, %d steps redone; %s", i, first, a_sum["steps_redone"], phases)
     bench.stop_service()
     times = [r["submit_to_first_step_s"] for r in out["rounds"]]
@@ -438,13 +444,29 @@ def start_split(b_history: list[dict], a_sum: dict | None, b_sum: dict, t0: floa
     return out
 
 
+def start_spans(b_sum: dict) -> dict:
+    """The start's phases and what ran beside them, [start_s, end_s] from the Supervisor's start
+    (``summary.json`` start_spans), and ``running``: the moment training began (the start's
+    end). A span beside the start that ends after it ran beside the first steps."""
+    spans = dict(b_sum.get("start_spans", {}))
+    total = b_sum.get("start_phases", {}).get("total")
+    if total is not None:
+        spans["running"] = [round(total, 3), round(total, 3)]
+    return spans
+
+
+def spans_line(spans: dict) -> str:
+    return ", ".join(f"{k} {a:.2f}-{b:.2f}" for k, (a, b) in spans.items())
+
+
 def report_reclaim(r: dict) -> list[str]:
     return [f"| high-priority submit into a full cluster of {r['cluster_workers']} workers | median s to first step | steps redone by the shrunk job |",
             "|---|---|---|",
             f"| {len(r['rounds'])} rounds: {[x['submit_to_first_step_s'] for x in r['rounds']]} | {r['median_s']:.2f} | "
             f"{r['steps_redone_total']} |", r["goal"]["text"],
             "median phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in median_phases(r["rounds"]).items()),
-            f"waits for a warm cluster before b's submit (s): {[x['warm_wait_s'] for x in r['rounds']]}", ""]
+            f"waits for a warm cluster before b's submit (s): {[x['warm_wait_s'] for x in r['rounds']]}",
+            f"start spans, last round (s from the Supervisor's start): {spans_line(r['rounds'][-1]['start_spans'])}", ""]
 
 
 def median_phases(rounds: list[dict]) -> dict:

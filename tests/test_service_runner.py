@@ -490,3 +490,28 @@ def test_cli_starts_reports_and_stops_the_service(ray_cluster, tmp_path, capsys,
     assert main(["service", "stop"]) == 0 and capsys.readouterr().out.strip() == "stopped"
     assert get_service() is None
     assert main(["service", "status"]) == 1 and capsys.readouterr().out.strip() == "not running"
+
+
+@pytest.mark.parametrize("state, tracking, run_id, reported", [
+    ("running", True, "", "starting"),
+    ("running", True, "abc", "running"),
+    ("checkpointing", True, "", "starting"),
+    ("running", False, "", "running"),
+    ("starting", True, "", "starting"),
+    ("restoring", True, "", "restoring"),
+    ("failed", True, "", "failed"),
+    ("finished", True, "abc", "finished"),
+], ids=[
+    "a run that trains while its MLflow run still opens is reported starting",
+    "once its run id is known it is reported running",
+    "any training state counts, not only running",
+    "a run that tracks nothing is reported as it is",
+    "a run still starting is reported starting",
+    "a resume restoring keeps its state",
+    "a run that failed to open its MLflow run is reported failed, not starting",
+    "an ended run is reported as it is",
+])
+def test_reported_state(state, tracking, run_id, reported):
+    from raytrain_sys.service.runner import reported_state
+
+    assert reported_state(state, tracking, run_id) == reported

@@ -308,3 +308,41 @@ def test_training_continues_when_the_server_dies_mid_run(tmp_path_factory):
         tracker.finish("FINISHED")  # warns, does not raise, does not wait out the retries
         assert time.monotonic() - started < 15
         assert tracker.dropped_batches >= 1
+
+
+def test_a_run_begun_in_its_writer_keeps_what_was_logged_before_it_existed(sqlite_uri, tmp_path):
+    """Tracker.begin returns before the run exists (the Supervisor trains meanwhile): what is
+    logged at once waits behind the opening and lands in the run, in order, with its params."""
+    experiment, seen = _experiment(), []
+    spec = JobSpec()
+    tracker = Tracker.begin(sqlite_uri, experiment, "begun", spec, tags={TAG_GIT_COMMIT: "abc123"},
+                            artifact_root=str(tmp_path / "mlartifacts"), on_open=lambda t: seen.append(t.run_id))
+    tracker.log_metrics(1, {"loss": 2.0})
+    tracker.log_event(1, "running", "training before the run is open")
+    assert tracker.opened(timeout_s=60)
+    assert tracker.run_id and seen == [tracker.run_id]
+    assert tracker.open_span is not None and tracker.open_span[0] <= tracker.open_span[1]
+    tracker.finish("FINISHED")
+    run = MlflowClient(sqlite_uri).get_run(tracker.run_id)
+    assert run.info.status == "FINISHED" and run.data.metrics["loss"] == 2.0
+    assert run.data.tags[TAG_STATE] == "running" and run.data.tags[TAG_GIT_COMMIT] == "abc123"
+    assert run.data.params["train.max_steps"] == str(spec.train.max_steps)
+    assert tracker.dropped_batches == 0
+
+
+def test_a_run_that_cannot_open_in_its_writer_is_raised_to_the_caller_and_drops_its_writes(sqlite_uri):
+    """A begun run whose opening fails (here its experiment is deleted): check_open and opened
+    raise the opening's clear TrackingError in the caller's thread; what was logged is dropped
+    without a warning each, and finish has no run to mark."""
+    experiment = _experiment()
+    client = MlflowClient(sqlite_uri)
+    client.delete_experiment(client.create_experiment(experiment))
+    tracker = Tracker.begin(sqlite_uri, experiment, "never", JobSpec(), tags={})
+    tracker.log_metrics(1, {"loss": 2.0})
+    with pytest.raises(TrackingError, match=f"experiment '{experiment}' .* is deleted: restore it"):
+        tracker.opened(timeout_s=60)
+    with pytest.raises(TrackingError, match="is deleted"):
+        tracker.check_open()
+    tracker.log_metrics(2, {"loss": 1.0})
+    assert tracker.run_id == "" and tracker.dropped_batches >= 2
+    tracker.finish("FINISHED")  # nothing to mark, no error

@@ -18,7 +18,11 @@ spare adopted or a process started, its model built), tracking (the MLflow run),
 process group formed), restore (a resume's checkpoint), first_batch (the first global batch
 read), then total); start_beside (what ran in the background of that start, each its own
 seconds, of which the start waited only for the part its phase above shows: tracking, the MLflow
-run opened; first_read, the first global batch read).
+run opened; first_read, the first global batch read); start_spans (when each of them began and
+ended, [start_s, end_s] in seconds from the start's beginning, so that the overlap shows: every
+phase of start_phases under its name, and beside them mlflow_run (the MLflow run's opening: a new
+run opens in its tracker's writer, beside the workers' start and often the first steps, and is
+recorded once it is open) and first_read).
 
 Per rank (control/supervisor/stragglers.py): rank_times ({rank: {node, data_wait_s, compute_s,
 collective_s, optimizer_s, step_s}}: per-rank means over the last train.log_every_steps steps,
@@ -90,6 +94,7 @@ class RunSummary:
     cost: dict = field(default_factory=dict)  # resources.cost_per_worker_hour: see the module docstring
     start_phases: dict = field(default_factory=dict)  # the newest start's phases, s each: see the module docstring
     start_beside: dict = field(default_factory=dict)  # what ran beside the newest start, s each: see the module docstring
+    start_spans: dict = field(default_factory=dict)  # the newest start's phases and what ran beside, [start_s, end_s]
     started_at: float = field(default_factory=time.time)
     finished_at: float = 0.0
 

@@ -27,8 +27,9 @@ Why an actor of its own, and why so configured:
 
 Spare runners (``new_spare_runner``, named ``raytrain-sys-runner-spare-<id>``): the reconciler
 keeps two started ahead, imports done and the MLflow stores of the service's newest jobs opened
-(``warm_tracking``), and a launch starts the job on one (``start``) rather than waiting about
-2 s for a process to start and import torch and MLflow, and 0.2-2 s more to open the store.
+(``warm_tracking``: the process's client of each store, which the job's run then opens on), and
+a launch starts the job on one (``start``) rather than waiting about 2 s for a process to start
+and import torch and MLflow, and 0.2-2 s more to open the store.
 Once started it is the job's runner in every respect; ``find_runner`` finds it by asking the
 spares which job they run.
 
@@ -68,6 +69,17 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 STARTING_STATES = frozenset({"launching", "starting", "restoring"})
 # Supervisor states of a run that has ended (its workers are being released; done follows).
 ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
+
+
+def reported_state(state: str, tracking: bool, run_id: str) -> str:
+    """The Supervisor's state as the runner reports it. A new run trains while its MLflow run is
+    still opening (``Tracker.begin``); until its run id is known the runner reports it starting
+    (start step ``workers``: "the MLflow run, ..."), so that a job the store records running
+    always carries its MLflow run id, which its resume after a lost runner or a hard pause
+    needs. A run that ended, or tracks nothing, is reported as it is."""
+    if tracking and not run_id and state not in STARTING_STATES | ENDED_STATES:
+        return "starting"
+    return state
 
 
 def runner_name(job_id: int) -> str:
@@ -214,11 +226,12 @@ class JobRunner:
 
     # ------------------------------------------------------------------ what the reconciler calls
     def status(self) -> dict:
-        """The run as it is now: the Supervisor's state, the step of its start (``start_step``),
+        """The run as it is now: the Supervisor's state (``reported_state``: starting until a new
+        run's MLflow run id is known), the step of its start (``start_step``),
         committed step, world size, MLflow run id, newest checkpoint (step and when this runner saw it committed), run dir; ``done``
         and ``result`` once the Supervisor has returned."""
         sup = self._sup
-        state = sup.state.value if sup is not None else "launching"
+        state = self._state()
         checkpoint_step, checkpoint_at_s = None, None
         world_size, committed, run_dir, run_id = 0, 0, "", ""
         if sup is not None:
@@ -240,6 +253,12 @@ class JobRunner:
                 "actor_id": ray.get_runtime_context().get_actor_id(),
                 "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
 
+    def _state(self) -> str:
+        sup = self._sup
+        if sup is None:
+            return "launching"
+        return reported_state(sup.state.value, sup.spec.tracking.enabled, sup.summary.mlflow_run_id)
+
     def _start_step(self) -> str:
         """Where the run's start is, for the job's wait reason (``service/starts.py``):
         ``supervisor`` (the Supervisor is being built: a resume first reads its run's record),
@@ -251,9 +270,10 @@ class JobRunner:
             return ""
         if sup is None:
             return "supervisor"
-        if sup.state.value not in STARTING_STATES:
+        state = self._state()
+        if state not in STARTING_STATES:
             return ""
-        if sup.state.value == "restoring":
+        if state == "restoring":
             return "restore"
         group = sup.group  # made once the data plane is set up (Supervisor.run)
         if group is None:

@@ -18,8 +18,12 @@ params of a run just started, go through one background thread, in order: a slow
 MLflow never stalls the training loop. A write that still fails after a few retries is dropped
 with a warning and counted (``Tracker.dropped_batches``); ``flush()`` and ``finish()`` wait for
 the queue to drain.
-``start`` (the run and its spec; its params are the writer's first writes), ``resume`` and
-``lookup`` are synchronous and raise ``TrackingError``. ``warm`` opens a store ahead of a run.
+``begin`` makes a new run as the writer's first write (the run and its spec; its params the
+next writes): it returns at once, the writes made before the run exists wait behind its opening,
+and a failed opening is kept for ``check_open``/``opened`` to raise (the Supervisor trains
+while a new run opens). ``start`` is ``begin`` waited for; it, ``resume`` and ``lookup`` are
+synchronous and raise ``TrackingError``. ``warm`` opens a store ahead of a run; a process keeps one client per
+store (``_client``), so a spare runner's warm client is the one its job's run opens on.
 """
 
 from __future__ import annotations
@@ -281,13 +285,26 @@ def _directory_locked(directory: str):
         os.close(fd)  # the lock goes with it
 
 
+_clients: dict[str, Any] = {}  # tracking URI -> this process's client (``_client``)
+_clients_lock = threading.Lock()
+
+
 def _client(tracking_uri: str):
+    """This process's client of the store, made once (checked reachable first each time, so that
+    a store gone since fails here with its clear error). Kept: a spare runner's warm client
+    (``warm``) is the one its job opens its run on, and a sweep's follower polls every second.
+    One client serves every tracker and thread of the process: MLflow's client holds no run
+    state, and its SQL store and HTTP session are shared per URI by MLflow itself."""
     from mlflow import MlflowClient
 
     _bound_http_client(tracking_uri)
     check_reachable(tracking_uri)
     ensure_store(tracking_uri)
-    return MlflowClient(tracking_uri=tracking_uri)
+    with _clients_lock:
+        client = _clients.get(tracking_uri)
+        if client is None:
+            client = _clients[tracking_uri] = MlflowClient(tracking_uri=tracking_uri)
+        return client
 
 
 def warm(tracking_uri: str) -> None:
@@ -383,6 +400,36 @@ def _ensure_experiment(client, tracking_uri: str, name: str, artifact_root: str 
     return experiment.experiment_id
 
 
+def _create_run(client, tracking_uri: str, experiment: str, run_name: str, spec: JobSpec,
+                tags: dict[str, str], artifact_root: str | None) -> tuple[str, str]:
+    """A new run (and its experiment if missing) with its tags and the spec's artifacts: its run
+    id and experiment id. A run whose spec cannot be stored is marked FAILED, then raised."""
+    experiment_id = _ensure_experiment(client, tracking_uri, experiment, artifact_root)
+    run_tags = {k: _fit(v, MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
+    run_tags.update({
+        TAG_SPEC_HASH: spec.spec_hash(),
+        TAG_TRAINING_HASH: spec.training_hash(),
+        TAG_VERSION: __version__,
+        TAG_RESUME_COUNT: "0",
+    })
+    run = _call(tracking_uri, f"create a run in experiment {experiment!r}",
+                lambda: client.create_run(experiment_id, run_name=run_name or None, tags=run_tags))
+    run_id = run.info.run_id
+    try:
+        text = _spec_json(spec)
+        for name in (ORIGINAL_SPEC_ARTIFACT, SPEC_ARTIFACT):
+            _call(tracking_uri, f"store {name} of run {run_id}",
+                  lambda name=name: client.log_text(run_id, text, name))
+    except TrackingError:
+        # Leave no half-made run looking alive.
+        try:
+            client.set_terminated(run_id, "FAILED")
+        except Exception:
+            pass
+        raise
+    return run_id, experiment_id
+
+
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i: i + size] for i in range(0, len(items), size)]
 
@@ -391,7 +438,8 @@ def _chunks(items: list, size: int) -> list[list]:
 
 @dataclass
 class _Write:
-    kind: str  # "batch" (metrics + tags), "params", "text" (an artifact rewritten whole) or "plots"
+    kind: str  # "open" (the run made: Tracker.begin), "batch" (metrics + tags), "params", "text" (an
+    # artifact rewritten whole) or "plots"
     metrics: list = field(default_factory=list)
     tags: dict[str, str] = field(default_factory=dict)
     artifact: str = ""
@@ -399,10 +447,14 @@ class _Write:
     summary: dict = field(default_factory=dict)  # "plots": the summary they are drawn from
     count: int = 1  # calls merged into this write, for the dropped count
     params: list = field(default_factory=list)  # "params": the run's params, one batch
+    opener: Callable[[], tuple] | None = None  # "open": makes the run, returns (client, run_id)
 
 
 class _Writer:
-    """One daemon thread applying a run's writes in order, with retries and a bounded queue."""
+    """One daemon thread applying a run's writes in order, with retries and a bounded queue.
+    Made before its run exists (``Tracker.begin``: client None, run id ""), its first write is
+    the "open" that makes the run; if that fails, ``open_error`` keeps why and every write
+    queued or made after it is dropped (counted, without a warning each: the run failed)."""
 
     max_pending = 10_000  # writes waiting; beyond this new ones are dropped (MLflow down for long)
     backoff_s = 0.5  # doubled after each failed attempt
@@ -421,14 +473,21 @@ class _Writer:
         self._closing = False
         self.dropped = 0
         self._last_warning = -float("inf")
+        self.open_error: BaseException | None = None  # the "open" write's failure (Tracker.begin)
+        self.opened = threading.Event()  # set once the run exists or failed to (at once: made open)
+        if run_id:
+            self.opened.set()
         self._thread = threading.Thread(
-            target=self._loop, name=f"mlflow-writer-{run_id[:8]}", daemon=True
+            target=self._loop, name=f"mlflow-writer-{run_id[:8] or 'opening'}", daemon=True
         )
         self._thread.start()
 
     # --- caller side
     def submit(self, write: _Write) -> None:
         with self._cond:
+            if self.open_error is not None:  # no run to write to; the run was told (check_open)
+                self.dropped += write.count
+                return
             if self._closing:
                 log.warning("MLflow run %s is finished; a late write was ignored", self._run_id)
                 return
@@ -511,7 +570,9 @@ class _Writer:
     def _apply(self, write: _Write) -> None:
         from mlflow.entities import RunTag
 
-        if write.kind == "batch":
+        if write.kind == "open":
+            self._client, self._run_id = write.opener()
+        elif write.kind == "batch":
             self._client.log_batch(
                 self._run_id,
                 metrics=write.metrics,
@@ -532,6 +593,17 @@ class _Writer:
             self._client.log_text(self._run_id, write.text, write.artifact)
 
     def _apply_with_retries(self, write: _Write) -> None:
+        if write.kind == "open":  # retried inside (``_call``); what fails is kept, never retried here
+            try:
+                self._apply(write)
+            except BaseException as exc:  # noqa: BLE001: raised in the caller's thread (check_open)
+                with self._cond:
+                    self.open_error, self._closing = exc, True  # the thread ends: no run to write to
+                    self.dropped += sum(w.count for w in self._pending)
+                    self._pending.clear()
+            finally:
+                self.opened.set()
+            return
         for attempt in range(self.attempts):
             try:
                 self._apply(write)
@@ -588,6 +660,7 @@ class Tracker:
         self._checkpoints: list[dict[str, Any]] = []
         self._records_lock = threading.Lock()  # the lists are appended to and snapshotted whole
         self._finished = False
+        self.open_span: tuple[float, float] | None = None  # begin(): the opening's perf_counter times
         self._writer = _Writer(client, run_id, tracking_uri)
 
     # --- opening a run
@@ -601,47 +674,76 @@ class Tracker:
         tags: dict[str, str],
         artifact_root: str | None = None,
     ) -> Tracker:
-        """Create a run (and its experiment if missing) holding the spec as params and artifact.
-
-        ``artifact_root`` is where a local (sqlite) store keeps artifacts, e.g.
+        """Create a run (and its experiment if missing) holding the spec as params and artifact,
+        and return once it exists (``begin``, waited for; its params still go through the
+        writer). ``artifact_root`` is where a local (sqlite) store keeps artifacts, e.g.
         ``<output_dir>/mlartifacts``; an http server decides that itself.
         """
+        tracker = cls.begin(tracking_uri, experiment, run_name, spec, tags, artifact_root)
+        tracker.opened()
+        return tracker
+
+    @classmethod
+    def begin(
+        cls,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str,
+        spec: JobSpec,
+        tags: dict[str, str],
+        artifact_root: str | None = None,
+        on_open: Callable[[Tracker], None] | None = None,
+    ) -> Tracker:
+        """A run (and its experiment if missing) made by the writer as its first write, holding
+        the spec as an artifact (stored with the run: what a resume reads) and as params (the
+        writer's next writes: on a busy core their batches were most of a start's MLflow
+        seconds, 0.2-0.6 s against 0.1 s to create the run). Returns at once, ``run_id`` ""
+        until the run exists; what is logged meanwhile waits behind the opening, in order.
+        ``on_open(tracker)`` is called in the writer's thread once the run exists (its spec
+        stored, before its params), ``open_span`` then holding when the opening began and ended
+        (``time.perf_counter``). A failed opening (the store refused, an experiment deleted; an
+        unreachable store is the caller's pre-flight check) is kept: ``check_open`` raises it,
+        ``opened`` waits for the opening and raises it, and every write is dropped."""
         from mlflow.entities import Param
 
-        client = _client(tracking_uri)
-        experiment_id = _ensure_experiment(client, tracking_uri, experiment, artifact_root)
-        run_tags = {k: _fit(v, MAX_TAG_VAL_LENGTH) for k, v in tags.items()}
-        run_tags.update({
-            TAG_SPEC_HASH: spec.spec_hash(),
-            TAG_TRAINING_HASH: spec.training_hash(),
-            TAG_VERSION: __version__,
-            TAG_RESUME_COUNT: "0",
-        })
-        run = _call(tracking_uri, f"create a run in experiment {experiment!r}",
-                    lambda: client.create_run(experiment_id, run_name=run_name or None,
-                                              tags=run_tags))
-        run_id = run.info.run_id
-        try:
-            text = _spec_json(spec)
-            for name in (ORIGINAL_SPEC_ARTIFACT, SPEC_ARTIFACT):
-                _call(tracking_uri, f"store {name} of run {run_id}",
-                      lambda name=name: client.log_text(run_id, text, name))
-        except TrackingError:
-            # Leave no half-made run looking alive.
-            try:
-                client.set_terminated(run_id, "FAILED")
-            except Exception:
-                pass
-            raise
-        tracker = cls(client, tracking_uri, run_id, experiment_id)
-        # The params (the spec, field by field) through the writer, first in its queue: on a
-        # busy core their batches were most of a start's MLflow seconds (0.2-0.6 s, against
-        # 0.1 s to create the run), which the run's first step no longer waits for. The spec
-        # itself is stored above, before the run is handed out: it is what a resume reads.
+        tracker = cls(None, tracking_uri, "", "")
+        began = time.perf_counter()
+
+        def open_run() -> tuple:
+            client = _client(tracking_uri)
+            run_id, experiment_id = _create_run(client, tracking_uri, experiment, run_name, spec, tags,
+                                                artifact_root)
+            tracker._client, tracker.run_id, tracker.experiment_id = client, run_id, experiment_id
+            tracker.open_span = (began, time.perf_counter())
+            if on_open is not None:
+                try:
+                    on_open(tracker)
+                except Exception as exc:  # the caller's bookkeeping: the run stands
+                    log.warning("after MLflow run %s opened: %s", run_id, exc)
+            return client, run_id
+
+        tracker._writer.submit(_Write("open", opener=open_run))
         params = [Param(k, v) for k, v in _spec_params(spec).items()]
         for chunk in _chunks(params, MAX_PARAMS_TAGS_PER_BATCH):
             tracker._writer.submit(_Write("params", params=chunk))
         return tracker
+
+    def check_open(self) -> None:
+        """Raise the ``TrackingError`` of a failed opening (``begin``); nothing while it opens."""
+        error = self._writer.open_error
+        if error is None:
+            return
+        if isinstance(error, TrackingError):
+            raise error
+        raise TrackingError(f"MLflow at {self.tracking_uri} failed to open the run: {_first_line(error)}; "
+                            "check tracking.uri / --tracking-uri and that the store is up and writable") from error
+
+    def opened(self, timeout_s: float | None = None) -> bool:
+        """Wait up to ``timeout_s`` for the run to exist (``begin``); raise if it failed to open.
+        False on timeout."""
+        done = self._writer.opened.wait(timeout_s)
+        self.check_open()
+        return done
 
     @classmethod
     def resume(cls, tracking_uri: str, run_id: str, spec: JobSpec) -> Tracker:
@@ -761,6 +863,8 @@ class Tracker:
         if self._finished:
             return
         self._finished = True
+        if self._writer.open_error is not None:  # no run was made; its error was raised (check_open)
+            return
         if self._writer.dropped or self._writer.pending():
             try:
                 check_reachable(self.tracking_uri, timeout_s=5.0)
@@ -772,6 +876,8 @@ class Tracker:
         if not self._writer.close(self.finish_timeout_s):
             log.warning("MLflow run %s: writes still queued after %g s were abandoned",
                         self.run_id, self.finish_timeout_s)
+        if self._writer.open_error is not None:  # the opening, still queued, failed meanwhile
+            return
         if self._writer.dropped:
             log.warning("MLflow run %s: %d writes were dropped (MLflow unavailable or refused "
                         "them; see the earlier warnings)", self.run_id, self._writer.dropped)
@@ -820,16 +926,11 @@ class Tracker:
         )
 
 
-_history_clients: dict[str, Any] = {}  # tracking URI -> client: a follower polls every second
-
-
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
     """Every (step, value) of one metric of a run, one value a step (the last logged: a resumed
     run that logged a step again), in step order. A sweep's trial follows its job's evaluations
     with it."""
-    client = _history_clients.get(tracking_uri)
-    if client is None:
-        client = _history_clients[tracking_uri] = _client(tracking_uri)
+    client = _clients.get(tracking_uri) or _client(tracking_uri)  # polled every second: no check each time
     points = _call(tracking_uri, f"read metric {key} of run {run_id}",
                    lambda: client.get_metric_history(run_id, key))
     by_step: dict[int, tuple[int, float]] = {}

@@ -261,6 +261,10 @@ class Checkpoints:
                timing: dict | None = None) -> CheckpointInfo:
         """The manifest, written last: the checkpoint becomes visible, and is recorded (with
         ``timing``: the training stall, the write time and snapshot size, when measured)."""
+        if self.tracker is not None:
+            # A new run's MLflow run may still be opening beside the first steps: a checkpoint
+            # is committed with its run id (what a resume finds it by), or not if it cannot open.
+            self.tracker.opened()
         info = self.checkpointer.commit(step, files, self._meta(data_cursor, world_size))
         # Save seconds: from the members' call to the manifest (a background save's: to durable).
         timing = timing or {}

@@ -1,10 +1,12 @@
 """Everything before the first step: a resume's record, pre-flight checks, the previous
-launch's leftovers, the MLflow run, and the data warm-up.
+launch's leftovers, the MLflow run, the data warm-up, and the start's record.
 
 Owns: the run directory's ``latest`` link, the ``Preflight`` values (dataset manifest,
 checkpoint store and checkpointer, task, model FLOPs per token, the checkpoint to resume), the
-MLflow run's start (tags, run id into summary.json) and what a resume from MLflow continues
-(``resumed_run``: the spec, run directory and run key its record names). Everything that can
+MLflow run's start (tags, run id into summary.json: a new run's once its tracker's writer has
+opened it, which the start does not wait for), what a resume from MLflow continues
+(``resumed_run``: the spec, run directory and run key its record names) and ``Phases`` (the
+start's phases, their spans and what ran beside them, in summary.json). Everything that can
 fail on bad input is checked here before any Ray resource is taken. Calls no other part of the
 Supervisor.
 """
@@ -200,7 +202,11 @@ def clean_up_previous_launch(spec: JobSpec, previous_run_key: str) -> list:
 
 def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume_run_id: str,
                    run_dir: str, output_dir: str, checkpoint_root: str):
-    """The run's MLflow tracker (None with tracking off); its run id goes into ``summary``."""
+    """The run's MLflow tracker (None with tracking off); its run id goes into ``summary``.
+    A resume reopens its run here (its record was read before). A new run is opened by the
+    tracker's writer (``Tracker.begin``): this returns at once, training starts while it opens,
+    and its run id reaches ``summary`` in the writer's thread once the run exists; the step loop
+    raises a failed opening (``Tracker.check_open``)."""
     if not spec.tracking.enabled:
         return None
     tags = {mt.TAG_GIT_COMMIT: summary.git_commit, mt.TAG_RUN_DIR: run_dir,
@@ -208,27 +214,31 @@ def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume
     if resume_run_id:
         tracker = mt.Tracker.resume(tracking_uri, resume_run_id, spec)
         tracker.set_tags(tags)
-    else:
-        run_name = spec.tracking.run_name or os.path.basename(run_dir)
-        if spec.tracking.parent_run_id:
-            tags[mt.TAG_PARENT_RUN] = spec.tracking.parent_run_id
-        tracker = mt.Tracker.start(
-            tracking_uri, spec.tracking.experiment, run_name, spec, tags,
-            artifact_root=os.path.join(output_dir, "mlartifacts"))
-    summary.mlflow_run_id = tracker.run_id
-    return tracker
+        summary.mlflow_run_id = tracker.run_id
+        return tracker
+
+    def opened(tracker) -> None:
+        summary.mlflow_run_id = tracker.run_id
+
+    run_name = spec.tracking.run_name or os.path.basename(run_dir)
+    if spec.tracking.parent_run_id:
+        tags[mt.TAG_PARENT_RUN] = spec.tracking.parent_run_id
+    return mt.Tracker.begin(tracking_uri, spec.tracking.experiment, run_name, spec, tags,
+                            artifact_root=os.path.join(output_dir, "mlartifacts"), on_open=opened)
 
 
 class InBackground:
     """``fn()`` in a thread of its own, started by ``start``; ``result`` (which starts it if
     nothing did) joins it and returns its value or raises its error, in the caller's thread.
-    ``seconds``: how long ``fn`` ran, once it has returned (the start's ``start_beside``)."""
+    ``seconds``: how long ``fn`` ran, once it has returned (the start's ``start_beside``);
+    ``span``: when it began and ended (``time.perf_counter``), once it has returned."""
 
     def __init__(self, fn, name: str):
         self._fn, self._name = fn, name
         self._thread: threading.Thread | None = None
         self._value, self._error = None, None
         self.seconds: float | None = None
+        self.span: tuple[float, float] | None = None
 
     @property
     def started(self) -> bool:
@@ -247,7 +257,8 @@ class InBackground:
         except BaseException as exc:  # noqa: BLE001: raised in result(), in the caller's thread
             self._error = exc
         finally:
-            self.seconds = round(time.perf_counter() - t0, 3)
+            t1 = time.perf_counter()
+            self.seconds, self.span = round(t1 - t0, 3), (t0, t1)
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for ``fn`` to return (at most ``timeout`` s); nothing when it was never started."""
@@ -260,6 +271,46 @@ class InBackground:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+class Phases:
+    """The start's phases for ``RunSummary.start_phases``: each call records the seconds since
+    the previous one under its name; ``add`` records phases timed elsewhere (which the next
+    call's interval then leaves out); ``end`` adds the total. Each phase's [start_s, end_s] from
+    the start's beginning goes to ``start_spans`` too, beside what ran in the background of the
+    start (``beside``: its span there, its seconds in ``start_beside``)."""
+
+    BESIDE = {"mlflow_run": "tracking", "first_read": "first_read"}  # span name -> start_beside's
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self.spans: dict[str, list[float]] = {}
+        self.beside_s: dict[str, float] = {}
+        self.t0 = self.last = time.perf_counter()
+
+    def record(self, summary: RunSummary) -> None:
+        summary.start_phases, summary.start_spans, summary.start_beside = self.phases, self.spans, self.beside_s
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self._phase(name, self.last, now)
+        self.last = now
+
+    def _phase(self, name: str, start: float, end: float) -> None:
+        self.phases[name] = round(end - start, 3)
+        self.spans[name] = [round(start - self.t0, 3), round(end - self.t0, 3)]
+
+    def add(self, timed: dict[str, float]) -> None:
+        for name, seconds in timed.items():
+            self._phase(name, self.last, self.last + seconds)
+            self.last += seconds
+
+    def beside(self, name: str, span: tuple[float, float], seconds: float) -> None:
+        self.spans[name] = [round(span[0] - self.t0, 3), round(span[1] - self.t0, 3)]
+        self.beside_s[self.BESIDE[name]] = round(seconds, 3)
+
+    def end(self) -> None:
+        self.phases["total"] = round(time.perf_counter() - self.t0, 3)
 
 
 def warm_data(spec: JobSpec, data: DataPlane, cursor: int) -> InBackground | None:

@@ -113,6 +113,7 @@ class Supervisor:
         self.stragglers: Stragglers | None = None
         self._local_cluster = False
         self._warm = None  # the data warm-up thread (launch.warm_data), joined before teardown
+        self._phase: launch.Phases | None = None  # the start's record, until the MLflow run's opening joins it
         self._recovery: Recovery | None = None  # made from the parts once they exist (``recovery``)
         self._boundary: Boundary | None = None
 
@@ -172,8 +173,9 @@ class Supervisor:
         # First, before anything of the run is written: a resume must not touch the record of a
         # run whose earlier driver is still alive.
         removed = launch.clean_up_previous_launch(spec, self.previous_run_key)
-        phase = _Phases()
-        self.summary.start_phases = phase.phases  # filled as the start goes (a failed one keeps its part)
+        phase = self._phase = launch.Phases()
+        phase.record(self.summary)  # filled as the start goes (a failed one keeps its part)
+        commit = launch.InBackground(git_commit, "git-commit").start()  # two git calls: beside the pre-flight
         try:
             found = launch.preflight(spec, self.output_dir, self.run_dir, self.checkpoint_root,
                                      self.tracking_uri)
@@ -181,7 +183,7 @@ class Supervisor:
             resume_info = found.resume_info
             self.summary.spec_hash = spec.spec_hash()
             self.summary.training_hash = spec.training_hash()
-            self.summary.git_commit = git_commit()
+            self.summary.git_commit = commit.result()
             self.summary.tracking_uri = self.tracking_uri
             if resume_info is not None:
                 check_compatible(spec, resume_info)
@@ -190,7 +192,7 @@ class Supervisor:
                     previous.truncate_to(resume_info.step)
                     self.summary = previous
                     self.summary.reason = ""
-                    self.summary.start_phases = phase.phases  # the newest start's, not the earlier run's
+                    phase.record(self.summary)  # the newest start's, not the earlier run's
             self.summary.write()
 
             self._local_cluster = connect_ray(spec)
@@ -207,7 +209,9 @@ class Supervisor:
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
                                  f"left by the lost driver of run {self.previous_run_key}")
-            store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled else None
+            # A resume reopens its run, which the start waits for; a new run opens in its
+            # tracker's writer (Tracker.begin), beside the start and the first steps.
+            store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled and self.resume_run_id else None
 
             def start_tracking():
                 if store is not None:
@@ -215,8 +219,8 @@ class Supervisor:
                 return launch.start_tracking(spec, self.summary, self.tracking_uri, self.resume_run_id,
                                              self.run_dir, self.output_dir, self.checkpoint_root)
 
-            # The MLflow run opens (seconds on a busy node) while the workers start, once the
-            # slots are placed: a job that cannot be placed leaves no run behind.
+            # The MLflow run begins to open (seconds on a busy node) once the slots are placed: a
+            # job that cannot be placed leaves no run behind.
             tracking = launch.InBackground(start_tracking, "mlflow-run")
             self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key, spares=self.spares)
             try:
@@ -229,6 +233,8 @@ class Supervisor:
             phase.add(self.group.start_phases)
             self.tracker = tracking.result()
             phase("tracking")
+            if self.resume_run_id and tracking.span is not None:
+                phase.beside("mlflow_run", tracking.span, tracking.seconds)
             if found.fallback:  # recorded in summary.json and as an MLflow event
                 self._transition(State.STARTING, found.fallback)
             self.membership = Membership(spec, self.group, target_size=self._target_size)
@@ -258,10 +264,10 @@ class Supervisor:
             if warm is not None:
                 warm.join()
                 self.data.wait_s = 0.0  # spent while the workers started, not waited for by them
+                phase.beside("first_read", warm.span, warm.seconds)
             phase("first_batch")
             phase.end()
-            self.summary.start_beside = {k: t.seconds for k, t in (("tracking", tracking), ("first_read", warm))
-                                         if t is not None and t.seconds is not None}
+            self._tracking_opened()
             self._transition(State.RUNNING, f"training from step {self.committed_step}")
             self._train()
             return self._result()
@@ -284,6 +290,7 @@ class Supervisor:
         try:
             self._loop()
             self.boundary.settle(wait=True)  # a background save started is finished, whatever ends the run
+            self._tracking_opened(wait=True)  # a run ends with its MLflow run open, or fails
             stop = self.requests.stop()
             while (policy.ending(self.committed_step, self.spec, stop, self.boundary.early_stop).save
                    and not self.checkpoints.saved(self.committed_step)):
@@ -335,6 +342,7 @@ class Supervisor:
         ahead: _Dispatch | None = None
         try:
             while True:
+                self._tracking_opened()
                 if ahead is None:
                     if self.boundary.run(last):
                         break  # the plan ends the step loop here (see ``_train``)
@@ -402,6 +410,25 @@ class Supervisor:
         self.recovery.recover(outcome.lost_among(sent.members), f"{where} failed: {outcome.describe(sent.members)}",
                               commit_if_finished, outcome.detected_at_unix_s)
 
+    def _tracking_opened(self, wait: bool = False) -> None:
+        """A new run's MLflow run opens beside the start and its first steps (``Tracker.begin``):
+        at each lease, and waited for (``wait``) before the run ends, a failed opening fails the
+        run with its TrackingError; once open, its span joins the start's record."""
+        if self.tracker is None:
+            return
+        if wait:
+            self.tracker.opened()
+        self.tracker.check_open()
+        self._note_open_span()
+
+    def _note_open_span(self) -> None:
+        """The MLflow run's opening in ``start_spans``, once it is open (in this thread, the one
+        that writes the summary)."""
+        span = self.tracker.open_span if self.tracker is not None else None
+        if span is not None and self._phase is not None:
+            self._phase.beside("mlflow_run", span, span[1] - span[0])
+            self._phase = None
+
     def _step_deadline_s(self) -> float:
         """A step slower than this is hung: a multiple of recent step times, with a floor."""
         return self.steps._step_deadline_s()
@@ -431,37 +458,13 @@ class Supervisor:
                       State.CANCELLED: "KILLED"}.get(self.state, "FAILED")
             try:
                 self.tracker.log_plots(self.summary.snapshot())
-                self.tracker.finish(status)
+                self.tracker.finish(status)  # a run still opening is opened first
+                self._note_open_span()
             except Exception as exc:
                 log.warning("could not close the MLflow run: %s", exc)
         self.summary.write()
         if self._local_cluster:
             ray.shutdown()
-
-
-class _Phases:
-    """The start's phases for ``RunSummary.start_phases``: each call records the seconds since
-    the previous one under its name; ``add`` records phases timed elsewhere (which the next
-    call's interval then leaves out); ``end`` adds the total."""
-
-    def __init__(self):
-        self.phases: dict[str, float] = {}
-        self.t0 = self.last = time.perf_counter()
-
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = round(now - self.last, 3)
-        self.last = now
-
-    def add(self, timed: dict[str, float]) -> None:
-        for name, seconds in timed.items():
-            self.phases[name] = round(seconds, 3)
-        self.last += sum(timed.values())
-
-    def end(self) -> None:
-        self.phases["total"] = round(time.perf_counter() - self.t0, 3)
-
-
 
 
 def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = None,
