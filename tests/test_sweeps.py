@@ -316,6 +316,13 @@ def test_what_tunes_end_of_a_trial_does_to_its_job(state, step, keep_stopped, ac
     assert stop_action(state, step, 12, keep_stopped) == action
 
 
+def test_only_pbt_waits_for_the_checkpoint_of_the_step_a_trial_reports():
+    from raytrain_sys.sweeps.runner import CHECKPOINT_WAIT_S, checkpoint_wait_s
+
+    # PBT's exploit starts from the checkpoint of the step it ranked; ASHA decides at once.
+    assert (checkpoint_wait_s("pbt"), checkpoint_wait_s("asha"), checkpoint_wait_s("fifo")) == (CHECKPOINT_WAIT_S, 0, 0)
+
+
 @pytest.mark.parametrize("mode, curves, best", [
     # a trial ASHA stopped at step 3 whose job logged a better value before its cancel landed
     ("min", {"a": [(3, 4.0), (12, 3.9)], "b": [(3, 4.5), (6, 4.1), (12, 3.8)]}, ("b", 3.8)),

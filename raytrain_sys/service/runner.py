@@ -243,7 +243,8 @@ class JobRunner:
         after ``after_step``, ``[(step, value)]`` in step order, the values its MLflow run logs;
         waits up to ``wait_s`` for one (a sweep's trial proxy asks, and hears of an evaluation
         at once instead of polling MLflow). ``done``: the run has ended, and the list is all it
-        will log (read before the list)."""
+        will log (read before the list). ``checkpoints``: the run's committed checkpoints, [(step,
+        URI)], those retention deleted since included."""
         deadline = time.monotonic() + wait_s
         while True:
             done, sup = self._done.is_set(), self._sup
@@ -251,7 +252,8 @@ class JobRunner:
                 (int(e["step"]), float(e[key])) for e in list(sup.summary.evals)
                 if int(e["step"]) > after_step and key in e)
             if points or done or time.monotonic() >= deadline:
-                return {"evaluations": points, "done": done}
+                checkpoints = [] if sup is None else [(int(c["step"]), c["uri"]) for c in list(sup.summary.checkpoints)]
+                return {"evaluations": points, "done": done, "checkpoints": checkpoints}
             time.sleep(EVALUATIONS_POLL_S)
 
     def _start_step(self) -> str:

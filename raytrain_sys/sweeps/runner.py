@@ -129,6 +129,7 @@ class RunnerEvaluations:
         self.key = metric[len("eval_"):] if metric.startswith("eval_") else metric
         self.wait_s = wait_s
         self._handles: dict[int, object] = {}
+        self.checkpoints: dict[int, list[tuple[int, str]]] = {}  # job id -> its runner's committed checkpoints
 
     def __call__(self, job: JobRecord, after: int) -> Optional[tuple[list, bool]]:
         from raytrain_sys.service.names import find_runner
@@ -147,6 +148,7 @@ class RunnerEvaluations:
             self._handles.pop(job.id, None)
             return None
         self._handles[job.id] = handle
+        self.checkpoints[job.id] = [(int(c[0]), str(c[1])) for c in got.get("checkpoints", [])]
         if got["done"]:  # a paused job's next run has another runner
             self._handles.pop(job.id, None)
         return [tuple(p) for p in got["evaluations"]], got["done"]
@@ -190,12 +192,12 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str, log_pa
                               base_dir=base_dir, sweep_id=sweep_id, trial_id=trial_id, segment=plan.segment)
         log.info("trial %s of sweep %d follows job %d (segment %d%s)", trial_id, sweep_id, job.id, plan.segment,
                  f", from trial {donor.trial_id}'s checkpoint at step {donor.step}" if donor else "")
-        report = Reporter(store, spec, trial_id, plan, config)
+        live = RunnerEvaluations(spec.metric)
+        report = Reporter(store, spec, trial_id, plan, config, runner_checkpoints=live.checkpoints.get)
         # Tune had every result up to its checkpoint's step (a trial paused or restored goes on
         # after it; a segment's job logs nothing before its donor's step).
         seen = pointer.step if pointer is not None and (donor is not None or pointer.trial_id == trial_id) else 0
-        follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen,
-               live=RunnerEvaluations(spec.metric))
+        follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen, live=live)
     finally:
         store.close()
 
@@ -304,16 +306,36 @@ def newest_checkpoint(root: str, step: int, s3_endpoint_url: str = ""):
     return max(done, key=lambda c: c.step, default=None)
 
 
+def checkpoint_wait_s(scheduler: str) -> float:
+    """How long a report at a checkpoint step waits for that step's checkpoint: PBT ranks a
+    trial by the checkpoint of the step it reported (its exploits start from it); ASHA's and
+    FIFO's pointers only mark how far Tune has read (a restored proxy goes on after it), and the
+    newest committed one will do. A wait at a rung's step is a wait for ASHA's decision on it."""
+    return CHECKPOINT_WAIT_S if scheduler == "pbt" else 0.0
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint as a runner lists it: its step and URI."""
+
+    step: int
+    uri: str
+
+
 class Reporter:
     """The proxy's ``report``: each evaluation to Tune with a pointer to the job's committed
-    checkpoint at that step (waited for up to CHECKPOINT_WAIT_S at a checkpoint step, else the
-    newest before it); a segment started from a donor's checkpoint gets its MLflow run marked
+    checkpoint at that step (waited for up to CHECKPOINT_WAIT_S at a checkpoint step under PBT,
+    else the newest before it, as the job's runner lists them when it answered); a segment started from a donor's checkpoint gets its MLflow run marked
     (donor, step, mutated values) at its first report."""
 
     def __init__(self, store: Store, spec: SweepSpec, trial_id: str, plan: SegmentPlan, config: dict,
-                 wait_s: float = CHECKPOINT_WAIT_S, sleep: Callable[[float], None] = time.sleep):
+                 wait_s: Optional[float] = None, sleep: Callable[[float], None] = time.sleep,
+                 runner_checkpoints: Optional[Callable[[int], Optional[list]]] = None):
         self.store, self.spec, self.trial_id, self.plan, self.config = store, spec, trial_id, plan, config
-        self.wait_s, self.sleep = wait_s, sleep
+        self.wait_s = checkpoint_wait_s(spec.scheduler.type) if wait_s is None else wait_s
+        self.sleep = sleep
+        # job id -> the checkpoints its runner committed ([(step, uri)]), None when no runner answered
+        self.runner_checkpoints = runner_checkpoints or (lambda job_id: None)
         self._marked = plan.donor is None
         self._roots: dict[int, str] = {}  # job id -> its checkpoint root (read from its MLflow run once)
 
@@ -344,6 +366,10 @@ class Reporter:
         return self._roots[job.id]
 
     def _checkpoint(self, job: JobRecord, step: int):
+        listed = self.runner_checkpoints(job.id)
+        if not self.wait_s and listed is not None:  # as its runner listed them: no MLflow, no listing
+            committed = [(s, uri) for s, uri in listed if s <= step]
+            return Committed(*max(committed)) if committed else None
         every = int(self.spec.base["checkpoint"]["every_steps"])
         s3 = self.spec.base["checkpoint"]["s3_endpoint_url"]
         deadline = time.monotonic() + self.wait_s
