@@ -33,8 +33,8 @@ cores and one job service on it (warm spares and a spare runner, a pass every 0.
 
 Why these trial lengths: the trials must train long enough that the starts (a warm start is
 about 0.5 s on a quiet machine, a start on a fresh worker process about 7 s, and tens of seconds
-when the machine is loaded) and Tune's lag behind the evaluations (a proxy polls MLflow once a
-second; ASHA's stop lands at the job's next step boundary) are small beside a rung, and the two
+when the machine is loaded) and Tune's lag behind the evaluations (a proxy hears of one from its job's
+runner; ASHA's stop lands at the job's next step boundary) are small beside a rung, and the two
 sweeps must still fit in a few minutes here. At 400 steps (``--quick``) a trial on one worker
 ran 400 steps in about 15 s, and ASHA's stop at the first rung (step 50) reached its job at
 step 269: the stop saved little. 1,000 steps is about 40-90 s of training for a trial on one

@@ -261,6 +261,68 @@ def test_a_trial_reports_each_evaluation_of_its_job_once_in_step_order(tmp_path)
     assert [rungs_passed(s, 3, 2, 12) for s in (2, 3, 5, 6, 12)] == [0, 1, 1, 2, 2]
 
 
+def test_a_trial_hears_its_jobs_evaluations_from_its_runner_and_reads_mlflow_when_none_answers(tmp_path):
+    from raytrain_sys.sweeps.runner import follow
+
+    store = Store.open(f"sqlite:///{tmp_path}/service.db")
+    store.add_team(Team("a", 4))
+    sweep = store.submit_sweep(team="a", name="s", spec="{}", storage_path="/tmp", actor="a")
+    job = _trial(store, sweep.id, "t1")
+    logged = [(3, 2.0), (6, 1.5), (9, 1.2), (12, 1.1)]  # what its MLflow run holds in the end
+    asks: list[int] = []
+
+    answers = iter([([(3, 2.0)], False), ([(6, 1.5), (9, 1.2)], False), None])
+
+    def live(j, after):  # the runner answers twice, is lost once, then its run ends
+        asks.append(after)
+        answer = next(answers, "ended")
+        if answer == "ended":
+            store.transition(j.id, JobState.QUEUED, JobState.CANCELLED, actor="t", reason="done")
+            return [], True
+        return answer
+
+    reads: list[int] = []
+    reports: list[dict] = []
+    follow(store, job.id, "eval_loss", reports.append, lambda j, m: reads.append(1) or [p for p in logged if p[0] <= 9],
+           live=live, sleep=lambda _s: None)
+    # Each evaluation once, in step order; MLflow read only while no runner answered, and at the end.
+    assert [(r["step"], r["eval_loss"]) for r in reports] == [(3, 2.0), (6, 1.5), (9, 1.2)]
+    assert asks == [0, 3, 9, 9] and len(reads) == 2
+    store.close()
+
+
+@pytest.mark.parametrize("state, step, keep_stopped, action", [
+    (JobState.RUNNING, 3, False, "cancel"),
+    (JobState.RUNNING, 3, True, "pause"),
+    (JobState.QUEUED, None, False, "cancel"),
+    (JobState.PAUSED, 3, False, "cancel"),
+    (JobState.PAUSED, 3, True, None),
+    (JobState.PAUSING, 3, True, None),
+    (JobState.CANCELLING, 3, False, None),
+    (JobState.FINISHED, 3, False, None),
+    (JobState.RUNNING, 12, False, None),
+], ids=["a running trial ASHA stops is cancelled",
+        "with keep_stopped it is paused and held",
+        "a trial whose job still waits is cancelled",
+        "a paused trial's job is cancelled",
+        "with keep_stopped a paused trial stays paused",
+        "with keep_stopped a pausing trial is left to pause",
+        "a job being cancelled (at ASHA's decision) is not cancelled again when Tune ends the trial",
+        "a job that ended is left alone",
+        "a trial at max_t is finishing on its own: no cancel skips its last checkpoint"])
+def test_what_tunes_end_of_a_trial_does_to_its_job(state, step, keep_stopped, action):
+    from raytrain_sys.sweeps.runner import stop_action
+
+    assert stop_action(state, step, 12, keep_stopped) == action
+
+
+def test_only_pbt_waits_for_the_checkpoint_of_the_step_a_trial_reports():
+    from raytrain_sys.sweeps.runner import CHECKPOINT_WAIT_S, checkpoint_wait_s
+
+    # PBT's exploit starts from the checkpoint of the step it ranked; ASHA decides at once.
+    assert (checkpoint_wait_s("pbt"), checkpoint_wait_s("asha"), checkpoint_wait_s("fifo")) == (CHECKPOINT_WAIT_S, 0, 0)
+
+
 @pytest.mark.parametrize("mode, curves, best", [
     # a trial ASHA stopped at step 3 whose job logged a better value before its cancel landed
     ("min", {"a": [(3, 4.0), (12, 3.9)], "b": [(3, 4.5), (6, 4.1), (12, 3.8)]}, ("b", 3.8)),

@@ -7,6 +7,10 @@ readers only see directories that have one, so a run that dies between the two l
 directory that nobody loads and that retention later removes. Every loaded file is checked
 against the sha256 recorded in the manifest and unpickled with ``weights_only=True``, so a
 tampered or bit-rotted checkpoint fails loudly instead of executing code or training on garbage.
+
+torch is imported where a state is saved or loaded, not with the module: a process that only
+lists or opens checkpoints (a sweep's trial proxy, pointing Tune at its job's checkpoints) never
+pays for it (seconds of CPU a process, and the proxies of a sweep start together).
 """
 
 from __future__ import annotations
@@ -23,8 +27,6 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
-
-import torch
 
 from raytrain_sys.checkpoint.store import ObjectNotFoundError, Store, open_store
 from raytrain_sys.errors import CheckpointCorrupt, CheckpointError, StorageError
@@ -105,6 +107,8 @@ class Checkpointer:
             )
         if stage_dir:
             return self._write_staged(step, filename, state, stage_dir)
+        import torch
+
         buffer = io.BytesIO()
         torch.save(state, buffer)
         state.clear()
@@ -116,6 +120,8 @@ class Checkpointer:
 
     def _write_staged(self, step: int, filename: str, state: dict[str, Any],
                       stage_dir: str) -> dict[str, Any]:
+        import torch
+
         path = os.path.join(stage_dir, f"{uuid.uuid4().hex}-{filename.replace('/', '_')}")
         try:
             try:
@@ -334,6 +340,8 @@ class Checkpointer:
                 f"corrupt checkpoint file {info.uri}/{filename}: sha256 mismatch (manifest "
                 f"{record.get('sha256')}, found {digest}, {len(data)} bytes)"
             )
+        import torch
+
         try:
             state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as e:
@@ -383,6 +391,8 @@ class Checkpointer:
 def _refuse_unsafe(filename: str, data: Any) -> None:
     """Refuse at save time what weights_only loading would refuse at resume time, when it is too
     late to fix; this scans pickle opcodes and does not deserialize tensors."""
+    import torch
+
     unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(data)
     if unsafe:
         raise TypeError(

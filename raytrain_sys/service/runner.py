@@ -57,13 +57,15 @@ from raytrain_sys.control.spares import NAMESPACE, SpareSource
 from raytrain_sys.control.supervisor import RunRequests, Supervisor, resume_supervisor
 from raytrain_sys.errors import find_user_error
 from raytrain_sys.monitor.report import progress
+from raytrain_sys.service.names import (RUNNER_PREFIX, SPARE_RUNNER_PREFIX,  # noqa: F401 (their home was here)
+                                        SPARE_START_TIMEOUT_S, find_runner, runner_name, spare_runners)
 from raytrain_sys.spec import apply_overrides, from_dict
 
 log = logging.getLogger(__name__)
 
-RUNNER_PREFIX = "raytrain-sys-job-"
-SPARE_RUNNER_PREFIX = "raytrain-sys-runner-spare-"
-SPARE_START_TIMEOUT_S = 10.0
+# How often ``evaluations`` looks at the run's evaluations while it waits: in this process, for
+# nothing; an evaluation is seconds apart at best.
+EVALUATIONS_POLL_S = 0.05
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Supervisor states before its first step: the job is still starting (or resuming).
 STARTING_STATES = frozenset({"launching", "starting", "restoring"})
@@ -80,10 +82,6 @@ def reported_state(state: str, tracking: bool, run_id: str) -> str:
     if tracking and not run_id and state not in STARTING_STATES | ENDED_STATES:
         return "starting"
     return state
-
-
-def runner_name(job_id: int) -> str:
-    return f"{RUNNER_PREFIX}{int(job_id)}"
 
 
 def job_log_path(log_dir: str, job_id: int) -> str:
@@ -259,6 +257,24 @@ class JobRunner:
             return "launching"
         return reported_state(sup.state.value, sup.spec.tracking.enabled, sup.summary.mlflow_run_id)
 
+    def evaluations(self, key: str, after_step: int, wait_s: float = 0.0) -> dict:
+        """The run's evaluations of ``key`` (a summary key: ``loss``, as MLflow's ``eval_loss``)
+        after ``after_step``, ``[(step, value)]`` in step order, the values its MLflow run logs;
+        waits up to ``wait_s`` for one (a sweep's trial proxy asks, and hears of an evaluation
+        at once instead of polling MLflow). ``done``: the run has ended, and the list is all it
+        will log (read before the list). ``checkpoints``: the run's committed checkpoints, [(step,
+        URI)], those retention deleted since included."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            done, sup = self._done.is_set(), self._sup
+            points = [] if sup is None else sorted(
+                (int(e["step"]), float(e[key])) for e in list(sup.summary.evals)
+                if int(e["step"]) > after_step and key in e)
+            if points or done or time.monotonic() >= deadline:
+                checkpoints = [] if sup is None else [(int(c["step"]), c["uri"]) for c in list(sup.summary.checkpoints)]
+                return {"evaluations": points, "done": done, "checkpoints": checkpoints}
+            time.sleep(EVALUATIONS_POLL_S)
+
     def _start_step(self) -> str:
         """Where the run's start is, for the job's wait reason (``service/starts.py``):
         ``supervisor`` (the Supervisor is being built: a resume first reads its run's record),
@@ -353,38 +369,9 @@ def new_spare_runner():
                                    lifetime="detached", **control_options()).remote(None)
 
 
-def _spare_runner_names() -> list[str]:
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NAMESPACE and a["name"].startswith(SPARE_RUNNER_PREFIX)]
-
-
-def find_runner(job_id: int):
-    """The job's live runner (after a service restart too), or None: the one named after the
-    job, else the spare runner that started it."""
-    try:
-        return ray.get_actor(runner_name(job_id), namespace=NAMESPACE)
-    except ValueError:
-        pass
-    for name, handle, job in _spare_runners():
-        if job == job_id:
-            return handle
-    return None
-
-
 def idle_spare_runners() -> list:
     """Spare runners that run no job (after a service restart: the previous service's)."""
-    return [handle for _, handle, job in _spare_runners() if job is None]
-
-
-def _spare_runners() -> list[tuple[str, Any, Optional[int]]]:
-    found = []
-    for name in _spare_runner_names():
-        try:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
-            found.append((name, handle, ray.get(handle.job.remote(), timeout=SPARE_START_TIMEOUT_S)))
-        except Exception:  # noqa: BLE001: gone or not answering: not a runner to re-attach to
-            continue
-    return found
+    return [handle for _, handle, job in spare_runners() if job is None]
 
 
 def log_to_file(path: str) -> logging.Handler:

@@ -56,6 +56,7 @@ from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.capacity import autoscaler_max_resources, ceilings, flavor_states
 from raytrain_sys.service.model import FlavorQuota, Team, flavor_from_dict
+from raytrain_sys.service.names import SERVICE_NAME
 from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
 from raytrain_sys.service.runner import NAMESPACE, log_to_file
@@ -64,7 +65,6 @@ from raytrain_sys.sweeps import requests as sweep_requests
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "raytrain-sys-service"
 DEFAULT_HOST = "127.0.0.1"  # the API listens on loopback unless told otherwise
 DEFAULT_PORT = 8470
 DEFAULT_POLL_S = 0.5  # a reconciler pass: a request is acted on within about this long
@@ -370,6 +370,11 @@ class ServiceActor:
             return ray.get(pool.status.remote(), timeout=5.0)
         except Exception as exc:  # noqa: BLE001: a report, not a failure of the service
             return {"per_node": self.warm_workers_per_node, "error": str(exc).splitlines()[0]}
+
+    def wake(self) -> None:
+        """A pass now: a request written through another process's store (a sweep's runner
+        stopping a trial) does not wake this one's reconciler, which would pass at its period."""
+        self._wake.set()
 
     def shutdown(self) -> None:
         """Stop the reconciler loop (the runners train on), the warm spares' pool (claimed spares

@@ -10,8 +10,9 @@ reconciler writes the sweep's start and its runner's restarts (``ensure_runners`
 * **A trial is a proxy** that needs no CPU (a 1 MiB memory bundle: Tune will not run a trial of no
   resource, and a fraction of a CPU would take a worker slot's CPU from the cluster). It submits
   its job (``(sweep, trial, segment)`` unique: a trial driven again re-attaches to its job),
-  follows the job's evaluations in MLflow and reports each as ``step`` (the committed step: the
-  schedulers' ``time_attr``) with the metric, and as Tune's checkpoint a pointer to the job's
+  hears each of the job's evaluations from the job's runner as the run records it
+  (``RunnerEvaluations``; MLflow while no runner answers, and once the job has ended) and
+  reports each as ``step`` (the committed step: the schedulers' ``time_attr``) with the metric, and as Tune's checkpoint a pointer to the job's
   committed checkpoint of that step (``Pointer``: a small JSON file, never a copy of the model).
   The job trains,
   shrinks, grows, pauses and recovers as any service job: a lost worker is the job's business,
@@ -22,8 +23,9 @@ reconciler writes the sweep's start and its runner's restarts (``ensure_runners`
   (``segment_plan``; ``trial_spec``); the segment's MLflow run is tagged with its donor. PBT runs
   synchronous, so that every trial it ranks holds a checkpoint (``make_scheduler``).
 * **Tune's stop is a service action**: when a trial ends while its job is live (ASHA stopped it,
-  or its proxy failed) the job is cancelled, or paused and held with ``keep_stopped``; the
-  next scheduling pass gives its workers to the next trial or grows the survivors. Each rung a
+  or its proxy failed) the job is cancelled, or paused and held with ``keep_stopped``
+  (``stop_action``), ASHA's stop at its decision (``make_scheduler``); the service's reconciler
+  is woken, and its pass gives the workers to the next trial or grows the survivors. Each rung a
   trial passes (ASHA's milestones reached while it runs on) is written to its job's ``rung``:
   the scheduler grows it before trials that passed fewer.
 * **On the safe nodes**: the runner and the proxies ask what ``control_options`` gives a
@@ -49,12 +51,11 @@ from raytrain_sys.service import requests
 from raytrain_sys.service.model import JobRecord, JobState, SweepRecord, SweepState
 from raytrain_sys.service.store import Store
 from raytrain_sys.sweeps.spec import SweepSpec, pbt_mutations, sweep_from_dict, trial_spec, tune_space
-from raytrain_sys.tracking.mlflow_tracker import spec_checkpoint_root
 
 log = logging.getLogger(__name__)
 
 SWEEP_RUNNER_PREFIX = "raytrain-sys-sweep-"
-POLL_S = 1.0  # a proxy reads its job and its evaluations this often: an evaluation is seconds apart at best
+POLL_S = 1.0  # a proxy reads MLflow this often while no runner answers: an evaluation is seconds apart at best
 PROXY_MEMORY_BYTES = 2 ** 20  # the proxy's whole bundle (see the module docstring)
 ACTOR = "sweep-runner"
 
@@ -85,23 +86,72 @@ class TrialJobFailed(RuntimeError):
 
 def follow(store: Store, job_id: int, metric: str, report: Callable[[dict], None],
            history: Callable[[JobRecord, str], list[tuple[int, float]]], *, after_step: int = 0,
-           poll_s: float = POLL_S, sleep: Callable[[float], None] = time.sleep) -> JobRecord:
+           poll_s: float = POLL_S, sleep: Callable[[float], None] = time.sleep,
+           live: Optional[Callable[[JobRecord, int], Optional[tuple[list, bool]]]] = None) -> JobRecord:
     """Report each evaluation of the job after ``after_step`` once, in step order, until the job
-    ends; returns it ended. The job is read before its evaluations, so a job read as ended has
-    every evaluation it will ever log. Raises ``TrialJobFailed`` when it failed."""
+    ends; returns it ended. ``live(job, after)``: the job's evaluations after a step as its
+    runner holds them, waiting a little for one (``(points, run_done)``), None when no runner
+    answers: the proxy hears of an evaluation as the job records it. MLflow (``history``) is read
+    when no runner answers, and once the job has ended: the job is read before its evaluations,
+    so a job read as ended has every evaluation it will ever log. Raises ``TrialJobFailed`` when
+    it failed."""
     reported = after_step
     while True:
         job = store.job(job_id)
-        for step, value in history(job, metric):
+        asked = None if live is None or job.state.terminal else live(job, reported)
+        for step, value in (history(job, metric) if asked is None else asked[0]):
             if step > reported:
+                seen = time.monotonic()
                 report({"step": step, metric: value, "job_id": job.id,
                         "checkpoint_step": job.last_checkpoint_step or 0})
+                log.info("job %d: its evaluation at step %d reported to Tune (%.2f s)", job.id, step,
+                         time.monotonic() - seen)
                 reported = step
         if job.state is JobState.FAILED:
             raise TrialJobFailed(f"job {job.id} failed: {job.message}")
         if job.state.terminal:
             return job
-        sleep(poll_s)
+        if asked is None or asked[1]:  # polling MLflow, or the run ended and the store not yet
+            sleep(poll_s)
+
+
+# How long one ask of a job's runner waits for its next evaluation: the proxy reads its job's
+# state in the store between asks (a cancel, a pause), and the ask holds one of the runner's threads.
+LIVE_WAIT_S = 1.0
+
+
+class RunnerEvaluations:
+    """``follow``'s ``live``: the evaluations the job's runner holds (``JobRunner.evaluations``),
+    its handle looked up by the job's id and kept while it answers; None while the job has no
+    runner that answers (queued, paused, between two runs, or its runner lost)."""
+
+    def __init__(self, metric: str, wait_s: float = LIVE_WAIT_S):
+        self.key = metric[len("eval_"):] if metric.startswith("eval_") else metric
+        self.wait_s = wait_s
+        self._handles: dict[int, object] = {}
+        self.checkpoints: dict[int, list[tuple[int, str]]] = {}  # job id -> its runner's committed checkpoints
+
+    def __call__(self, job: JobRecord, after: int) -> Optional[tuple[list, bool]]:
+        from raytrain_sys.service.names import find_runner
+
+        if job.state not in (JobState.STARTING, JobState.RUNNING, JobState.RESUMING, JobState.PAUSING,
+                             JobState.CANCELLING):
+            self._handles.pop(job.id, None)
+            return None
+        handle = self._handles.get(job.id) or find_runner(job.id)
+        if handle is None:
+            return None
+        try:
+            got = ray.get(handle.evaluations.remote(self.key, after, self.wait_s), timeout=self.wait_s + 10.0)
+        except Exception as exc:  # noqa: BLE001: gone, or not answering: MLflow for now, and look it up again
+            log.info("job %d: its runner did not answer (%s): reading MLflow", job.id, str(exc).splitlines()[0][:200])
+            self._handles.pop(job.id, None)
+            return None
+        self._handles[job.id] = handle
+        self.checkpoints[job.id] = [(int(c[0]), str(c[1])) for c in got.get("checkpoints", [])]
+        if got["done"]:  # a paused job's next run has another runner
+            self._handles.pop(job.id, None)
+        return [tuple(p) for p in got["evaluations"]], got["done"]
 
 
 def mlflow_history(job: JobRecord, metric: str) -> list[tuple[int, float]]:
@@ -113,12 +163,13 @@ def mlflow_history(job: JobRecord, metric: str) -> list[tuple[int, float]]:
     return metric_history(spec_tracking_uri(json.loads(job.spec)), job.mlflow_run_id, metric)
 
 
-def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> None:
+def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> None:
     """Tune's function trainable: submit (or find) this trial's job, or the job of its next PBT
     segment when Tune restarted it with a donor's checkpoint (``segment_plan``), and report its
     evaluations, each with a pointer to the job's committed checkpoint as Tune's checkpoint."""
     from ray import tune
 
+    log_to(log_path)
     store = Store.open(db_url)
     try:
         sweep = store.sweep(sweep_id)
@@ -141,11 +192,12 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str) -> Non
                               base_dir=base_dir, sweep_id=sweep_id, trial_id=trial_id, segment=plan.segment)
         log.info("trial %s of sweep %d follows job %d (segment %d%s)", trial_id, sweep_id, job.id, plan.segment,
                  f", from trial {donor.trial_id}'s checkpoint at step {donor.step}" if donor else "")
-        report = Reporter(store, spec, trial_id, plan, config)
+        live = RunnerEvaluations(spec.metric)
+        report = Reporter(store, spec, trial_id, plan, config, runner_checkpoints=live.checkpoints.get)
         # Tune had every result up to its checkpoint's step (a trial paused or restored goes on
         # after it; a segment's job logs nothing before its donor's step).
         seen = pointer.step if pointer is not None and (donor is not None or pointer.trial_id == trial_id) else 0
-        follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen)
+        follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen, live=live)
     finally:
         store.close()
 
@@ -254,16 +306,36 @@ def newest_checkpoint(root: str, step: int, s3_endpoint_url: str = ""):
     return max(done, key=lambda c: c.step, default=None)
 
 
+def checkpoint_wait_s(scheduler: str) -> float:
+    """How long a report at a checkpoint step waits for that step's checkpoint: PBT ranks a
+    trial by the checkpoint of the step it reported (its exploits start from it); ASHA's and
+    FIFO's pointers only mark how far Tune has read (a restored proxy goes on after it), and the
+    newest committed one will do. A wait at a rung's step is a wait for ASHA's decision on it."""
+    return CHECKPOINT_WAIT_S if scheduler == "pbt" else 0.0
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint as a runner lists it: its step and URI."""
+
+    step: int
+    uri: str
+
+
 class Reporter:
     """The proxy's ``report``: each evaluation to Tune with a pointer to the job's committed
-    checkpoint at that step (waited for up to CHECKPOINT_WAIT_S at a checkpoint step, else the
-    newest before it); a segment started from a donor's checkpoint gets its MLflow run marked
+    checkpoint at that step (waited for up to CHECKPOINT_WAIT_S at a checkpoint step under PBT,
+    else the newest before it, as the job's runner lists them when it answered); a segment started from a donor's checkpoint gets its MLflow run marked
     (donor, step, mutated values) at its first report."""
 
     def __init__(self, store: Store, spec: SweepSpec, trial_id: str, plan: SegmentPlan, config: dict,
-                 wait_s: float = CHECKPOINT_WAIT_S, sleep: Callable[[float], None] = time.sleep):
+                 wait_s: Optional[float] = None, sleep: Callable[[float], None] = time.sleep,
+                 runner_checkpoints: Optional[Callable[[int], Optional[list]]] = None):
         self.store, self.spec, self.trial_id, self.plan, self.config = store, spec, trial_id, plan, config
-        self.wait_s, self.sleep = wait_s, sleep
+        self.wait_s = checkpoint_wait_s(spec.scheduler.type) if wait_s is None else wait_s
+        self.sleep = sleep
+        # job id -> the checkpoints its runner committed ([(step, uri)]), None when no runner answered
+        self.runner_checkpoints = runner_checkpoints or (lambda job_id: None)
         self._marked = plan.donor is None
         self._roots: dict[int, str] = {}  # job id -> its checkpoint root (read from its MLflow run once)
 
@@ -288,10 +360,16 @@ class Reporter:
 
     def _root(self, job: JobRecord) -> str:
         if not self._roots.get(job.id):
+            from raytrain_sys.tracking.mlflow_tracker import spec_checkpoint_root
+
             self._roots[job.id] = spec_checkpoint_root(json.loads(job.spec), job.mlflow_run_id)
         return self._roots[job.id]
 
     def _checkpoint(self, job: JobRecord, step: int):
+        listed = self.runner_checkpoints(job.id)
+        if not self.wait_s and listed is not None:  # as its runner listed them: no MLflow, no listing
+            committed = [(s, uri) for s, uri in listed if s <= step]
+            return Committed(*max(committed)) if committed else None
         every = int(self.spec.base["checkpoint"]["every_steps"])
         s3 = self.spec.base["checkpoint"]["s3_endpoint_url"]
         deadline = time.monotonic() + self.wait_s
@@ -354,9 +432,6 @@ def make_callback(sweep_id: int, db_url: str):
         def __getstate__(self):  # Tune pickles its callbacks with the experiment: no open store
             return {"_store": None, "_rungs": dict(self._rungs)}
 
-        def _job(self, trial) -> Optional[JobRecord]:
-            return newest_segment(self.store.trials(sweep_id), trial.trial_id)
-
         def on_trial_result(self, iteration, trials, trial, result, **info):
             log.info("trial %s: %s at step %s (job %s, checkpoint step %s)", trial.trial_id,
                      {k: v for k, v in result.items() if k.startswith("eval_")}, result.get("step"),
@@ -371,37 +446,101 @@ def make_callback(sweep_id: int, db_url: str):
                 self.store.set_rung(int(result["job_id"]), rung)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            self._ended(trial, "stopped by the sweep's scheduler")
+            self._ended(trial, STOPPED)
 
         def on_trial_error(self, iteration, trials, trial, **info):
             self._ended(trial, "its trial proxy failed")
 
         def _ended(self, trial, why: str) -> None:
-            job = self._job(trial)
-            if job is None or job.state.terminal:
-                return  # it finished (its proxy returned), or never submitted
-            sweep = self.store.sweep(sweep_id)
-            if trial.last_result and int(trial.last_result.get("step", 0)) >= spec_of(sweep).max_steps:
-                return  # ASHA ends a trial at max_t: its job is finishing on its own (a cancel would skip its last checkpoint)
-            at = f" at step {trial.last_result.get('step')}" if trial.last_result else ""
-            try:
-                if spec_of(sweep).keep_stopped:
-                    requests.pause(self.store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at} (keep_stopped)")
-                else:
-                    requests.cancel(self.store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at}")
-            except JobStateConflict as exc:  # it ended or was held meanwhile
-                log.info("trial %s: %s", trial.trial_id, exc)
+            step = int(trial.last_result["step"]) if trial.last_result and "step" in trial.last_result else None
+            stop_trial_job(self.store, sweep_id, trial.trial_id, step, why)
 
     return ServiceActions()
 
 
-def make_scheduler(spec: SweepSpec):
+STOPPED = "stopped by the sweep's scheduler"
+
+
+def stop_action(state: JobState, step: Optional[int], max_steps: int, keep_stopped: bool) -> Optional[str]:
+    """What Tune's end of a trial (ASHA's stop, or its proxy's failure) does to the trial's job,
+    last reported at ``step``: "cancel", "pause" (``keep_stopped``: held, resumable), or None.
+    None when the job has ended or is being stopped so already (the stop is carried out at
+    ASHA's decision and again when Tune ends the trial), and when the trial reached ``max_steps``
+    (ASHA ends every trial at max_t: its job is finishing on its own, and a cancel would skip its
+    last checkpoint)."""
+    if state.terminal or state is JobState.CANCELLING:
+        return None
+    if keep_stopped and state in (JobState.PAUSING, JobState.PAUSED):
+        return None
+    if step is not None and step >= max_steps:
+        return None
+    return "pause" if keep_stopped else "cancel"
+
+
+def stop_trial_job(store: Store, sweep_id: int, trial_id: str, step: Optional[int], why: str) -> None:
+    """Carry out ``stop_action`` on the trial's newest job, and wake the service's reconciler:
+    the next scheduling pass gives the job's workers to another trial now, not at its period."""
+    job = newest_segment(store.trials(sweep_id), trial_id)
+    if job is None:
+        return  # never submitted
+    spec = spec_of(store.sweep(sweep_id))
+    action = stop_action(job.state, step, spec.max_steps, spec.keep_stopped)
+    if action is None:
+        return
+    at = f" at step {step}" if step is not None else ""
+    try:
+        if action == "pause":
+            requests.pause(store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at} (keep_stopped)")
+        else:
+            requests.cancel(store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at}")
+    except JobStateConflict as exc:  # it ended or was held meanwhile
+        log.info("trial %s: %s", trial_id, exc)
+        return
+    log.info("trial %s: job %d %s: %s%s", trial_id, job.id, "paused" if action == "pause" else "cancelled", why, at)
+    wake_service()
+
+
+def wake_service() -> None:
+    """Ask the job service for a reconciler pass now (a request written through another
+    process's store does not wake it); nothing when no service runs (``raytrain-sys sweep``)."""
+    from raytrain_sys.service.names import SERVICE_NAME
+
+    try:
+        ray.get_actor(SERVICE_NAME, namespace=NAMESPACE).wake.remote()
+    except Exception as exc:  # noqa: BLE001: no service, or one without wake: its next pass comes at its period
+        log.debug("no service to wake: %s", exc)
+
+
+def make_scheduler(spec: SweepSpec, sweep_id: Optional[int] = None, db_url: str = ""):
+    """Tune's scheduler of the sweep. ASHA's stops are carried out at its decision
+    (``stop_trial_job``, with ``sweep_id`` and ``db_url``): Tune would end the trial only after
+    the result's checkpoint (a pointer, at a checkpoint step) is saved."""
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     s = spec.scheduler
     if s.type == "asha":
-        return ASHAScheduler(time_attr="step", max_t=spec.max_steps, grace_period=s.grace_period_steps,
-                             reduction_factor=s.reduction_factor)
+        if sweep_id is None:
+            return ASHAScheduler(time_attr="step", max_t=spec.max_steps, grace_period=s.grace_period_steps,
+                                 reduction_factor=s.reduction_factor)
+
+        class StopsAtDecision(ASHAScheduler):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self._store: Optional[Store] = None
+
+            def __getstate__(self):  # pickled with the Tuner: no open store
+                return {**self.__dict__, "_store": None}
+
+            def on_trial_result(self, tune_controller, trial, result):
+                decision = super().on_trial_result(tune_controller, trial, result)
+                if decision == self.STOP:
+                    if self._store is None:
+                        self._store = Store.open(db_url)
+                    stop_trial_job(self._store, sweep_id, trial.trial_id, result.get("step"), STOPPED)
+                return decision
+
+        return StopsAtDecision(time_attr="step", max_t=spec.max_steps, grace_period=s.grace_period_steps,
+                               reduction_factor=s.reduction_factor)
     if s.type == "pbt":
         # Synchronous: the population is ranked once every trial has reached the interval, so every
         # trial ranked in the upper quantile holds a checkpoint (a trial waiting for the others is
@@ -414,17 +553,18 @@ def make_scheduler(spec: SweepSpec):
     return FIFOScheduler()
 
 
-def trainable(sweep_id: int, db_url: str, base_dir: str):
+def trainable(sweep_id: int, db_url: str, base_dir: str, log_path: str = ""):
     """The proxy as Tune runs it: its parameters bound, on a bundle of no CPU (the safe nodes'
     resource too when the cluster has them)."""
     from ray import tune
 
     resources = {"cpu": 0, "memory": PROXY_MEMORY_BYTES, **control_options().get("resources", {})}
-    return tune.with_resources(tune.with_parameters(run_trial, sweep_id=sweep_id, db_url=db_url, base_dir=base_dir),
+    return tune.with_resources(tune.with_parameters(run_trial, sweep_id=sweep_id, db_url=db_url, base_dir=base_dir,
+                                                    log_path=log_path),
                                resources)
 
 
-def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
+def drive(sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> Optional[SweepRecord]:
     """Run (or, when its experiment exists, restore and finish) the sweep's Tune experiment, then
     record its end: finished with the best trial and value. Returns the sweep as recorded, or
     None when it was no longer running (cancelled or paused meanwhile: nothing recorded)."""
@@ -432,9 +572,12 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
 
     store = Store.open(db_url)
     try:
-        sweep = parent_run(store, store.sweep(sweep_id))
+        sweep = store.sweep(sweep_id)
+        log.info("sweep %d: its runner drives Tune (%.1f s after its submit)", sweep_id, time.time() - sweep.submitted_at_s)
+        sweep = parent_run(store, sweep)
         spec = spec_of(sweep)
-        fn = trainable(sweep_id, db_url, base_dir)
+        log.info("sweep %d: MLflow parent run %s; Tune starts its trials", sweep_id, sweep.mlflow_parent_run_id)
+        fn = trainable(sweep_id, db_url, base_dir, log_path)
         path = os.path.join(sweep.storage_path, experiment_name(sweep))
         if tune.Tuner.can_restore(path):
             log.info("sweep %d: restoring its Tune experiment from %s", sweep_id, path)
@@ -442,7 +585,8 @@ def drive(sweep_id: int, db_url: str, base_dir: str) -> Optional[SweepRecord]:
         else:
             tuner = tune.Tuner(
                 fn, param_space=tune_space(spec),
-                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode, scheduler=make_scheduler(spec),
+                tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode,
+                                            scheduler=make_scheduler(spec, sweep_id, db_url),
                                             num_samples=spec.num_samples),
                 run_config=tune.RunConfig(name=experiment_name(sweep), storage_path=sweep.storage_path,
                                           callbacks=[make_callback(sweep_id, db_url)], verbose=0))
@@ -593,21 +737,33 @@ def _dotted(raw: dict, key: str):
     return node
 
 
+_LOGGED_TO: set[str] = set()
+
+
+def log_to(log_path: str) -> None:
+    """Append this process's sweep lines to the sweep's log (once a process): ours (the runner's
+    and its proxies', each line timed to the millisecond: how late Tune's decisions come is read
+    from them), and Tune's schedulers' decisions (PBT's exploits, or a "Skip exploit" of a trial
+    with no checkpoint)."""
+    if not log_path or log_path in _LOGGED_TO:
+        return
+    _LOGGED_TO.add(log_path)
+    handler = logging.FileHandler(log_path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
+    for name in ("raytrain_sys", "ray.tune.schedulers"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class SweepRunner:
     """A sweep's Tune driver, detached and named (``raytrain-sys-sweep-<id>``): it drives Tune in
     a thread, answers ``status`` meanwhile; the reconciler starts another when it is lost."""
 
     def __init__(self, sweep_id: int, db_url: str, base_dir: str, log_path: str = ""):
-        if log_path:
-            handler = logging.FileHandler(log_path)
-            handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-            # Ours, and Tune's schedulers' decisions (PBT's exploits, or a "Skip exploit" of a
-            # trial with no checkpoint): what the sweep's log is read for.
-            for name in ("raytrain_sys", "ray.tune.schedulers"):
-                logging.getLogger(name).addHandler(handler)
-                logging.getLogger(name).setLevel(logging.INFO)
+        log_to(log_path)
         self.sweep_id = sweep_id
+        self.log_path = log_path
         self._error = ""
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(db_url, base_dir), daemon=True)
@@ -615,7 +771,7 @@ class SweepRunner:
 
     def _run(self, db_url: str, base_dir: str) -> None:
         try:
-            drive(self.sweep_id, db_url, base_dir)
+            drive(self.sweep_id, db_url, base_dir, self.log_path)
         except Exception as exc:  # the reconciler records it and fails the sweep
             log.exception("sweep %d: its Tune driver raised", self.sweep_id)
             self._error = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,56 @@
+"""The names of the service's actors, and finding a job's runner by its job id, without importing
+the runner or the service (which import torch).
+
+Owns the names: ``raytrain-sys-service`` (the service, ``service/service.py``),
+``raytrain-sys-job-<id>`` for a runner made for its job, and ``raytrain-sys-runner-spare-<hex>``
+for a spare runner started ahead (``service/runner.py``), which is asked which job it runs. Read
+by the reconciler, the jobs page, and a sweep's runner and trial proxies (light processes: a
+proxy asks its job's runner for the run's evaluations, the sweep's runner wakes the service).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import ray
+
+from raytrain_sys.control.spares import NAMESPACE
+
+SERVICE_NAME = "raytrain-sys-service"
+RUNNER_PREFIX = "raytrain-sys-job-"
+SPARE_RUNNER_PREFIX = "raytrain-sys-runner-spare-"
+SPARE_START_TIMEOUT_S = 10.0
+
+
+def runner_name(job_id: int) -> str:
+    return f"{RUNNER_PREFIX}{int(job_id)}"
+
+
+def spare_runner_names() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NAMESPACE and a["name"].startswith(SPARE_RUNNER_PREFIX)]
+
+
+def find_runner(job_id: int):
+    """The job's live runner (after a service restart too), or None: the one named after the
+    job, else the spare runner that started it."""
+    try:
+        return ray.get_actor(runner_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        pass
+    for name, handle, job in spare_runners():
+        if job == job_id:
+            return handle
+    return None
+
+
+def spare_runners() -> list[tuple[str, Any, Optional[int]]]:
+    """Each spare runner's name, handle and job (None: it runs none)."""
+    found = []
+    for name in spare_runner_names():
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            found.append((name, handle, ray.get(handle.job.remote(), timeout=SPARE_START_TIMEOUT_S)))
+        except Exception:  # noqa: BLE001: gone or not answering: not a runner to re-attach to
+            continue
+    return found
