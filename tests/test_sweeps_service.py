@@ -204,6 +204,18 @@ def pass_of(service_log: str, pattern: str) -> list[tuple[int, int]]:
     return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(r"pass (\d+): " + pattern, service_log)]
 
 
+def passes_at(service_log: str, pattern: str) -> list[tuple[float, int, int]]:
+    """(time, pass, job) of each line of the reconciler's log that matches ``pattern`` as in
+    ``pass_of``, the time the line's (the service logs in this machine's local time), in seconds
+    since the epoch as the store's history records them."""
+    import re
+    from datetime import datetime
+
+    line = r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ \S+: pass (\d+): "
+    return [(datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp(), int(m.group(2)), int(m.group(3)))
+            for m in re.finditer(line + pattern, service_log, re.MULTILINE)]
+
+
 def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_worker_on_in_one_pass(
         ray_cluster, tiny_dataset, tmp_path, gates):
     """Issue 28's done-when 1: six trials (lr x weight decay) submitted with POST /v1/sweeps, all
@@ -213,10 +225,11 @@ def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_work
     learning ones from the worst expected to the best (so each is the best so far and goes on) and
     the two of lr 1e-5 last: ASHA stops both, and they are held after that evaluation until the
     stop reaches them. The survivors wait at step 4 until both have ended: each stopped trial's
-    worker goes to a survivor, grown by the reconciler's pass that recorded the stopped job's end
-    or the next ("within one pass", read from the service log, whose lines of a pass carry its
-    number), and that survivor commits a step on it (its MLflow world_size; the seconds from the
-    end are printed). The parent run names the best trial, whose config and curve are its child
+    worker goes to a survivor, grown by a pass from the first one after the stop (a cancelling
+    job's workers no longer count as held, and ASHA's stop wakes the reconciler) to the one after
+    the pass that recorded the stopped job's end ("within one pass", read from the service log,
+    whose lines of a pass carry its number; each growth given to one stopped trial only), and that
+    survivor commits a step on it (its MLflow world_size; the seconds from the end are printed). The parent run names the best trial, whose config and curve are its child
     run's."""
     from mlflow import MlflowClient
 
@@ -304,25 +317,28 @@ def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_work
             assert JobState.CANCELLING not in [h.to_state for h in history[t.id]], (t.id, history[t.id])
             assert trial_summary(tmp_path, record["id"], t.trial_id)["steps_redone"] == 0, t.id
 
-    # Each stopped trial's end, the pass that recorded it, and the other trial given its worker.
+    # Each stopped trial's stop and end, the passes between, and the other trial given its worker.
     service_log = (tmp_path / "raytrain-sys-logs" / "service.log").read_text()
     ended = {job: p for p, job in pass_of(service_log, r"job (\d+): ending its runner: its run ended cancelled")}
-    taken = pass_of(service_log, r"(?:admit|grow) job (\d+) ")
+    taken = passes_at(service_log, r"(?:admit|grow) job (\d+) ")
     trial_ids = {t.id for t in trials}
     runs = {t.id: t.mlflow_run_id for t in trials}
     client = MlflowClient(tracking_uri(spec_of(done)))
-    handed_on = {}
-    for t in stopped:
+    handed_on, credited = {}, set()
+    for t in sorted(stopped, key=lambda t: ended.get(t.id, -2)):
+        stop_at = next(h.at_s for h in history[t.id] if h.to_state is JobState.CANCELLING)
         end_at = next(h.at_s for h in history[t.id] if h.to_state is JobState.CANCELLED)
         end_pass = ended.get(t.id, -2)  # no line: its runner was gone already, and the check below fails
-        takers = [job for p, job in taken if job in trial_ids and job != t.id and end_pass <= p <= end_pass + 1]
-        for job in takers:
+        takers = [(p, job) for at, p, job in taken
+                  if job in trial_ids and job != t.id and at >= stop_at and p <= end_pass + 1 and (p, job) not in credited]
+        for p, job in takers:
             # Its first step on more workers than it had before the end (a new trial: its first step).
             before = [m.value for m in client.get_metric_history(runs[job], "world_size") if m.timestamp / 1e3 < end_at]
             after = [m for m in client.get_metric_history(runs[job], "world_size")
                      if m.timestamp / 1e3 >= end_at and m.value > (before[-1] if before else 0)]
             if after:
                 handed_on[t.id] = (job, after[0].step, round(after[0].timestamp / 1e3 - end_at, 2))
+                credited.add((p, job))
                 break
     print(f"stopped trial's job -> (job given its worker, its step there, s from the end): {handed_on}")
     assert {t.id for t in trials if lr(t) < 1e-4} <= set(handed_on), (handed_on, ended, taken)
