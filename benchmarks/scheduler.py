@@ -20,6 +20,11 @@ Sections (``--sections``, comma list; each adds its figures and its goal to the 
             admission and launch, then its summary's start_phases).
   pause     Pause a running 2-worker job: the request to every CPU free, against the pause
             checkpoint's own time.
+  handover  A job cancelled on a full cluster with the next job queued behind it (an ASHA stop's
+            path through the service, without Tune's decision): the cancel to the next job's
+            first committed step, against the warm start (first_step, when it ran in this
+            invocation), split into the cancel landing, the next job's admission and its start;
+            beside it, the cancelled job's end (its runner's return).
 
 Each section returns a dict with its figures and a ``goal`` dict (``met``, ``text``).
 
@@ -155,6 +160,9 @@ GOAL_WARM_TO_FRESH = 0.3  # issue 26: a warm start at most 0.3x a fresh one, in 
 GOAL_RECLAIM_S = 10.0  # issue 13: a high-priority submit into a full cluster, to its first step
 GOAL_RECLAIM_TO_WARM = 1.2  # issue 26: ... at most 1.2x a warm start on an idle cluster (first_step)
 GOAL_PAUSE_SLACK_S = 2.0  # issue 13: pause to resources free within checkpoint time + 2 s
+# issue 28: an ASHA stop to its freed workers committing a step elsewhere at most 1.5x the warm
+# start; the handover section is the service's part of it (a cancel, no Tune decision before it)
+GOAL_HANDOVER_TO_WARM = 1.5
 
 
 class StepTimes:
@@ -514,6 +522,66 @@ def section_pause(args: argparse.Namespace) -> dict:
     return out
 
 
+def section_handover(args: argparse.Namespace) -> dict:
+    """A 2-worker job cancelled on a cluster of 2 workers with the next 2-worker job (same team,
+    same priority: it waits, nothing is reclaimed) queued behind it: from the cancel request to
+    the next job's first committed step, each round on a warm cluster. Phases from the cancel:
+    ``a_stopped`` (the cancelled run's ``cancelled`` transition: the step boundary it stopped
+    at), ``b_admitted``, ``b_first_step``, and ``a_ended`` (the store's ``cancelled``: the
+    cancelled job's runner returned, its MLflow run closed)."""
+    import ray
+
+    bench = _bench(args)
+    n = 2
+    out = {"rounds": []}
+    svc = bench.start_service(args.warm_workers, [("a", n)], cluster_workers=n)
+    for i in range(args.rounds):
+        a_name, b_name = f"cancelled-{i}", f"next-{i}"
+        a_id, _ = bench.submit(svc, "a", bench.spec(a_name, n, 1_000_000))
+        bench.first_step_at(a_id)
+        b_id, _ = bench.submit(svc, "a", bench.spec(b_name, n, 20))
+        time.sleep(2.0)
+        warm_wait = bench.wait_warm(svc, timeout_s=120.0)
+        t0 = time.time()
+        ray.get(svc.cancel.remote(a_id, "bench"))
+        first = bench.first_step_at(b_id) - t0
+        bench.wait_job(svc, b_id)
+        bench.wait_job(svc, a_id, states=("cancelled",))
+        a_history, b_history = ray.get(svc.history.remote(a_id)), ray.get(svc.history.remote(b_id))
+        stopped = next((t["time"] for t in bench.summary(a_name)["transitions"]
+                        if t["time"] >= t0 and t["state"] == "cancelled"), None)
+        marks = {"a_stopped": stopped,
+                 "b_admitted": next((t["at_s"] for t in b_history if t["to"] == "starting"), None),
+                 "b_first_step": t0 + first,
+                 "a_ended": next((t["at_s"] for t in a_history if t["to"] == "cancelled"), None)}
+        phases = {k: round(v - t0, 3) for k, v in marks.items() if v is not None}
+        out["rounds"].append({"cancel_to_next_step_s": round(first, 3), "since_cancel_s": phases,
+                              "warm_wait_s": round(warm_wait, 3)})
+        log.info("handover round %d: %.2f s; %s", i, first, phases)
+    bench.stop_service()
+    out["median_s"] = round(statistics.median(r["cancel_to_next_step_s"] for r in out["rounds"]), 3)
+    out["median_since_cancel_s"] = {k: round(statistics.median(r["since_cancel_s"][k] for r in out["rounds"]
+                                                               if k in r["since_cancel_s"]), 3)
+                                    for k in ("a_stopped", "b_admitted", "b_first_step", "a_ended")}
+    warm_s = getattr(args, "_warm_start_s", None)
+    met, text = None, "no warm start in this invocation (add the first_step section)"
+    if warm_s:
+        out["ratio_to_warm_start"] = round(out["median_s"] / warm_s, 3)
+        met = out["ratio_to_warm_start"] <= GOAL_HANDOVER_TO_WARM
+        text = (f"at most {GOAL_HANDOVER_TO_WARM:g}x the warm start ({out['ratio_to_warm_start']:.2f}x): "
+                f"{'met' if met else 'NOT met'}")
+    out["goal"] = {"met": bool(met), "text": f"goal (a cancel to the next job's first step {text})"}
+    return out
+
+
+def report_handover(r: dict) -> list[str]:
+    since = ", ".join(f"{k} {v:.2f}" for k, v in r["median_since_cancel_s"].items())
+    return ["| a cancel on a full cluster of 2, the next job queued | median s to its first step | rounds |",
+            "|---|---|---|", f"| cancel to the next job's first step | {r['median_s']:.2f} | "
+                            f"{[x['cancel_to_next_step_s'] for x in r['rounds']]} |",
+            r["goal"]["text"], f"median s since the cancel: {since}", ""]
+
+
 def report_pause(r: dict) -> list[str]:
     return ["| pause to resources free | median s | of which beyond the checkpoint |", "|---|---|---|",
             f"| {len(r['rounds'])} rounds | {r['median_pause_to_free_s']:.2f} | {r['median_slack_s']:.2f} |",
@@ -523,7 +591,8 @@ def report_pause(r: dict) -> list[str]:
 # ----------------------------------------------------------------------------- main
 
 SECTIONS = {"pass": (section_pass, report_pass), "first_step": (section_first_step, report_first_step),
-            "reclaim": (section_reclaim, report_reclaim), "pause": (section_pause, report_pause)}
+            "reclaim": (section_reclaim, report_reclaim), "pause": (section_pause, report_pause),
+            "handover": (section_handover, report_handover)}
 
 
 def main() -> int:

@@ -266,6 +266,37 @@ def apply(snapshot: Snapshot, actions, *, drained: bool) -> Snapshot:
     return dataclasses.replace(snapshot, jobs=tuple(by_id.values()))
 
 
+def stopping(id, team, workers, state=JobState.CANCELLING, priority=0) -> JobView:
+    """A job whose pause or cancel was asked: still holding ``workers`` until its run lets them go."""
+    return dataclasses.replace(running(id, team, workers, priority=priority), state=state)
+
+
+RELEASED_CASES = [
+    ("a cancelled job whose run let its workers go: the queued job starts in this pass, not after the run's end",
+     Snapshot([team("a", 2)], [stopping(1, "a", 2), queued(2, "a", 2)], cluster_workers=2), {1},
+     [("Admit", 2, 2)]),
+    ("a paused job whose run let its workers go: the same",
+     Snapshot([team("a", 2)], [stopping(1, "a", 2, state=JobState.PAUSING), queued(2, "a", 2)], cluster_workers=2),
+     {1}, [("Admit", 2, 2)]),
+    ("a stopping job whose run still holds its workers: the queued job waits for them",
+     Snapshot([team("a", 2)], [stopping(1, "a", 2), queued(2, "a", 2)], cluster_workers=2), set(),
+     [("Wait", 2, "releasing")]),
+    ("a running job named released (a stale report) keeps its workers: nothing starts on them",
+     Snapshot([team("a", 4)], [running(1, "a", 2, priority=9), queued(2, "a", 2)], cluster_workers=2), {1},
+     [("Wait", 2, "cluster_capacity")]),
+    ("only what the released job held is handed on: a second stopping job still holds its own",
+     Snapshot([team("a", 4)], [stopping(1, "a", 2), stopping(3, "a", 2), queued(2, "a", 3)], cluster_workers=4),
+     {1}, [("Wait", 2, "releasing")]),
+]
+
+
+@pytest.mark.parametrize("snapshot, released, expected", [(s, r, e) for _, s, r, e in RELEASED_CASES],
+                         ids=[name for name, *_ in RELEASED_CASES])
+def test_decide_on_workers_released_by_stopping_runs(snapshot, released, expected):
+    assert summary(decide(snapshot.released(released), NOW)) == expected
+    assert snapshot.released(set()) is snapshot
+
+
 def test_issue_scenario_shrink_then_admit_then_grow_back():
     """Teams A and B, quota 2 each, cohort capacity 4. A's elastic 1..4 job runs on 4; B submits
     a 2-worker job: A shrinks to 2 (no work lost), B starts once the drain freed the workers, and

@@ -216,6 +216,10 @@ class WorkerGroup:
         self.standby: list[Worker] = []
         self.generation = 0
         self._slots = itertools.count()
+        # Set once ``shutdown`` has returned: every actor and placement group of this launch is
+        # gone (or given up on), so a job service may hand the slots to the next job while the
+        # run still closes its MLflow run (``JobRunner.status()["released"]``).
+        self.released = False
 
     # ------------------------------------------------------------------ resources
     def _bundle(self) -> dict[str, float]:
@@ -442,6 +446,12 @@ class WorkerGroup:
         for w in self.workers + self.pending + self.standby:
             self._release(w)
         self.workers, self.pending, self.standby = [], [], []
+        try:
+            self._wait_gone(wait_s)
+        finally:
+            self.released = True
+
+    def _wait_gone(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
         while True:
             try:

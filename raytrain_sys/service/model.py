@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Optional, Union
+from typing import Collection, Optional, Union
 
 from raytrain_sys.control.node_roles import MARKETS  # a flavor's market: Ray's ray.io/market-type values
 from raytrain_sys.errors import ServiceInputError, quote
@@ -756,6 +756,19 @@ class Snapshot:
     # A group's (a sweep's) cap on the workers its jobs hold together, as (group, workers) pairs;
     # a group not listed has none.
     group_limits: tuple[tuple[int, int], ...] = ()
+
+    def released(self, job_ids: Collection[int]) -> "Snapshot":
+        """This snapshot with the pausing or cancelling jobs of ``job_ids`` holding no workers:
+        their stop has landed and their runs have let the workers go (``JobRunner.status()``
+        ``released``), and what is left of their ends (closing the MLflow run: seconds under
+        load) holds nothing the next job needs. The scheduler then hands those workers on in
+        the same pass (an ASHA stop's successor, the job a pause or a cancel made room for)
+        instead of after the runner has returned; the store keeps the job's workers until its
+        end is recorded. A job no longer pausing or cancelling is left as it is."""
+        if not job_ids:
+            return self
+        return replace(self, jobs=tuple(replace(j, workers=0) if j.id in job_ids and j.state.releasing else j
+                                        for j in self.jobs))
 
     def __post_init__(self) -> None:
         # Tuples, so that a caller's list cannot change under a decision (and the snapshot hashes).

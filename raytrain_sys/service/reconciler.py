@@ -189,6 +189,9 @@ class Reconciler:
         self._watching: dict[int, float] = {}  # job id -> when this process first watched its start
         self._delete_errors: dict[int, str] = {}  # job id -> why its checkpoints could not be deleted yet
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
+        # Pausing or cancelling jobs whose runs have let their workers go (still closing their
+        # MLflow runs): the scheduler counts those workers free (``Snapshot.released``).
+        self._released: set[int] = set()
         self._asked: dict[int, tuple[Any, float]] = {}  # job id -> its runner's status question, asked when (monotonic)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         # The MLflow stores of the newest launches, newest last: spare runners open them ahead.
@@ -224,7 +227,7 @@ class Reconciler:
 
             ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
                            self.config.sweep_runner_restarts, self.config.status_wait_s, self._sweep_runners)
-        snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states())
+        snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states()).released(self._released)
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())
         # Asked before the actions are carried out: the demand is the decision's, and carrying
@@ -424,6 +427,10 @@ class Reconciler:
         if status["done"]:
             self._finish(job, status)
             return
+        if job.state.releasing and status.get("released") and job.id not in self._released:
+            self._released.add(job.id)
+            log.info("pass %d: job %d: its %d workers are released; its run is closing (MLflow)",
+                     self.passes, job.id, job.workers)
         trains = status["state"] not in runners.STARTING_STATES | runners.ENDED_STATES
         if job.state in (JobState.STARTING, JobState.RESUMING) and trains:
             job = self.store.transition(
@@ -716,6 +723,7 @@ class Reconciler:
         self._handles.pop(job_id, None)
         self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
+        self._released.discard(job_id)
         end_spares_of(self._runner_ids.pop(job_id, ""))
 
     def _last_actor(self, job: JobRecord) -> str:

@@ -226,25 +226,27 @@ class JobRunner:
     def status(self) -> dict:
         """The run as it is now: the Supervisor's state (``reported_state``: starting until a new
         run's MLflow run id is known), the step of its start (``start_step``),
-        committed step, world size, MLflow run id, newest checkpoint (step and when this runner saw it committed), run dir; ``done``
-        and ``result`` once the Supervisor has returned."""
+        committed step, world size, MLflow run id, newest checkpoint (step and when this runner saw it committed), run dir;
+        ``released`` once the run has let its workers go (its group shut down: the run is ending,
+        still closing its MLflow run); ``done`` and ``result`` once the Supervisor has returned."""
         sup = self._sup
         state = self._state()
         checkpoint_step, checkpoint_at_s = None, None
-        world_size, committed, run_dir, run_id = 0, 0, "", ""
+        world_size, committed, run_dir, run_id, released = 0, 0, "", "", False
         if sup is not None:
             committed = sup.committed_step
             run_dir = sup.run_dir
             run_id = sup.summary.mlflow_run_id
             group = sup.group
             world_size = len(group.workers) if group is not None and not self._done.is_set() else 0
+            released = group is not None and group.released
             checkpoints = list(sup.summary.checkpoints)
             if checkpoints:
                 checkpoint_step = int(checkpoints[-1]["step"])
                 checkpoint_at_s = self._checkpoint_seen_at.setdefault(checkpoint_step, time.time())
         ceiling, _ = self.requests.max_workers()
         return {"job_id": self.job_id, "state": state, "start_step": self._start_step(), "committed_step": committed,
-                "world_size": world_size,
+                "world_size": world_size, "released": released,
                 "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
                 "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
                 "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
