@@ -278,15 +278,21 @@ RELEASED_CASES = [
     ("a paused job whose run let its workers go: the same",
      Snapshot([team("a", 2)], [stopping(1, "a", 2, state=JobState.PAUSING), queued(2, "a", 2)], cluster_workers=2),
      {1}, [("Admit", 2, 2)]),
+    ("a job that finished and let its workers go (its run still closing): the next job starts on them and "
+     "its team's quota",
+     Snapshot([team("a", 2)], [running(1, "a", 2, priority=9), queued(2, "a", 2)], cluster_workers=2), {1},
+     [("Admit", 2, 2)]),
+    ("a finished elastic job whose run let its workers go is not grown into what it freed",
+     Snapshot([team("a", 4)], [running(1, "a", 2, min=1, max=4)], cluster_workers=4), {1}, []),
     ("a stopping job whose run still holds its workers: the queued job waits for them",
      Snapshot([team("a", 2)], [stopping(1, "a", 2), queued(2, "a", 2)], cluster_workers=2), set(),
      [("Wait", 2, "releasing")]),
-    ("a running job named released (a stale report) keeps its workers: nothing starts on them",
-     Snapshot([team("a", 4)], [running(1, "a", 2, priority=9), queued(2, "a", 2)], cluster_workers=2), {1},
-     [("Wait", 2, "cluster_capacity")]),
     ("only what the released job held is handed on: a second stopping job still holds its own",
      Snapshot([team("a", 4)], [stopping(1, "a", 2), stopping(3, "a", 2), queued(2, "a", 3)], cluster_workers=4),
      {1}, [("Wait", 2, "releasing")]),
+    ("a sweep's finished trial no longer counts against the sweep's cap",
+     Snapshot([team("a", 8)], [trial(running(1, "a", 2), 7), trial(queued(2, "a", 2), 7)], cluster_workers=8,
+              group_limits=((7, 2),)), {1}, [("Admit", 2, 2)]),
 ]
 
 

@@ -758,17 +758,17 @@ class Snapshot:
     group_limits: tuple[tuple[int, int], ...] = ()
 
     def released(self, job_ids: Collection[int]) -> "Snapshot":
-        """This snapshot with the pausing or cancelling jobs of ``job_ids`` holding no workers:
-        their stop has landed and their runs have let the workers go (``JobRunner.status()``
-        ``released``), and what is left of their ends (closing the MLflow run: seconds under
-        load) holds nothing the next job needs. The scheduler then hands those workers on in
-        the same pass (an ASHA stop's successor, the job a pause or a cancel made room for)
-        instead of after the runner has returned; the store keeps the job's workers until its
-        end is recorded. A job no longer pausing or cancelling is left as it is."""
+        """This snapshot without the jobs of ``job_ids``: their runs have let their workers go
+        (``JobRunner.status()["released"]``: the group shut down, which only a run's end does),
+        and what is left of their ends (closing the MLflow run: seconds under load) holds
+        nothing that another job needs, nor will they ask for anything again. The scheduler
+        then hands their workers and their quota on in the same pass (an ASHA stop's
+        successor, the job a pause or a cancel made room for, the next job after one that
+        finished) instead of after the runner has returned; the store keeps the job as it is
+        until its end is recorded."""
         if not job_ids:
             return self
-        return replace(self, jobs=tuple(replace(j, workers=0) if j.id in job_ids and j.state.releasing else j
-                                        for j in self.jobs))
+        return replace(self, jobs=tuple(j for j in self.jobs if j.id not in job_ids))
 
     def __post_init__(self) -> None:
         # Tuples, so that a caller's list cannot change under a decision (and the snapshot hashes).

@@ -189,8 +189,8 @@ class Reconciler:
         self._watching: dict[int, float] = {}  # job id -> when this process first watched its start
         self._delete_errors: dict[int, str] = {}  # job id -> why its checkpoints could not be deleted yet
         self._runner_ids: dict[int, str] = {}  # job id -> its runner's actor id (the owner of its spares)
-        # Pausing or cancelling jobs whose runs have let their workers go (still closing their
-        # MLflow runs): the scheduler counts those workers free (``Snapshot.released``).
+        # Jobs whose runs are ending and have let their workers go (still closing their MLflow
+        # runs): the scheduler leaves them out (``Snapshot.released``).
         self._released: set[int] = set()
         self._asked: dict[int, tuple[Any, float]] = {}  # job id -> its runner's status question, asked when (monotonic)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
@@ -427,10 +427,10 @@ class Reconciler:
         if status["done"]:
             self._finish(job, status)
             return
-        if job.state.releasing and status.get("released") and job.id not in self._released:
+        if status.get("released") and job.id not in self._released:
             self._released.add(job.id)
-            log.info("pass %d: job %d: its %d workers are released; its run is closing (MLflow)",
-                     self.passes, job.id, job.workers)
+            log.info("pass %d: job %d (%s): its run is ending and has let its %d workers go",
+                     self.passes, job.id, job.state.value, job.workers)
         trains = status["state"] not in runners.STARTING_STATES | runners.ENDED_STATES
         if job.state in (JobState.STARTING, JobState.RESUMING) and trains:
             job = self.store.transition(
