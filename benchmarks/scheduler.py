@@ -556,6 +556,7 @@ def section_handover(args: argparse.Namespace) -> dict:
                  "a_ended": next((t["at_s"] for t in a_history if t["to"] == "cancelled"), None)}
         phases = {k: round(v - t0, 3) for k, v in marks.items() if v is not None}
         out["rounds"].append({"cancel_to_next_step_s": round(first, 3), "since_cancel_s": phases,
+                              "phases_s": start_split(b_history, None, bench.summary(b_name), t0, t0 + first),
                               "warm_wait_s": round(warm_wait, 3)})
         log.info("handover round %d: %.2f s; %s", i, first, phases)
     bench.stop_service()
@@ -579,7 +580,9 @@ def report_handover(r: dict) -> list[str]:
     return ["| a cancel on a full cluster of 2, the next job queued | median s to its first step | rounds |",
             "|---|---|---|", f"| cancel to the next job's first step | {r['median_s']:.2f} | "
                             f"{[x['cancel_to_next_step_s'] for x in r['rounds']]} |",
-            r["goal"]["text"], f"median s since the cancel: {since}", ""]
+            r["goal"]["text"], f"median s since the cancel: {since}",
+            "the next job's start, median phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                                    median_phases(r["rounds"]).items()), ""]
 
 
 def report_pause(r: dict) -> list[str]:
