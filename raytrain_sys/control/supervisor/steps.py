@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import ray
 
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
@@ -108,13 +109,18 @@ def rank_results(reports: list[dict]) -> list[list[dict]]:
             for i in range(len(reports[0]["ranks"]))] if reports else []
 
 
-def report_result(report: dict) -> dict:
-    """A step's result from rank 0's report of it, as ``commit`` reads it: the ranks' losses summed
-    (in rank order, as a sum over their results would), the step's lr and grad norm, and the
-    slowest rank's compute; no record per rank."""
-    ranks = report["ranks"]
-    return {"loss_sum": sum(ranks[:, AGREED.index("loss_sum")].tolist()), "lr": report["lr"],
-            "grad_norm": report["grad_norm"], "compute_s": float(ranks[:, AGREED.index("compute_s")].max())}
+def report_results(reports: list[dict]) -> list[dict]:
+    """Each step's result from rank 0's reports of a lease, as ``commit`` reads it: the ranks'
+    losses summed (in rank order, as a sum over their results would: a running sum, for every
+    step of the lease at once), the step's lr and grad norm, and the slowest rank's compute; no
+    record per rank."""
+    if not reports:
+        return []
+    ranks = np.stack([r["ranks"] for r in reports])  # (steps, ranks, AGREED)
+    loss = np.cumsum(ranks[:, :, AGREED.index("loss_sum")], axis=1)[:, -1].tolist()
+    compute = ranks[:, :, AGREED.index("compute_s")].max(axis=1).tolist()
+    return [{"loss_sum": s, "lr": r["lr"], "grad_norm": r["grad_norm"], "compute_s": c}
+            for r, s, c in zip(reports, loss, compute)]
 
 
 class Steps:
@@ -280,8 +286,8 @@ class Steps:
     def commit_lease(self, sent: "_Dispatch", reports: list[dict], elapsed_s: float) -> None:
         """Every member finished the lease: commit its steps in order (``reports``: rank 0's, one a
         step, every rank's parts as one array). The lease's time is shared evenly by its steps."""
-        for i, batch in enumerate(sent.batches):
-            self.commit(sent.step + i, [report_result(reports[i])], batch.units, batch.ids, sent.shares,
+        for i, (batch, result) in enumerate(zip(sent.batches, report_results(reports))):
+            self.commit(sent.step + i, [result], batch.units, batch.ids, sent.shares,
                         elapsed_s / sent.count, sent.data_wait if i == 0 else 0.0)
         self.metrics.ranks(rank_results(reports[-1:]), sent.members)  # the gauges show the last step
         self.summary.leases += 1
