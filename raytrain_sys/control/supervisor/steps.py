@@ -42,7 +42,9 @@ from typing import Callable
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_sys.control.node_agent import NodeAgent, node_runs
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
@@ -87,6 +89,10 @@ class _Dispatch:
     sent_ahead: bool  # sent while the lease before it ran
     lease: int = -1  # the lease's id: the run's leases in the order sent
     reporter: object = None  # rank 0's reports (TrainWorker.report_steps, a Ray generator)
+    # Sent through node agents (``node_agent``): ``refs`` holds rank 0's alone until the
+    # failure path asks for the others (``member_refs``); per agent, (agent, its lease call,
+    # the member indices it submitted for, in order).
+    agents: list = dataclasses.field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -95,6 +101,24 @@ class _Dispatch:
     @property
     def end(self) -> int:
         return self.step + len(self.batches)
+
+    def member_refs(self) -> list:
+        """One reference per member (rank order) of its call of the lease. Sent through agents,
+        the others' are asked of their agents here, once (the happy path never needs them); a
+        member whose agent is lost or does not answer gets the asking call's reference, which
+        reads as its death, or as silence (then ``collect`` pings the member itself)."""
+        if self.agents and len(self.refs) < len(self.members):
+            refs = self.refs + [None] * (len(self.members) - len(self.refs))
+            asked = [(agent.refs.remote(self.lease), idx) for agent, _, idx in self.agents]
+            for ask, idx in asked:
+                try:
+                    got = ray.get(ask, timeout=PING_TIMEOUT_S)
+                except (ray.exceptions.RayError, TimeoutError):
+                    got = None
+                for k, i in enumerate(idx):
+                    refs[i] = got[k] if got is not None and k < len(got) else ask
+            self.refs[:] = refs  # shared with the lease's parts (``part``)
+        return self.refs
 
     def part(self, lo: int, hi: int) -> "_Dispatch":
         """The lease's steps ``step + lo`` .. ``step + hi - 1`` (the ones a cut lease ran, or did not)."""
@@ -126,6 +150,10 @@ def report_results(reports: list[dict]) -> list[dict]:
 class Steps:
     """The step ledger and the calls that move it, for one run."""
 
+    # One call per node per lease through a node agent (``node_agent``), not one per rank: a
+    # switch while it is measured and run through the fault tests; off by default until both say so.
+    node_agents = os.environ.get("RAYTRAIN_NODE_AGENTS", "") == "1"
+
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
                  tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
                  metrics: RunMetrics, cost: CostMeter):
@@ -147,6 +175,8 @@ class Steps:
         self._group_steps = (0, 0)  # (generation, steps committed by that process group)
         self.cut_through = -1  # the newest lease a cut was asked for (``cut``)
         self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
+        self._agents: dict[tuple, object] = {}  # node_agents: (node, run) -> its NodeAgent
+        self._adopted: dict[tuple, tuple] = {}  # ... and the slots it was last told
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -157,6 +187,7 @@ class Steps:
         self._run_t0 = time.perf_counter()
 
     def close(self) -> None:
+        self.forget_agents()
         if self._sample_log is not None:
             self._sample_log.close()
 
@@ -236,10 +267,68 @@ class Steps:
         self.leases += 1
         # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
         reporter = members[0].actor.report_steps.remote(step, sent[0][0], timeout_s, *sent[0][1], lease=self.leases)
-        refs = [reporter.completed()] + [w.actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
-                                         for w, (plan, piece) in zip(members[1:], sent[1:])]
+        refs, agents = [reporter.completed()], []
+        if self.node_agents and spec.data.delivery != "driver":
+            agents = self._through_agents(members, sent, step, timeout_s)
+        else:
+            refs += [w.actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
+                     for w, (plan, piece) in zip(members[1:], sent[1:])]
         return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
-                         self.data.wait_s - wait0, after is not None, self.leases, reporter)
+                         self.data.wait_s - wait0, after is not None, self.leases, reporter, agents)
+
+    def _through_agents(self, members: list[Worker], sent: list, step: int, timeout_s: float) -> list:
+        """The lease to members 1.. in one call per node's agent (``node_agent``): the plan's
+        bytes once, each rank's rows and piece map, the node's pieces each once. Returns, per
+        agent, (agent, its call, the member indices it submitted for)."""
+        count, steps, entries = sent[0][0][:3]
+        out = []
+        for key, run in node_runs(members[1:]):
+            idx = [i + 1 for i in run]
+            agent = self._agent(key, [members[i] for i in idx])
+            pieces: dict = {}
+            ranks = [(members[i].slot, *sent[i][0][3:],
+                      tuple(pieces.setdefault(r, len(pieces)) for r in sent[i][1])) for i in idx]
+            call = agent.lease.remote(self.leases, step, count, steps, entries, timeout_s, ranks, list(pieces))
+            out.append((agent, call, idx))
+        return out
+
+    def _agent(self, key: tuple, ranks: list[Worker]):
+        """The agent of ``key`` (a node and a run of its ranks), started on that node at first
+        use, told its ranks when they changed."""
+        agent = self._agents.get(key)
+        if agent is None:
+            node = key[0]
+            where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
+            agent = self._agents[key] = NodeAgent.options(num_cpus=0, **where).remote()
+        slots = tuple(w.slot for w in ranks)
+        if self._adopted.get(key) != slots:
+            agent.adopt.remote({w.slot: w.actor for w in ranks})
+            self._adopted[key] = slots
+        return agent
+
+    def forget_agents(self, dispatch: "_Dispatch | None" = None) -> None:
+        """After a failure: agents found lost are started afresh at their next use; with no
+        ``dispatch``, every agent is ended (the step loop ends)."""
+        if dispatch is None:
+            for agent in self._agents.values():
+                try:
+                    ray.kill(agent, no_restart=True)
+                except Exception:  # already gone
+                    pass
+            self._agents, self._adopted = {}, {}
+            return
+        for agent, call, _ in dispatch.agents:
+            if ray.wait([call], timeout=0)[0]:
+                try:
+                    ray.get(call)
+                    continue
+                except ray.exceptions.RayError:
+                    pass
+            else:
+                continue
+            for key in [k for k, a in self._agents.items() if a is agent]:
+                del self._agents[key]
+                self._adopted.pop(key, None)
 
     def cut(self, running: "_Dispatch", through: int, end: int) -> None:
         """Cut the running lease short after step ``end - 1`` (or the step its rank 0 is in, if
@@ -251,7 +340,8 @@ class Steps:
     def drop(self, ahead: "_Dispatch") -> None:
         """The lease sent ahead of one that was cut short: its members end it at once, unstarted
         (``keep_for_resend`` keeps its batches)."""
-        ray.wait(ahead.refs, num_returns=len(ahead.refs), timeout=PING_TIMEOUT_S)
+        refs = ahead.member_refs()
+        ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT_S)
 
     def settle(self, ahead: "_Dispatch", outcome: StepOutcome) -> None:
         """After a failed lease: wait for the lease sent ahead of it to end on every member still
@@ -262,7 +352,7 @@ class Steps:
         (killed, and named in ``outcome.lost`` for the rebuild to remove).
         """
         in_group = {w.slot for w in self.group.workers}
-        by_ref = {r: w for r, w in zip(ahead.refs, ahead.members)
+        by_ref = {r: w for r, w in zip(ahead.member_refs(), ahead.members)
                   if w.slot in in_group and w.slot not in outcome.lost}
         if not by_ref:
             return
