@@ -1,4 +1,5 @@
-"""A node's agent: the one call per node per lease that submits the node's ranks' calls itself.
+"""A node's agent: the one call per node per lease that submits the node's ranks' calls itself
+(``Steps.node_agents``, the default; ``RAYTRAIN_NODE_AGENTS=0``: the driver calls every rank).
 
 Owns nothing of the run: it holds its ranks' actor handles (``adopt``, sent again when the
 group changes) and, for its most recent leases, the references of the calls it made for them
@@ -19,7 +20,8 @@ driver; each is made at a boundary after the ranks agreed on the lease's last st
 calls of it have begun) or after its calls were collected, as before.
 
 An agent runs on its ranks' node (0 CPU, pinned with ``NodeAffinitySchedulingStrategy``) and
-serves at most ``RANKS_PER_AGENT`` ranks of it. An agent that dies loses the references of its
+serves at most ``RANKS_PER_AGENT`` ranks of it; the agents start once the group is placed
+(``Steps.start_agents``), beside the process group's forming, and end with the step loop. An agent that dies loses the references of its
 ranks' calls: those ranks count as lost (``liveness.collect`` reads the missing answer as
 ``OwnerDiedError`` or the agent's own death), which a node's loss means anyway.
 """

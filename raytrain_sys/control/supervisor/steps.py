@@ -150,9 +150,11 @@ def report_results(reports: list[dict]) -> list[dict]:
 class Steps:
     """The step ledger and the calls that move it, for one run."""
 
-    # One call per node per lease through a node agent (``node_agent``), not one per rank: a
-    # switch while it is measured and run through the fault tests; off by default until both say so.
-    node_agents = os.environ.get("RAYTRAIN_NODE_AGENTS", "") == "1"
+    # One call per node per lease through a node agent (``node_agent``), not one per rank: the
+    # default since the fault, drain and lease tests pass through it and it costs the driver
+    # 0.3-0.7x the CPU a step at 64-512 ranks (docs/SCALING.md); RAYTRAIN_NODE_AGENTS=0 is the
+    # driver's own call per rank, as before.
+    node_agents = os.environ.get("RAYTRAIN_NODE_AGENTS", "1") != "0"
 
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
                  tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
@@ -177,6 +179,7 @@ class Steps:
         self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
         self._agents: dict[tuple, object] = {}  # node_agents: (node, run) -> its NodeAgent
         self._adopted: dict[tuple, tuple] = {}  # ... and the slots it was last told
+        self.start_agents()  # the group is placed: its agents start beside its process group's forming
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -292,6 +295,15 @@ class Steps:
             out.append((agent, call, idx))
         return out
 
+    def start_agents(self) -> None:
+        """The members' node agents started now (with the ledger, once the group is placed),
+        beside what comes before the first lease (the process group forming, a resume's restore): an agent's process takes 0.4-1.2 s to start
+        on a loaded machine, which the first lease would otherwise wait for."""
+        if self.node_agents and self.spec.data.delivery != "driver":
+            members = list(self.group.workers)
+            for key, run in node_runs(members[1:]):
+                self._agent(key, [members[i + 1] for i in run])
+
     def _agent(self, key: tuple, ranks: list[Worker]):
         """The agent of ``key`` (a node and a run of its ranks), started on that node at first
         use, told its ranks when they changed."""
@@ -300,6 +312,8 @@ class Steps:
             node = key[0]
             where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
             agent = self._agents[key] = NodeAgent.options(num_cpus=0, **where).remote()
+            log.info("node agent started on node %s for workers %s", node[:8] or "?",
+                     ", ".join(str(w.slot) for w in ranks))
         slots = tuple(w.slot for w in ranks)
         if self._adopted.get(key) != slots:
             agent.adopt.remote({w.slot: w.actor for w in ranks})
@@ -480,6 +494,12 @@ class Steps:
             if summary_due(now, *self._summary_written):
                 self.summary.write()
                 self._summary_written = (time.perf_counter(), time.perf_counter() - now)
+
+    def end(self) -> None:
+        """The run ends: its cost refreshed, its node agents ended (a run that failed before its
+        step loop, or between loops, has them too)."""
+        self.record_cost()
+        self.forget_agents()
 
     def record_cost(self) -> None:
         """Refresh summary.json's cost (when priced) in the record, MLflow and Prometheus."""

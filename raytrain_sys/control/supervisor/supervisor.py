@@ -443,7 +443,7 @@ class Supervisor:
     def _teardown(self) -> None:
         self.summary.finished_at = time.time()
         if self.steps is not None:
-            self.steps.record_cost()  # the workers are held until the group's shutdown below: near enough
+            self.steps.end()  # the workers are held until the group's shutdown below: near enough
         self.metrics.flush()
         if self._warm is not None:
             # A run that failed while the workers started: the warm-up read may still hold (or
