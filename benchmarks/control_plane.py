@@ -413,7 +413,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         "workers": n,
         "stand_in_processes": math.ceil(n / args.ranks_per_actor),
         "steps_per_call": steps_per_call or "auto",
-        # One call per node per lease through node agents (Steps.node_agents; RAYTRAIN_NODE_AGENTS=0: off).
+        # One call per node per lease through node agents (Steps.node_agents; RAYTRAIN_NODE_AGENTS=1).
         "node_agents": steps_mod.Steps.node_agents,
         "leases": sup.summary.leases,
         # The mean lease over the measured window (its dispatches; under run-ahead one is sent

@@ -150,11 +150,11 @@ def report_results(reports: list[dict]) -> list[dict]:
 class Steps:
     """The step ledger and the calls that move it, for one run."""
 
-    # One call per node per lease through a node agent (``node_agent``), not one per rank: the
-    # default since the fault, drain and lease tests pass through it and it costs the driver
-    # 0.3-0.7x the CPU a step at 64-512 ranks (docs/SCALING.md); RAYTRAIN_NODE_AGENTS=0 is the
-    # driver's own call per rank, as before.
-    node_agents = os.environ.get("RAYTRAIN_NODE_AGENTS", "1") != "0"
+    # One call per node per lease through a node agent (``node_agent``), not one per rank: 0.3-0.7x
+    # the driver's CPU a step at 64-512 ranks (docs/SCALING.md). A switch (RAYTRAIN_NODE_AGENTS=1),
+    # off by default: a newcomer's agent still starts on its first lease's critical path, which
+    # failed test_worker_killed_mid_step at a load of 40 (its peer's collective timed out).
+    node_agents = os.environ.get("RAYTRAIN_NODE_AGENTS", "") == "1"
 
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
                  tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
