@@ -107,8 +107,8 @@ class _Dispatch:
         the others' are asked of their agents here, once (the happy path never needs them); a
         member whose agent is lost or does not answer gets the asking call's reference, which
         reads as its death, or as silence (then ``collect`` pings the member itself)."""
-        if self.agents and len(self.refs) < len(self.members):
-            refs = self.refs + [None] * (len(self.members) - len(self.refs))
+        if self.agents and None in self.refs:
+            refs = list(self.refs)
             asked = [(agent.refs.remote(self.lease), idx) for agent, _, idx in self.agents]
             for ask, idx in asked:
                 try:
@@ -179,6 +179,7 @@ class Steps:
         self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
         self._agents: dict[tuple, object] = {}  # node_agents: (node, run) -> its NodeAgent
         self._adopted: dict[tuple, tuple] = {}  # ... and the slots it was last told
+        self._agent_ready: dict[tuple, object] = {}  # ... and its first answer's reference
         self.start_agents()  # the group is placed: its agents start beside its process group's forming
 
     # ------------------------------------------------------------------ the run's step loop
@@ -270,24 +271,37 @@ class Steps:
         self.leases += 1
         # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
         reporter = members[0].actor.report_steps.remote(step, sent[0][0], timeout_s, *sent[0][1], lease=self.leases)
-        refs, agents = [reporter.completed()], []
+        refs, agents = [reporter.completed()] + [None] * (len(members) - 1), []
         if self.node_agents and spec.data.delivery != "driver":
-            agents = self._through_agents(members, sent, step, timeout_s)
-        else:
-            refs += [w.actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
-                     for w, (plan, piece) in zip(members[1:], sent[1:])]
+            agents = self._through_agents(members, sent, step, timeout_s, after)
+        through = {i for _, _, idx in agents for i in idx}
+        for i in [i for i in range(1, len(members)) if i not in through]:  # the driver's own calls
+            plan, piece = sent[i]
+            refs[i] = members[i].actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
         return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
                          self.data.wait_s - wait0, after is not None, self.leases, reporter, agents)
 
-    def _through_agents(self, members: list[Worker], sent: list, step: int, timeout_s: float) -> list:
+    def _through_agents(self, members: list[Worker], sent: list, step: int, timeout_s: float,
+                        after: "_Dispatch | None") -> list:
         """The lease to members 1.. in one call per node's agent (``node_agent``): the plan's
         bytes once, each rank's rows and piece map, the node's pieces each once. Returns, per
-        agent, (agent, its call, the member indices it submitted for)."""
+        agent, (agent, its call, the member indices it submitted for). A node's ranks change
+        path only at a lease with none sent ahead of it (``after``): a rank's leases come from
+        one caller, or their order is lost; the others are the driver's own calls, as without
+        agents."""
         count, steps, entries = sent[0][0][:3]
         out = []
         for key, run in node_runs(members[1:]):
             idx = [i + 1 for i in run]
             agent = self._agent(key, [members[i] for i in idx])
+            if after is None:  # the run's first lease waits for its agents (their start began with
+                # the group's forming, and no step time bounds its collectives yet); a later one
+                # takes an agent only once it answers (a newcomer's peers would time out on it)
+                through = not self._step_times or bool(ray.wait([self._agent_ready[key]], timeout=0)[0])
+            else:
+                through = any(a is agent for a, _, _ in after.agents)
+            if not through:
+                continue
             pieces: dict = {}
             ranks = [(members[i].slot, *sent[i][0][3:],
                       tuple(pieces.setdefault(r, len(pieces)) for r in sent[i][1])) for i in idx]
@@ -312,6 +326,7 @@ class Steps:
             node = key[0]
             where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
             agent = self._agents[key] = NodeAgent.options(num_cpus=0, **where).remote()
+            self._agent_ready[key] = agent.refs.remote(-1)  # answers once the agent is up
             log.info("node agent started on node %s for workers %s", node[:8] or "?",
                      ", ".join(str(w.slot) for w in ranks))
         slots = tuple(w.slot for w in ranks)
@@ -329,7 +344,7 @@ class Steps:
                     ray.kill(agent, no_restart=True)
                 except Exception:  # already gone
                     pass
-            self._agents, self._adopted = {}, {}
+            self._agents, self._adopted, self._agent_ready = {}, {}, {}
             return
         for agent, call, _ in dispatch.agents:
             if ray.wait([call], timeout=0)[0]:
@@ -343,6 +358,7 @@ class Steps:
             for key in [k for k, a in self._agents.items() if a is agent]:
                 del self._agents[key]
                 self._adopted.pop(key, None)
+                self._agent_ready.pop(key, None)
 
     def cut(self, running: "_Dispatch", through: int, end: int) -> None:
         """Cut the running lease short after step ``end - 1`` (or the step its rank 0 is in, if
