@@ -198,6 +198,8 @@ class RankHandle:
         self._node, self._index = node, index
 
     def __getattr__(self, name: str) -> "_RankMethod":
+        if name.startswith("_"):  # not a method (pickle asks for __setstate__ before _node is set)
+            raise AttributeError(name)
         return _RankMethod(getattr(self._node, name), self._index)
 
 
@@ -411,6 +413,8 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         "workers": n,
         "stand_in_processes": math.ceil(n / args.ranks_per_actor),
         "steps_per_call": steps_per_call or "auto",
+        # One call per node per lease through node agents (Steps.node_agents; RAYTRAIN_NODE_AGENTS=1).
+        "node_agents": steps_mod.Steps.node_agents,
         "leases": sup.summary.leases,
         # The mean lease over the measured window (its dispatches; under run-ahead one is sent
         # while the one before it runs).

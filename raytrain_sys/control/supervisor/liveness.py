@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import ray
 
@@ -106,7 +107,9 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
             try:
                 outcome.results[w.slot] = values[i] if values is not None else ray.get(ref)
             except (ray.exceptions.ActorDiedError, ray.exceptions.ActorUnavailableError,
-                    ray.exceptions.RayActorError) as exc:
+                    ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as exc:
+                # OwnerDiedError: the call was made by the member's node agent, which died with
+                # its node (node_agent).
                 outcome.lost[w.slot] = f"died ({type(exc).__name__})"
             except ray.exceptions.RayTaskError as exc:
                 outcome.errored[w.slot] = str(exc).strip().splitlines()[-1][:300]
@@ -180,7 +183,7 @@ class LeaseWatch:
     counts from the newest report. When the lease failed or a member was lost, every member's
     call is collected (``collect``) into the lease's ``StepOutcome``."""
 
-    def __init__(self, group: WorkerGroup, members: list[Worker], refs: list, reporter, step: int,
+    def __init__(self, group: WorkerGroup, members: list[Worker], refs: "list | Callable[[], list]", reporter, step: int,
                  last_step: int, step_deadline_s: float):
         self.group, self.members, self.refs, self.reporter = group, members, refs, reporter
         self.step, self.last_step, self.deadline_s = step, last_step, step_deadline_s
@@ -237,7 +240,8 @@ class LeaseWatch:
     def _outcome(self) -> StepOutcome:
         if self._ended:
             return StepOutcome()  # every rank finished the lease: its last report is their agreement
-        outcome = collect(self.group, self.members, self.refs, self.step, self.deadline_s, since=self._progress)
+        refs = self.refs() if callable(self.refs) else self.refs  # asked for only now (node agents)
+        outcome = collect(self.group, self.members, refs, self.step, self.deadline_s, since=self._progress)
         rank0 = self.members[0].slot
         if self._error and rank0 in outcome.results:  # a generator's end is not its error
             del outcome.results[rank0]

@@ -40,8 +40,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raytrain_sys.control.node_agent import NodeAgent, node_runs
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
@@ -86,6 +89,10 @@ class _Dispatch:
     sent_ahead: bool  # sent while the lease before it ran
     lease: int = -1  # the lease's id: the run's leases in the order sent
     reporter: object = None  # rank 0's reports (TrainWorker.report_steps, a Ray generator)
+    # Sent through node agents (``node_agent``): ``refs`` holds rank 0's alone until the
+    # failure path asks for the others (``member_refs``); per agent, (agent, its lease call,
+    # the member indices it submitted for, in order).
+    agents: list = dataclasses.field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -94,6 +101,24 @@ class _Dispatch:
     @property
     def end(self) -> int:
         return self.step + len(self.batches)
+
+    def member_refs(self) -> list:
+        """One reference per member (rank order) of its call of the lease. Sent through agents,
+        the others' are asked of their agents here, once (the happy path never needs them); a
+        member whose agent is lost or does not answer gets the asking call's reference, which
+        reads as its death, or as silence (then ``collect`` pings the member itself)."""
+        if self.agents and None in self.refs:
+            refs = list(self.refs)
+            asked = [(agent.refs.remote(self.lease), idx) for agent, _, idx in self.agents]
+            for ask, idx in asked:
+                try:
+                    got = ray.get(ask, timeout=PING_TIMEOUT_S)
+                except (ray.exceptions.RayError, TimeoutError):
+                    got = None
+                for k, i in enumerate(idx):
+                    refs[i] = got[k] if got is not None and k < len(got) else ask
+            self.refs[:] = refs  # shared with the lease's parts (``part``)
+        return self.refs
 
     def part(self, lo: int, hi: int) -> "_Dispatch":
         """The lease's steps ``step + lo`` .. ``step + hi - 1`` (the ones a cut lease ran, or did not)."""
@@ -108,17 +133,28 @@ def rank_results(reports: list[dict]) -> list[list[dict]]:
             for i in range(len(reports[0]["ranks"]))] if reports else []
 
 
-def report_result(report: dict) -> dict:
-    """A step's result from rank 0's report of it, as ``commit`` reads it: the ranks' losses summed
-    (in rank order, as a sum over their results would), the step's lr and grad norm, and the
-    slowest rank's compute; no record per rank."""
-    ranks = report["ranks"]
-    return {"loss_sum": sum(ranks[:, AGREED.index("loss_sum")].tolist()), "lr": report["lr"],
-            "grad_norm": report["grad_norm"], "compute_s": float(ranks[:, AGREED.index("compute_s")].max())}
+def report_results(reports: list[dict]) -> list[dict]:
+    """Each step's result from rank 0's reports of a lease, as ``commit`` reads it: the ranks'
+    losses summed (in rank order, as a sum over their results would: a running sum, for every
+    step of the lease at once), the step's lr and grad norm, and the slowest rank's compute; no
+    record per rank."""
+    if not reports:
+        return []
+    ranks = np.stack([r["ranks"] for r in reports])  # (steps, ranks, AGREED)
+    loss = np.cumsum(ranks[:, :, AGREED.index("loss_sum")], axis=1)[:, -1].tolist()
+    compute = ranks[:, :, AGREED.index("compute_s")].max(axis=1).tolist()
+    return [{"loss_sum": s, "lr": r["lr"], "grad_norm": r["grad_norm"], "compute_s": c}
+            for r, s, c in zip(reports, loss, compute)]
 
 
 class Steps:
     """The step ledger and the calls that move it, for one run."""
+
+    # One call per node per lease through a node agent (``node_agent``), not one per rank: 0.3-0.7x
+    # the driver's CPU a step at 64-512 ranks (docs/SCALING.md). A switch (RAYTRAIN_NODE_AGENTS=1),
+    # off by default: a newcomer's agent still starts on its first lease's critical path, which
+    # failed test_worker_killed_mid_step at a load of 40 (its peer's collective timed out).
+    node_agents = os.environ.get("RAYTRAIN_NODE_AGENTS", "") == "1"
 
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
                  tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
@@ -141,6 +177,10 @@ class Steps:
         self._group_steps = (0, 0)  # (generation, steps committed by that process group)
         self.cut_through = -1  # the newest lease a cut was asked for (``cut``)
         self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
+        self._agents: dict[tuple, object] = {}  # node_agents: (node, run) -> its NodeAgent
+        self._adopted: dict[tuple, tuple] = {}  # ... and the slots it was last told
+        self._agent_ready: dict[tuple, object] = {}  # ... and its first answer's reference
+        self.start_agents()  # the group is placed: its agents start beside its process group's forming
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -151,6 +191,7 @@ class Steps:
         self._run_t0 = time.perf_counter()
 
     def close(self) -> None:
+        self.forget_agents()
         if self._sample_log is not None:
             self._sample_log.close()
 
@@ -230,10 +271,94 @@ class Steps:
         self.leases += 1
         # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
         reporter = members[0].actor.report_steps.remote(step, sent[0][0], timeout_s, *sent[0][1], lease=self.leases)
-        refs = [reporter.completed()] + [w.actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
-                                         for w, (plan, piece) in zip(members[1:], sent[1:])]
+        refs, agents = [reporter.completed()] + [None] * (len(members) - 1), []
+        if self.node_agents and spec.data.delivery != "driver":
+            agents = self._through_agents(members, sent, step, timeout_s, after)
+        through = {i for _, _, idx in agents for i in idx}
+        for i in [i for i in range(1, len(members)) if i not in through]:  # the driver's own calls
+            plan, piece = sent[i]
+            refs[i] = members[i].actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
         return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
-                         self.data.wait_s - wait0, after is not None, self.leases, reporter)
+                         self.data.wait_s - wait0, after is not None, self.leases, reporter, agents)
+
+    def _through_agents(self, members: list[Worker], sent: list, step: int, timeout_s: float,
+                        after: "_Dispatch | None") -> list:
+        """The lease to members 1.. in one call per node's agent (``node_agent``): the plan's
+        bytes once, each rank's rows and piece map, the node's pieces each once. Returns, per
+        agent, (agent, its call, the member indices it submitted for). A node's ranks change
+        path only at a lease with none sent ahead of it (``after``): a rank's leases come from
+        one caller, or their order is lost; the others are the driver's own calls, as without
+        agents."""
+        count, steps, entries = sent[0][0][:3]
+        out = []
+        for key, run in node_runs(members[1:]):
+            idx = [i + 1 for i in run]
+            agent = self._agent(key, [members[i] for i in idx])
+            if after is None:  # the run's first lease waits for its agents (their start began with
+                # the group's forming, and no step time bounds its collectives yet); a later one
+                # takes an agent only once it answers (a newcomer's peers would time out on it)
+                through = not self._step_times or bool(ray.wait([self._agent_ready[key]], timeout=0)[0])
+            else:
+                through = any(a is agent for a, _, _ in after.agents)
+            if not through:
+                continue
+            pieces: dict = {}
+            ranks = [(members[i].slot, *sent[i][0][3:],
+                      tuple(pieces.setdefault(r, len(pieces)) for r in sent[i][1])) for i in idx]
+            call = agent.lease.remote(self.leases, step, count, steps, entries, timeout_s, ranks, list(pieces))
+            out.append((agent, call, idx))
+        return out
+
+    def start_agents(self) -> None:
+        """The members' node agents started now (with the ledger, once the group is placed),
+        beside what comes before the first lease (the process group forming, a resume's restore): an agent's process takes 0.4-1.2 s to start
+        on a loaded machine, which the first lease would otherwise wait for."""
+        if self.node_agents and self.spec.data.delivery != "driver":
+            members = list(self.group.workers)
+            for key, run in node_runs(members[1:]):
+                self._agent(key, [members[i + 1] for i in run])
+
+    def _agent(self, key: tuple, ranks: list[Worker]):
+        """The agent of ``key`` (a node and a run of its ranks), started on that node at first
+        use, told its ranks when they changed."""
+        agent = self._agents.get(key)
+        if agent is None:
+            node = key[0]
+            where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
+            agent = self._agents[key] = NodeAgent.options(num_cpus=0, **where).remote()
+            self._agent_ready[key] = agent.refs.remote(-1)  # answers once the agent is up
+            log.info("node agent started on node %s for workers %s", node[:8] or "?",
+                     ", ".join(str(w.slot) for w in ranks))
+        slots = tuple(w.slot for w in ranks)
+        if self._adopted.get(key) != slots:
+            agent.adopt.remote({w.slot: w.actor for w in ranks})
+            self._adopted[key] = slots
+        return agent
+
+    def forget_agents(self, dispatch: "_Dispatch | None" = None) -> None:
+        """After a failure: agents found lost are started afresh at their next use; with no
+        ``dispatch``, every agent is ended (the step loop ends)."""
+        if dispatch is None:
+            for agent in self._agents.values():
+                try:
+                    ray.kill(agent, no_restart=True)
+                except Exception:  # already gone
+                    pass
+            self._agents, self._adopted, self._agent_ready = {}, {}, {}
+            return
+        for agent, call, _ in dispatch.agents:
+            if ray.wait([call], timeout=0)[0]:
+                try:
+                    ray.get(call)
+                    continue
+                except ray.exceptions.RayError:
+                    pass
+            else:
+                continue
+            for key in [k for k, a in self._agents.items() if a is agent]:
+                del self._agents[key]
+                self._adopted.pop(key, None)
+                self._agent_ready.pop(key, None)
 
     def cut(self, running: "_Dispatch", through: int, end: int) -> None:
         """Cut the running lease short after step ``end - 1`` (or the step its rank 0 is in, if
@@ -245,7 +370,8 @@ class Steps:
     def drop(self, ahead: "_Dispatch") -> None:
         """The lease sent ahead of one that was cut short: its members end it at once, unstarted
         (``keep_for_resend`` keeps its batches)."""
-        ray.wait(ahead.refs, num_returns=len(ahead.refs), timeout=PING_TIMEOUT_S)
+        refs = ahead.member_refs()
+        ray.wait(refs, num_returns=len(refs), timeout=PING_TIMEOUT_S)
 
     def settle(self, ahead: "_Dispatch", outcome: StepOutcome) -> None:
         """After a failed lease: wait for the lease sent ahead of it to end on every member still
@@ -256,7 +382,7 @@ class Steps:
         (killed, and named in ``outcome.lost`` for the rebuild to remove).
         """
         in_group = {w.slot for w in self.group.workers}
-        by_ref = {r: w for r, w in zip(ahead.refs, ahead.members)
+        by_ref = {r: w for r, w in zip(ahead.member_refs(), ahead.members)
                   if w.slot in in_group and w.slot not in outcome.lost}
         if not by_ref:
             return
@@ -280,8 +406,8 @@ class Steps:
     def commit_lease(self, sent: "_Dispatch", reports: list[dict], elapsed_s: float) -> None:
         """Every member finished the lease: commit its steps in order (``reports``: rank 0's, one a
         step, every rank's parts as one array). The lease's time is shared evenly by its steps."""
-        for i, batch in enumerate(sent.batches):
-            self.commit(sent.step + i, [report_result(reports[i])], batch.units, batch.ids, sent.shares,
+        for i, (batch, result) in enumerate(zip(sent.batches, report_results(reports))):
+            self.commit(sent.step + i, [result], batch.units, batch.ids, sent.shares,
                         elapsed_s / sent.count, sent.data_wait if i == 0 else 0.0)
         self.metrics.ranks(rank_results(reports[-1:]), sent.members)  # the gauges show the last step
         self.summary.leases += 1
@@ -384,6 +510,12 @@ class Steps:
             if summary_due(now, *self._summary_written):
                 self.summary.write()
                 self._summary_written = (time.perf_counter(), time.perf_counter() - now)
+
+    def end(self) -> None:
+        """The run ends: its cost refreshed, its node agents ended (a run that failed before its
+        step loop, or between loops, has them too)."""
+        self.record_cost()
+        self.forget_agents()
 
     def record_cost(self) -> None:
         """Refresh summary.json's cost (when priced) in the record, MLflow and Prometheus."""

@@ -140,6 +140,7 @@ class Stragglers:
         self._flagged: dict[int, str] = {}  # rank -> node, while flagged (the gauge is 1)
         self._remeasure = False  # a rebalance cleared the window: the next full one re-judges it
         self._gauge = None
+        self._gauge_set: dict[int, tuple[str, float]] = {}  # rank -> (node, value) last set
 
     # ------------------------------------------------------------------ per-step records
     def observe_reports(self, sent, reports: list[dict], generation: int) -> None:
@@ -154,14 +155,11 @@ class Stragglers:
             self._reset(generation)
         self._nodes = [w.info.get("ip") or w.node_id for w in sent.members]
         every = self.spec.train.log_every_steps
-        starts = np.array([sl.start for sl in sent.shares])
-        stops = np.array([sl.stop for sl in sent.shares])
-        for i, batch in enumerate(sent.batches):
-            # Each rank's loss units from one running sum of the batch's (not a sum per rank).
-            upto = np.concatenate(([0], np.cumsum(batch.row_units, dtype=np.int64)))
+        units = lease_units(sent.batches, sent.shares)
+        for i in range(len(sent.batches)):
             self._since_formed += 1
             if self._since_formed > WARMUP_STEPS:
-                self._window.append(np.column_stack([parts[i], (upto[stops] - upto[starts]).astype(np.float64)]))
+                self._window.append(np.column_stack([parts[i], units[i]]))
             step = sent.step + i + 1
             if step % every == 0 and self._window:
                 self._refresh(step, list(self._window)[-every:])
@@ -182,7 +180,7 @@ class Stragglers:
                              "step_s": sum(parts.values())}
         self.summary.rank_times = ranks
         for r, t in ranks.items():  # 0 for every rank not flagged: a straggler panel shows them all
-            self._set_gauge(int(r), t["node"], 1.0 if int(r) in self._flagged else 0.0)
+            self._set_gauge(int(r), t["node"], 1.0 if int(r) in self._flagged else 0.0, if_changed=True)
         history = self.summary.rank_times_history
         if len(history) >= HISTORY_MAX:
             del history[1::2]
@@ -248,9 +246,15 @@ class Stragglers:
             except Exception as exc:  # MLflow trouble never stops training
                 log.warning("could not record the straggler in MLflow: %s", exc)
 
-    def _set_gauge(self, rank: int, node: str, value: float) -> None:
+    def _set_gauge(self, rank: int, node: str, value: float, if_changed: bool = False) -> None:
+        """``if_changed``: only when the rank's series or value is not what was set last (a Ray
+        gauge keeps its last value; setting every rank's at each refresh was the largest part of
+        the driver's per-step CPU in Python at 256 ranks: docs/SCALING.md)."""
         if not self.spec.tracking.metrics:  # every series off (tracking.metrics)
             return
+        if if_changed and self._gauge_set.get(rank) == (node, value):
+            return
+        self._gauge_set[rank] = (node, value)
         try:
             if self._gauge is None:
                 from ray.util.metrics import Gauge
@@ -262,6 +266,16 @@ class Stragglers:
                                          "node": node})
         except Exception as exc:  # metrics are a view; never a reason to stop
             log.debug("could not set raytrain_straggler_flagged: %s", exc)
+
+
+def lease_units(batches, shares: list[slice]) -> np.ndarray:
+    """Each rank's loss units of each step of a lease, a (steps, ranks) float array: one running
+    sum over the lease's batches' row units (not a sum per rank, nor one per step)."""
+    upto = np.zeros((len(batches), len(batches[0].row_units) + 1), dtype=np.int64)
+    np.cumsum(np.stack([b.row_units for b in batches]), axis=1, dtype=np.int64, out=upto[:, 1:])
+    starts = np.array([sl.start for sl in shares])
+    stops = np.array([sl.stop for sl in shares])
+    return (upto[:, stops] - upto[:, starts]).astype(np.float64)
 
 
 def _mean(steps: list[np.ndarray]) -> np.ndarray:

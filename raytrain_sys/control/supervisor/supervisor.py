@@ -359,6 +359,7 @@ class Supervisor:
                 if ahead is not None:
                     ahead.t0 = done_at  # its members start it as they finish this one
                 if outcome.failed:
+                    self.steps.forget_agents(cur)
                     self.steps.keep_for_resend(cur, ahead)
                     if ahead is not None:
                         self.steps.settle(ahead, outcome)
@@ -382,7 +383,7 @@ class Supervisor:
         """The running lease followed to its end (``LeaseWatch``): its reported steps observed
         as they come (``Boundary.observe``), and the lease cut short (with the one sent ahead)
         when the plan for the earliest boundary it can end at needs that boundary."""
-        watch = LeaseWatch(self.group, cur.members, cur.refs, cur.reporter, cur.step, cur.end - 1,
+        watch = LeaseWatch(self.group, cur.members, cur.member_refs, cur.reporter, cur.step, cur.end - 1,
                            self.steps._step_deadline_s())
         newest, seen = ahead or cur, 0
         while True:
@@ -442,7 +443,7 @@ class Supervisor:
     def _teardown(self) -> None:
         self.summary.finished_at = time.time()
         if self.steps is not None:
-            self.steps.record_cost()  # the workers are held until the group's shutdown below: near enough
+            self.steps.end()  # the workers are held until the group's shutdown below: near enough
         self.metrics.flush()
         if self._warm is not None:
             # A run that failed while the workers started: the warm-up read may still hold (or
