@@ -267,6 +267,10 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         gates.hold(3, 2)
         running = ray.get(svc.submit.remote("a", spec))["id"]
         queued = ray.get(svc.submit.remote("a", spec | {"output_dir": str(tmp_path / "q")}))["id"]
+        # Its 24 steps take seconds, and it is admitted as soon as the running job's run has let
+        # its worker go (before that job's end is recorded): held at step 1 so that the cancel
+        # below lands on a running job, whatever the order of the two.
+        gates.hold(queued, 1)
         held = ray.get(svc.submit.remote("b", spec | {"output_dir": str(tmp_path / "h")}, 0, "", "b"))["id"]
         assert wait_until(lambda: gates.reached(running, 7), WAIT_S)
         # b's job runs (b has room): its user pauses it, and it is held paused.
@@ -308,6 +312,8 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         # The queue moves on: the queued job is admitted once the running one has finished.
         wait_for(svc, queued, lambda j: j["state"] != "queued", "admission")
         ray.get([svc.cancel.remote(queued, "a"), svc.cancel.remote(held, "b")])
+        runner_heard(tmp_path, queued, "cancel")
+        gates.go(queued, 1)
         wait_state(svc, queued, "cancelled")
         wait_state(svc, intent, "finished")
         history = ray.get(svc.history.remote(intent))
