@@ -183,9 +183,11 @@ class LeaseWatch:
     counts from the newest report. When the lease failed or a member was lost, every member's
     call is collected (``collect``) into the lease's ``StepOutcome``."""
 
-    def __init__(self, group: WorkerGroup, members: list[Worker], refs: "list | Callable[[], list]", reporter, step: int,
-                 last_step: int, step_deadline_s: float):
-        self.group, self.members, self.refs, self.reporter = group, members, refs, reporter
+    def __init__(self, group: WorkerGroup, members: list[Worker], member_refs: Callable[[], list], reporter,
+                 step: int, last_step: int, step_deadline_s: float):
+        # member_refs: each member's call of the lease, asked for only when they are collected
+        # (through node agents the driver holds rank 0's alone until then: _Dispatch.member_refs)
+        self.group, self.members, self.member_refs, self.reporter = group, members, member_refs, reporter
         self.step, self.last_step, self.deadline_s = step, last_step, step_deadline_s
         self._ended = False  # the report of the lease's last step came
         self.reports: list[dict] = []
@@ -240,8 +242,8 @@ class LeaseWatch:
     def _outcome(self) -> StepOutcome:
         if self._ended:
             return StepOutcome()  # every rank finished the lease: its last report is their agreement
-        refs = self.refs() if callable(self.refs) else self.refs  # asked for only now (node agents)
-        outcome = collect(self.group, self.members, refs, self.step, self.deadline_s, since=self._progress)
+        outcome = collect(self.group, self.members, self.member_refs(), self.step, self.deadline_s,
+                          since=self._progress)
         rank0 = self.members[0].slot
         if self._error and rank0 in outcome.results:  # a generator's end is not its error
             del outcome.results[rank0]
