@@ -316,6 +316,41 @@ def test_what_tunes_end_of_a_trial_does_to_its_job(state, step, keep_stopped, ac
     assert stop_action(state, step, 12, keep_stopped) == action
 
 
+@pytest.mark.parametrize("base, coming, free, cap, wanted", [
+    (2, 0, 4, 4, 2),
+    (2, 6, 4, 4, 4),
+    (2, 6, 8, 4, 4),
+    (2, 3, 0, 4, 2),
+    (2, 6, None, 4, 4),
+    (0, 6, 4, 4, 0),
+], ids=["no sweep: the service's spares",
+        "a sweep's first trials: one spare each that fits the free workers",
+        "never more than the cap",
+        "no free worker: the trials still to start wait; the service's spares",
+        "a flavor table (free workers unknown): up to the cap",
+        "spares off: none for a sweep either"])
+def test_how_many_spare_runners_the_service_keeps_while_a_sweeps_trials_are_to_start(base, coming, free, cap,
+                                                                                    wanted):
+    from raytrain_sys.service.reconciler import spare_runners_wanted
+
+    assert spare_runners_wanted(base, coming, free, cap) == wanted
+
+
+def test_a_sweeps_trials_still_to_start_are_those_with_no_job_or_a_queued_one():
+    from types import SimpleNamespace
+
+    from raytrain_sys.sweeps.runner import trials_to_start
+
+    def job(trial, state):
+        return SimpleNamespace(trial_id=trial, state=state)
+
+    assert trials_to_start(6, []) == 6  # Tune has started no proxy yet
+    assert trials_to_start(6, [job("a", JobState.QUEUED), job("b", JobState.STARTING)]) == 5
+    # A PBT segment is its trial's; a trial that ended has started.
+    assert trials_to_start(4, [job("a", JobState.CANCELLED), job("a", JobState.RUNNING), job("b", JobState.FINISHED),
+                               job("c", JobState.PAUSED), job("d", JobState.RUNNING)]) == 0
+
+
 def test_only_pbt_waits_for_the_checkpoint_of_the_step_a_trial_reports():
     from raytrain_sys.sweeps.runner import CHECKPOINT_WAIT_S, checkpoint_wait_s
 
