@@ -16,7 +16,9 @@ reconciler writes the sweep's start and its runner's restarts (``ensure_runners`
   committed checkpoint of that step (``Pointer``: a small JSON file, never a copy of the model).
   The job trains,
   shrinks, grows, pauses and recovers as any service job: a lost worker is the job's business,
-  never a trial error, and the trial keeps training while the sweep's runner is down.
+  never a trial error, and the trial keeps training while the sweep's runner is down. Tune
+  reuses a proxy's process for its next trial; the sweep's MLflow parent run is made beside
+  Tune's start (``ParentRun``), and a proxy submits no job before it is recorded.
 * **PBT's exploit is a new segment**: Tune restarts an exploited trial's proxy with its donor's
   pointer; the proxy cancels the trial's job and submits the trial's next segment, a job of its
   own that starts from the donor's committed checkpoint with the mutated values
@@ -438,14 +440,15 @@ def make_callback(sweep_id: int, db_url: str, parent: Optional[ParentRun] = None
     """The Tune callback that turns Tune's decisions into service actions (a class made here so
     that importing this module does not import Ray Tune); with ``parent``, it ends the
     experiment (raising) at Tune's next step once making the parent run failed: the proxies
-    would wait for it."""
+    would wait for it. Tune pickles the callback (and its class, made here: no closure over
+    ``parent``, whose thread would not pickle)."""
     from ray.tune import Callback
 
     class ServiceActions(Callback):
         def __init__(self):
             self._store: Optional[Store] = None
             self._rungs: dict[str, int] = {}
-            self._parent = parent
+            self._parent: Optional[ParentRun] = None
 
         def on_step_begin(self, iteration, trials, **info):
             if self._parent is not None and self._parent.error is not None:
@@ -483,7 +486,9 @@ def make_callback(sweep_id: int, db_url: str, parent: Optional[ParentRun] = None
             step = int(trial.last_result["step"]) if trial.last_result and "step" in trial.last_result else None
             stop_trial_job(self.store, sweep_id, trial.trial_id, step, why)
 
-    return ServiceActions()
+    actions = ServiceActions()
+    actions._parent = parent
+    return actions
 
 
 STOPPED = "stopped by the sweep's scheduler"
