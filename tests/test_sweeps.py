@@ -156,6 +156,22 @@ def test_a_sweep_moves_only_along_its_edges_and_a_trial_re_attaches(store):
     assert sweep.id not in [s.id for s in store.sweeps(states=[SweepState.RUNNING])]
 
 
+def test_the_sweeps_mlflow_store_is_made_while_its_runner_starts(store, tmp_path):
+    """The reconciler, as it starts a sweep's runner, makes the sweep's SQLite MLflow store in a
+    thread: the runner's parent run opens a store whose tables are made."""
+    import sqlite3
+
+    from raytrain_sys.sweeps.runner import prepare_tracking
+
+    spec = parse_sweep(SWEEP, base_dir=str(tmp_path))
+    sweep = store.submit_sweep(team="a", name="lr-wd", spec=json.dumps(spec.to_dict()), priority=0, max_workers=None,
+                               storage_path=str(tmp_path / "tune"), actor="a")
+    prepare_tracking(sweep).join(120)
+    db = os.path.join(spec.base["output_dir"], "mlflow.db")
+    tables = {r[0] for r in sqlite3.connect(db).execute("select name from sqlite_master where type='table'")}
+    assert {"experiments", "runs", "alembic_version"} <= tables, tables
+
+
 @pytest.fixture
 def api(tmp_path):
     from raytrain_sys.service.api import serve
