@@ -612,6 +612,9 @@ def drive(sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> Opti
         # before it submits its trial's job: ``with_parent_run``): a new SQLite MLflow store's
         # first run took 8 s at a load of 29, as long again as Tune took to start its proxies.
         parent = ParentRun(db_url, sweep)
+        # Tune's own CSV, JSON and TensorBoard loggers of each trial's results are not made: the
+        # trials' runs are MLflow's, and they were a writer thread per trial in this process.
+        os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
         fn = trainable(sweep_id, db_url, base_dir, log_path)
         path = os.path.join(sweep.storage_path, experiment_name(sweep))
         if tune.Tuner.can_restore(path):
