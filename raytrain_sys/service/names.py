@@ -54,7 +54,7 @@ def spare_runners(wait_s: float = SPARE_START_TIMEOUT_S) -> list[tuple[str, Any,
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
             asked.append((name, handle, handle.job.remote()))
-        except Exception:  # noqa: BLE001: gone: not a runner to re-attach to
+        except ValueError:  # gone: not a runner to re-attach to
             continue
     if not asked:
         return []
@@ -65,6 +65,6 @@ def spare_runners(wait_s: float = SPARE_START_TIMEOUT_S) -> list[tuple[str, Any,
             continue  # not answering: not a runner to re-attach to
         try:
             found.append((name, handle, ray.get(ref)))
-        except Exception:  # noqa: BLE001: gone meanwhile
+        except ray.exceptions.RayError:  # gone meanwhile
             continue
     return found
