@@ -16,9 +16,9 @@ reconciler writes the sweep's start and its runner's restarts (``ensure_runners`
   committed checkpoint of that step (``Pointer``: a small JSON file, never a copy of the model).
   The job trains,
   shrinks, grows, pauses and recovers as any service job: a lost worker is the job's business,
-  never a trial error, and the trial keeps training while the sweep's runner is down. Tune
-  reuses a proxy's process for its next trial; the sweep's MLflow parent run is made beside
-  Tune's start (``ParentRun``), and a proxy submits no job before it is recorded.
+  never a trial error, and the trial keeps training while the sweep's runner is down. The
+  sweep's MLflow parent run is made beside Tune's start (``ParentRun``), and a proxy submits no
+  job before it is recorded.
 * **PBT's exploit is a new segment**: Tune restarts an exploited trial's proxy with its donor's
   pointer; the proxy cancels the trial's job and submits the trial's next segment, a job of its
   own that starts from the donor's committed checkpoint with the mutated values
@@ -621,14 +621,11 @@ def drive(sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> Opti
             log.info("sweep %d: restoring its Tune experiment from %s", sweep_id, path)
             tuner = tune.Tuner.restore(path, fn, resume_unfinished=True, resume_errored=True)
         else:
-            # reuse_actors: a trial that ended hands its proxy's process to the next trial Tune
-            # starts (the proxy's thread ends at Tune's stop, in its report): a trial after an
-            # ASHA stop starts without a worker process to start and imports to do.
             tuner = tune.Tuner(
                 fn, param_space=tune_space(spec),
                 tune_config=tune.TuneConfig(metric=spec.metric, mode=spec.mode,
                                             scheduler=make_scheduler(spec, sweep_id, db_url),
-                                            num_samples=spec.num_samples, reuse_actors=True),
+                                            num_samples=spec.num_samples),
                 run_config=tune.RunConfig(name=experiment_name(sweep), storage_path=sweep.storage_path,
                                           callbacks=[make_callback(sweep_id, db_url, parent)], verbose=0))
         results = tuner.fit()
