@@ -156,6 +156,22 @@ def test_a_sweep_moves_only_along_its_edges_and_a_trial_re_attaches(store):
     assert sweep.id not in [s.id for s in store.sweeps(states=[SweepState.RUNNING])]
 
 
+def test_the_sweeps_mlflow_store_is_made_while_its_runner_starts(store, tmp_path):
+    """The reconciler, as it starts a sweep's runner, makes the sweep's SQLite MLflow store in a
+    thread: the runner's parent run opens a store whose tables are made."""
+    import sqlite3
+
+    from raytrain_sys.sweeps.runner import prepare_tracking
+
+    spec = parse_sweep(SWEEP, base_dir=str(tmp_path))
+    sweep = store.submit_sweep(team="a", name="lr-wd", spec=json.dumps(spec.to_dict()), priority=0, max_workers=None,
+                               storage_path=str(tmp_path / "tune"), actor="a")
+    prepare_tracking(sweep).join(120)
+    db = os.path.join(spec.base["output_dir"], "mlflow.db")
+    tables = {r[0] for r in sqlite3.connect(db).execute("select name from sqlite_master where type='table'")}
+    assert {"experiments", "runs", "alembic_version"} <= tables, tables
+
+
 @pytest.fixture
 def api(tmp_path):
     from raytrain_sys.service.api import serve
@@ -314,6 +330,41 @@ def test_what_tunes_end_of_a_trial_does_to_its_job(state, step, keep_stopped, ac
     from raytrain_sys.sweeps.runner import stop_action
 
     assert stop_action(state, step, 12, keep_stopped) == action
+
+
+@pytest.mark.parametrize("base, coming, free, cap, wanted", [
+    (2, 0, 4, 4, 2),
+    (2, 6, 4, 4, 4),
+    (2, 6, 8, 4, 4),
+    (2, 3, 0, 4, 2),
+    (2, 6, None, 4, 4),
+    (0, 6, 4, 4, 0),
+], ids=["no sweep: the service's spares",
+        "a sweep's first trials: one spare each that fits the free workers",
+        "never more than the cap",
+        "no free worker: the trials still to start wait; the service's spares",
+        "a flavor table (free workers unknown): up to the cap",
+        "spares off: none for a sweep either"])
+def test_how_many_spare_runners_the_service_keeps_while_a_sweeps_trials_are_to_start(base, coming, free, cap,
+                                                                                    wanted):
+    from raytrain_sys.service.reconciler import spare_runners_wanted
+
+    assert spare_runners_wanted(base, coming, free, cap) == wanted
+
+
+def test_a_sweeps_trials_still_to_start_are_those_with_no_job_or_a_queued_one():
+    from types import SimpleNamespace
+
+    from raytrain_sys.sweeps.runner import trials_to_start
+
+    def job(trial, state):
+        return SimpleNamespace(trial_id=trial, state=state)
+
+    assert trials_to_start(6, []) == 6  # Tune has started no proxy yet
+    assert trials_to_start(6, [job("a", JobState.QUEUED), job("b", JobState.STARTING)]) == 5
+    # A PBT segment is its trial's; a trial that ended has started.
+    assert trials_to_start(4, [job("a", JobState.CANCELLED), job("a", JobState.RUNNING), job("b", JobState.FINISHED),
+                               job("c", JobState.PAUSED), job("d", JobState.RUNNING)]) == 0
 
 
 def test_only_pbt_waits_for_the_checkpoint_of_the_step_a_trial_reports():

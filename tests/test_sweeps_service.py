@@ -45,7 +45,7 @@ def base_spec(tmp_path, dataset) -> dict:
                      resources={"num_workers": 1}).to_dict()
 
 
-def wait_for(predicate, what: str, timeout_s: float = WAIT_S, every_s: float = 0.5):
+def wait_for(predicate, what: str, timeout_s: float = WAIT_S, every_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -415,11 +415,10 @@ def test_a_trial_loses_a_worker_and_is_shrunk_by_a_higher_priority_job_and_train
                      "the urgent job's end")
             for job_id in (1, 2):
                 gates.go(job_id, 10)
-            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
-            done = store.sweep(record["id"])
+            wait_for(lambda: all(store.job(j).state.terminal for j in (1, 2)), "both trials' ends")
             trials = store.trials(record["id"])
-            urgent_job = store.job(urgent_id)
-            # Each trial again, alone on an idle cluster: a job of its spec on one worker, never resized.
+            # Each trial again, alone on an idle cluster: a job of its spec on one worker, never resized
+            # (submitted as the trials have ended, while the sweep's runner records its end).
             alone = {}
             for t in trials:
                 spec = json.loads(t.spec)
@@ -427,6 +426,9 @@ def test_a_trial_loses_a_worker_and_is_shrunk_by_a_higher_priority_job_and_train
                             elastic=fixed_elastic)
                 spec["tracking"].update(uri="", parent_run_id="")
                 alone[t.id] = ray.get(svc.submit.remote("a", spec))["id"]
+            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
+            done = store.sweep(record["id"])
+            urgent_job = store.job(urgent_id)
             wait_for(lambda: all(store.job(j).state.terminal for j in alone.values()), "the trials run alone")
             alone_jobs = {t: store.job(j) for t, j in alone.items()}
             shrinks = {j: [h.reason for h in store.history(j) if h.reason.startswith("shrink to 1")] for j in (1, 2)}

@@ -31,26 +31,40 @@ def spare_runner_names() -> list[str]:
             if a["namespace"] == NAMESPACE and a["name"].startswith(SPARE_RUNNER_PREFIX)]
 
 
-def find_runner(job_id: int):
+def find_runner(job_id: int, spare_wait_s: float = SPARE_START_TIMEOUT_S):
     """The job's live runner (after a service restart too), or None: the one named after the
-    job, else the spare runner that started it."""
+    job, else the spare runner that started it (``spare_runners``: asked for ``spare_wait_s``
+    at most; a runner that runs a job answers in milliseconds, a spare still starting runs none)."""
     try:
         return ray.get_actor(runner_name(job_id), namespace=NAMESPACE)
     except ValueError:
         pass
-    for name, handle, job in spare_runners():
+    for name, handle, job in spare_runners(spare_wait_s):
         if job == job_id:
             return handle
     return None
 
 
-def spare_runners() -> list[tuple[str, Any, Optional[int]]]:
-    """Each spare runner's name, handle and job (None: it runs none)."""
-    found = []
+def spare_runners(wait_s: float = SPARE_START_TIMEOUT_S) -> list[tuple[str, Any, Optional[int]]]:
+    """Each spare runner's name, handle and job (None: it runs none), those that answered within
+    ``wait_s``: all are asked at once (a spare still importing answers only once it is up: asked
+    one after the other, each of them cost a proxy the whole wait)."""
+    asked = []
     for name in spare_runner_names():
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
-            found.append((name, handle, ray.get(handle.job.remote(), timeout=SPARE_START_TIMEOUT_S)))
-        except Exception:  # noqa: BLE001: gone or not answering: not a runner to re-attach to
+            asked.append((name, handle, handle.job.remote()))
+        except ValueError:  # gone: not a runner to re-attach to
+            continue
+    if not asked:
+        return []
+    ready, _ = ray.wait([ref for _, _, ref in asked], num_returns=len(asked), timeout=wait_s)
+    found = []
+    for name, handle, ref in asked:
+        if ref not in ready:
+            continue  # not answering: not a runner to re-attach to
+        try:
+            found.append((name, handle, ray.get(ref)))
+        except ray.exceptions.RayError:  # gone meanwhile
             continue
     return found

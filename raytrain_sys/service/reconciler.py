@@ -32,7 +32,8 @@ One pass (``run_once``), in order:
    runner has not heard of is sent again. Before a runner is created, the job's SQLite MLflow
    store is made here, once (``mlflow_tracker.ensure_store``): jobs admitted together never
    make one at the same moment. After the actions, spare runners are started ahead
-   up to ``spare_runners`` (``_keep_spare_runners``): a launch takes one instead of a process start.
+   up to ``spare_runners`` (``_keep_spare_runners``), more while a sweep's trials are to start
+   (``spare_runners_wanted``): a launch takes one instead of a process start.
    The snapshot also feeds the queue and quota gauges per team (``monitor.metrics.ServiceMetrics``).
    With autoscaling on, the pass asks Ray's autoscaler for the queue's demand once it has
    decided, before it carries the actions out (``autoscale.demand``: every admitted job at its
@@ -115,6 +116,12 @@ class ReconcilerConfig:
     # admitted right after another (a reclaim) does not wait for the spare the first one used
     # to be replaced while the cluster is busy; 0 for none.
     spare_runners: int = 2
+    # While a sweep's trials are to start, up to this many spare runners (at least spare_runners),
+    # one per trial that could start on the free workers: Tune starts a sweep's first trials
+    # together, and each trial's job would otherwise wait for a runner process of its own to
+    # start and import torch (20 s at a load of 29 on 2 cores, 2 s on a spare). 4: each spare
+    # is a process with torch imported, kept idle until a launch takes it.
+    sweep_spare_runners: int = 4
     # A code package (packages.py) that no waiting or running job names and no job submitted
     # within this long named is deleted from the store (looked at once an hour); 0 keeps all.
     package_retention_s: float = 7 * 86400.0
@@ -151,6 +158,24 @@ class ReconcilerConfig:
         if not self.provisioning_timeout_s > 0:
             raise ServiceInputError("provisioning_timeout_s",
                                     f"got {self.provisioning_timeout_s!r}; must be a number of seconds > 0")
+
+
+def spare_runners_wanted(base: int, trials_coming: int, free: Optional[int], cap: int) -> int:
+    """The spare runners to keep: ``base``, or, while sweeps have ``trials_coming`` trials whose
+    jobs have not started, one for each that could start now (on ``free`` workers, a trial's job
+    needing one at least; None: unknown, the table's flavors count no workers), up to ``cap``.
+    0 with ``base`` 0: spares are off."""
+    if base <= 0:
+        return 0
+    return max(base, min(trials_coming, cap, cap if free is None else free))
+
+
+def free_workers(snapshot) -> Optional[int]:
+    """The implicit flavor's workers no live job holds or is given (None with a flavor table:
+    its capacity is in CPUs, GPUs and memory)."""
+    if snapshot.flavors:
+        return None
+    return max(0, snapshot.cluster_workers - sum(max(j.workers, j.target_workers) for j in snapshot.jobs))
 
 
 @dataclass
@@ -197,6 +222,7 @@ class Reconciler:
         # The MLflow stores of the newest launches, newest last: spare runners open them ahead.
         self._tracking_uris: list[str] = []
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
+        self._spares_wanted = config.spare_runners  # this pass's (spare_runners_wanted)
         self._next_prune_s = 0.0  # when the store's unused code packages are looked at next
         self.metrics = ServiceMetrics()  # queue and quota per team, each pass
         self.passes = 0  # passes done: the number of the pass in progress, as its log lines say
@@ -222,11 +248,13 @@ class Reconciler:
         for job_id in list(self._handles):
             if job_id not in {j.id for j in jobs}:
                 self._forget(job_id)
+        trials_coming = 0
         if self.config.db_url:
             from raytrain_sys.sweeps.runner import ensure_runners
 
-            ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
-                           self.config.sweep_runner_restarts, self.config.status_wait_s, self._sweep_runners)
+            trials_coming = ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
+                                           self.config.sweep_runner_restarts, self.config.status_wait_s,
+                                           self._sweep_runners)
         snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states()).released(self._released)
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())
@@ -243,6 +271,8 @@ class Reconciler:
             if isinstance(action, Wait):
                 self._notes[action.job_id] = (states[action.job_id], action.cause, action.reason)
         self.store.note_waits(self._notes, now_s=self.clock())
+        self._spares_wanted = spare_runners_wanted(self.config.spare_runners, trials_coming, free_workers(snapshot),
+                                                   self.config.sweep_spare_runners)
         self._keep_spare_runners()
         self._delete_cancelled_checkpoints()
         self._prune_packages()
@@ -315,9 +345,10 @@ class Reconciler:
 
     # ------------------------------------------------------------------ the spare runner
     def _keep_spare_runners(self) -> None:
-        """``spare_runners`` runners started ahead, for the next launches (after a restart: the
-        idle spares of the previous service first, any beyond the count ended)."""
-        wanted = self.config.spare_runners
+        """``spare_runners`` runners started ahead (more while a sweep's trials are to start:
+        ``spare_runners_wanted``), for the next launches (after a restart: the idle spares of
+        the previous service first, any beyond the count ended)."""
+        wanted = self._spares_wanted
         if len(self._spares) >= wanted:
             return
         idle = [] if self._spares_adopted else runners.idle_spare_runners()
@@ -346,7 +377,7 @@ class Reconciler:
         """Spare runners kept (``spare_runners``) and how many of them are up."""
         refs = [ready for _, ready in self._spares]
         up, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
-        return {"wanted": self.config.spare_runners, "up": len(up), "starting": len(refs) - len(up)}
+        return {"wanted": self._spares_wanted, "up": len(up), "starting": len(refs) - len(up)}
 
     def _take_spare_runner(self):
         """A spare runner that is up (its imports done), else None (the launch starts a new one)."""

@@ -16,7 +16,9 @@ reconciler writes the sweep's start and its runner's restarts (``ensure_runners`
   committed checkpoint of that step (``Pointer``: a small JSON file, never a copy of the model).
   The job trains,
   shrinks, grows, pauses and recovers as any service job: a lost worker is the job's business,
-  never a trial error, and the trial keeps training while the sweep's runner is down.
+  never a trial error, and the trial keeps training while the sweep's runner is down. The
+  sweep's MLflow parent run is made beside Tune's start (``ParentRun``), and a proxy submits no
+  job before it is recorded.
 * **PBT's exploit is a new segment**: Tune restarts an exploited trial's proxy with its donor's
   pointer; the proxy cancels the trial's job and submits the trial's next segment, a job of its
   own that starts from the donor's committed checkpoint with the mutated values
@@ -138,7 +140,7 @@ class RunnerEvaluations:
                              JobState.CANCELLING):
             self._handles.pop(job.id, None)
             return None
-        handle = self._handles.get(job.id) or find_runner(job.id)
+        handle = self._handles.get(job.id) or find_runner(job.id, spare_wait_s=self.wait_s)
         if handle is None:
             return None
         try:
@@ -172,7 +174,7 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str, log_pa
     log_to(log_path)
     store = Store.open(db_url)
     try:
-        sweep = store.sweep(sweep_id)
+        sweep = with_parent_run(store, sweep_id)
         spec = spec_of(sweep)
         trial_id = tune.get_context().get_trial_id()
         pointer = read_pointer(tune.get_checkpoint())
@@ -200,6 +202,27 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str, log_pa
         follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen, live=live)
     finally:
         store.close()
+
+
+# How long a trial's proxy waits for the sweep's MLflow parent run (its runner makes it while
+# Tune starts the proxies): the first run of a new SQLite store makes its tables, seconds at load.
+PARENT_WAIT_S = 600.0
+
+
+def with_parent_run(store: Store, sweep_id: int, wait_s: float = PARENT_WAIT_S, poll_s: float = 0.1,
+                    sleep: Callable[[float], None] = time.sleep) -> SweepRecord:
+    """The sweep once its MLflow parent run is recorded: every trial's run is its child. The
+    runner makes it beside Tune's start (``drive``); raises ``TrialJobFailed`` when the sweep is
+    no longer running first, or after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sweep = store.sweep(sweep_id)
+        if sweep.mlflow_parent_run_id:
+            return sweep
+        if sweep.state is not SweepState.RUNNING or time.monotonic() > deadline:
+            raise TrialJobFailed(f"sweep {sweep_id} has no MLflow parent run ({sweep.state.value}: {sweep.message}); "
+                                 f"no trial's job is submitted without one")
+        sleep(poll_s)
 
 
 # ----------------------------------------------------------------------------- PBT's segments
@@ -413,15 +436,23 @@ def rungs_passed(step: int, grace: int, factor: int, max_t: int) -> int:
     return rung
 
 
-def make_callback(sweep_id: int, db_url: str):
+def make_callback(sweep_id: int, db_url: str, parent: Optional[ParentRun] = None):
     """The Tune callback that turns Tune's decisions into service actions (a class made here so
-    that importing this module does not import Ray Tune)."""
+    that importing this module does not import Ray Tune); with ``parent``, it ends the
+    experiment (raising) at Tune's next step once making the parent run failed: the proxies
+    would wait for it. Tune pickles the callback (and its class, made here: no closure over
+    ``parent``, whose thread would not pickle)."""
     from ray.tune import Callback
 
     class ServiceActions(Callback):
         def __init__(self):
             self._store: Optional[Store] = None
             self._rungs: dict[str, int] = {}
+            self._parent: Optional[ParentRun] = None
+
+        def on_step_begin(self, iteration, trials, **info):
+            if self._parent is not None and self._parent.error is not None:
+                raise self._parent.error
 
         @property
         def store(self) -> Store:
@@ -429,8 +460,8 @@ def make_callback(sweep_id: int, db_url: str):
                 self._store = Store.open(db_url)
             return self._store
 
-        def __getstate__(self):  # Tune pickles its callbacks with the experiment: no open store
-            return {"_store": None, "_rungs": dict(self._rungs)}
+        def __getstate__(self):  # Tune pickles its callbacks with the experiment: no open store, no thread
+            return {"_store": None, "_rungs": dict(self._rungs), "_parent": None}
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             log.info("trial %s: %s at step %s (job %s, checkpoint step %s)", trial.trial_id,
@@ -455,7 +486,9 @@ def make_callback(sweep_id: int, db_url: str):
             step = int(trial.last_result["step"]) if trial.last_result and "step" in trial.last_result else None
             stop_trial_job(self.store, sweep_id, trial.trial_id, step, why)
 
-    return ServiceActions()
+    actions = ServiceActions()
+    actions._parent = parent
+    return actions
 
 
 STOPPED = "stopped by the sweep's scheduler"
@@ -574,9 +607,14 @@ def drive(sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> Opti
     try:
         sweep = store.sweep(sweep_id)
         log.info("sweep %d: its runner drives Tune (%.1f s after its submit)", sweep_id, time.time() - sweep.submitted_at_s)
-        sweep = parent_run(store, sweep)
         spec = spec_of(sweep)
-        log.info("sweep %d: MLflow parent run %s; Tune starts its trials", sweep_id, sweep.mlflow_parent_run_id)
+        # The parent run is made beside Tune's start and its proxies' (each proxy waits for it
+        # before it submits its trial's job: ``with_parent_run``): a new SQLite MLflow store's
+        # first run took 8 s at a load of 29, as long again as Tune took to start its proxies.
+        parent = ParentRun(db_url, sweep)
+        # Tune's own CSV, JSON and TensorBoard loggers of each trial's results are not made: the
+        # trials' runs are MLflow's, and they were a writer thread per trial in this process.
+        os.environ["TUNE_DISABLE_AUTO_CALLBACK_LOGGERS"] = "1"
         fn = trainable(sweep_id, db_url, base_dir, log_path)
         path = os.path.join(sweep.storage_path, experiment_name(sweep))
         if tune.Tuner.can_restore(path):
@@ -589,8 +627,9 @@ def drive(sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> Opti
                                             scheduler=make_scheduler(spec, sweep_id, db_url),
                                             num_samples=spec.num_samples),
                 run_config=tune.RunConfig(name=experiment_name(sweep), storage_path=sweep.storage_path,
-                                          callbacks=[make_callback(sweep_id, db_url)], verbose=0))
+                                          callbacks=[make_callback(sweep_id, db_url, parent)], verbose=0))
         results = tuner.fit()
+        sweep = parent.result()  # raises what its making raised
         wait_for_trials_to_end(store, sweep_id)
         table = trial_table(store, sweep_id, spec)
         best_trial, best_value = best_of(table, spec.mode)
@@ -633,6 +672,35 @@ def wait_for_trials_to_end(store: Store, sweep_id: int, timeout_s: float = TRIAL
                         "recorded all the same", sweep_id, live, timeout_s)
             return False
         time.sleep(poll_s)
+
+
+class ParentRun:
+    """``parent_run`` made in a thread of its own, on a store of its own; ``result`` waits for
+    it and returns the sweep with it, or raises what making it raised (``error``: that, once it
+    did)."""
+
+    def __init__(self, db_url: str, sweep: SweepRecord):
+        self.error: Optional[BaseException] = None
+        self._sweep = sweep
+        self._thread = threading.Thread(target=self._make, args=(db_url,), name="sweep-parent-run", daemon=True)
+        self._thread.start()
+
+    def _make(self, db_url: str) -> None:
+        store = Store.open(db_url)
+        try:
+            self._sweep = parent_run(store, self._sweep)
+            log.info("sweep %d: MLflow parent run %s", self._sweep.id, self._sweep.mlflow_parent_run_id)
+        except BaseException as exc:  # noqa: BLE001: raised again by result() and Tune's next step
+            log.exception("sweep %d: its MLflow parent run could not be made", self._sweep.id)
+            self.error = exc
+        finally:
+            store.close()
+
+    def result(self) -> SweepRecord:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self._sweep
 
 
 def parent_run(store: Store, sweep: SweepRecord) -> SweepRecord:
@@ -800,22 +868,33 @@ def start_runner(sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str):
 
 
 def ensure_runners(store: Store, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
-                   status_wait_s: float = 1.0, started: Optional[dict] = None) -> None:
+                   status_wait_s: float = 1.0, started: Optional[dict] = None) -> int:
     """One pass over the live sweeps: a queued one gets its runner and runs; a running one whose
     runner is gone gets another (``Tuner.restore``), within ``max_restarts``, else fails with
     its trials cancelled; a runner whose driver raised fails its sweep. ``started`` (the
     caller's, kept across passes) holds the handles of the runners this caller started: a runner
     just created may not be found by its name yet (seen: on the pass 0.3 s after its start), and
-    is not lost for that; one whose process is gone is."""
+    is not lost for that; one whose process is gone is. Returns the live sweeps' trials still to
+    start (``trials_to_start``): the reconciler keeps spare runners for them."""
     started = {} if started is None else started
     live = store.sweeps(states=[SweepState.QUEUED, SweepState.RUNNING])
     for sweep_id in set(started) - {s.id for s in live}:
         del started[sweep_id]
+    coming = 0
     for sweep in live:
         try:
             _ensure(store, sweep, db_url, base_dir, log_dir, max_restarts, status_wait_s, started)
         except JobStateConflict as exc:  # a request landed meanwhile: next pass
             log.info("sweep %d moved meanwhile: %s", sweep.id, exc)
+        coming += trials_to_start(spec_of(sweep).trial_count, store.trials(sweep.id))
+    return coming
+
+
+def trials_to_start(trial_count: int, jobs: list[JobRecord]) -> int:
+    """A sweep's trials whose job has not started yet, of ``trial_count``: not submitted (Tune
+    has not started their proxies), or queued. A PBT segment is its trial's, not one more."""
+    started = {j.trial_id for j in jobs if j.state is not JobState.QUEUED}
+    return max(0, trial_count - len(started))
 
 
 def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
@@ -824,6 +903,7 @@ def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_di
         store.transition_sweep(sweep.id, SweepState.QUEUED, SweepState.RUNNING, actor="reconciler",
                                reason="its sweep runner starts")
         started[sweep.id] = start_runner(sweep, db_url, base_dir, log_dir)
+        prepare_tracking(sweep)
         return
     handle = find_runner(sweep) or started.get(sweep.id)
     status: Optional[dict] = None
@@ -854,6 +934,25 @@ def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_di
     started[sweep.id] = start_runner(sweep, db_url, base_dir, log_dir)
 
 
+def prepare_tracking(sweep: SweepRecord) -> threading.Thread:
+    """Make the sweep's MLflow store (a new SQLite store's tables: 5.8 s at a load of 49) in a
+    thread of the caller's process while its runner's process starts: the runner's parent run
+    then opens a finished store (``mlflow_tracker.ensure_store`` makes it once, under a lock). A
+    failure is only logged: the parent run meets it again and fails the sweep with it."""
+    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.tracking.mlflow_tracker import ensure_store
+
+    def make() -> None:
+        try:
+            ensure_store(tracking_uri(spec_of(sweep)))
+        except Exception as exc:  # noqa: BLE001: the runner's parent run reports it
+            log.info("sweep %d: its MLflow store not made ahead: %s", sweep.id, exc)
+
+    thread = threading.Thread(target=make, name=f"sweep-{sweep.id}-tracking", daemon=True)
+    thread.start()
+    return thread
+
+
 def _fail(store: Store, sweep: SweepRecord, why: str) -> None:
     store.transition_sweep(sweep.id, sweep.state, SweepState.FAILED, actor="reconciler", reason=why)
     for job in store.trials(sweep.id):
@@ -871,4 +970,4 @@ def stop_runner(sweep: SweepRecord) -> None:
 
 
 __all__ = ["run_trial", "follow", "drive", "SweepRunner", "ensure_runners", "rungs_passed", "runner_name",
-           "TrialJobFailed", "make_scheduler", "stop_runner", "best_of", "trial_table"]
+           "TrialJobFailed", "make_scheduler", "stop_runner", "best_of", "trial_table", "trials_to_start"]
