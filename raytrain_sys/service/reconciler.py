@@ -590,7 +590,8 @@ class Reconciler:
             to = JobState.RESUMING if resume else JobState.STARTING
             job = self.store.transition(job.id, job.state, to, actor=SCHEDULER, reason=action.reason,
                                         workers=0, target_workers=action.workers, flavor=action.flavor,
-                                        **self._admitted(action.workers, action.provisioning))
+                                        **self._admitted(action.workers, action.provisioning,
+                                                         action.reason if action.reclaiming else ""))
             self._launch(job, action.workers, action.reason, resume=resume)
         elif isinstance(action, (Grow, Shrink)):
             verb = "grow" if isinstance(action, Grow) else "shrink"
@@ -606,12 +607,15 @@ class Reconciler:
             raise TypeError(f"unknown scheduler action {action!r}")
 
     # ------------------------------------------------------------------ starts
-    def _admitted(self, workers: int, provisioning: bool = False) -> dict:
+    def _admitted(self, workers: int, provisioning: bool = False, reclaiming: str = "") -> dict:
         """A new start's wait reason, written with its transition (the intent): its runner is
-        starting, or (admitted against capacity being provisioned) its nodes are coming."""
+        starting, or (admitted against capacity being provisioned) its nodes are coming, or
+        (``reclaiming``: the admission's reason) shrinks issued with it give its workers back."""
         if provisioning:
             return {"wait_cause": WaitCause.PROVISIONING,
                     "wait_reason": starts.admitted_reason(workers, self.config.provisioning_timeout_s)}
+        if reclaiming:
+            return {"wait_cause": WaitCause.RELEASING, "wait_reason": f"admitted: {reclaiming}"}
         return {"wait_cause": WaitCause.RUNNER_START, "wait_reason": starts.admitted_reason(workers)}
 
     def _start_view(self, job: JobRecord, now: float) -> starts.StartView:

@@ -32,8 +32,15 @@ with a cap hold at most that many workers together (their targets, as quotas cou
 the cap blocks waits (``WaitCause.SWEEP_CAP``) and reclaims nothing (its victims would be its
 own siblings, or others' jobs for a sweep that could not use them); growth stops at the cap.
 
-A shrink or pause frees workers only when the runner has drained them, so the job it was for is
-admitted by a later pass (which sees the smaller ``workers``), never by the same one.
+A shrink or pause frees workers only when the runner has drained them. A job whose reclaim is
+shrinks only is admitted by the same pass (``Admit.reclaiming``): a shrink lands at its victim's
+next step boundary, so the job's start (its runner, pre-flight, first reads, MLflow run) runs
+while they drain and Ray places its workers once they are back; the workers stay counted on the
+victims until then (``workers`` above ``target_workers``), so nothing else is given them. A
+reclaim with a pause (a checkpoint first), or on a flavor whose nodes the autoscaler may still
+add (where a placement group that waits is a demand for a node), leaves the job waiting
+(``releasing``), admitted by a later pass once the workers are free, as is a job whose workers
+are released by shrinks an earlier pass issued.
 
 **Flavors** (``snapshot.flavors``, Kueue's ResourceFlavors; none: the implicit flavor of
 ``cluster_workers`` worker slots, the service as it was). A job draws from the flavors its
@@ -94,6 +101,9 @@ class _Room:
         self.free_now = dict(self.ceiling)
         self.free_after_release = dict(self.ceiling)
         self.present_free = state.capacity(present=True)
+        # Nothing more can be provisioned here: a placement group that waits is not a demand
+        # that Ray's autoscaler would start a node for.
+        self.fixed = self.present_free == self.ceiling
         self.reserved_for: Optional[JobView] = None
 
     def hold(self, shape: WorkerShape, held: float, releasing: float) -> None:
@@ -188,6 +198,7 @@ class _Pass:
         self.admit_reason: dict[int, str] = {}
         self.admit_flavor: dict[int, str] = {}
         self.provisioning: set[int] = set()  # admitted jobs whose workers wait for nodes
+        self.reclaiming: set[int] = set()  # admitted jobs whose workers wait for shrinks issued this pass
         self.admitted_jobs: list[JobView] = []
         self.reclaim_actions: list[Action] = []
         self.waits: list[Wait] = []
@@ -221,7 +232,8 @@ class _Pass:
         self._admit_in_order()
         grows = self._grow()
         admits = [Admit(job.id, self.admitted[job.id], self.admit_reason[job.id], flavor=self.admit_flavor[job.id],
-                        provisioning=job.id in self.provisioning) for job in self.admitted_jobs]
+                        provisioning=job.id in self.provisioning, reclaiming=job.id in self.reclaiming)
+                  for job in self.admitted_jobs]
         return [*self.reclaim_actions, *admits, *grows, *self.waits]
 
     def _admit_in_order(self) -> None:
@@ -501,9 +513,24 @@ class _Pass:
         for r, amount in plan.released.items():
             room.free_after_release[r] += amount
         self._claim(job, need, room)
-        self.waits.append(Wait(job.id, WaitCause.RELEASING,
-                               f"{need} workers{self._where(room, job.shape)} are being reclaimed for it "
-                               f"({', '.join(names)}); starts once they are free"))
+        if plan.pauses or not room.fixed:
+            # A pause saves a checkpoint first (seconds to minutes); and where nodes can still be
+            # added, a start's placement group waiting for the shrinks would be Ray's demand for
+            # a new node. The job waits for the workers, admitted by a later pass.
+            self.waits.append(Wait(job.id, WaitCause.RELEASING,
+                                   f"{need} workers{self._where(room, job.shape)} are being reclaimed for it "
+                                   f"({', '.join(names)}); starts once they are free"))
+            return
+        # Shrinks only: each lands at its victim's next step boundary (within about a step). The
+        # job is admitted now, so that its start (runner, pre-flight, first reads, MLflow run)
+        # runs while they drain; its workers are placed once Ray has them back.
+        self.admit_reason[job.id] = (f"{need} workers{self._where(room, job.shape)} reclaimed for it "
+                                     f"({', '.join(names)}): its start runs while they drain, and its "
+                                     f"workers are placed once they are free")
+        self.admitted[job.id] = need
+        self.admit_flavor[job.id] = self.flavor_of[job.id] = room.name
+        self.reclaiming.add(job.id)
+        self.admitted_jobs.append(job)
 
     def _reclaim_cause(self, job: JobView, need: int, victim: JobView, within_nominal: bool, room: _Room) -> str:
         wants = (f"job {job.id} (team {job.team}, priority {job.priority}) needs {need} "
