@@ -695,7 +695,9 @@ class Reconciler:
         (``ResourceFlavor.node_selector``: the workers' placement) and price per worker hour
         (``ResourceFlavor.usd_per_worker_hour``: the run's cost per token, spot and on-demand priced
         apart; an unpriced flavor leaves the spec's own price), and for a start admitted against
-        capacity being provisioned a placement bound of ``provisioning_timeout_s``."""
+        capacity being provisioned a placement bound of ``provisioning_timeout_s``; against workers
+        being reclaimed, at least ``stop_deadline_s`` and 30 s (a cancel that does not land is
+        made hard by then)."""
         out = []
         flavor = self._table.get(job.flavor or "")
         if flavor is not None:
@@ -705,6 +707,9 @@ class Reconciler:
                 out.append(f"resources.cost_per_worker_hour={price!r}")
         if job.wait_cause is WaitCause.PROVISIONING:
             out.append(f"resources.start_timeout_s={self.config.provisioning_timeout_s!r}")
+        elif job.wait_cause is WaitCause.RELEASING:  # its workers come back when the stops land (or are made hard)
+            asked = float((json.loads(job.spec).get("resources") or {}).get("start_timeout_s") or 0.0)
+            out.append(f"resources.start_timeout_s={max(asked, self.config.stop_deadline_s + 30.0)!r}")
         return tuple(out)
 
     def _handle(self, job_id: int):
