@@ -140,3 +140,21 @@ def deviation(params: dict, ref: dict) -> float:
     num = sum(float((params[k] - ref[k]).pow(2).sum()) for k in ref)
     den = sum(float((ref[k] - init[k]).pow(2).sum()) for k in ref)
     return (num / den) ** 0.5
+
+
+def reform_and_train(par: ParallelSpec, steps: int = 2, forget: bool = True) -> list[float] | None:
+    """Rank function: a layout trains a step, its process groups are destroyed, and the same
+    layout is built again on new groups and trains ``steps`` steps from step 0, as a survivor
+    re-forms (TrainWorker.setup_group); ``forget``: DTensor's caches dropped in between, as
+    setup_group does. Rank 0 returns the new layout's losses."""
+    from raytrain_sys.parallel.dtensor import forget_meshes
+
+    pm, opt = make_parallel(par)
+    train_steps(pm, opt, 0, 1)
+    for group in pm.mesh.get_all_groups():
+        dist.destroy_process_group(group)
+    if forget:
+        forget_meshes()
+    pm, opt = make_parallel(par)
+    losses = train_steps(pm, opt, 0, steps)
+    return losses if dist.get_rank() == 0 else None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raytrain_sys.spec import ParallelSpec
-from tests.parallel_common import RTOL_FP64, STEPS, deviation, reference, train_and_report
+from tests.parallel_common import RTOL_FP64, STEPS, deviation, reference, reform_and_train, train_and_report
 from tests.parallel_harness import run_on_ranks
 
 CASES = [
@@ -49,6 +49,15 @@ def assert_matches_reference(out: dict, optim_name: str = "adamw") -> None:
 def test_strategy_matches_single_process(name, world, par, micro):
     out = run_on_ranks(world, train_and_report, ParallelSpec(**par), micro_batch_size=micro)[0]
     assert_matches_reference(out)
+
+
+def test_pp_x_fsdp_rebuilt_on_new_process_groups_trains_like_one_process():
+    """A survivor re-forms the same layout on new groups (issue 29): DTensor's cache of sharding
+    decisions handed the gradients of the rebuilt model the old groups' mesh, and the gradient
+    norm failed ("Could not resolve the process group registered under the name 8")."""
+    losses = run_on_ranks(4, reform_and_train, ParallelSpec(strategy="fsdp", pp=2))[0]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference()[1][:len(losses)]),
+                               rtol=RTOL_FP64, atol=0)
 
 
 LARGE_BATCH_CASES = [

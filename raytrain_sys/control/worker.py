@@ -45,6 +45,7 @@ from raytrain_sys.niceness import process_niceness, set_niceness
 from raytrain_sys.parallel import mesh as meshlib
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
+from raytrain_sys.parallel.dtensor import forget_meshes
 from raytrain_sys.parallel.parallelize import import_for, parallelize
 from raytrain_sys.parallel.timing import StepClock
 from raytrain_sys.spec import JobSpec, from_dict
@@ -213,6 +214,7 @@ class TrainWorker:
         """(Re)join the process group of ``generation``; build model and optimizer on first use."""
         if dist.is_initialized():
             dist.destroy_process_group()
+            forget_meshes()  # DTensor's cache would hand the old groups' meshes on (dtensor.py)
         choice = self._select_device()
         # The supervisor's step deadline acts long before the collective timeout; it only
         # bounds a lost peer. The rendezvous gets a short one of its own: a member that dies
