@@ -422,8 +422,7 @@ def start_split(b_history: list[dict], a_sum: dict | None, b_sum: dict, t0: floa
     """Where a start's seconds go (job b's, submitted at ``t0``), each phase from the end of the
     one before: in a reclaim (``a_sum``: the borrower's summary) the borrower's shrink asked (the
     service's pass and its delivery) and done (a step boundary and a rebuild on fewer workers);
-    then b admitted, b's runner up to its Supervisor's start (launch), in time order (b admitted
-    with a reclaim of shrinks comes before the shrink is done), the start's own phases
+    then b admitted, b's runner up to its Supervisor's start (launch), the start's own phases
     (``summary.json`` start_phases: data, placement, workers, tracking, group, first_batch, ...),
     then b's first step committed. A mark not found is left out. Beside them, ``b_beside_*``:
     what ran in the background of the start (``start_beside``: the MLflow run, the first read),
@@ -442,11 +441,10 @@ def start_split(b_history: list[dict], a_sum: dict | None, b_sum: dict, t0: floa
     phases = {k: v for k, v in b_sum.get("start_phases", {}).items() if k != "total"}
     if running is not None and "total" in b_sum.get("start_phases", {}):
         marks.append(("b_launch", running - b_sum["start_phases"]["total"]))
-    # In time order: a job that a reclaim of shrinks admits at once (Admit.reclaiming) is
-    # admitted, and launched, before the shrink is done.
-    for name, at in sorted(((n, at) for n, at in marks if at is not None), key=lambda m: m[1]):
-        out[name] = round(at - last, 3)
-        last = at
+    for name, at in marks:
+        if at is not None:
+            out[name] = round(at - last, 3)
+            last = at
     out.update({f"b_{k}": v for k, v in phases.items()})
     if running is not None:
         out["b_first_step"] = round(first_at - running, 3)

@@ -78,11 +78,10 @@ CASES = [
      Snapshot([team("a", 5)], [running(1, "a", 4, checkpoint_age_s=30.0), running(2, "a", 1, checkpoint_age_s=100.0),
                                queued(3, "a", 1, priority=10)], cluster_workers=5),
      [("Pause", 2), ("Wait", 3, "releasing")]),
-    ("shrinking an elastic job is preferred over pausing, even a job with less work at risk; a reclaim "
-     "by shrinks only admits the job in the same pass, its start running while they drain",
+    ("shrinking an elastic job is preferred over pausing, even a job with less work at risk",
      Snapshot([team("a", 4)], [running(1, "a", 3, min=1, max=4), running(2, "a", 1, checkpoint_age_s=1.0),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
-     [("Shrink", 1, 1), ("Admit", 3, 2)]),
+     [("Shrink", 1, 1), ("Wait", 3, "releasing")]),
     ("a shrink never goes below the job's min_workers: the rest comes from a pause",
      Snapshot([team("a", 4)], [running(1, "a", 3, min=2, max=4), running(2, "a", 1),
                                queued(3, "a", 2, priority=10)], cluster_workers=4),
@@ -128,9 +127,9 @@ CASES = [
               [running(1, "a", 3), running(2, "b", 2), queued(3, "b", 1, submitted=NOW - 2),
                queued(4, "a", 1, submitted=NOW - 1)], cluster_workers=6),
      [("Admit", 4, 1), ("Wait", 3, "cluster_capacity")]),
-    ("a shrink in flight is not repeated: the job is admitted against it, its start running while it lands",
+    ("a shrink in flight is waited for, not repeated",
      Snapshot(AB, [running(1, "a", 4, min=1, max=4, target=2), queued(2, "b", 2)], cluster_workers=4),
-     [("Admit", 2, 2)]),
+     [("Wait", 2, "releasing")]),
     ("a pause in flight is waited for: its workers are claimed, nothing else is preempted",
      Snapshot([team("a", 4)], [dataclasses.replace(running(1, "a", 2), state=JobState.PAUSING),
                                running(2, "a", 2), queued(3, "a", 2, priority=9)], cluster_workers=4),
@@ -285,16 +284,11 @@ RELEASED_CASES = [
      [("Admit", 2, 2)]),
     ("a finished elastic job whose run let its workers go is not grown into what it freed",
      Snapshot([team("a", 4)], [running(1, "a", 2, min=1, max=4)], cluster_workers=4), {1}, []),
-    ("a pausing job whose run still holds its workers (a checkpoint first): the queued job waits for them",
-     Snapshot([team("a", 2)], [stopping(1, "a", 2, state=JobState.PAUSING), queued(2, "a", 2)], cluster_workers=2),
-     set(), [("Wait", 2, "releasing")]),
-    ("a cancelling job whose run still holds its workers: the queued job is admitted, its start running while "
-     "the cancel lands at the next step boundary",
+    ("a stopping job whose run still holds its workers: the queued job waits for them",
      Snapshot([team("a", 2)], [stopping(1, "a", 2), queued(2, "a", 2)], cluster_workers=2), set(),
-     [("Admit", 2, 2)]),
-    ("only what the released job held is handed on: a second stopping job, pausing, still holds its own",
-     Snapshot([team("a", 4)], [stopping(1, "a", 2), stopping(3, "a", 2, state=JobState.PAUSING),
-                               queued(2, "a", 3)], cluster_workers=4),
+     [("Wait", 2, "releasing")]),
+    ("only what the released job held is handed on: a second stopping job still holds its own",
+     Snapshot([team("a", 4)], [stopping(1, "a", 2), stopping(3, "a", 2), queued(2, "a", 3)], cluster_workers=4),
      {1}, [("Wait", 2, "releasing")]),
     ("a sweep's finished trial no longer counts against the sweep's cap",
      Snapshot([team("a", 8)], [trial(running(1, "a", 2), 7), trial(queued(2, "a", 2), 7)], cluster_workers=8,
@@ -315,11 +309,13 @@ def test_issue_scenario_shrink_then_admit_then_grow_back():
     when B finishes A grows back to 4."""
     s = Snapshot(AB, [running(1, "a", 4, min=1, max=4), queued(2, "b", 2)], cluster_workers=4)
     first = decide(s, NOW)
-    assert summary(first) == [("Shrink", 1, 2), ("Admit", 2, 2)], "B starts while A drains"
-    assert first[1].reclaiming and not first[1].provisioning
+    assert summary(first) == [("Shrink", 1, 2), ("Wait", 2, "releasing")]
     s = apply(s, first, drained=False)
-    assert summary(decide(s, NOW)) == [], "the drain has not landed: ask nothing new, give its workers to nobody"
+    assert summary(decide(s, NOW)) == [("Wait", 2, "releasing")], "the drain has not landed: wait, ask nothing new"
     s = apply(s, [], drained=True)
+    second = decide(s, NOW)
+    assert summary(second) == [("Admit", 2, 2)]
+    s = apply(s, second, drained=True)
     assert summary(decide(s, NOW)) == [], "the cluster is full and fair: nothing to do"
     s = dataclasses.replace(s, jobs=tuple(j for j in s.jobs if j.id != 2))  # B finished
     assert summary(decide(s, NOW)) == [("Grow", 1, 4)]
@@ -570,7 +566,7 @@ FLAVOR_CASES = [
      Snapshot([fteam("a", spot_cpu_cpu=2, on_demand_cpu_cpu=2), fteam("b", spot_cpu_cpu=2, on_demand_cpu_cpu=2)],
               [frun(1, "a", 4, ON_DEMAND, min=1, max=4), frun(2, "a", 4, SPOT, min=1, max=4),
                fqueued(3, "b", 2, WorkerShape(market="spot"))], flavors=TWO),
-     [("Shrink", 2, 2), ("Admit", 3, 2, "spot-cpu")]),
+     [("Shrink", 2, 2), ("Wait", 3, "releasing")]),
     ("a job whose shape fits no flavor waits and says so",
      Snapshot(AB_CPU, [fqueued(1, "a", 1, WorkerShape(gpu=1.0))], flavors=TWO),
      [("Wait", 1, "never_fits")]),
@@ -586,21 +582,6 @@ FLAVOR_CASES = [
     ("growth stays on the job's flavor: a full flavor gives nothing, though another is idle",
      Snapshot(AB_CPU, [frun(1, "a", 4, SPOT, min=1, max=6)], flavors=TWO),
      []),
-    ("a reclaim by shrinks on a flavor the autoscaler may still grow leaves the job waiting: its placement "
-     "group would be a demand for a new node",
-     Snapshot([fteam("a", spot_cpu_cpu=2, on_demand_cpu_cpu=2), fteam("b", spot_cpu_cpu=2, on_demand_cpu_cpu=2)],
-              [frun(1, "a", 4, ON_DEMAND, min=1, max=4), frun(2, "a", 4, SPOT, min=1, max=4),
-               fqueued(3, "b", 2, WorkerShape(market="spot"))],
-              flavors=[state(SPOT, present={"cpu": 4}, cpu=8), state(ON_DEMAND, cpu=4)]),
-     [("Shrink", 2, 2), ("Wait", 3, "releasing")]),
-    ("a cancel in flight on a flavor the autoscaler may still grow (its nodes coming for another job): the "
-     "queued job waits for it, a placement group that waits would be a demand for a node",
-     Snapshot([fteam("a", spot_cpu_cpu=2), fteam("b", spot_cpu_cpu=2)],
-              [dataclasses.replace(frun(1, "a", 2, SPOT), state=JobState.CANCELLING),
-               dataclasses.replace(frun(3, "b", 0, SPOT), state=JobState.STARTING, target_workers=2),
-               fqueued(2, "a", 2, WorkerShape(market="spot"))],
-              flavors=[state(SPOT, present={"cpu": 2}, cpu=4)]),
-     [("Wait", 2, "releasing")]),
 ]
 
 
@@ -683,27 +664,11 @@ def test_no_decision_gives_a_flavor_more_than_it_has(snapshot):
                 free[j.flavor][r] -= held * j.shape.amount(r)
             flavor_of[j.id] = j.flavor
     by_name = {s.name: s.flavor for s in snapshot.flavors}
-    # Given back at the next step boundary: shrinks and cancels in flight, and this pass's shrinks
-    freed = {name: dict.fromkeys(f, 0.0) for name, f in free.items()}
-    for j in snapshot.jobs:
-        back = (max(0, j.workers - j.target_workers) if j.state.admitted
-                else j.workers if j.state is JobState.CANCELLING else 0)
-        for r in freed.get(j.flavor, {}):
-            freed[j.flavor][r] += back * j.shape.amount(r)
     for a in actions:
         job = jobs[a.job_id]
-        if isinstance(a, Shrink):
-            for r in freed[flavor_of[a.job_id]]:
-                freed[flavor_of[a.job_id]][r] += (max(job.workers, job.target_workers) - a.to_workers) * job.shape.amount(r)
-            continue
         if isinstance(a, Admit):
             assert by_name[a.flavor].refuses(job.shape) is None, (a, job.shape)
             added, flavor = a.workers, a.flavor
-            if a.reclaiming:  # admitted against this pass's shrinks: within what is free once they land
-                for r in free[flavor]:
-                    assert added * job.shape.amount(r) <= max(0.0, free[flavor][r] + freed[flavor][r]) + 1e-9, (a,)
-                    free[flavor][r] -= added * job.shape.amount(r)
-                continue
         elif isinstance(a, Grow):
             added, flavor = a.to_workers - job.target_workers, flavor_of[a.job_id]
         else:

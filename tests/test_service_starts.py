@@ -112,17 +112,3 @@ def test_a_start_admitted_against_capacity_being_provisioned_waits_its_own_bound
     assert gone.reason.startswith(f"{reason}: its nodes did not come for {timeout:g} s (provisioning_timeout_s)")
     placed = watch_start(start, "workers", NOW + 1, STALL_S, MAX_RETURNS, timeout)
     assert placed.cause is WaitCause.WORKER_START
-
-
-def test_a_start_admitted_against_workers_being_reclaimed_shows_it_until_they_are_placed():
-    """A job admitted in the pass that shrank others for it (``Admit.reclaiming``) shows
-    releasing, with its admission's reason, from its admission until its workers are placed,
-    bounded by start_stall_s; once placed, the usual steps."""
-    reason = "admitted: 2 workers reclaimed for it (shrink of job 1 to 2): its start runs while they drain"
-    start = dataclasses.replace(view(), cause=WaitCause.RELEASING, reason=reason, since_s=NOW)
-    for step in (None, "supervisor", "preparing", "placement"):
-        assert watch_start(start, step, NOW + 1, STALL_S, MAX_RETURNS) == Starting(WaitCause.RELEASING, reason), step
-    gone = watch_start(start, "placement", NOW + STALL_S, STALL_S, MAX_RETURNS)
-    assert isinstance(gone, GiveUp) and gone.to is JobState.QUEUED
-    assert gone.reason.startswith(f"{reason}: no progress for {STALL_S:g} s (start_stall_s)")
-    assert watch_start(start, "workers", NOW + 1, STALL_S, MAX_RETURNS).cause is WaitCause.WORKER_START

@@ -83,9 +83,7 @@ def demand(snapshot: Snapshot, actions: list[Action]) -> Request:
     waiting: list[int] = []
     for job in snapshot.jobs:
         if job.state.admitted:
-            # A shrink in flight counts at its target: the workers it gives back are a job's admitted
-            # against them (``Admit.reclaiming``), not a demand for more nodes.
-            target[job.id] = job.target_workers or job.workers
+            target[job.id] = max(job.workers, job.target_workers)
             flavor_of[job.id] = flavors.get(job.flavor) or _first_fitting(order, job.shape)
             if job.state is not JobState.RUNNING or job.workers < job.target_workers:
                 waiting.append(job.id)

@@ -792,15 +792,13 @@ class Snapshot:
 class Admit:
     """Start a queued job (or resume a paused one from its checkpoint) on ``workers`` of
     ``flavor``; ``provisioning``: admitted against capacity not up yet (autoscaling), so its
-    workers wait for nodes; ``reclaiming``: admitted against workers that shrinks issued in the
-    same pass give back at their next step boundary, so its workers wait for those."""
+    workers wait for nodes."""
 
     job_id: int
     workers: int
     reason: str
     flavor: str = DEFAULT_FLAVOR
     provisioning: bool = False
-    reclaiming: bool = False
 
     def __str__(self) -> str:
         where = "" if self.flavor == DEFAULT_FLAVOR else f" of {self.flavor}"

@@ -621,8 +621,7 @@ class Reconciler:
             to = JobState.RESUMING if resume else JobState.STARTING
             job = self.store.transition(job.id, job.state, to, actor=SCHEDULER, reason=action.reason,
                                         workers=0, target_workers=action.workers, flavor=action.flavor,
-                                        **self._admitted(action.workers, action.provisioning,
-                                                         action.reason if action.reclaiming else ""))
+                                        **self._admitted(action.workers, action.provisioning))
             self._launch(job, action.workers, action.reason, resume=resume)
         elif isinstance(action, (Grow, Shrink)):
             verb = "grow" if isinstance(action, Grow) else "shrink"
@@ -638,15 +637,12 @@ class Reconciler:
             raise TypeError(f"unknown scheduler action {action!r}")
 
     # ------------------------------------------------------------------ starts
-    def _admitted(self, workers: int, provisioning: bool = False, reclaiming: str = "") -> dict:
+    def _admitted(self, workers: int, provisioning: bool = False) -> dict:
         """A new start's wait reason, written with its transition (the intent): its runner is
-        starting, or (admitted against capacity being provisioned) its nodes are coming, or
-        (``reclaiming``: the admission's reason) shrinks issued with it give its workers back."""
+        starting, or (admitted against capacity being provisioned) its nodes are coming."""
         if provisioning:
             return {"wait_cause": WaitCause.PROVISIONING,
                     "wait_reason": starts.admitted_reason(workers, self.config.provisioning_timeout_s)}
-        if reclaiming:
-            return {"wait_cause": WaitCause.RELEASING, "wait_reason": f"admitted: {reclaiming}"}
         return {"wait_cause": WaitCause.RUNNER_START, "wait_reason": starts.admitted_reason(workers)}
 
     def _start_view(self, job: JobRecord, now: float) -> starts.StartView:
@@ -726,9 +722,7 @@ class Reconciler:
         (``ResourceFlavor.node_selector``: the workers' placement) and price per worker hour
         (``ResourceFlavor.usd_per_worker_hour``: the run's cost per token, spot and on-demand priced
         apart; an unpriced flavor leaves the spec's own price), and for a start admitted against
-        capacity being provisioned a placement bound of ``provisioning_timeout_s``; against workers
-        being reclaimed, at least ``stop_deadline_s`` and 30 s (a cancel that does not land is
-        made hard by then)."""
+        capacity being provisioned a placement bound of ``provisioning_timeout_s``."""
         out = []
         flavor = self._table.get(job.flavor or "")
         if flavor is not None:
@@ -738,9 +732,6 @@ class Reconciler:
                 out.append(f"resources.cost_per_worker_hour={price!r}")
         if job.wait_cause is WaitCause.PROVISIONING:
             out.append(f"resources.start_timeout_s={self.config.provisioning_timeout_s!r}")
-        elif job.wait_cause is WaitCause.RELEASING:  # its workers come back when the stops land (or are made hard)
-            asked = float((json.loads(job.spec).get("resources") or {}).get("start_timeout_s") or 0.0)
-            out.append(f"resources.start_timeout_s={max(asked, self.config.stop_deadline_s + 30.0)!r}")
         return tuple(out)
 
     def _handle(self, job_id: int):

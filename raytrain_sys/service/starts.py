@@ -23,11 +23,6 @@ workers        worker_start      worker processes, the MLflow run, the process g
 restore        restore           its checkpoint to load (a resume)
 =============  ================  =====================================================
 
-A job admitted against workers that shrinks issued in the same pass give back (``Admit.reclaiming``)
-shows ``releasing`` the same way, from its admission until its workers are placed, bounded by
-``start_stall_s`` (a shrink lands at its victim's next step boundary; the run's own
-``resources.start_timeout_s`` bounds its placement too).
-
 A job admitted against capacity being provisioned (autoscaling: ``Admit.provisioning``) shows
 ``provisioning`` from its admission until its workers are placed (the runner's steps up to
 ``placement`` included: the nodes are coming), bounded by the service's
@@ -133,15 +128,13 @@ def watch_start(view: StartView, step: Optional[str], now_s: float, start_stall_
     ``provisioning``, which lasts until its workers are placed)."""
     if view.cause is WaitCause.PROVISIONING and step in BEFORE_PLACED:
         now = Starting(WaitCause.PROVISIONING, view.reason or admitted_reason(view.workers, provisioning_timeout_s))
-    elif view.cause is WaitCause.RELEASING and step in BEFORE_PLACED:
-        now = Starting(WaitCause.RELEASING, view.reason or admitted_reason(view.workers))
     elif step is None:
         now = Starting(view.cause or WaitCause.RUNNER_START, view.reason or NO_ANSWER)
     else:
         now = step_reason(step, view, max_start_returns)
     bound, name = ((provisioning_timeout_s, "provisioning_timeout_s") if now.cause is WaitCause.PROVISIONING
                    else (start_stall_s, "start_stall_s"))
-    bounded = now.cause in BOUNDED or now.cause in (WaitCause.PROVISIONING, WaitCause.RELEASING)
+    bounded = now.cause in BOUNDED or now.cause is WaitCause.PROVISIONING
     stalled = bounded and now.cause is view.cause and view.since_s is not None and now_s - view.since_s >= bound
     if not stalled:
         return now

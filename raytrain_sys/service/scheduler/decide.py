@@ -32,15 +32,8 @@ with a cap hold at most that many workers together (their targets, as quotas cou
 the cap blocks waits (``WaitCause.SWEEP_CAP``) and reclaims nothing (its victims would be its
 own siblings, or others' jobs for a sweep that could not use them); growth stops at the cap.
 
-A shrink, cancel or pause frees workers only when the runner has drained them. A job whose
-workers come from shrinks and cancels (this pass's reclaim, or in flight) is admitted at once
-(``Admit.reclaiming``): each lands at its job's next step boundary, so the job's start (its
-runner, pre-flight, first reads, MLflow run) runs while they drain and Ray places its workers
-once they are back; the workers stay counted on their jobs until then (``workers`` above
-``target_workers``, or a job still cancelling), so nothing else is given them. Workers that a
-pause gives back (a checkpoint first), or on a flavor whose nodes the autoscaler may still add
-(where a placement group that waits is a demand for a node), leave the job waiting
-(``releasing``), admitted by a later pass once they are free.
+A shrink or pause frees workers only when the runner has drained them, so the job it was for is
+admitted by a later pass (which sees the smaller ``workers``), never by the same one.
 
 **Flavors** (``snapshot.flavors``, Kueue's ResourceFlavors; none: the implicit flavor of
 ``cluster_workers`` worker slots, the service as it was). A job draws from the flavors its
@@ -101,30 +94,18 @@ class _Room:
         self.free_now = dict(self.ceiling)
         self.free_after_release = dict(self.ceiling)
         self.present_free = state.capacity(present=True)
-        # Nothing more can be provisioned here: a placement group that waits is not a demand
-        # that Ray's autoscaler would start a node for.
-        self.fixed = self.present_free == self.ceiling
-        # Of what is being released, what pauses give back: they save a checkpoint first.
-        self.pausing = dict.fromkeys(self.ceiling, 0.0)
         self.reserved_for: Optional[JobView] = None
 
-    def hold(self, shape: WorkerShape, held: float, releasing: float, pausing: bool = False) -> None:
-        """A live job holds ``held`` workers of ``shape`` here, ``releasing`` of them on their way
-        back (``pausing``: after a checkpoint)."""
+    def hold(self, shape: WorkerShape, held: float, releasing: float) -> None:
+        """A live job holds ``held`` workers of ``shape`` here, ``releasing`` of them on their way back."""
         for r in self.free_now:
             self.free_now[r] -= held * shape.amount(r)
-            self.pausing[r] += releasing * shape.amount(r) if pausing else 0.0
             self.free_after_release[r] -= (held - releasing) * shape.amount(r)
         for r in self.present_free:
             self.present_free[r] -= held * shape.amount(r)
 
     def workers_now(self, shape: WorkerShape) -> float:
         return fitting(self.free_now, shape)
-
-    def workers_soon(self, shape: WorkerShape) -> float:
-        """Free once the shrinks and cancels in flight have landed (each at its job's next step
-        boundary), the pauses' workers left out (a checkpoint first)."""
-        return fitting({r: v - self.pausing[r] for r, v in self.free_after_release.items()}, shape)
 
     def workers_after_release(self, shape: WorkerShape, released: Optional[dict] = None) -> float:
         free = self.free_after_release if not released else {r: v + released.get(r, 0.0)
@@ -198,7 +179,7 @@ class _Pass:
                     self.candidates.append(job)
                     self.target[job.id] = job.target_workers
             elif job.state.releasing:
-                room.hold(job.shape, job.workers, job.workers, pausing=job.state is JobState.PAUSING)
+                room.hold(job.shape, job.workers, job.workers)
             elif job.state.waiting:
                 self.waiting.append(job)
         self.victims: set[int] = set()
@@ -207,7 +188,6 @@ class _Pass:
         self.admit_reason: dict[int, str] = {}
         self.admit_flavor: dict[int, str] = {}
         self.provisioning: set[int] = set()  # admitted jobs whose workers wait for nodes
-        self.reclaiming: set[int] = set()  # admitted jobs whose workers wait for shrinks issued this pass
         self.admitted_jobs: list[JobView] = []
         self.reclaim_actions: list[Action] = []
         self.waits: list[Wait] = []
@@ -241,8 +221,7 @@ class _Pass:
         self._admit_in_order()
         grows = self._grow()
         admits = [Admit(job.id, self.admitted[job.id], self.admit_reason[job.id], flavor=self.admit_flavor[job.id],
-                        provisioning=job.id in self.provisioning, reclaiming=job.id in self.reclaiming)
-                  for job in self.admitted_jobs]
+                        provisioning=job.id in self.provisioning) for job in self.admitted_jobs]
         return [*self.reclaim_actions, *admits, *grows, *self.waits]
 
     def _admit_in_order(self) -> None:
@@ -319,12 +298,7 @@ class _Pass:
             open_rooms.append(room)
         for room in open_rooms:
             if need <= heads[room.name] and need <= room.workers_after_release(shape):
-                soon = room.fixed and need <= room.workers_soon(shape)
                 self._claim(job, need, room)
-                if soon:
-                    self._admit_reclaiming(job, need, room, f"{need} workers{self._where(room, shape)} being "
-                                                            f"released for it (shrinks and cancels in flight)")
-                    return
                 self.waits.append(Wait(job.id, WaitCause.RELEASING,
                                        f"{need} workers{self._where(room, shape)} are being released for it "
                                        f"(drains and pauses in flight); starts once they are free"))
@@ -526,32 +500,10 @@ class _Pass:
             self.target[victim.id] = 0
         for r, amount in plan.released.items():
             room.free_after_release[r] += amount
-        for victim in plan.pauses:
-            for r in room.pausing:
-                room.pausing[r] += victim.workers * victim.shape.amount(r)
-        soon = room.fixed and need <= room.workers_soon(job.shape)
         self._claim(job, need, room)
-        if not soon:
-            # A pause saves a checkpoint first (seconds to minutes); and where nodes can still be
-            # added, a start's placement group waiting for the shrinks would be Ray's demand for
-            # a new node. The job waits for the workers, admitted by a later pass.
-            self.waits.append(Wait(job.id, WaitCause.RELEASING,
-                                   f"{need} workers{self._where(room, job.shape)} are being reclaimed for it "
-                                   f"({', '.join(names)}); starts once they are free"))
-            return
-        self._admit_reclaiming(job, need, room, f"{need} workers{self._where(room, job.shape)} reclaimed for "
-                                                f"it ({', '.join(names)})")
-
-    def _admit_reclaiming(self, job: JobView, need: int, room: _Room, what: str) -> None:
-        """Admit ``job`` (its workers claimed) against workers that shrinks or cancels give back,
-        each at its job's next step boundary (within about a step): its start (runner,
-        pre-flight, first reads, MLflow run) runs while they drain, and Ray places its workers
-        once they are back."""
-        self.admit_reason[job.id] = f"{what}: its start runs while they drain, its workers placed once they are free"
-        self.admitted[job.id] = need
-        self.admit_flavor[job.id] = self.flavor_of[job.id] = room.name
-        self.reclaiming.add(job.id)
-        self.admitted_jobs.append(job)
+        self.waits.append(Wait(job.id, WaitCause.RELEASING,
+                               f"{need} workers{self._where(room, job.shape)} are being reclaimed for it "
+                               f"({', '.join(names)}); starts once they are free"))
 
     def _reclaim_cause(self, job: JobView, need: int, victim: JobView, within_nominal: bool, room: _Room) -> str:
         wants = (f"job {job.id} (team {job.team}, priority {job.priority}) needs {need} "
