@@ -611,6 +611,12 @@ def drive(sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> Opti
         # The parent run is made beside Tune's start and its proxies' (each proxy waits for it
         # before it submits its trial's job: ``with_parent_run``): a new SQLite MLflow store's
         # first run took 8 s at a load of 29, as long again as Tune took to start its proxies.
+        # MLflow imported here, before the two threads that would import it at once: Tune's own
+        # start imports it (its usage tags load ray.air.integrations.mlflow) while the parent run's
+        # thread does, and Python's import locks then raised _DeadlockError in one of them (seen
+        # in benchmarks/sweep.py: the sweep failed with "its Tune driver raised").
+        import mlflow  # noqa: F401
+
         parent = ParentRun(db_url, sweep)
         # Tune's own CSV, JSON and TensorBoard loggers of each trial's results are not made: the
         # trials' runs are MLflow's, and they were a writer thread per trial in this process.
