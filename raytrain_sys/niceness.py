@@ -6,7 +6,11 @@ would otherwise lose it to every daemon wake-up, and its peers would wait for it
 collective. Every thread of the worker moves, not only the one that adopts the job: a warm
 spare's torch threads were started by its warm-up, at 15.
 
-The rest stays at Ray's 15: runners, read tasks, spares, spare runners, the service. Moving a
+The rest stays at Ray's 15: runners, read tasks, spares, spare runners, the service; except a
+sweep's Tune driver and its trial proxies, at 0 (``sweeps.runner.CONTROL_NICENESS``): little CPU,
+but at 15 beside training workers at 0 a proxy's report waited up to 30 s for Tune to take it,
+and ASHA stopped trials after they had ended; at 0, the stops came 0.04-0.06 s after the
+evaluations they ranked (benchmarks/sweep.py, 4 training workers on 2 cores). Moving a
 job's runner and read tasks to 0 with its workers was measured (benchmarks/scheduler.py,
 reclaim, 2 cores): a borrowing job's runner, reads and worker then take both cores at 0, and
 the processes a starting job needs (a fresh worker, a spare's refill, its read tasks) start at

@@ -49,6 +49,7 @@ import ray
 from raytrain_sys.control.control_actors import control_options
 from raytrain_sys.control.spares import NAMESPACE
 from raytrain_sys.errors import JobStateConflict
+from raytrain_sys.niceness import set_niceness
 from raytrain_sys.service import requests
 from raytrain_sys.service.model import JobRecord, JobState, SweepRecord, SweepState
 from raytrain_sys.service.store import Store
@@ -58,6 +59,11 @@ log = logging.getLogger(__name__)
 
 SWEEP_RUNNER_PREFIX = "raytrain-sys-sweep-"
 POLL_S = 1.0  # a proxy reads MLflow this often while no runner answers: an evaluation is seconds apart at best
+# The nice value of a sweep's Tune driver and its trial proxies (Ray starts them at 15): they use
+# little CPU but decide when trials stop, and at 15 beside training workers at 0 on a busy node
+# they got about 1/30 of a core's share: a proxy's report waited 30 s for Tune to take it
+# (benchmarks/sweep.py, 4 training workers on 2 cores), and ASHA's stop came after the trial ended.
+CONTROL_NICENESS = 0
 PROXY_MEMORY_BYTES = 2 ** 20  # the proxy's whole bundle (see the module docstring)
 ACTOR = "sweep-runner"
 
@@ -172,6 +178,7 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str, log_pa
     from ray import tune
 
     log_to(log_path)
+    set_niceness(CONTROL_NICENESS)
     store = Store.open(db_url)
     try:
         sweep = with_parent_run(store, sweep_id)
@@ -836,6 +843,7 @@ class SweepRunner:
 
     def __init__(self, sweep_id: int, db_url: str, base_dir: str, log_path: str = ""):
         log_to(log_path)
+        set_niceness(CONTROL_NICENESS)
         self.sweep_id = sweep_id
         self.log_path = log_path
         self._error = ""
