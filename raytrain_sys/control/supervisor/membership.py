@@ -137,12 +137,10 @@ class Membership:
         """Newcomers up and not members (on standby, or started), with their node, without
         taking them in (``take_ready``): what a boundary's facts list."""
         g = self.group
-        g.start_placed()
         up = []
-        started = [w for w in g.pending if w.ready_ref is not None]
-        if started:
-            done, _ = ray.wait([w.ready_ref for w in started], num_returns=len(started), timeout=0)
-            for w in started:
+        if g.pending:
+            done, _ = ray.wait([w.ready_ref for w in g.pending], num_returns=len(g.pending), timeout=0)
+            for w in g.pending:
                 if w.ready_ref in done and not w.info:
                     try:
                         w.info = ray.get(w.ready_ref)
@@ -171,8 +169,8 @@ class Membership:
         wanted = set(slots)
         self.group.remove([w for w in self.group.pending + self.group.standby if w.slot in wanted])
 
-    def release_newcomers(self, healthy: bool = False) -> None:
-        self.group.remove(self.group.pending + self.group.standby, healthy)
+    def release_newcomers(self) -> None:
+        self.group.remove(self.group.pending + self.group.standby)
 
     def wait_for(self, need: int, timeout_s: float) -> bool:
         """Take newcomers in as they come up until there are ``need`` members (True), or
@@ -203,18 +201,17 @@ class Membership:
         self.group.reap(lost.silent)
         self.group.remove(lost.dead + lost.silent)
 
-    def leave(self, leaving: list[Worker], committed_step: int, healthy: bool = False) -> None:
+    def leave(self, leaving: list[Worker], committed_step: int) -> None:
         """Members leave (a draining node, a shrink, a straggler): in a sharded layout their
         shards may be the only copy, so their pieces go into the object store first (the node
-        lives until its deadline) for the re-formed group to take; then they leave (with
-        ``healthy``, a shrink's, warm spares back to the pool)."""
+        lives until its deadline) for the re-formed group to take; then they leave."""
         if not self.layout_replicated:
             held, _, _ = ping_all(leaving)
             self.departing_pieces = [w.actor.state_pieces.remote() for w in leaving
                                      if held.get(w.slot) == committed_step]
             # Stored before the leavers are killed: a kill fails the calls it finds queued.
             ray.wait(self.departing_pieces, num_returns=len(self.departing_pieces), timeout=60)
-        self.group.remove(leaving, healthy)
+        self.group.remove(leaving)
 
     # ------------------------------------------------------------------ forming the group
     def form_group(self, timeout_s: float = 120.0) -> list[dict]:
