@@ -59,10 +59,8 @@ log = logging.getLogger(__name__)
 
 SWEEP_RUNNER_PREFIX = "raytrain-sys-sweep-"
 POLL_S = 1.0  # a proxy reads MLflow this often while no runner answers: an evaluation is seconds apart at best
-# The nice value of a sweep's Tune driver and its trial proxies (Ray starts them at 15): they use
-# little CPU but decide when trials stop, and at 15 beside training workers at 0 on a busy node
-# they got about 1/30 of a core's share: a proxy's report waited 30 s for Tune to take it
-# (benchmarks/sweep.py, 4 training workers on 2 cores), and ASHA's stop came after the trial ended.
+# The nice value of a sweep's Tune driver and its trial proxies (Ray starts them at 15; why 0:
+# raytrain_sys/niceness.py).
 CONTROL_NICENESS = 0
 PROXY_MEMORY_BYTES = 2 ** 20  # the proxy's whole bundle (see the module docstring)
 ACTOR = "sweep-runner"
@@ -615,15 +613,15 @@ def drive(sweep_id: int, db_url: str, base_dir: str, log_path: str = "") -> Opti
         sweep = store.sweep(sweep_id)
         log.info("sweep %d: its runner drives Tune (%.1f s after its submit)", sweep_id, time.time() - sweep.submitted_at_s)
         spec = spec_of(sweep)
-        # The parent run is made beside Tune's start and its proxies' (each proxy waits for it
-        # before it submits its trial's job: ``with_parent_run``): a new SQLite MLflow store's
-        # first run took 8 s at a load of 29, as long again as Tune took to start its proxies.
         # MLflow imported here, before the two threads that would import it at once: Tune's own
         # start imports it (its usage tags load ray.air.integrations.mlflow) while the parent run's
         # thread does, and Python's import locks then raised _DeadlockError in one of them (seen
         # in benchmarks/sweep.py: the sweep failed with "its Tune driver raised").
         import mlflow  # noqa: F401
 
+        # The parent run is made beside Tune's start and its proxies' (each proxy waits for it
+        # before it submits its trial's job: ``with_parent_run``): a new SQLite MLflow store's
+        # first run took 8 s at a load of 29, as long again as Tune took to start its proxies.
         parent = ParentRun(db_url, sweep)
         # Tune's own CSV, JSON and TensorBoard loggers of each trial's results are not made: the
         # trials' runs are MLflow's, and they were a writer thread per trial in this process.
