@@ -2,7 +2,8 @@
 
 What a user would notice: a job whose first gang is made of warm spares trains exactly as one
 whose workers started fresh (same final parameters); a spare never outlives the job that took it
-(its owner killed, its process ends); a pool that restarts keeps its idle spares instead of
+(its owner killed, its process ends); spares a job gives back at its end serve the next job, which
+trains exactly as on fresh workers; a pool that restarts keeps its idle spares instead of
 starting more; GPU slots and plain drivers never take spares.
 """
 
@@ -15,7 +16,8 @@ import psutil
 import pytest
 import ray
 
-from raytrain_sys.control.spares import SpareSource, find_pool, start_pool, stop_pool, takes_spares
+from raytrain_sys.control.spares import (NAMESPACE, SPARE_PREFIX, SpareSource, find_pool, start_pool, stop_pool,
+                                         takes_spares)
 from raytrain_sys.control.supervisor import Supervisor, run_job
 from raytrain_sys.spec import from_dict
 from tests.ft_common import ft_spec, wait_until
@@ -50,6 +52,13 @@ def pool(ray_cluster):
     stop_pool()
 
 
+def spare_pids() -> set[int]:
+    """The pids of the pool's spares, idle or working."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith(SPARE_PREFIX)]
+    return {ray.get(ray.get_actor(n, namespace=NAMESPACE).node_info.remote(), timeout=30)["pid"] for n in names}
+
+
 def worker_nodes() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
 
@@ -73,6 +82,58 @@ def test_a_gang_of_spares_trains_like_fresh_workers(pool, ray_cluster, tiny_data
     # The pool makes up for what was taken.
     assert ray.get(pool.wait_full.remote(120.0)), ray.get(pool.status.remote())
     ray.kill(owner)
+
+
+def test_spares_given_back_serve_the_next_job_like_fresh_workers(ray_cluster, tiny_dataset, tmp_path):
+    # No replacement is started while the test runs: what the first job gives back fills the nodes.
+    pool = start_pool(1, refill_delay_s=600.0)
+    try:
+        assert ray.get(pool.wait_full.remote(120.0)), ray.get(pool.status.remote())
+        before = spare_pids()
+        first = Owner.remote()
+        # Another job first: its own seed and learning rate, sharded (its own process groups and DTensors).
+        other = ft_spec(tmp_path / "first", tiny_dataset, STEPS, checkpoint={"every_steps": 0},
+                        train={"seed": 7}, optim={"lr": 0.05}, parallel={"strategy": "fsdp"})
+        ray.get(first.run.remote(other.to_dict()))
+        assert wait_until(lambda: ray.get(pool.status.remote())["recycled"] == 2, 60), ray.get(pool.status.remote())
+        ray.kill(first)  # the job's runner ends: the spares it gave back are no longer its
+        time.sleep(2.5)  # an owner watch still running would have ended its process by now (it polls every 1 s)
+        assert spare_pids() == before, "the first job's spares were not given back, or something new started"
+        second = Owner.remote()
+        spec = ft_spec(tmp_path / "second", tiny_dataset, STEPS, checkpoint={"every_steps": 0})
+        newest, placed = ray.get(second.run.remote(spec.to_dict()))
+        assert placed == "2 workers placed (2 warm spares)"
+        assert spare_pids() == before
+        reference = run_job(ft_spec(tmp_path / "fresh", tiny_dataset, STEPS, checkpoint={"every_steps": 0}))
+        assert_params_equal(final_params(newest), final_params(reference.newest_checkpoint))
+        assert wait_until(lambda: ray.get(pool.status.remote())["recycled"] == 4, 60), ray.get(pool.status.remote())
+        ray.kill(second)
+    finally:
+        stop_pool()
+
+
+def test_spares_given_back_beyond_the_pools_count_are_kept_only_as_asked(ray_cluster, tiny_dataset, tmp_path):
+    # The service asks the pool to keep given-back spares beyond its per-node count while a
+    # sweep's trials are to start (keep_extra): here none per node, one beyond.
+    pool = start_pool(1, refill_delay_s=600.0)
+    try:
+        assert ray.get(pool.wait_full.remote(120.0)), ray.get(pool.status.remote())
+        owner = Owner.remote()
+        job = owner.run.remote(ft_spec(tmp_path / "job", tiny_dataset, 150, checkpoint={"every_steps": 0}).to_dict())
+        assert wait_until(lambda: ray.get(pool.status.remote())["taken"] == 2, 60)
+        ray.get(pool.set_per_node.remote(0))  # the two idle spares left are ended at the next refill
+        assert wait_until(lambda: not ray.get(pool.status.remote())["idle"], 30), ray.get(pool.status.remote())
+        ray.get(pool.set_keep_extra.remote(1))
+        ray.get(job)
+        assert wait_until(lambda: ray.get(pool.status.remote())["ended_after_use"] == 1, 60), \
+            ray.get(pool.status.remote())
+        status = ray.get(pool.status.remote())
+        assert status["recycled"] == 1 and sum(status["idle"].values()) == 1, status
+        ray.get(pool.set_keep_extra.remote(0))  # no more trials to start: the one kept goes
+        assert wait_until(lambda: not ray.get(pool.status.remote())["idle"], 30), ray.get(pool.status.remote())
+        ray.kill(owner)
+    finally:
+        stop_pool()
 
 
 def test_a_claimed_spare_ends_with_its_owner(pool, ray_cluster):

@@ -352,6 +352,18 @@ def test_how_many_spare_runners_the_service_keeps_while_a_sweeps_trials_are_to_s
     assert spare_runners_wanted(base, coming, free, cap) == wanted
 
 
+@pytest.mark.parametrize("coming, cap, kept", [
+    (0, 4, 0),  # no sweep trial to start: given-back spares beyond the pool's count are ended
+    (2, 4, 2),  # one for each trial to start
+    (9, 4, 4),  # up to the cap
+    (3, 0, 0),  # the cap 0 keeps none
+], ids=["no trial to start", "one a trial", "capped", "off"])
+def test_how_many_given_back_spare_workers_the_pool_keeps_while_a_sweeps_trials_are_to_start(coming, cap, kept):
+    from raytrain_sys.service.reconciler import spare_workers_kept
+
+    assert spare_workers_kept(coming, cap) == kept
+
+
 def test_a_sweeps_trials_still_to_start_are_those_with_no_job_or_a_queued_one():
     from types import SimpleNamespace
 

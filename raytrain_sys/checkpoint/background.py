@@ -60,6 +60,10 @@ class BackgroundWrite:
             self._error = exc
         self.write_s = time.perf_counter() - t0
 
+    def busy(self) -> bool:
+        """Whether a write is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Until no write is in flight (the previous one, if any, has ended either way)."""
         if self._thread is not None:

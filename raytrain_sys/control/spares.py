@@ -19,14 +19,24 @@ Ownership, because a spare must outlive its pool but never its job:
 * **0 logical CPUs**: an idle spare holds no slot. The slot a spare works in is the job's
   one-bundle placement group, as for any worker; the spare is taken on that bundle's node. The
   scheduler's accounting does not change: idle spares are spare processes, not capacity.
-* **Single use**: a worker that leaves its job (the job ended, it was drained or replaced) is
-  killed, as before; the pool starts another in the background. A used process carries a
-  job's process groups, threads and heap; starting a fresh spare costs the same seconds, taken
-  while no one waits.
+* **Given back**: a spare that leaves its job healthy (the run ended, finished, paused or
+  cancelled, or a shrink let it go) goes back to the pool (``give_back``): it destroys its
+  process groups, drops DTensor's and torch.compile's caches and every attribute of the job
+  (``TrainWorker.recycle``), and waits idle on its node for the next job, in place of a new
+  spare still importing there (ended: its imports would take the CPU that jobs train on). The
+  pool starts a node's replacements only ``REFILL_DELAY_S`` after a take there, so that a short
+  job (a sweep's trial) gives its processes back before new ones are paid for: a stream of
+  short jobs then runs on the same warm processes. On a loaded 2-core machine a new worker
+  process took 25-35 s to start beside training jobs (Ray starts at most as many at once as the
+  node has cores), an adoption 0.5-0.8 s. A worker that was lost, replaced or drained is
+  killed, as is one that served ``MAX_JOBS_PER_PROCESS`` jobs or grew by
+  ``RECYCLE_GROWTH_BYTES`` (its heap is the largest job's), and one the pool does not need (its
+  node has ``per_node`` idle).
 
-Only gang starts inside an actor use spares (the service's runners): replacements and
-newcomers start in the background while the group trains, where a process's start costs no
-step. Only CPU slots: Ray binds GPUs to a process when it is created (CUDA_VISIBLE_DEVICES),
+Only runs inside an actor use spares (the service's runners): the first gang, and newcomers
+(growth, replacements) once their slots are placed (``WorkerGroup.start_placed``), so that every
+worker of a service job can go back to the pool; a newcomer with no spare on its node starts
+fresh, in the background while the group trains. Only CPU slots: Ray binds GPUs to a process when it is created (CUDA_VISIBLE_DEVICES),
 so a spare made before the job cannot be handed the GPU its bundle reserved; GPU slots start
 fresh processes (``takes_spares``).
 """
@@ -49,6 +59,15 @@ NAMESPACE = "raytrain-sys"
 POOL_NAME = "raytrain-sys-spares"
 SPARE_PREFIX = "raytrain-sys-spare-"
 CLAIM_TIMEOUT_S = 10.0
+# How long a spare given back may take to be a spare again (its job's calls still in flight end
+# first): past it, it is ended.
+RECYCLE_TIMEOUT_S = 30.0
+# How long a take waits for a spare being given back on the node it wants, when none is idle there.
+RECYCLE_WAIT_S = 2.0
+# How long after a take the pool waits before it starts a node's replacement spares: a short job
+# (a sweep's trial) gives its spares back meanwhile, and a replacement started at once would be
+# ended when they come back, its imports paid for nothing, beside the jobs that train there.
+REFILL_DELAY_S = 5.0
 
 
 def takes_spares(gpus_per_worker: float, in_actor: bool) -> bool:
@@ -85,18 +104,34 @@ class SpareSource:
             log.warning("warm spares: the pool did not answer (%s); starting fresh workers", exc)
             return [None] * len(node_ids)
 
+    def give_back(self, spares: list[tuple[Any, str]]) -> bool:
+        """Hand spares this owner took (with their nodes) back to the pool (``SparePool.give_back``);
+        False when the pool is gone (the caller ends them)."""
+        try:
+            self.pool.give_back.remote(spares, self.owner_id)
+            return True
+        except Exception as exc:  # noqa: BLE001: a pool that is gone: they are ended instead
+            log.warning("warm spares: could not give %d back to the pool: %s", len(spares), exc)
+            return False
+
 
 class SparePool:
     """Keeps ``per_node`` idle spares on every alive node with CPUs; hands them out claimed.
     A detached named actor (``start_pool``); see the module docstring."""
 
-    def __init__(self, per_node: int, poll_s: float = 1.0):
+    def __init__(self, per_node: int, poll_s: float = 1.0, refill_delay_s: float = REFILL_DELAY_S):
         self.per_node = int(per_node)
         self.poll_s = poll_s
+        self.refill_delay_s = refill_delay_s
+        self._taken_at: dict[str, float] = {}  # node id -> when a spare was last taken there
         self._lock = threading.Lock()
         self._idle: dict[str, list[Any]] = {}  # node id -> spares up and unclaimed
         self._starting: dict[str, list[tuple[Any, Any]]] = {}  # node id -> (spare, node_info ref)
-        self._counts = {"started": 0, "taken": 0, "missed": 0, "lost": 0}
+        self._counts = {"started": 0, "taken": 0, "missed": 0, "lost": 0, "recycled": 0, "ended_after_use": 0}
+        self._recycling: dict[str, int] = {}  # node id -> spares being given back there
+        # Spares given back kept idle beyond per_node, cluster-wide (set_keep_extra: the service's,
+        # while a sweep's trials are to start): none is started for them.
+        self.keep_extra = 0
         # owner actor id -> the spares it claimed, until its end is reported (end_claimed_by)
         self._claimed: dict[str, list[Any]] = {}
         self._stop = threading.Event()
@@ -117,6 +152,44 @@ class SparePool:
         self._wake.set()
         return out
 
+    def give_back(self, spares: list[tuple[Any, str]], owner_id: str) -> None:
+        """Spares (with their nodes) that the job of ``owner_id`` let go healthy: each becomes a
+        spare again (``TrainWorker.recycle``, in a thread of its own) and waits idle on its node
+        when the node has fewer than ``per_node``, in place of one still starting there; it is
+        ended otherwise. The owner's end no longer ends them."""
+        given = {_id(s) for s, _ in spares}
+        with self._lock:
+            if owner_id in self._claimed:
+                self._claimed[owner_id] = [s for s in self._claimed[owner_id] if _id(s) not in given]
+            for _, node_id in spares:
+                self._recycling[node_id] = self._recycling.get(node_id, 0) + 1
+        for spare, node_id in spares:
+            threading.Thread(target=self._recycle, args=(spare, node_id), name="recycle", daemon=True).start()
+
+    def _recycle(self, spare, node_id: str) -> None:
+        try:
+            got = ray.get(spare.recycle.remote(), timeout=RECYCLE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001: gone, or stuck in its job's last call
+            got = {"ok": False, "why": str(exc).splitlines()[0][:200]}
+        ended = []
+        with self._lock:
+            self._recycling[node_id] -= 1
+            idle, starting = self._idle.setdefault(node_id, []), self._starting.get(node_id, [])
+            keep = got["ok"] and not self._stop.is_set() and (len(idle) < self.per_node
+                                                              or self._surplus() < self.keep_extra)
+            if keep:
+                idle.append(spare)
+                self._counts["recycled"] += 1
+                while starting and len(idle) + len(starting) > self.per_node:
+                    ended.append(starting.pop()[0])
+            else:
+                self._counts["ended_after_use"] += 1
+                ended.append(spare)
+        if not got["ok"]:
+            log.info("warm spares: a spare given back on node %s is ended: %s", node_id[:8], got["why"])
+        for s in ended:
+            _kill(s)
+
     def end_claimed_by(self, owner_id: str) -> int:
         """End the spares ``owner_id`` claimed (its actor was just killed: they would end by
         themselves within seconds, and hold their peers' collectives until then)."""
@@ -127,10 +200,15 @@ class SparePool:
         return len(spares)
 
     def _take_one(self, node_id: str, owner_id: str):
+        deadline = time.monotonic() + RECYCLE_WAIT_S
         while True:
             with self._lock:
                 idle = self._idle.get(node_id) or []
                 spare = idle.pop() if idle else None
+                coming = self._recycling.get(node_id, 0) > 0
+            if spare is None and coming and time.monotonic() < deadline:
+                time.sleep(0.05)  # one being given back there: warm in a moment
+                continue
             if spare is None:
                 self._counts["missed"] += 1
                 return None
@@ -142,15 +220,26 @@ class SparePool:
                 _kill(spare)
                 continue
             self._counts["taken"] += 1
+            self._taken_at[node_id] = time.monotonic()
             return spare
 
     # ------------------------------------------------------------------ reports and control
     def status(self) -> dict:
         with self._lock:
-            return {"per_node": self.per_node,
+            return {"per_node": self.per_node, "keep_extra": self.keep_extra,
                     "idle": {n: len(s) for n, s in self._idle.items() if s},
+                    "recycling": {n: c for n, c in self._recycling.items() if c},
                     "starting": {n: len(s) for n, s in self._starting.items() if s},
                     **self._counts}
+
+    def set_keep_extra(self, count: int) -> None:
+        """Keep up to ``count`` spares given back beyond ``per_node`` (cluster-wide); the ones past
+        a lower count are ended at the next refill."""
+        self.keep_extra = max(0, int(count))
+        self._wake.set()
+
+    def _surplus(self) -> int:
+        return sum(max(0, len(idle) - self.per_node) for idle in self._idle.values())
 
     def set_per_node(self, per_node: int) -> None:
         self.per_node = int(per_node)
@@ -191,7 +280,7 @@ class SparePool:
                 self._refill()
             except Exception as exc:  # noqa: BLE001: e.g. the GCS briefly unreachable; try again
                 log.warning("warm spares: refill failed: %s", exc)
-            self._wake.wait(self.poll_s)
+            self._wake.wait(self.poll_s)  # (a delayed refill is looked at again within poll_s)
             self._wake.clear()
 
     def _refill(self) -> None:
@@ -204,13 +293,20 @@ class SparePool:
                     self._counts["lost"] += len(self._starting.pop(node_id, []))
             if self._stop.is_set():
                 return
+            now, allowance = time.monotonic(), self.keep_extra
             for node_id in nodes:
                 have = len(self._idle.get(node_id, [])) + len(self._starting.get(node_id, []))
-                for _ in range(max(0, self.per_node - have)):
+                have += self._recycling.get(node_id, 0)
+                # Spares taken there just now: those given back come first.
+                delayed = now - self._taken_at.get(node_id, -1e9) < self.refill_delay_s
+                for _ in range(0 if delayed else max(0, self.per_node - have)):
                     spare = _new_spare(node_id)
                     self._starting.setdefault(node_id, []).append((spare, spare.node_info.remote()))
                     self._counts["started"] += 1
-                for spare in self._idle.get(node_id, [])[self.per_node:]:  # per_node lowered
+                surplus = self._idle.get(node_id, [])[self.per_node:]  # per_node or keep_extra lowered
+                allowed, extra = surplus[:allowance], surplus[allowance:]
+                allowance -= len(allowed)
+                for spare in extra:
                     self._idle[node_id].remove(spare)
                     _kill(spare)
 
@@ -252,13 +348,24 @@ def _worker_nodes() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
 
 
-def _new_spare(node_id: str):
+def _new_spare(node_id: str, owner_id: str = ""):
     from raytrain_sys.control.worker import TrainWorker
 
     return TrainWorker.options(
         name=f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}", namespace=NAMESPACE, lifetime="detached",
         num_cpus=0, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(None)
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(None, owner_id)
+
+
+def new_claimed_spare(node_id: str, owner_id: str):
+    """A spare started now on ``node_id``, claimed by ``owner_id`` from its start: a job's slot
+    where the pool had none. It costs what a fresh worker costs, and goes back to the pool when
+    it leaves its job healthy (``SparePool.give_back``)."""
+    return _new_spare(node_id, owner_id)
+
+
+def _id(actor) -> str:
+    return actor._actor_id.hex()
 
 
 def _kill(actor) -> None:
@@ -271,13 +378,13 @@ def _kill(actor) -> None:
 RemoteSparePool = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(SparePool)
 
 
-def start_pool(per_node: int):
+def start_pool(per_node: int, refill_delay_s: float = REFILL_DELAY_S):
     """The cluster's pool (started now, or the running one set to ``per_node``)."""
     from raytrain_sys.control.control_actors import control_options
 
     # A control actor (control_actors.py): on a safe node when the cluster has one.
     pool = RemoteSparePool.options(name=POOL_NAME, namespace=NAMESPACE, lifetime="detached",
-                                   get_if_exists=True, **control_options()).remote(per_node)
+                                   get_if_exists=True, **control_options()).remote(per_node, 1.0, refill_delay_s)
     ray.get(pool.set_per_node.remote(per_node))
     return pool
 

@@ -26,9 +26,11 @@ step is blocked inside a collective.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -63,6 +65,17 @@ REPORT_EVERY_S = 0.1
 # A rank's parts of a step that every rank learns in the step's agreement (TrainWorker._agree):
 # the Supervisor's loss sum (data leaders' only), the rows, and where the time went.
 AGREED = ("loss_sum", "rows", "data_wait_s", "compute_s", "collective_s", "optimizer_s")
+# A spare goes back to its pool after a job (``TrainWorker.recycle``) at most this many times, and
+# only while its resident memory is within RECYCLE_GROWTH_BYTES of what it held as a new spare:
+# a process that served many jobs, or a large one, is ended (its heap is not given back to the OS).
+MAX_JOBS_PER_PROCESS = 50
+RECYCLE_GROWTH_BYTES = 1 << 30
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 def _step_seed(seed: int, step: int, rank: int) -> int:
@@ -70,15 +83,16 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
 
 
-def _end_with(owner_id: str, poll_s: float) -> None:
+def _end_with(owner_id: str, poll_s: float, released) -> None:
     """End this process once the actor ``owner_id`` is dead (its entry in the cluster's actor
     table says so): a claimed spare outlives no job. Anything else (alive, restarting, the
     table briefly unreadable) means it lives. By id, not by handle: a handle passed on through
     the pool costs its receivers a first-contact delay (seconds under load), and a name can be
-    taken again by a restarted runner."""
+    taken again by a restarted runner. Returns once ``released`` (a threading.Event) is set:
+    the spare was given back to the pool (``TrainWorker.recycle``)."""
     from ray._private import state
 
-    while True:
+    while not released.is_set():
         try:
             info = state.actors(actor_id=owner_id)
         except Exception:  # noqa: BLE001: the GCS briefly unreachable: ask again
@@ -86,7 +100,7 @@ def _end_with(owner_id: str, poll_s: float) -> None:
         if info and info.get("State") == "DEAD":
             log.warning("the actor that claimed this spare is gone: ending its worker process")
             os._exit(1)
-        time.sleep(poll_s)
+        released.wait(poll_s)
 
 
 @ray.remote(num_cpus=0)
@@ -106,14 +120,13 @@ def cut_departed(pieces: dict, chunks: list):
 # beside the steps, so that the Supervisor can hold its reference while training goes on.
 @ray.remote(concurrency_groups={"control": 2, "checkpoint": 1})
 class TrainWorker:
-    def __init__(self, spec_dict: dict[str, Any] | None):
+    def __init__(self, spec_dict: dict[str, Any] | None, owner_id: str = ""):
         """A worker of the job ``spec_dict``; with None, a warm spare (torch and this module
         imported, nothing else) that becomes a job's worker by ``adopt`` (see
-        raytrain_sys.control.spares)."""
-        self.spec: JobSpec | None = None
-        self.owner = None  # a spare's: the actor whose death ends this process (claim)
-        self.stash, self.step_done = None, 0  # what ping reads (a spare holds no state)
-        self.background = BackgroundWrite()  # checkpoint.async_save: this rank's write in flight
+        raytrain_sys.control.spares), claimed at once by ``owner_id`` when given (a spare
+        started for a job's slot when the pool had none there)."""
+        self._as_spare()
+        self.jobs_served = 0
         if spec_dict is not None:
             self._configure(spec_dict)
         else:  # a spare: the imports any job's prepare() would make, made while no one waits
@@ -122,6 +135,17 @@ class TrainWorker:
 
             import_for_any()
             warm_up()
+            self.born = {"nice": process_niceness(), "threads": torch.get_num_threads(), "rss": _rss_bytes()}
+            if owner_id:
+                self._claim(owner_id)
+
+    def _as_spare(self) -> None:
+        """The state of a spare that no one claimed: no job, no owner."""
+        self.spec: JobSpec | None = None
+        self.owner = None  # a spare's: the actor whose death ends this process (claim)
+        self.released = None  # set when the claim ends (recycle): the owner watch returns
+        self.stash, self.step_done = None, 0  # what ping reads (a spare holds no state)
+        self.background = BackgroundWrite()  # checkpoint.async_save: this rank's write in flight
 
     def _configure(self, spec_dict: dict[str, Any]) -> None:
         self.spec = from_dict(spec_dict)
@@ -159,11 +183,16 @@ class TrainWorker:
         was adopted yet (a spare is detached: nothing else would end it). Returns ``node_info()``."""
         if self.owner is not None or self.spec is not None:
             raise RuntimeError("this spare was claimed already")
-        self.owner = owner_id
+        self._claim(owner_id, poll_s)
+        return self.node_info()
+
+    def _claim(self, owner_id: str, poll_s: float = 1.0) -> None:
         import threading
 
-        threading.Thread(target=_end_with, args=(owner_id, poll_s), name="owner-watch", daemon=True).start()
-        return self.node_info()
+        self.owner = owner_id
+        self.released = threading.Event()
+        threading.Thread(target=_end_with, args=(owner_id, poll_s, self.released), name="owner-watch",
+                         daemon=True).start()
 
     @ray.method(concurrency_group="control")
     def spare_state(self) -> dict[str, Any]:
@@ -177,6 +206,40 @@ class TrainWorker:
             raise RuntimeError("adopt needs a claimed spare that no job has adopted yet")
         self._configure(spec_dict)
         return self.prepare()
+
+    def recycle(self) -> dict[str, Any]:
+        """Back to an unclaimed spare after the job that adopted it let it go (``SparePool.
+        give_back``): its process groups destroyed, DTensor's and torch.compile's caches
+        dropped, every attribute of the job deleted, its niceness and thread count as a new
+        spare's, its owner no longer watched. Runs after any call still in flight here (the
+        actor's default group). ``{"ok": False, "why": ...}`` (the pool ends the process) when
+        it is no adopted spare, a checkpoint write is still in flight, or the process served
+        MAX_JOBS_PER_PROCESS jobs or grew past RECYCLE_GROWTH_BYTES."""
+        born = getattr(self, "born", None)
+        if born is None or self.owner is None:
+            return {"ok": False, "why": "not a spare"}
+        if self.background.busy():
+            return {"ok": False, "why": "a checkpoint write in flight"}
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        forget_meshes()
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None:
+            dynamo.reset()
+        self.released.set()
+        served = self.jobs_served + 1
+        for name in [n for n in vars(self) if not n.startswith("_ray")]:  # (Ray's own, if any, stay)
+            delattr(self, name)
+        self._as_spare()
+        self.born, self.jobs_served = born, served
+        gc.collect()
+        set_niceness(born["nice"])
+        torch.set_num_threads(born["threads"])
+        grown = _rss_bytes() - born["rss"]
+        why = ("" if process_niceness() == born["nice"] else f"nice {process_niceness()}, born {born['nice']}") or \
+              (f"served {served} jobs" if served >= MAX_JOBS_PER_PROCESS else "") or \
+              (f"grew {grown / 2**20:.0f} MiB" if grown > RECYCLE_GROWTH_BYTES else "")
+        return {"ok": not why, "why": why, "jobs": served, "node_id": ray.get_runtime_context().get_node_id()}
 
     # ------------------------------------------------------------------ control path
     @ray.method(concurrency_group="control")

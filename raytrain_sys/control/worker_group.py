@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
 
 from raytrain_sys.control import GB, NAME_PREFIX, slot_bundle
 from raytrain_sys.control.node_roles import ACCELERATOR_LABEL, MARKET_LABEL
-from raytrain_sys.control.spares import SpareSource, takes_spares
+from raytrain_sys.control.spares import SpareSource, new_claimed_spare, takes_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
@@ -184,6 +184,8 @@ class Worker:
     pg: Any
     info: dict = field(default_factory=dict)  # ip, node_id, pid once started
     ready_ref: Any = None  # prepare() call: completes when the actor is up with its model built
+    spare: bool = False  # a warm spare adopted from the pool: given back to it when it leaves healthy
+    placed_ref: Any = None  # a newcomer started once its slot is placed (``start_placed``): pg.ready()
     requested_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -253,16 +255,30 @@ class WorkerGroup:
 
     def request(self, start_actor: bool = True) -> Worker:
         """Ask for one more worker; it starts in the background (see ``ready_pending``). With
-        ``start_actor`` False only its placement group is asked for (``_start_actors``)."""
+        ``start_actor`` False only its placement group is asked for (``_start_actors``). A run
+        that takes warm spares starts it once its slot is placed (``start_placed``): on a spare
+        of that node when the pool has one, which goes back to the pool when it leaves healthy."""
         slot = next(self._slots)
         selector = self._selector()
         pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=f"{self.name_prefix}{slot}",
                              bundle_label_selector=[selector] if selector else None)
         worker = Worker(slot, None, pg)
-        if start_actor:
+        if start_actor and self.spares is None:
             self._start_fresh(worker)
+        elif start_actor:
+            worker.placed_ref = pg.ready()
         self.pending.append(worker)
         return worker
+
+    def start_placed(self) -> None:
+        """Start the newcomers whose slots were placed since the last look (``request``)."""
+        waiting = [w for w in self.pending if w.actor is None and w.placed_ref is not None]
+        if not waiting:
+            return
+        done, _ = ray.wait([w.placed_ref for w in waiting], num_returns=len(waiting), timeout=0)
+        placed = [w for w in waiting if w.placed_ref in done]
+        if placed:
+            self._start_actors(placed)
 
     def _start_fresh(self, w: Worker) -> None:
         """A new worker process in the slot's placement group."""
@@ -276,28 +292,30 @@ class WorkerGroup:
         w.ready_ref = w.actor.prepare.remote()
 
     def _start_actors(self, workers: list[Worker]) -> None:
-        """Each placed slot's worker: a warm spare taken on the bundle's node, else a fresh
-        process. A spare works in the slot's bundle; it holds no resource of its own."""
+        """Each placed slot's worker: a warm spare taken on the bundle's node, else a new spare
+        started there for it (``new_claimed_spare``: a fresh process's cost, and the pool's to
+        keep when the job lets it go). A spare works in the slot's bundle; it holds no resource
+        of its own."""
         tables = [ray.util.placement_group_table(w.pg) for w in workers]
         node_ids = [t["bundles_to_node_id"][0] for t in tables]
         spec_dict = self.spec.to_dict()
-        for w, spare in zip(workers, self.spares.take(node_ids)):
-            if spare is None:
-                self._start_fresh(w)
-                continue
-            w.actor = spare
-            w.ready_ref = spare.adopt.remote(spec_dict)
-            self.spares_used += 1
+        for w, node_id, spare in zip(workers, node_ids, self.spares.take(node_ids)):
+            self.spares_used += spare is not None
+            # None: the pool had none there; a spare of the slot's own, which the pool keeps later
+            w.actor, w.spare = spare or new_claimed_spare(node_id, self.spares.owner_id), True
+            w.ready_ref = w.actor.adopt.remote(spec_dict)
 
     def ready_pending(self, timeout_s: float = 0.0) -> list[Worker]:
         """Workers that are up and not members: standby ones, then pending ones whose actor
         is up (moved out of ``standby`` and ``pending``)."""
         ready, self.standby = self.standby, []
-        if not self.pending:
+        self.start_placed()
+        started = [w for w in self.pending if w.ready_ref is not None]
+        if not started:
             return ready
-        refs = [w.ready_ref for w in self.pending]
+        refs = [w.ready_ref for w in started]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        for w in list(self.pending):
+        for w in started:
             if w.ready_ref in done:
                 try:
                     w.info = ray.get(w.ready_ref)
@@ -349,7 +367,7 @@ class WorkerGroup:
         if self.spares is not None and len(started) < num_workers:
             # A spare that died between its claim and its adoption: its slot once more, fresh.
             for _ in range(num_workers - len(started)):
-                self.request()
+                self._start_fresh(self.request(start_actor=False))
             started += self.ready_pending(timeout_s=timeout + 60)
         if len(started) < num_workers:
             self.shutdown()
@@ -358,8 +376,9 @@ class WorkerGroup:
         self.start_phases["workers"] = time.perf_counter() - t0 - self.start_phases["placement"]
 
     # ------------------------------------------------------------------ membership
-    def remove(self, workers: list[Worker]) -> None:
-        """Kill and release workers (dead, hung or draining); the others keep running."""
+    def remove(self, workers: list[Worker], healthy: bool = False) -> None:
+        """Kill and release workers (dead, hung or draining); the others keep running. With
+        ``healthy`` (a shrink lets them go), warm spares go back to the pool instead."""
         for w in workers:
             if w in self.workers:
                 self.workers.remove(w)
@@ -367,6 +386,16 @@ class WorkerGroup:
                 self.pending.remove(w)
             if w in self.standby:
                 self.standby.remove(w)
+        self._let_go(workers, healthy)
+
+    def _let_go(self, workers: list[Worker], healthy: bool) -> None:
+        back = [w for w in workers if healthy and w.spare and w.node_id and self.spares is not None]
+        if back and self.spares.give_back([(w.actor, w.node_id) for w in back]):
+            for w in back:
+                with contextlib.suppress(Exception):
+                    remove_placement_group(w.pg)
+            workers = [w for w in workers if w not in back]
+        for w in workers:
             self._release(w)
 
     def reap(self, workers: list[Worker]) -> None:
@@ -440,11 +469,11 @@ class WorkerGroup:
         return [w.actor for w in self.workers]
 
     # ------------------------------------------------------------------ end
-    def shutdown(self, wait_s: float = 10.0) -> None:
+    def shutdown(self, wait_s: float = 10.0, healthy: bool = False) -> None:
         """Kill every actor and remove every placement group of this launch, and wait (up to
-        ``wait_s``) until Ray reports them gone: ``ray.kill`` only asks."""
-        for w in self.workers + self.pending + self.standby:
-            self._release(w)
+        ``wait_s``) until Ray reports them gone: ``ray.kill`` only asks. With ``healthy`` (the
+        run ended as it was asked to), warm spares go back to the pool instead of being killed."""
+        self._let_go(self.workers + self.pending + self.standby, healthy)
         self.workers, self.pending, self.standby = [], [], []
         try:
             self._wait_gone(wait_s)

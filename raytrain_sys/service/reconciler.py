@@ -73,7 +73,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from raytrain_sys.control.spares import end_spares_of
+from raytrain_sys.control.spares import end_spares_of, find_pool
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
 from raytrain_sys.service import autoscale, packages
@@ -122,6 +122,12 @@ class ReconcilerConfig:
     # start and import torch (20 s at a load of 29 on 2 cores, 2 s on a spare). 4: each spare
     # is a process with torch imported, kept idle until a launch takes it.
     sweep_spare_runners: int = 4
+    # While a sweep's trials are to start, up to this many warm spare workers (cluster-wide) that
+    # jobs give back at their end are kept beyond the pool's per-node count instead of being
+    # ended (control/spares.py, SparePool.keep_extra): the next trials start on them. No process
+    # is started for them; each holds about 0.4 GB until a start takes it or the sweeps' trials
+    # have all started.
+    sweep_spare_workers: int = 4
     # A code package (packages.py) that no waiting or running job names and no job submitted
     # within this long named is deleted from the store (looked at once an hour); 0 keeps all.
     package_retention_s: float = 7 * 86400.0
@@ -168,6 +174,13 @@ def spare_runners_wanted(base: int, trials_coming: int, free: Optional[int], cap
     if base <= 0:
         return 0
     return max(base, min(trials_coming, cap, cap if free is None else free))
+
+
+def spare_workers_kept(trials_coming: int, cap: int) -> int:
+    """The warm spare workers kept beyond the pool's per-node count from those that jobs give
+    back: one for each of the ``trials_coming`` trials whose jobs have not started, up to
+    ``cap``; 0 with no trial to start."""
+    return max(0, min(trials_coming, cap))
 
 
 def free_workers(snapshot) -> Optional[int]:
@@ -223,6 +236,7 @@ class Reconciler:
         self._tracking_uris: list[str] = []
         self._spares_adopted = False  # a restarted service first adopts the idle spares it finds
         self._spares_wanted = config.spare_runners  # this pass's (spare_runners_wanted)
+        self._spare_workers_kept = 0  # told to the pool (spare_workers_kept)
         self._next_prune_s = 0.0  # when the store's unused code packages are looked at next
         self.metrics = ServiceMetrics()  # queue and quota per team, each pass
         self.passes = 0  # passes done: the number of the pass in progress, as its log lines say
@@ -274,6 +288,7 @@ class Reconciler:
         self._spares_wanted = spare_runners_wanted(self.config.spare_runners, trials_coming, free_workers(snapshot),
                                                    self.config.sweep_spare_runners)
         self._keep_spare_runners()
+        self._keep_spare_workers(trials_coming)
         self._delete_cancelled_checkpoints()
         self._prune_packages()
         self.passes += 1
@@ -362,6 +377,20 @@ class Reconciler:
             self._spares.append((handle, handle.job.remote()))
             if self._tracking_uris:
                 handle.warm_tracking.remote(list(self._tracking_uris))
+
+    def _keep_spare_workers(self, trials_coming: int) -> None:
+        """Tell the warm spares' pool how many given-back spares to keep beyond its per-node
+        count (``spare_workers_kept``), when that changed."""
+        kept = spare_workers_kept(trials_coming, self.config.sweep_spare_workers)
+        if kept == self._spare_workers_kept:
+            return
+        self._spare_workers_kept = kept
+        pool = find_pool()  # none: warm spares are off (or autoscaling)
+        if pool is None:
+            return
+        pool.set_keep_extra.remote(kept)
+        log.info("pass %d: warm spare workers given back kept beyond the pool's per-node count: %d "
+                 "(%d sweep trials to start)", self.passes, kept, trials_coming)
 
     def _remember_tracking(self, tracking_uri: str) -> None:
         """A launch's MLflow store: the idle spare runners open it ahead when it is new to them

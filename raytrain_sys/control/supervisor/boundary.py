@@ -139,8 +139,8 @@ class Boundary:
                 self.transition(State.RUNNING, "waiting for replacements of draining workers")
         elif isinstance(item, policy.Shrink):
             self.transition(State.RESIZING, item.reason)
-            m.release_newcomers()
-            m.leave(m.by_slot(item.slots), step)
+            m.release_newcomers(healthy=True)
+            m.leave(m.by_slot(item.slots), step, healthy=True)
             self.recovery.reform(reason=f"shrunk to world {len(workers)}")
         elif isinstance(item, policy.RequestWorkers):
             m.request_replacements()

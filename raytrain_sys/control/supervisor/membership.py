@@ -137,10 +137,12 @@ class Membership:
         """Newcomers up and not members (on standby, or started), with their node, without
         taking them in (``take_ready``): what a boundary's facts list."""
         g = self.group
+        g.start_placed()
         up = []
-        if g.pending:
-            done, _ = ray.wait([w.ready_ref for w in g.pending], num_returns=len(g.pending), timeout=0)
-            for w in g.pending:
+        started = [w for w in g.pending if w.ready_ref is not None]
+        if started:
+            done, _ = ray.wait([w.ready_ref for w in started], num_returns=len(started), timeout=0)
+            for w in started:
                 if w.ready_ref in done and not w.info:
                     try:
                         w.info = ray.get(w.ready_ref)
@@ -169,8 +171,8 @@ class Membership:
         wanted = set(slots)
         self.group.remove([w for w in self.group.pending + self.group.standby if w.slot in wanted])
 
-    def release_newcomers(self) -> None:
-        self.group.remove(self.group.pending + self.group.standby)
+    def release_newcomers(self, healthy: bool = False) -> None:
+        self.group.remove(self.group.pending + self.group.standby, healthy)
 
     def wait_for(self, need: int, timeout_s: float) -> bool:
         """Take newcomers in as they come up until there are ``need`` members (True), or
@@ -201,17 +203,18 @@ class Membership:
         self.group.reap(lost.silent)
         self.group.remove(lost.dead + lost.silent)
 
-    def leave(self, leaving: list[Worker], committed_step: int) -> None:
+    def leave(self, leaving: list[Worker], committed_step: int, healthy: bool = False) -> None:
         """Members leave (a draining node, a shrink, a straggler): in a sharded layout their
         shards may be the only copy, so their pieces go into the object store first (the node
-        lives until its deadline) for the re-formed group to take; then they leave."""
+        lives until its deadline) for the re-formed group to take; then they leave (with
+        ``healthy``, a shrink's, warm spares back to the pool)."""
         if not self.layout_replicated:
             held, _, _ = ping_all(leaving)
             self.departing_pieces = [w.actor.state_pieces.remote() for w in leaving
                                      if held.get(w.slot) == committed_step]
             # Stored before the leavers are killed: a kill fails the calls it finds queued.
             ray.wait(self.departing_pieces, num_returns=len(self.departing_pieces), timeout=60)
-        self.group.remove(leaving)
+        self.group.remove(leaving, healthy)
 
     # ------------------------------------------------------------------ forming the group
     def form_group(self, timeout_s: float = 120.0) -> list[dict]:

@@ -452,8 +452,8 @@ class Supervisor:
             self._warm.join(timeout=30.0)
         if self.data is not None:
             self.data.close()
-        if self.group is not None:
-            self.group.shutdown()
+        if self.group is not None:  # a run that ended as asked gives its warm spares back to the pool
+            self.group.shutdown(healthy=self.state in (State.FINISHED, State.STOPPED, State.CANCELLED))
         if self.tracker is not None:
             status = {State.FINISHED: "FINISHED", State.STOPPED: "KILLED",
                       State.CANCELLED: "KILLED"}.get(self.state, "FAILED")
