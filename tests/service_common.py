@@ -41,8 +41,8 @@ class StepGates:
                 time.sleep(0.05)
         newcomer = os.path.join(self.root, f"newcomer-{job_id}")
         if os.path.exists(newcomer) and sup.group.pending:
-            refs = [w.ready_ref for w in sup.group.pending]  # all of them: a grow by 2 that takes
-            ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)  # one ends a worker short
+            # all of them: a grow by 2 that takes one ends a worker short
+            sup.group.await_pending(self.timeout_s)
             os.remove(newcomer)
 
     def _path(self, kind, job_id, step) -> str:

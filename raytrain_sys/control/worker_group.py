@@ -280,6 +280,24 @@ class WorkerGroup:
         if placed:
             self._start_actors(placed)
 
+    def await_pending(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) until every newcomer asked for is up, starting each as its
+        slot is placed (``start_placed``); they stay pending for ``ready_pending`` to take. True
+        when all of them are up."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            self.start_placed()
+            unplaced = [w.placed_ref for w in self.pending if w.ready_ref is None and w.placed_ref is not None]
+            if unplaced:
+                ray.wait(unplaced, num_returns=1, timeout=min(left, 1.0))
+                continue
+            started = [w.ready_ref for w in self.pending if w.ready_ref is not None]
+            if not started:
+                return True
+            done, _ = ray.wait(started, num_returns=len(started), timeout=left)
+            return len(done) == len(started)
+        return False
+
     def _start_fresh(self, w: Worker) -> None:
         """A new worker process in the slot's placement group."""
         r = self.spec.resources
