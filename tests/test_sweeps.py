@@ -525,3 +525,33 @@ def test_a_trials_curve_across_its_segments(segments, curve):
 
     assert trial_curve(segments) == curve
     assert [checkpoint_step_of(u) for u in ("", "/c/step_00000012", "s3://b/c/step_00000003/")] == [0, 12, 3]
+
+
+def test_a_segments_run_is_marked_with_its_donor_once_the_store_has_its_id(tmp_path):
+    """A PBT segment's first evaluation can be read from its runner before the service's pass
+    records its MLflow run's id (the run opens beside the first steps): its run is marked with
+    its donor and mutated lr at the first report after the id is recorded (a report before it
+    marked nothing, for good), and once only."""
+    import dataclasses
+
+    import mlflow
+
+    from raytrain_sys.sweeps.runner import Reporter, SegmentPlan
+    from raytrain_sys.tracking import mlflow_tracker as mt
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    sweep = parse_sweep(with_(base=base_with("tracking", uri=uri), scheduler={"type": "pbt"},
+                              space={"optim.lr": {"loguniform": [1e-4, 1e-2]}}), base_dir=str(tmp_path))
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("sweeps")).info.run_id
+    donor = _pointer("b", 6)
+    report = Reporter(None, sweep, "a", SegmentPlan(1, donor=donor, end_job=4, new=True), {"optim.lr": 0.005})
+    job = dataclasses.replace(_job(5, 1, resume_from=donor.uri), spec=json.dumps({"optim": {"lr": 0.005}}))
+    report.mark(job)  # no run id recorded yet
+    assert mt.TAG_DONOR_STEP not in client.get_run(run_id).data.tags
+    for _ in range(2):
+        report.mark(dataclasses.replace(job, mlflow_run_id=run_id))
+    tags = client.get_run(run_id).data.tags
+    assert (tags[mt.TAG_SEGMENT], tags[mt.TAG_DONOR_TRIAL], tags[mt.TAG_DONOR_STEP], tags[mt.TAG_DONOR_CHECKPOINT]) == \
+        ("1", "b", "6", donor.uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "optim.lr")] == [(6, 0.005)]

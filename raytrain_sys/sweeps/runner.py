@@ -204,7 +204,8 @@ def run_trial(config: dict, *, sweep_id: int, db_url: str, base_dir: str, log_pa
         # Tune had every result up to its checkpoint's step (a trial paused or restored goes on
         # after it; a segment's job logs nothing before its donor's step).
         seen = pointer.step if pointer is not None and (donor is not None or pointer.trial_id == trial_id) else 0
-        follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen, live=live)
+        ended = follow(store, job.id, spec.metric, report, mlflow_history, after_step=seen, live=live)
+        report.mark(ended)  # its reports all came before its run's id was recorded
     finally:
         store.close()
 
@@ -353,8 +354,9 @@ class Committed:
 class Reporter:
     """The proxy's ``report``: each evaluation to Tune with a pointer to the job's committed
     checkpoint at that step (waited for up to CHECKPOINT_WAIT_S at a checkpoint step under PBT,
-    else the newest before it, as the job's runner lists them when it answered); a segment started from a donor's checkpoint gets its MLflow run marked
-    (donor, step, mutated values) at its first report."""
+    else the newest before it, as the job's runner lists them when it answered); a segment
+    started from a donor's checkpoint gets its MLflow run marked (donor, step, mutated values)
+    at its first report after the store has its run's id (``mark``)."""
 
     def __init__(self, store: Store, spec: SweepSpec, trial_id: str, plan: SegmentPlan, config: dict,
                  wait_s: Optional[float] = None, sleep: Callable[[float], None] = time.sleep,
@@ -373,9 +375,7 @@ class Reporter:
         from ray import tune
 
         job = self.store.job(int(result["job_id"]))
-        if not self._marked:  # the first report: its run exists (it logged the evaluation)
-            mark_segment(job, self.spec, self.plan, self.config)
-            self._marked = True
+        self.mark(job)
         info = self._checkpoint(job, int(result["step"]))
         if info is None:
             tune.report(result)
@@ -385,6 +385,14 @@ class Reporter:
             with open(os.path.join(tmp, POINTER_FILE), "w") as f:
                 json.dump(vars(pointer), f)
             tune.report({**result, "checkpoint_step": info.step}, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+    def mark(self, job: JobRecord) -> None:
+        """Mark a segment's MLflow run once (``mark_segment``), as soon as the store records its
+        id: a first evaluation, read from the runner, can come before the pass that records it
+        (the run opens beside the first steps)."""
+        if not self._marked and job.mlflow_run_id:
+            mark_segment(job, self.spec, self.plan, self.config)
+            self._marked = True
 
     def _root(self, job: JobRecord) -> str:
         if not self._roots.get(job.id):
