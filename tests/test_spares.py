@@ -16,8 +16,8 @@ import psutil
 import pytest
 import ray
 
-from raytrain_sys.control.spares import (NAMESPACE, SPARE_PREFIX, SpareSource, find_pool, start_pool, stop_pool,
-                                         takes_spares)
+from raytrain_sys.control.spares import (NAMESPACE, SPARE_PREFIX, SpareSource, end_spares_of, find_pool,
+                                         start_pool, stop_pool, takes_spares)
 from raytrain_sys.control.supervisor import Supervisor, run_job
 from raytrain_sys.spec import from_dict
 from tests.ft_common import ft_spec, wait_until
@@ -42,6 +42,14 @@ class Owner:
         """Take spares without a job: the pids of those taken."""
         self.taken = SpareSource.here().take(node_ids)
         return [ray.get(s.node_info.remote())["pid"] for s in self.taken if s is not None]
+
+    def claim_new(self, node_id: str) -> int:
+        """A spare started for this actor (a slot where the pool had none): its pid."""
+        self.made = SpareSource.here().new_claimed(node_id)
+        return ray.get(self.made.node_info.remote())["pid"]
+
+    def actor_id(self) -> str:
+        return ray.get_runtime_context().get_actor_id()
 
 
 @pytest.fixture
@@ -144,6 +152,19 @@ def test_a_claimed_spare_ends_with_its_owner(pool, ray_cluster):
     ray.kill(owner)
     assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 20), \
         f"spares {pids} outlived the actor that claimed them"
+
+
+def test_the_spares_of_a_killed_owner_are_ended_at_once_taken_or_started_for_it(pool, ray_cluster):
+    """What the service does when it finds a job's runner dead (``end_spares_of``): every spare
+    the runner claimed ends now, the one taken from the pool and the one started for a slot where
+    the pool had none, not each when it notices its owner is gone."""
+    owner = Owner.remote()
+    node = worker_nodes()[0]
+    pids = ray.get(owner.claim.remote([node])) + [ray.get(owner.claim_new.remote(node))]
+    owner_id = ray.get(owner.actor_id.remote())
+    ray.kill(owner)
+    assert end_spares_of(owner_id) == 2
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 20), pids
 
 
 def test_a_restarted_pool_keeps_its_idle_spares(pool, ray_cluster):

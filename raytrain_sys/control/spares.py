@@ -104,6 +104,18 @@ class SpareSource:
             log.warning("warm spares: the pool did not answer (%s); starting fresh workers", exc)
             return [None] * len(node_ids)
 
+    def new_claimed(self, node_id: str):
+        """A spare started now on ``node_id``, claimed by this owner from its start: a job's slot
+        where the pool had none. It costs what a fresh worker costs, goes back to the pool when it
+        leaves its job healthy (``SparePool.give_back``), and the pool ends it with the owner's
+        other spares (``end_spares_of``) when the owner is killed."""
+        spare = _new_spare(node_id, self.owner_id)
+        try:
+            self.pool.note_claimed.remote([spare], self.owner_id)
+        except Exception as exc:  # noqa: BLE001: a pool that is gone: it still ends with its owner
+            log.warning("warm spares: could not tell the pool of a spare claimed on %s: %s", node_id[:8], exc)
+        return spare
+
     def give_back(self, spares: list[tuple[Any, str]]) -> bool:
         """Hand spares this owner took (with their nodes) back to the pool (``SparePool.give_back``);
         False when the pool is gone (the caller ends them)."""
@@ -151,6 +163,12 @@ class SparePool:
                 self._claimed.setdefault(owner_id, []).extend(taken)
         self._wake.set()
         return out
+
+    def note_claimed(self, spares: list[Any], owner_id: str) -> None:
+        """Spares started for ``owner_id``, claimed from their start (``SpareSource.new_claimed``):
+        ended with the ones it took (``end_claimed_by``) unless given back first."""
+        with self._lock:
+            self._claimed.setdefault(owner_id, []).extend(spares)
 
     def give_back(self, spares: list[tuple[Any, str]], owner_id: str) -> None:
         """Spares (with their nodes) that the job of ``owner_id`` let go healthy: each becomes a
@@ -355,13 +373,6 @@ def _new_spare(node_id: str, owner_id: str = ""):
         name=f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}", namespace=NAMESPACE, lifetime="detached",
         num_cpus=0, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(None, owner_id)
-
-
-def new_claimed_spare(node_id: str, owner_id: str):
-    """A spare started now on ``node_id``, claimed by ``owner_id`` from its start: a job's slot
-    where the pool had none. It costs what a fresh worker costs, and goes back to the pool when
-    it leaves its job healthy (``SparePool.give_back``)."""
-    return _new_spare(node_id, owner_id)
 
 
 def _id(actor) -> str:

@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
 
 from raytrain_sys.control import GB, NAME_PREFIX, slot_bundle
 from raytrain_sys.control.node_roles import ACCELERATOR_LABEL, MARKET_LABEL
-from raytrain_sys.control.spares import SpareSource, new_claimed_spare, takes_spares
+from raytrain_sys.control.spares import SpareSource, takes_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
@@ -311,7 +311,7 @@ class WorkerGroup:
 
     def _start_actors(self, workers: list[Worker]) -> None:
         """Each placed slot's worker: a warm spare taken on the bundle's node, else a new spare
-        started there for it (``new_claimed_spare``: a fresh process's cost, and the pool's to
+        started there for it (``SpareSource.new_claimed``: a fresh process's cost, and the pool's to
         keep when the job lets it go). A spare works in the slot's bundle; it holds no resource
         of its own."""
         tables = [ray.util.placement_group_table(w.pg) for w in workers]
@@ -320,7 +320,7 @@ class WorkerGroup:
         for w, node_id, spare in zip(workers, node_ids, self.spares.take(node_ids)):
             self.spares_used += spare is not None
             # None: the pool had none there; a spare of the slot's own, which the pool keeps later
-            w.actor, w.spare = spare or new_claimed_spare(node_id, self.spares.owner_id), True
+            w.actor, w.spare = spare or self.spares.new_claimed(node_id), True
             w.ready_ref = w.actor.adopt.remote(spec_dict)
 
     def ready_pending(self, timeout_s: float = 0.0) -> list[Worker]:
