@@ -305,11 +305,12 @@ def test_drain_notice_cuts_a_long_lease_short(reference, tiny_dataset, tmp_path,
     """All 16 steps in one lease (train.steps_per_call), each step made long (rank 0's compute
     150x slower, elastic.fault_slow_rank), and a PREEMPTION notice a few steps in. The lease is
     cut short: the draining member leaves at the end of the step in flight, at most one step
-    and one drain lookup (elastic.drain_poll_s = 1 s) after the notice, not at the lease's end
-    many seconds later; no step is lost, none redone, and the run equals the uninterrupted one."""
+    and one drain lookup (elastic.drain_poll_s = 0.25 s, shorter than a step: at most two
+    steps after the one rank 0 held) after the notice, not at the lease's end many seconds
+    later; no step is lost, none redone, and the run equals the uninterrupted one."""
     spec = spec_for(tmp_path, tiny_dataset, train={"steps_per_call": STEPS}, checkpoint={"every_steps": 0},
                     elastic={"fault_slow_rank": 0, "fault_slow_factor": 150.0, "straggler_margin": 0.0,
-                             "drain_poll_s": 1.0, "hang_floor_s": 60.0})
+                             "drain_poll_s": 0.25, "hang_floor_s": 60.0})
     sup, seen = supervisor_with_events(spec, {})
     drained = {}
 
@@ -335,6 +336,7 @@ def test_drain_notice_cuts_a_long_lease_short(reference, tiny_dataset, tmp_path,
     [draining] = transitions(summary, "draining")
     left_at = draining["step"]
     step_s = sorted(summary["step_times"][:left_at])[left_at // 2]  # the slow steps' median
+    assert step_s > spec.elastic.drain_poll_s, step_s  # else a lookup's wait may span more steps
     assert drained["held"] <= left_at <= drained["held"] + 2, (drained, draining)
     # The uncut lease would have held the node for the rest of the 16 steps: far longer than
     # the bound below (otherwise this test could not fail).
