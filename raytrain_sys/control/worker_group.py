@@ -280,21 +280,26 @@ class WorkerGroup:
         if placed:
             self._start_actors(placed)
 
+    def started_pending(self) -> list[Worker]:
+        """The newcomers whose actors are started (``start_placed`` first: those whose slots
+        were placed since the last look start now)."""
+        self.start_placed()
+        return [w for w in self.pending if w.ready_ref is not None]
+
     def await_pending(self, timeout_s: float) -> bool:
         """Wait (up to ``timeout_s``) until every newcomer asked for is up, starting each as its
         slot is placed (``start_placed``); they stay pending for ``ready_pending`` to take. True
         when all of them are up."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            self.start_placed()
+            started = self.started_pending()
             unplaced = [w.placed_ref for w in self.pending if w.ready_ref is None and w.placed_ref is not None]
             if unplaced:
                 ray.wait(unplaced, num_returns=1, timeout=min(left, 1.0))
                 continue
-            started = [w.ready_ref for w in self.pending if w.ready_ref is not None]
             if not started:
                 return True
-            done, _ = ray.wait(started, num_returns=len(started), timeout=left)
+            done, _ = ray.wait([w.ready_ref for w in started], num_returns=len(started), timeout=left)
             return len(done) == len(started)
         return False
 
@@ -327,8 +332,7 @@ class WorkerGroup:
         """Workers that are up and not members: standby ones, then pending ones whose actor
         is up (moved out of ``standby`` and ``pending``)."""
         ready, self.standby = self.standby, []
-        self.start_placed()
-        started = [w for w in self.pending if w.ready_ref is not None]
+        started = self.started_pending()
         if not started:
             return ready
         refs = [w.ready_ref for w in started]

@@ -137,9 +137,8 @@ class Membership:
         """Newcomers up and not members (on standby, or started), with their node, without
         taking them in (``take_ready``): what a boundary's facts list."""
         g = self.group
-        g.start_placed()
         up = []
-        started = [w for w in g.pending if w.ready_ref is not None]
+        started = g.started_pending()
         if started:
             done, _ = ray.wait([w.ready_ref for w in started], num_returns=len(started), timeout=0)
             for w in started:
