@@ -56,56 +56,6 @@ def wait_for(predicate, what: str, timeout_s: float = WAIT_S, every_s: float = 0
         time.sleep(every_s)
 
 
-def test_an_asha_sweep_stops_trials_as_cancelled_jobs_and_records_its_best(ray_cluster, tiny_dataset, tmp_path,
-                                                                            gates):
-    db = tmp_path / "service.db"
-    sweep = {"name": "lr", "base": base_spec(tmp_path, tiny_dataset), "metric": "eval_loss", "mode": "min",
-             "num_samples": 1, "space": {"optim.lr": {"grid": [3e-2, 1e-2, 3e-3, 1e-5]}},
-             "scheduler": {"type": "asha", "grace_period_steps": 3, "reduction_factor": 2}}
-    with running_service(db, gates) as svc:
-        ray.get(svc.add_team.remote("a", 4))
-        record = ray.get(svc.submit_sweep.remote("a", sweep))
-        store = Store.open(f"sqlite:///{db}")
-        try:
-            wait_for(lambda: store.sweep(record["id"]).state.terminal, "the sweep's end")
-            done = store.sweep(record["id"])
-            trials = store.trials(record["id"])
-        finally:
-            store.close()
-    assert done.state is SweepState.FINISHED, done.message
-    assert len(trials) == 4 and all(t.state.terminal for t in trials), [(t.id, t.state) for t in trials]
-    # A trial ends finished, or cancelled because ASHA stopped it (whether ASHA stops one here
-    # depends on the order the trials reach its rungs: the first at a rung always goes on).
-    stopped = [t for t in trials if t.state is JobState.CANCELLED]
-    assert all("stopped by the sweep's scheduler" in t.message for t in stopped), \
-        [(t.id, t.state, t.message) for t in trials]
-    finished = [t for t in trials if t.state is JobState.FINISHED]
-    assert finished and len(finished) + len(stopped) == 4, [(t.id, t.state, t.message) for t in trials]
-    # The best is the lowest evaluation any trial's job logged, and it names that trial.
-    curves = {t.trial_id: mlflow_history(t, "eval_loss") for t in trials}
-    lowest = min((value, trial) for trial, curve in curves.items() for _, value in curve)
-    assert done.best_trial == lowest[1]
-    assert done.best_value == pytest.approx(lowest[0], rel=1e-9)
-    # MLflow: one parent run naming the best trial; every trial's run is its child, and the
-    # parent's table holds each trial's curve as the child logged it.
-    from mlflow import MlflowClient
-
-    from raytrain_sys.sweeps.spec import tracking_uri
-    from raytrain_sys.sweeps.runner import spec_of
-
-    client = MlflowClient(tracking_uri(spec_of(done)))
-    parent = client.get_run(done.mlflow_parent_run_id)
-    assert parent.data.tags["best_trial"] == done.best_trial and parent.info.status == "FINISHED"
-    for t in trials:
-        assert client.get_run(t.mlflow_run_id).data.tags["mlflow.parentRunId"] == parent.info.run_id
-    table = json.loads(open(client.download_artifacts(parent.info.run_id, "trials.json", str(tmp_path))).read())
-    assert "sweep_curves.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
-    best = next(row for row in table if row["trial"] == done.best_trial)
-    assert [tuple(p) for p in best["curve"]] == curves[done.best_trial]
-    assert best["config"]["optim.lr"] == json.loads(
-        next(t for t in trials if t.trial_id == done.best_trial).spec)["optim"]["lr"]
-
-
 def tune_trial_states(experiment_dir: str) -> dict[str, str]:
     """Each trial's status as Tune last saved its experiment (what ``Tuner.restore`` reads)."""
 
