@@ -332,24 +332,21 @@ def test_what_tunes_end_of_a_trial_does_to_its_job(state, step, keep_stopped, ac
     assert stop_action(state, step, 12, keep_stopped) == action
 
 
-@pytest.mark.parametrize("base, coming, free, cap, wanted", [
-    (2, 0, 4, 4, 2),
-    (2, 6, 4, 4, 4),
-    (2, 6, 8, 4, 4),
-    (2, 3, 0, 4, 2),
-    (2, 6, None, 4, 4),
-    (0, 6, 4, 4, 0),
+@pytest.mark.parametrize("base, coming, cap, wanted", [
+    (2, 0, 4, 2),
+    (2, 3, 4, 3),
+    (2, 6, 4, 4),
+    (2, 1, 4, 2),
+    (0, 6, 4, 0),
 ], ids=["no sweep: the service's spares",
-        "a sweep's first trials: one spare each that fits the free workers",
+        "a sweep's trials to start: one spare each, free workers or not (a stop frees them at once)",
         "never more than the cap",
-        "no free worker: the trials still to start wait; the service's spares",
-        "a flavor table (free workers unknown): up to the cap",
+        "never fewer than the service's spares",
         "spares off: none for a sweep either"])
-def test_how_many_spare_runners_the_service_keeps_while_a_sweeps_trials_are_to_start(base, coming, free, cap,
-                                                                                    wanted):
+def test_how_many_spare_runners_the_service_keeps_while_a_sweeps_trials_are_to_start(base, coming, cap, wanted):
     from raytrain_sys.service.reconciler import spare_runners_wanted
 
-    assert spare_runners_wanted(base, coming, free, cap) == wanted
+    assert spare_runners_wanted(base, coming, cap) == wanted
 
 
 @pytest.mark.parametrize("coming, cap, kept", [

@@ -117,10 +117,11 @@ class ReconcilerConfig:
     # to be replaced while the cluster is busy; 0 for none.
     spare_runners: int = 2
     # While a sweep's trials are to start, up to this many spare runners (at least spare_runners),
-    # one per trial that could start on the free workers: Tune starts a sweep's first trials
-    # together, and each trial's job would otherwise wait for a runner process of its own to
-    # start and import torch (20 s at a load of 29 on 2 cores, 2 s on a spare). 4: each spare
-    # is a process with torch imported, kept idle until a launch takes it.
+    # one per trial still to start (spare_runners_wanted): Tune starts a sweep's first trials
+    # together, the next ones start as stops free workers, and each trial's job would otherwise
+    # wait for a runner process of its own to start and import torch behind the training (20 s
+    # at a load of 29 on 2 cores, 57-88 s beside 4 training workers; 2-8 s on a spare). 4: each
+    # spare is a process with torch imported, kept idle until a launch takes it.
     sweep_spare_runners: int = 4
     # While a sweep's trials are to start, up to this many warm spare workers (cluster-wide) that
     # jobs give back at their end are kept beyond the pool's per-node count instead of being
@@ -166,14 +167,15 @@ class ReconcilerConfig:
                                     f"got {self.provisioning_timeout_s!r}; must be a number of seconds > 0")
 
 
-def spare_runners_wanted(base: int, trials_coming: int, free: Optional[int], cap: int) -> int:
+def spare_runners_wanted(base: int, trials_coming: int, cap: int) -> int:
     """The spare runners to keep: ``base``, or, while sweeps have ``trials_coming`` trials whose
-    jobs have not started, one for each that could start now (on ``free`` workers, a trial's job
-    needing one at least; None: unknown, the table's flavors count no workers), up to ``cap``.
-    0 with ``base`` 0: spares are off."""
+    jobs have not started, one for each, up to ``cap``: free workers or not, since a trial that
+    waits for workers starts the moment a stop or an end frees them, and a runner process
+    started then waited behind the training (57-88 s at a load of 4 training workers on 2 cores,
+    against 2-8 s on a spare). 0 with ``base`` 0: spares are off."""
     if base <= 0:
         return 0
-    return max(base, min(trials_coming, cap, cap if free is None else free))
+    return max(base, min(trials_coming, cap))
 
 
 def spare_workers_kept(trials_coming: int, cap: int) -> int:
@@ -181,14 +183,6 @@ def spare_workers_kept(trials_coming: int, cap: int) -> int:
     back: one for each of the ``trials_coming`` trials whose jobs have not started, up to
     ``cap``; 0 with no trial to start."""
     return max(0, min(trials_coming, cap))
-
-
-def free_workers(snapshot) -> Optional[int]:
-    """The implicit flavor's workers no live job holds or is given (None with a flavor table:
-    its capacity is in CPUs, GPUs and memory)."""
-    if snapshot.flavors:
-        return None
-    return max(0, snapshot.cluster_workers - sum(max(j.workers, j.target_workers) for j in snapshot.jobs))
 
 
 @dataclass
@@ -285,7 +279,7 @@ class Reconciler:
             if isinstance(action, Wait):
                 self._notes[action.job_id] = (states[action.job_id], action.cause, action.reason)
         self.store.note_waits(self._notes, now_s=self.clock())
-        self._spares_wanted = spare_runners_wanted(self.config.spare_runners, trials_coming, free_workers(snapshot),
+        self._spares_wanted = spare_runners_wanted(self.config.spare_runners, trials_coming,
                                                    self.config.sweep_spare_runners)
         self._keep_spare_runners()
         self._keep_spare_workers(trials_coming)
