@@ -39,8 +39,9 @@ def _thread_ids() -> list[int]:
         return [0]
 
 
-def set_niceness(nice: int | None) -> None:
-    """Run every thread at nice value ``nice`` (None: leave them as they are)."""
+def set_niceness(nice: int | None, why: str = "") -> None:
+    """Run every thread at nice value ``nice`` (None: leave them as they are); ``why``: what asks
+    for it, in the warning when it is not permitted (default: the spec's worker_niceness)."""
     if nice is None:
         return
     for tid in _thread_ids():
@@ -50,8 +51,9 @@ def set_niceness(nice: int | None) -> None:
         except PermissionError:
             if nice not in _refused:
                 _refused.add(nice)
-                log.warning("resources.worker_niceness=%d: not permitted here (lowering a nice value needs "
-                            "root or CAP_SYS_NICE); keeping nice %d", nice, os.getpriority(os.PRIO_PROCESS, 0))
+                log.warning("%s: nice %d not permitted here (lowering a nice value needs root or CAP_SYS_NICE); "
+                            "keeping nice %d", why or "resources.worker_niceness", nice,
+                            os.getpriority(os.PRIO_PROCESS, 0))
             return
         except ProcessLookupError:  # a thread that ended meanwhile
             continue

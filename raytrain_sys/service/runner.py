@@ -48,18 +48,21 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import ray
 
 from raytrain_sys.control.control_actors import control_options
 from raytrain_sys.control.spares import NAMESPACE, SpareSource
-from raytrain_sys.control.supervisor import RunRequests, Supervisor, resume_supervisor
 from raytrain_sys.errors import find_user_error
 from raytrain_sys.monitor.report import progress
 from raytrain_sys.service.names import (RUNNER_PREFIX, SPARE_RUNNER_PREFIX,  # noqa: F401 (their home was here)
                                         SPARE_START_TIMEOUT_S, find_runner, runner_name, spare_runners)
+from raytrain_sys.niceness import process_niceness, set_niceness
 from raytrain_sys.spec import apply_overrides, from_dict
+
+if TYPE_CHECKING:  # imported by the runner's start, at START_NICENESS (torch: most of a start's CPU)
+    from raytrain_sys.control.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,13 @@ EVALUATIONS_POLL_S = 0.05
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Supervisor states before its first step: the job is still starting (or resuming).
 STARTING_STATES = frozenset({"launching", "starting", "restoring"})
+# The nice value a runner starts at, until its job's first committed step (or the run's end):
+# the process, its imports (torch, MLflow: 2-4 s of CPU), the spare's warm-up or the job's
+# pre-flight and start. At Ray's 15 beside training workers at 0 (raytrain_sys/niceness.py) a
+# runner process took 57-88 s to its job's first step (benchmarks/sweep.py, 4 workers on 2
+# cores: 25 s of pre-flight alone), where a spare took 1-7 s. It runs its job at 15 again: a
+# running job's runner at 0 slowed the next job's start (niceness.py). None: Ray's throughout.
+START_NICENESS: Optional[int] = 0
 # Supervisor states of a run that has ended (its workers are being released; done follows).
 ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
 
@@ -133,22 +143,33 @@ class JobRunner:
         self._sup: Optional[Supervisor] = None
         self._result: Optional[dict] = None
         self._done = threading.Event()
+        self._born_nice = process_niceness()  # Ray's, the runner's while its job runs
+        set_niceness(START_NICENESS, why="a runner's start")
+        # torch, and what a start needs of it: at START_NICENESS
+        import raytrain_sys.control.supervisor  # noqa: F401
+
         if launch is None:  # a spare: what a start would import and open first, done now
             import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
             from raytrain_sys.train.check import warm_up
 
             warm_up()
+            set_niceness(self._born_nice)  # idle until a launch takes it
             return
         self.start(launch, step_hook)
 
     def start(self, launch: Launch, step_hook: Optional[Callable[[int, Supervisor, Any], None]] = None) -> int:
         """Run ``launch`` (once: a runner runs one job). Returns this process's pid."""
+        from raytrain_sys.control.supervisor import RunRequests
+
         with self._lock:
             if self.launch is not None:
                 raise RuntimeError(f"this runner runs job {self.job_id} already")
             self.launch = launch
         self.job_id = launch.job_id
+        set_niceness(START_NICENESS, why="a runner's start")  # the thread below inherits it
+        self._start_nice = process_niceness()  # what the start ran at (status)
+        self._started = False  # its first committed step: back to Ray's nice value
         self._log_handler = log_to_file(job_log_path(launch.log_dir, launch.job_id))
         self.requests = RunRequests()
         self.requests.resize(launch.workers, launch.reason or f"admitted on {launch.workers} workers",
@@ -179,6 +200,8 @@ class JobRunner:
 
     # ------------------------------------------------------------------ the run
     def _run(self) -> None:
+        from raytrain_sys.control.supervisor import Supervisor, resume_supervisor
+
         launch = self.launch
         how = (f"resuming MLflow run {launch.resume_run_id} from its newest checkpoint"
                if launch.resume_run_id else "starting")
@@ -204,6 +227,7 @@ class JobRunner:
                             "error_type": type(user if user is not None else exc).__name__}
             log.error("job %d failed: %s", launch.job_id, reason, exc_info=user is None)
         finally:
+            self._started_up()
             log.info("job %d: runner done: %s", launch.job_id, json.dumps(self._result))
             self._log_handler.flush()
             self._done.set()
@@ -212,7 +236,14 @@ class JobRunner:
         """Warm spare workers, unless the job brings its code (they were started without it)."""
         return None if self.launch.package else SpareSource.here()
 
+    def _started_up(self) -> None:
+        """The start is over (the first committed step, or the run's end): Ray's nice value again."""
+        if not self._started:
+            self._started = True
+            set_niceness(self._born_nice)
+
     def _on_step(self, report) -> None:
+        self._started_up()
         if self._step_hook is not None and self._sup is not None:
             self._step_hook(self.job_id, self._sup, report)
 
@@ -250,6 +281,7 @@ class JobRunner:
                 "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
                 "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
                 "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
+                "nice": process_niceness(), "start_nice": self._start_nice,
                 "actor_id": ray.get_runtime_context().get_actor_id(),
                 "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
 
