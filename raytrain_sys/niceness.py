@@ -7,6 +7,9 @@ collective. Every thread of the worker moves, not only the one that adopts the j
 spare's torch threads were started by its warm-up, at 15.
 
 The rest stays at Ray's 15: runners, read tasks, spares, spare runners, the service; except a
+runner's start (its imports, a spare runner's warm-up, its job's pre-flight, up to the job's
+first committed step: ``service.runner.START_NICENESS``, 0: at 15 beside four training workers
+at 0 a runner process took 57-88 s to its job's first step, 25 s of it pre-flight), and a
 sweep's Tune driver and its trial proxies, at 0 (``sweeps.runner.CONTROL_NICENESS``): little CPU,
 but at 15 beside training workers at 0 a proxy's report waited up to 30 s for Tune to take it,
 and ASHA stopped trials after they had ended; at 0, the stops came 0.04-0.06 s after the
