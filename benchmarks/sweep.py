@@ -224,14 +224,18 @@ def sweep_figures(run: dict, threshold: float, steps: int) -> dict:
 def stop_to_step(run: dict) -> list[dict]:
     """For each trial ASHA stopped: its cancel (the stop) to the first committed step of the
     first admission or growth of another trial the scheduler decided after it (on the workers the
-    stop freed), split at the stopped job's end and at that decision. ``step_s`` None: nothing
-    took the workers (no trial waited, the others at their maximum)."""
-    out = []
-    for trial in run["trials"]:
-        stop = next((h["at_s"] for h in trial["history"] if h["to"] == "cancelling"
+    stop freed), split at the stopped job's end and at that decision. Each admission or growth is
+    credited to one stop only, the earliest before it (two stops at once free two workers: two
+    takers). ``step_s`` None: nothing took the workers (no trial waited, the others at their
+    maximum). The end is the stopped job's runner returning (its MLflow run closed), which comes
+    after its workers are handed on: ``end_to_decision_s`` is negative when the decision came first."""
+    def stop_of(trial: dict):
+        return next((h["at_s"] for h in trial["history"] if h["to"] == "cancelling"
                      and "stopped by the sweep's scheduler" in h["reason"]), None)
-        if stop is None:
-            continue
+
+    out, credited = [], set()
+    for trial in sorted((t for t in run["trials"] if stop_of(t) is not None), key=stop_of):
+        stop = stop_of(trial)
         end = next((h for h in trial["history"] if h["to"] in ("cancelled", "finished", "failed")), None)
         freed = end["at_s"] if end else None
         ran_to = re.search(r"(?:stopped|finished) at step (\d+)", end["reason"]) if end else None
@@ -249,7 +253,7 @@ def stop_to_step(run: dict) -> list[dict]:
                 else:
                     continue
                 first = next((t for t, _, w in other["worlds"] if t >= h["at_s"] and w >= need), None)
-                if first is not None:
+                if first is not None and (other["trial_id"], h["at_s"]) not in credited:
                     gains.append((first, h["at_s"], kind, other["trial_id"]))
         at_step = next((re.search(r"at step (\d+)", h["reason"]) for h in trial["history"] if h["to"] == "cancelling"),
                        None)
@@ -262,6 +266,7 @@ def stop_to_step(run: dict) -> list[dict]:
                "stop_to_end_s": round(freed - stop, 3) if freed else None, "step_s": None}
         if gains:
             first, decided, kind, other = min(gains)
+            credited.add((other, decided))
             row.update({"step_s": round(first - stop, 3), "to": f"{kind} of {other}",
                         "end_to_decision_s": round(decided - freed, 3) if freed else None,
                         "decision_to_step_s": round(first - decided, 3)})
