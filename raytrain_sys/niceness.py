@@ -6,18 +6,20 @@ would otherwise lose it to every daemon wake-up, and its peers would wait for it
 collective. Every thread of the worker moves, not only the one that adopts the job: a warm
 spare's torch threads were started by its warm-up, at 15.
 
-The rest stays at Ray's 15: runners, read tasks, spares, spare runners, the service; except a
-runner's start (its imports, a spare runner's warm-up, its job's pre-flight, up to the job's
-first committed step: ``service.runner.START_NICENESS``, 0: at 15 beside four training workers
-at 0 a runner process took 57-88 s to its job's first step, 25 s of it pre-flight), and a
-sweep's Tune driver and its trial proxies, at 0 (``sweeps.runner.CONTROL_NICENESS``): little CPU,
-but at 15 beside training workers at 0 a proxy's report waited up to 30 s for Tune to take it,
-and ASHA stopped trials after they had ended; at 0, the stops came 0.04-0.06 s after the
-evaluations they ranked (benchmarks/sweep.py, 4 training workers on 2 cores). Moving a
-job's runner and read tasks to 0 with its workers was measured (benchmarks/scheduler.py,
-reclaim, 2 cores): a borrowing job's runner, reads and worker then take both cores at 0, and
-the processes a starting job needs (a fresh worker, a spare's refill, its read tasks) start at
-15 beside them: 19-33 s to the new job's first step, against 7-13 s with them at 15.
+The rest stays at Ray's 15: read tasks, spares, idle spare runners, the service; except a job's
+runner (``service.runner.RUN_NICENESS``, 0: its imports, its job's start and run; at 15 beside
+four training workers at 0 a runner process took 57-88 s to its job's first step, and a growth's
+newcomer 7-9 s from the decision to its first step, against 1.1-1.2 s at 0), and a sweep's Tune
+driver and its trial proxies, at 0 (``sweeps.runner.CONTROL_NICENESS``): little CPU, but at 15
+beside training workers at 0 a proxy's report waited up to 30 s for Tune to take it, and ASHA
+stopped trials after they had ended; at 0, the stops came 0.04-0.06 s after the evaluations they
+ranked (benchmarks/sweep.py, 4 training workers on 2 cores). Moving a job's runner *and its read
+tasks* to 0 with its workers was measured (benchmarks/scheduler.py, reclaim, 2 cores): a
+borrowing job's runner, reads and worker then took both cores at 0, and the processes a starting
+job needs (a fresh worker, a spare's refill, its read tasks) started at 15 beside them: 19-33 s to
+the new job's first step, against 7-13 s with them at 15. The read tasks, which do the work,
+stay at 15; the runner alone at 0 left the reclaim as it was (0.80 s against 0.74 s at 15, one
+invocation each, back to back).
 
 Linux keeps a nice value per thread: ``set_niceness`` changes every thread the process has
 (threads started later inherit their creator's). Lowering a value needs root or CAP_SYS_NICE;

@@ -183,10 +183,9 @@ def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, 
         running = ray.get(svc.submit.remote("a", spec))["id"]
         queued = ray.get(svc.submit.remote("a", spec | {"output_dir": str(tmp_path / "c2")}))["id"]
         assert wait_until(lambda: gates.reached(running, 3), WAIT_S)
-        # Its runner started at nice 0 (not starved by training workers at 0), and runs it at Ray's.
-        status = ray.get(find_runner(running).status.remote())
-        assert status["nice"] > 0, status["nice"]
-        assert status["start_nice"] == (0 if os.geteuid() == 0 else status["nice"]), status["start_nice"]
+        # Its runner runs it at nice 0 (RUN_NICENESS), not at Ray's 15 beside training workers at 0.
+        nice = ray.get(find_runner(running).status.remote())["nice"]
+        assert (nice == 0) if os.geteuid() == 0 else (nice > 0), nice  # without root: Ray's, said once
         assert state_of(svc, queued)["state"] == "queued"
         assert ray.get(svc.cancel.remote(queued, "a"))["state"] == "cancelled"  # at once: it holds nothing
         assert ray.get(svc.cancel.remote(running, "a", "wrong data"))["state"] == "cancelling"

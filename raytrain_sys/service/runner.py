@@ -61,7 +61,7 @@ from raytrain_sys.service.names import (RUNNER_PREFIX, SPARE_RUNNER_PREFIX,  # n
 from raytrain_sys.niceness import process_niceness, set_niceness
 from raytrain_sys.spec import apply_overrides, from_dict
 
-if TYPE_CHECKING:  # imported by the runner's start, at START_NICENESS (torch: most of a start's CPU)
+if TYPE_CHECKING:  # imported in the runner's __init__, at RUN_NICENESS (torch: most of a start's CPU)
     from raytrain_sys.control.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -72,13 +72,14 @@ EVALUATIONS_POLL_S = 0.05
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # Supervisor states before its first step: the job is still starting (or resuming).
 STARTING_STATES = frozenset({"launching", "starting", "restoring"})
-# The nice value a runner starts at, until its job's first committed step (or the run's end):
-# the process, its imports (torch, MLflow: 2-4 s of CPU), the spare's warm-up or the job's
-# pre-flight and start. At Ray's 15 beside training workers at 0 (raytrain_sys/niceness.py) a
-# runner process took 57-88 s to its job's first step (benchmarks/sweep.py, 4 workers on 2
-# cores: 25 s of pre-flight alone), where a spare took 1-7 s. It runs its job at 15 again: a
-# running job's runner at 0 slowed the next job's start (niceness.py). None: Ray's throughout.
-START_NICENESS: Optional[int] = 0
+# The nice value a runner runs its job at, from its process's imports (torch, MLflow: 2-4 s of
+# CPU) to its run's end; a spare runner's warm-up too, then it idles at Ray's 15. At Ray's 15
+# beside training workers at 0 (raytrain_sys/niceness.py) a runner is starved of what little
+# CPU it needs, and everything it does waits: a runner process took 57-88 s to its job's first
+# step (25 s of it pre-flight, against 0.1 s at 0), a growth's newcomer 6.8-8.8 s from the
+# decision to its first step (1.1-1.2 s at 0), a stopped job's end 12-31 s (2.5-8.6 s)
+# (benchmarks/sweep.py, 4 training workers on 2 cores). None: Ray's throughout.
+RUN_NICENESS: Optional[int] = 0
 # Supervisor states of a run that has ended (its workers are being released; done follows).
 ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
 
@@ -143,9 +144,9 @@ class JobRunner:
         self._sup: Optional[Supervisor] = None
         self._result: Optional[dict] = None
         self._done = threading.Event()
-        self._born_nice = process_niceness()  # Ray's, the runner's while its job runs
-        set_niceness(START_NICENESS, why="a runner's start")
-        # torch, and what a start needs of it: at START_NICENESS
+        self._born_nice = process_niceness()  # Ray's: a spare idles at it
+        set_niceness(RUN_NICENESS, why="a job's runner")
+        # torch, and what a start needs of it: at RUN_NICENESS
         import raytrain_sys.control.supervisor  # noqa: F401
 
         if launch is None:  # a spare: what a start would import and open first, done now
@@ -167,9 +168,7 @@ class JobRunner:
                 raise RuntimeError(f"this runner runs job {self.job_id} already")
             self.launch = launch
         self.job_id = launch.job_id
-        set_niceness(START_NICENESS, why="a runner's start")  # the thread below inherits it
-        self._start_nice = process_niceness()  # what the start ran at (status)
-        self._started = False  # its first committed step: back to Ray's nice value
+        set_niceness(RUN_NICENESS, why="a job's runner")  # the thread below inherits it
         self._log_handler = log_to_file(job_log_path(launch.log_dir, launch.job_id))
         self.requests = RunRequests()
         self.requests.resize(launch.workers, launch.reason or f"admitted on {launch.workers} workers",
@@ -227,7 +226,6 @@ class JobRunner:
                             "error_type": type(user if user is not None else exc).__name__}
             log.error("job %d failed: %s", launch.job_id, reason, exc_info=user is None)
         finally:
-            self._started_up()
             log.info("job %d: runner done: %s", launch.job_id, json.dumps(self._result))
             self._log_handler.flush()
             self._done.set()
@@ -236,14 +234,7 @@ class JobRunner:
         """Warm spare workers, unless the job brings its code (they were started without it)."""
         return None if self.launch.package else SpareSource.here()
 
-    def _started_up(self) -> None:
-        """The start is over (the first committed step, or the run's end): Ray's nice value again."""
-        if not self._started:
-            self._started = True
-            set_niceness(self._born_nice)
-
     def _on_step(self, report) -> None:
-        self._started_up()
         if self._step_hook is not None and self._sup is not None:
             self._step_hook(self.job_id, self._sup, report)
 
@@ -281,7 +272,7 @@ class JobRunner:
                 "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
                 "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
                 "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
-                "nice": process_niceness(), "start_nice": self._start_nice,
+                "nice": process_niceness(),
                 "actor_id": ray.get_runtime_context().get_actor_id(),
                 "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
 
