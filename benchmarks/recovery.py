@@ -236,7 +236,9 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
         "lease_steps": spec.train.steps_per_call, "leases": summary.leases,
         "node_left_s": left["time"] - t_fault if left else None,
         "node_left_at_step": left["step"] if left else None,
-        "recovery_s": next_t - t_fault, "steps_redone": redone + summary.steps_redone,
+        "recovery_s": next_t - t_fault,
+        # The same steps both ways (committed twice, and counted by the restore): not their sum.
+        "steps_redone": max(redone, summary.steps_redone),
         "regain_s": regain_t - t_fault, "next_step": next_step,
         "detect_s": detected - t_fault,
         "decide_s": decided["time"] - detected,

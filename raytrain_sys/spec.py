@@ -259,6 +259,11 @@ class CheckpointSpec:
     # optim.warmup_steps, optim.grad_clip only, which a resume reads from the spec at every step;
     # [] = every training field as the checkpoint's
     resume_changes: list = field(default_factory=list)
+    # each rank's blocks of the state copied to a peer's host memory (on another node when there
+    # is one) after every step, so that a lost rank's shard comes back from its copy with no step
+    # redone (raytrain_sys.control.peer_copies): 1 on, 0 off, -1 on for a layout whose shards have
+    # no replica (fsdp, tp or pp > 1 without a second data-parallel group)
+    peer_copies: int = -1
 
 
 @dataclass
@@ -284,6 +289,9 @@ class ElasticSpec:
     # fault_slow_factor times slower (a sleep in proportion to its compute); -1 = off
     fault_slow_rank: int = -1
     fault_slow_factor: float = 2.0  # see fault_slow_rank
+    # Test only: a peer holds each peer copy it receives only after this many seconds (a copy
+    # still in flight that long, for a fault to land in); 0 = off
+    fault_copy_delay_s: float = 0.0
 
 
 @dataclass
@@ -492,7 +500,7 @@ _NON_NEGATIVE = [
     "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
     "resources.local_num_cpus", "resources.peak_tflops_per_worker", "resources.cost_per_worker_hour",
     "resources.memory_per_worker_gb", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
-    "elastic.straggler_margin", "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
+    "elastic.straggler_margin", "elastic.fault_copy_delay_s", "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
 ]
 
 
@@ -662,6 +670,9 @@ def validate(spec: JobSpec) -> JobSpec:
             raise SpecError(f"data.read_resources.{name}",
                             f"got {quote(amount)}; a Ray resource name mapped to a number of 0 or more, "
                             f"e.g. {{CPU: 1}} or {{data_reader: 1}}")
+    if spec.checkpoint.peer_copies not in (-1, 0, 1):
+        raise SpecError("checkpoint.peer_copies", f"got {spec.checkpoint.peer_copies}; 1 (on), 0 (off) or -1 "
+                        "(on for a layout whose shards have no replica)")
     if "://" in spec.checkpoint.stage_dir:
         raise SpecError("checkpoint.stage_dir", f"got {quote(spec.checkpoint.stage_dir)}; a local directory on "
                                                 f"each worker's node, or \"\" to upload from memory")

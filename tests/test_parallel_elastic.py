@@ -28,8 +28,9 @@ def one_process(ray_cluster, tiny_dataset, tmp_path_factory):
 
 
 def test_fsdp_shard_lost_restores_from_checkpoint_resharded(one_process, tiny_dataset, tmp_path):
+    """Without peer copies (on by default for FSDP since issue 29: tests/test_peer_copies.py)."""
     spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
-                   resources={"num_workers": 2})
+                   resources={"num_workers": 2}, checkpoint={"peer_copies": 0})
     events = {6: lambda s: kill_soon(worker_pid(s, 1)), 8: wait_for_a_ready_newcomer}
     result, sup, seen = run_with_events(spec, events)
     summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS, redone_ok=True)

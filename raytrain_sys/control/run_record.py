@@ -83,6 +83,11 @@ class RunSummary:
     resumed_from: list[str] = field(default_factory=list)
     failures: int = 0  # membership failures survived
     steps_redone: int = 0  # committed steps lost to a restore from a durable checkpoint
+    # one record a recovery from lost members: {"step", "lost", "reason", "from": survivors |
+    # peer copies | checkpoint, "steps_redone"}
+    recoveries: list[dict] = field(default_factory=list)
+    # checkpoint.peer_copies at the start: {"peers": each rank's peer, "bytes_per_copy_estimate"}
+    peer_copies: dict = field(default_factory=dict)
     steps_run_ahead: int = 0  # committed steps sent while the step before them ran (train.run_ahead)
     leases: int = 0  # calls to the members with steps committed (train.steps_per_call); a failed one counts
     evals: list[dict] = field(default_factory=list)  # {"step": s, "loss": ..., ...} per evaluation

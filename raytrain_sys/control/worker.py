@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_sys.checkpoint.background import BackgroundWrite
+from raytrain_sys.control.peer_copies import PeerCopies
 from raytrain_sys.data.batches import RankShare, lease_plans
 from raytrain_sys.extensions import resolve_task
 from raytrain_sys.niceness import process_niceness, set_niceness
@@ -118,7 +119,7 @@ def cut_departed(pieces: dict, chunks: list):
 
 # "checkpoint": the call that waits for a background checkpoint write (checkpoint_written) runs
 # beside the steps, so that the Supervisor can hold its reference while training goes on.
-@ray.remote(concurrency_groups={"control": 2, "checkpoint": 1})
+@ray.remote(concurrency_groups={"control": 2, "checkpoint": 1, "peer": 1})
 class TrainWorker:
     def __init__(self, spec_dict: dict[str, Any] | None, owner_id: str = ""):
         """A worker of the job ``spec_dict``; with None, a warm spare (torch and this module
@@ -146,6 +147,7 @@ class TrainWorker:
         self.released = None  # set when the claim ends (recycle): the owner watch returns
         self.stash, self.step_done = None, 0  # what ping reads (a spare holds no state)
         self.background = BackgroundWrite()  # checkpoint.async_save: this rank's write in flight
+        self.peer_copies = PeerCopies()  # checkpoint.peer_copies: this rank's copy, and those it holds
 
     def _configure(self, spec_dict: dict[str, Any]) -> None:
         self.spec = from_dict(spec_dict)
@@ -168,6 +170,8 @@ class TrainWorker:
         # The results of the steps of the newest lease that finished here, by step: after a lease
         # fails part-way the Supervisor commits its finished steps from them (lease_results).
         self.recent_results: dict[int, dict[str, float]] = {}
+        # Peer copies: (step, result) of the newest step, kept once its copies are confirmed.
+        self.unconfirmed: tuple[int, dict] | None = None
         self.cut: tuple[int, int] | None = None  # (through lease, end step): the Supervisor's (rank 0)
         self.cut_through = -1  # leases up to this id are cut short (agreed by every rank: _agree)
         self.task = resolve_task(self.spec)
@@ -295,6 +299,9 @@ class TrainWorker:
             _set_pg_timeout(collective)
         self.collective_timeout_s = collective.total_seconds()
         self.rank, self.world_size, self.generation = rank, world_size, generation
+        # No copies until the Supervisor names this generation's peer (set_peer); the copies
+        # held for the old group stay until the state is loaded: a rebuild may need them.
+        self.peer_copies.set_peer(None, -1, generation)
         if self.slow_factor is None:
             # The run's first group is generation 1 (WorkerGroup): a replacement that later takes
             # the slow rank's number is not slow, as a replacement on a healthy node would not be.
@@ -394,11 +401,17 @@ class TrainWorker:
             return  # sent ahead of a lease that was cut short: it never starts
         if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
             self.recent_results = {}  # the failed lease's finished steps stay asked for)
+            self.unconfirmed = None
+            if self.peer_copies.on and self.peer_copies.sent_step != first:
+                self._copy_to_peer()  # a new group's first lease: the state it starts from
+                self.peer_copies.wait(self._copy_timeout_s())
         reports, sent_at, plans = [], time.monotonic(), lease_plans(plans)
         for i, (batch, global_units, which) in enumerate(plans):
             reports.append(self.train_step(first + i, batch, global_units, collective_timeout_s,
                                            *(pieces[k] for k in which), lease=lease))
             end = reports[-1]["cut"] or i == len(plans) - 1
+            if end and self.peer_copies.on:
+                self._confirm_copies()  # before the lease's last report: its steps all commit
             if end or time.monotonic() - sent_at >= report_every_s:
                 yield reports
                 reports, sent_at = [], time.monotonic()
@@ -432,6 +445,15 @@ class TrainWorker:
         self.cut_through = max(self.cut_through, through)
         return {"step": step, "lr": result["lr"], "grad_norm": result["grad_norm"], "ranks": table[:, 1:],
                 "cut": through >= lease}
+
+    @ray.method(concurrency_group="control")
+    def agreed_steps(self, first: int) -> int:
+        """How many steps from ``first`` on this rank kept the results of (a step's result is
+        kept once the step is agreed, when peer copies are on)."""
+        n = 0
+        while first + n in self.recent_results:
+            n += 1
+        return n
 
     @ray.method(concurrency_group="control")
     def lease_results(self, first: int, stop: int) -> list[dict[str, float]]:
@@ -501,8 +523,49 @@ class TrainWorker:
                   "optimizer_s": time.perf_counter() - t1}
         if lease is None:
             return result
-        self.recent_results[step] = result
-        return self._agree(lease, step, result)
+        if not self.peer_copies.on:
+            self.recent_results[step] = result
+            return self._agree(lease, step, result)
+        # Peer copies (raytrain_sys.control.peer_copies): the copy of the state this step began
+        # from went to the peer after the step before, and moved while this one computed; it is
+        # whole there before this step's agreement, which so confirms it on every rank: the step
+        # before is kept (for lease_results) and committed only then. The lease's last step
+        # waits for its own copy (_confirm_copies).
+        t0 = time.perf_counter()
+        self.peer_copies.wait(self._copy_timeout_s())
+        self.peer_copies.copy_s += time.perf_counter() - t0
+        self._copy_to_peer()
+        agreed = self._agree(lease, step, result)
+        self._confirmed(step)
+        self.unconfirmed = (step, result)
+        return agreed
+
+    def _copy_timeout_s(self) -> float:
+        return max(60.0, self.collective_timeout_s)
+
+    def _copy_to_peer(self) -> None:
+        """This rank's owned blocks of the state it holds, to its peer (its receipt: ``wait``)."""
+        t0 = time.perf_counter()
+        pieces = reshard.local_pieces(self.model, self.optimizer, owned_by=self.coords, copy=False)
+        self.peer_copies.send(self.rank, self.step_done, pieces)
+        self.peer_copies.copy_s += time.perf_counter() - t0
+
+    def _confirmed(self, state: int) -> None:
+        """Every rank's copy of the state of ``state`` steps is whole at its peer: the step that
+        made it is kept (committed), and older copies and snapshots go."""
+        if self.unconfirmed is not None and self.unconfirmed[0] == state - 1:
+            self.recent_results[state - 1] = self.unconfirmed[1]
+            self.unconfirmed = None
+        self.peer_copies.agreed(state, self.generation)
+
+    def _confirm_copies(self) -> None:
+        """The lease's end: this rank's copy of the state it holds is whole at its peer, and
+        (one more collective) every rank's is."""
+        t0 = time.perf_counter()
+        self.peer_copies.wait(self._copy_timeout_s())
+        dist.all_reduce(torch.zeros(1, device=self.device))
+        self.peer_copies.copy_s += time.perf_counter() - t0
+        self._confirmed(self.step_done)
 
     def evaluate(self, batch_refs: list, which: list[int]) -> dict[int, dict[str, float]]:
         """The sums of evaluation batches ``which`` (indices into ``batch_refs``, -1: a repeat that
@@ -605,17 +668,53 @@ class TrainWorker:
         No copy: Ray serializes them before this actor runs anything else."""
         return self._held_pieces()
 
+    # Peer copies (raytrain_sys.control.peer_copies): where this rank's copy goes, and the
+    # copies of others it holds, received beside the step (their own concurrency group).
+    @ray.method(concurrency_group="control")
+    def set_peer(self, peer, peer_rank: int, generation: int) -> None:
+        """Copy this rank's blocks to ``peer`` after every step of ``generation`` (None: no copies)."""
+        self.peer_copies.set_peer(peer, peer_rank, generation)
+
+    @ray.method(concurrency_group="peer")
+    def hold_copy(self, generation: int, source: int, step: int, pieces: dict) -> int:
+        """Hold rank ``source``'s blocks at ``step`` (the whole argument has arrived); the bytes held."""
+        if self.spec.elastic.fault_copy_delay_s:  # test only: a copy in flight for that long
+            time.sleep(self.spec.elastic.fault_copy_delay_s)
+        return self.peer_copies.hold(generation, source, step, pieces)
+
+    @ray.method(concurrency_group="control")
+    def held_copies(self) -> list[tuple[str, int, int, int]]:
+        """(kind, generation, source rank, step) of every peer copy this worker holds ("held")
+        and of its own snapshots ("own")."""
+        return self.peer_copies.held()
+
+    @ray.method(concurrency_group="control")
+    def rescue_copy(self, copy: tuple) -> dict:
+        """A peer copy or snapshot this worker holds (``held_copies``), asked on the control path
+        of a member about to be killed (blocked in a collective after its peers were lost): the
+        caller owns the returned object, which outlives this process."""
+        return self.peer_copies.pieces(*copy)
+
+    @ray.method(concurrency_group="control")
+    def peer_copy_stats(self) -> dict[str, Any]:
+        """Seconds this rank's steps spent on their copies, bytes sent a copy, bytes held."""
+        c = self.peer_copies
+        return {"copy_s": c.copy_s, "sent_bytes": c.sent_bytes, "held_bytes": c.held_bytes(), "peer": c.peer_rank}
+
     # Re-forming a sharded layout, by blocks (raytrain_sys.parallel.reshard): the holders of the
     # committed step index what they hold, every member plans what it needs of whom, the
-    # holders cut those parts, and every member copies them into its new blocks.
-    def _held_pieces(self) -> dict:
+    # holders cut those parts, and every member copies them into its new blocks. ``copy``
+    # (kind, generation, source rank, step): a peer copy or snapshot, instead of its live state.
+    def _held_pieces(self, copy: tuple | None = None) -> dict:
+        if copy is not None:
+            return self.peer_copies.pieces(*copy)
         if self.stash is not None:
             return self.stash[1]
         return reshard.local_pieces(self.model, self.optimizer, copy=False)
 
-    def piece_index(self) -> dict:
+    def piece_index(self, copy: tuple | None = None) -> dict:
         """Shapes and offsets of the pieces this worker holds (no data)."""
-        return reshard.piece_index(self._held_pieces())
+        return reshard.piece_index(self._held_pieces(copy))
 
     def plan_reshard(self, step: int, *indexes: dict) -> dict:
         """What this member needs of each source (``indexes``, in the Supervisor's order) for
@@ -627,10 +726,11 @@ class TrainWorker:
         chunks, missing = reshard.plan_requests(wants, list(indexes), required)
         return {"chunks": chunks, "missing": missing}
 
-    def cut_pieces(self, chunks: list):
-        """The parts ``chunks`` asks of this worker's pieces, one return value a chunk: Ray
-        stores each as it is yielded, so this worker holds one chunk's copy at a time."""
-        pieces = self._held_pieces()
+    def cut_pieces(self, chunks: list, copy: tuple | None = None):
+        """The parts ``chunks`` asks of this worker's pieces (or of a peer copy it holds), one
+        return value a chunk: Ray stores each as it is yielded, so this worker holds one chunk's
+        copy at a time."""
+        pieces = self._held_pieces(copy)
         for requests in chunks:
             yield reshard.cut(pieces, requests)
 
@@ -647,6 +747,8 @@ class TrainWorker:
     def _loaded(self, step: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done, self.stash = step, None
+        if not self.peer_copies.on:  # a layout without copies: the old group's are not needed
+            self.peer_copies.agreed(step + 1, self.generation + 1)
 
     def sync_state(self, src_rank: int) -> int:
         """Replicated layout: make this replica equal to ``src_rank``'s, the survivor that holds

@@ -7,8 +7,11 @@ boundary plan's items, ``policy.standby_for_layout``). Also forming a process gr
 (``layout_replicated``, which only it writes) and equalizing state across a new world: a
 broadcast from a holder in a replicated layout, pieces through Ray's object store in a sharded
 one, including the pieces of members that left a draining node (only it writes
-``departing_pieces``). It records no state transition, saves or loads no checkpoint and calls no
-other part of the Supervisor: ``rebuild`` returns ``Reformed``, ``BelowMinimum`` (the Supervisor
+``departing_pieces``) and, with peer copies (raytrain_sys.control.peer_copies), the copies the
+members hold of the lost ones' blocks, their own snapshots, and those a lost member still
+answering handed over before it was killed (``rescue``); it names each member's peer (and
+writes summary.json's ``peer_copies``). It records no state transition, saves or loads no
+checkpoint and calls no other part of the Supervisor: ``rebuild`` returns ``Reformed``, ``BelowMinimum`` (the Supervisor
 waits for workers, ``wait_for``), ``NeedsRestore`` (the members cannot hold the committed step:
 the Supervisor loads a checkpoint, after ``regroup`` when every holder is gone) or ``MustStop``.
 
@@ -31,6 +34,7 @@ from typing import Callable
 import ray
 
 import raytrain_sys.control.supervisor.policy as policy
+from raytrain_sys.control import peer_copies
 from raytrain_sys.control.supervisor.probe import ping_all
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, cut_departed, index_departed
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
@@ -106,16 +110,26 @@ class MustStop:
 
 # Attempts at re-forming the group (each drops the members found lost) before the run stops.
 REFORM_ATTEMPTS = 5
+# How long a lost member may take to say which peer copies it holds (one still answering pings).
+PING_RESCUE_S = 5.0
 
 
 class Membership:
-    def __init__(self, spec: JobSpec, group: WorkerGroup, target_size: Callable[[], int] | None = None):
+    def __init__(self, spec: JobSpec, group: WorkerGroup, target_size: Callable[[], int] | None = None,
+                 summary=None):
         self.spec, self.group = spec, group
+        self.summary = summary  # the run's record: its peer_copies (each rank's peer, a copy's bytes)
         # The world to grow back to (the Supervisor's: the spec's, under a requested ceiling).
         self.target_size = target_size or (lambda: policy.target_size(spec))
         # Whether every member holds a whole copy (plain DDP): then any one of them can save it.
         self.layout_replicated = True
         self.departing_pieces: list = []  # state of members leaving a draining node
+        self.peers: list[int] = []  # each rank's peer (peer copies), [] when it keeps none
+        self.copy_bytes = 0  # the largest rank's copy, estimated when the peers are named
+        # What the newest re-form in a sharded layout took state from ("survivors", "peer copies"):
+        self.last_sources: list[str] = []
+        self.benched: list[Worker] = []  # members the newest re-form benched (still sources of state)
+        self.rescued: list[tuple[int, object]] = []  # (step, pieces) of lost members' copies (rescue)
 
     # ------------------------------------------------------------------ who is in
     def by_slot(self, slots) -> list[Worker]:
@@ -196,6 +210,25 @@ class Membership:
             self.group.remove(dead + silent)
         return held
 
+    def rescue(self, lost: list[Worker]) -> None:
+        """Lost members that still answer (blocked in a collective after their peers were lost:
+        they are killed next) may hold peer copies and snapshots the rebuild needs: those go
+        into the object store first, owned here, so they outlive the processes."""
+        if not self.peers or not lost:
+            return
+        asked = [(w, w.actor.held_copies.remote()) for w in lost]
+        done, _ = ray.wait([ref for _, ref in asked], num_returns=len(asked), timeout=PING_RESCUE_S)
+        for w, ref in asked:
+            try:
+                copies = ray.get(ref) if ref in done else []
+            except ray.exceptions.RayError:
+                continue  # dead: what it held is gone
+            self.rescued += [(c[3], w.actor.rescue_copy.remote(tuple(c))) for c in copies]
+        refs = [ref for _, ref in self.rescued]
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        if refs:
+            log.info("kept %d peer copies and snapshots of %d lost members before they go", len(refs), len(lost))
+
     def drop(self, lost: MembersLost) -> None:
         """Lost members out. Nobody lost (a timeout): the same members are tried again; a
         healthy one is never dropped, it may hold the only copy of the state."""
@@ -219,7 +252,32 @@ class Membership:
     def form_group(self, timeout_s: float = 120.0) -> list[dict]:
         results = self.group.form_process_group(timeout_s=timeout_s)
         self.layout_replicated = all(r["replicated"] for r in results)
+        self._name_peers(timeout_s)
         return results
+
+    def _name_peers(self, timeout_s: float) -> None:
+        """Peer copies (``checkpoint.peer_copies``) in a sharded layout: each member's peer, on
+        another node when there is one (``peer_copies.peer_ring``)."""
+        workers = self.group.workers
+        degrees = self.spec.parallel.degrees(len(workers))
+        if self.layout_replicated or not peer_copies.wanted(self.spec.checkpoint.peer_copies, degrees):
+            self.peers = []
+            if self.summary is not None:
+                self.summary.peer_copies = {}
+            return
+        nodes = [w.node_id for w in workers]
+        self.peers = peer_copies.peer_ring(nodes)
+        ray.get([w.actor.set_peer.remote(workers[p].actor, p, self.group.generation)
+                 for w, p in zip(workers, self.peers)], timeout=timeout_s)
+        same = sum(nodes[r] == nodes[p] for r, p in enumerate(self.peers))
+        memory = ray.get([w.actor.memory_bytes.remote() for w in workers], timeout=timeout_s)
+        self.copy_bytes = max(peer_copies.copy_bytes(m["param_bytes"], self.spec.optim.name) for m in memory)
+        if self.summary is not None:
+            self.summary.peer_copies = {"peers": self.peers, "bytes_per_copy_estimate": self.copy_bytes}
+        log.info("peer copies: each rank's blocks go to a peer after every step (rank -> peer: %s); "
+                 "about %.1f MB a copy, held by the peer and as a snapshot in the rank's object store%s",
+                 ", ".join(f"{r}->{p}" for r, p in enumerate(self.peers)), self.copy_bytes / 2**20,
+                 f"; {same} on their own node (a lost node loses those copies)" if same else "")
 
     def rebuild(self, committed_step: int, source_slot: int | None = None
                 ) -> Reformed | BelowMinimum | NeedsRestore | MustStop:
@@ -245,7 +303,7 @@ class Membership:
     def regroup(self) -> BelowMinimum | None:
         """No member holds the committed step: a fresh group of new workers (and whoever is
         left) to load a checkpoint into; ``BelowMinimum`` while too few are up."""
-        self.departing_pieces = []
+        self.departing_pieces, self.rescued = [], []
         self.request_replacements()
         have, need = len(self.group.workers) + len(self.ready()), policy.min_world(self.spec)
         if have < need:
@@ -261,6 +319,7 @@ class Membership:
         lost meanwhile are dropped (``Lost``: try again; ``AllLost`` when none is left)."""
         self.group.add(self.group.ready_pending(timeout_s=0.0))
         members = list(self.group.workers)
+        self.last_sources = []
         try:
             try:
                 return self._reform(members, committed_step, source_slot)
@@ -279,16 +338,22 @@ class Membership:
         held, dead, silent = ping_all(members)
         if dead or silent:
             raise MembersLost(dead, silent)
+        everyone, held_before = members, held
         members = self._fit_to_layout(members, held, committed_step)
+        # Members benched for the layout still hold state (theirs, and peer copies): sources too.
+        self.benched = [w for w in everyone if w.slot not in {m.slot for m in members}]
         results = self.form_group(timeout_s=RENDEZVOUS_TIMEOUT_S + 30.0)
         held, dead, silent = ping_all(members)
         if dead or silent:
             raise MembersLost(dead, silent)
         holders = [w.slot for w in members if held[w.slot] == committed_step]
-        if not holders:
+        sharded = any(r["stashed"] for r in results) or not all(r["replicated"] for r in results)
+        copies = sharded and (any(s == committed_step for s, _ in self.rescued)
+                              or self._copies_at(everyone, committed_step))
+        if not holders and not copies:
             return NoHolders(members)
-        if any(r["stashed"] for r in results) or not all(r["replicated"] for r in results):
-            gaps = self._share_state_as_pieces(members, held, committed_step)
+        if sharded:
+            gaps = self._share_state_as_pieces(members, {**held_before, **held}, committed_step)
             if gaps:
                 return Uncovered(members, gaps)
         elif len(set(held.values())) > 1:
@@ -301,6 +366,13 @@ class Membership:
         assert set(held.values()) == {committed_step}, \
             f"members hold {held} after the state sync, committed {committed_step}"
         return Reformed(members)
+
+    def _copies_at(self, members: list[Worker], step: int) -> list[tuple[Worker, tuple]]:
+        """The peer copies of ``step`` the members hold, and their own snapshots of it (a member
+        that ran the next optimizer step but not its agreement holds a later step): (holder,
+        (kind, generation, source, step))."""
+        held = ray.get([w.actor.held_copies.remote() for w in members], timeout=60)
+        return [(w, tuple(c)) for w, copies in zip(members, held) for c in copies if c[3] == step]
 
     def _fit_to_layout(self, members: list[Worker], held: dict[int, int], committed_step: int) -> list[Worker]:
         """The members the parallel degrees can use: the largest usable world, holders of the
@@ -321,11 +393,19 @@ class Membership:
         in, chunk by chunk; no one holds the whole state. The Supervisor reads shapes and
         offsets only: the parts go by reference. Returns what the sources do not cover (empty: all is covered,
         and loaded), e.g. the only shard of some layer died; then nothing is loaded."""
-        holders = [w for w in members if held[w.slot] == step]
+        sources = [*members, *self.benched]  # the members benched by this re-form hold state too
+        holders = [w for w in sources if held.get(w.slot) == step]
         # The indexes (shapes and offsets) are fetched here, not passed on as references: a
         # member's calls wait in order behind one whose arguments are not ready yet, its pings
         # included, and a departed member's index takes a task's start.
         indexes = ray.get([w.actor.piece_index.remote() for w in holders], timeout=300)
+        # Peer copies of this step that members hold, after the members' own state: a block
+        # comes from the first source that has it, so a copy fills only what no survivor holds.
+        # (a holder's own snapshot of the step is its live state again: not a source)
+        copies = [(w, c) for w, c in self._copies_at(sources, step) if not (c[0] == "own" and w in holders)]
+        copy_indexes = ray.get([w.actor.piece_index.remote(c) for w, c in copies], timeout=300)
+        rescued = [ref for s, ref in self.rescued if s == step]
+        self.departing_pieces, self.rescued = self.departing_pieces + rescued, []
         departed = []
         departed_indexes = [index_departed.remote(ref) for ref in self.departing_pieces]
         for ref, index in zip(self.departing_pieces, departed_indexes):
@@ -335,17 +415,26 @@ class Membership:
             except ray.exceptions.RayError as exc:  # the leaver died before its pieces were stored
                 log.warning("the pieces of a member that left are lost: %s", type(exc).__name__)
         self.departing_pieces = departed
+        indexes += copy_indexes
         plans = ray.get([w.actor.plan_reshard.remote(step, *indexes) for w in members], timeout=300)
         missing = sorted({k for plan in plans for k in plan["missing"]})
         if missing:
             return missing
+        n_own = len(holders) + len(departed)
+        used = {j for plan in plans for j, chunks in enumerate(plan["chunks"]) if chunks}
+        copied = {j for j in range(len(holders), n_own) if any(departed[j - len(holders)] is r for r in rescued)}
+        copied |= set(range(n_own, len(indexes)))
+        self.last_sources = (["survivors"] if used - copied else []) + (["peer copies"] if used & copied else [])
 
         def cut(j: int, chunks: list) -> list:  # one reference a chunk, from source j
             if j < len(holders):
                 refs = holders[j].actor.cut_pieces.options(num_returns=len(chunks)).remote(chunks)
-            else:
+            elif j < n_own:
                 refs = cut_departed.options(num_returns=len(chunks)).remote(
                     self.departing_pieces[j - len(holders)], chunks)
+            else:
+                w, c = copies[j - n_own]
+                refs = w.actor.cut_pieces.options(num_returns=len(chunks)).remote(chunks, c)
             return [refs] if len(chunks) == 1 else refs
 
         received = [[ref for j, chunks in enumerate(plan["chunks"]) if chunks for ref in cut(j, chunks)]

@@ -49,6 +49,8 @@ class Recovery:
         self.membership, self.checkpoints, self.steps, self.metrics = membership, checkpoints, steps, metrics
         self.group = membership.group
         self.failures: list[float] = []  # unix times of recent membership failures
+        self.restored = False  # the newest recovery loaded a checkpoint
+        self.had_copies = False  # the group that lost members kept peer copies
 
     def recover(self, lost: list[Worker], reason: str, before_reform: Callable[[dict[int, int]], None] | None = None,
                 detected_at_unix_s: float = 0.0) -> None:
@@ -57,6 +59,7 @@ class Recovery:
         commits the steps that finished on a survivor; the failure is counted after it, so that
         a budget that stops the run saves the newest state."""
         self.transition(State.REBUILDING, reason, detected_at_unix_s)
+        self.membership.rescue(lost)
         self.membership.remove(lost)
         held = self.membership.survivors_held()
         if held and before_reform is not None:
@@ -68,10 +71,17 @@ class Recovery:
             raise MustStop(budget.reason)
         if not isinstance(budget, policy.Continue):
             raise TypeError(f"unknown failure decision {budget!r}")
+        step, redone = self.steps.committed_step, self.steps.summary.steps_redone
+        self.restored, self.had_copies = False, bool(self.membership.peers)
         if not self.group.workers:
             self.restore_from(NeedsRestore([], []))
-            return
-        self.reform(source_slot=max(held, key=held.get))
+        else:
+            self.reform(source_slot=max(held, key=held.get))
+        sources = self.membership.last_sources
+        self.steps.summary.recoveries.append({
+            "step": step, "lost": [w.slot for w in lost], "reason": reason,
+            "from": "checkpoint" if self.restored else "peer copies" if "peer copies" in sources else "survivors",
+            "steps_redone": self.steps.summary.steps_redone - redone})
 
     def reform(self, source_slot: int | None = None, reason: str = "") -> None:
         """New process group over the members and ready newcomers, every one holding the
@@ -84,8 +94,9 @@ class Recovery:
             if isinstance(outcome, NeedsRestore):
                 self.restore_from(outcome)
             elif isinstance(outcome, Reformed):
+                sources = " and ".join(self.membership.last_sources)
                 self.transition(State.RUNNING, reason or f"rebuilt: world {len(outcome.members)}, "
-                                f"generation {self.group.generation}")
+                                f"generation {self.group.generation}" + (f", state from {sources}" if sources else ""))
             elif isinstance(outcome, StopOutcome):
                 raise MustStop(outcome.reason)
             else:
@@ -108,7 +119,8 @@ class Recovery:
         if need.gaps:
             gaps = need.gaps
             reason = (f"the surviving workers do not hold all of the state of step {step} (no copy "
-                      f"of {', '.join(gaps[:2])}{' ...' if len(gaps) > 2 else ''})")
+                      f"of {', '.join(gaps[:2])}{' ...' if len(gaps) > 2 else ''}"
+                      f"{': its peer copy was lost with it' if self.had_copies else ''})")
             if info is None:
                 raise TrainingFailed(f"{reason} and no checkpoint exists in {root}; "
                                      f"set checkpoint.every_steps, or keep replicas (parallel.dp, hsdp)")
@@ -122,6 +134,7 @@ class Recovery:
                 self._wait_for_workers(below)
             done = f"restored from {info.uri} after losing every worker"
         self.restore(info)
+        self.restored = True
         self.transition(State.RUNNING, done)
 
     def restore(self, info: CheckpointInfo) -> None:

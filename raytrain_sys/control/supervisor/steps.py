@@ -125,6 +125,17 @@ class _Dispatch:
         return dataclasses.replace(self, step=self.step + lo, batches=self.batches[lo:hi])
 
 
+def _answers(refs: list) -> list:
+    """Each call's answer, or None where it failed or did not come within PING_TIMEOUT_S."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=PING_TIMEOUT_S))
+        except (ray.exceptions.RayError, TimeoutError):
+            out.append(None)
+    return out
+
+
 def rank_results(reports: list[dict]) -> list[list[dict]]:
     """Per member (rank order), one result per step, from rank 0's reports of the steps
     (``TrainWorker._agree``: every rank's parts of each step; lr and grad norm are every rank's)."""
@@ -413,14 +424,21 @@ class Steps:
         self.summary.leases += 1
 
     def commit_finished(self, sent: "_Dispatch", outcome: StepOutcome, finished: int,
-                        is_data_leader: Callable[[int], bool], elapsed_s: float) -> None:
+                        is_data_leader: Callable[[int], bool], elapsed_s: float, agreed_only: bool = False) -> None:
         """After a failed lease: commit its steps before ``finished`` (the newest step a survivor
         holds): they finished on some replica, so their updates are complete and correct (every
         rank's gradient went into the all-reduce). The loss counts the ranks whose results are
-        known: the survivors' kept results of the steps they finished (``TrainWorker.lease_results``)."""
+        known: the survivors' kept results of the steps they finished (``TrainWorker.lease_results``).
+        ``agreed_only`` (peer copies): only the steps whose agreement a survivor passed, those
+        every rank's copy of which is whole (raytrain_sys.control.peer_copies)."""
+        members = sent.members
+        if agreed_only and finished > sent.step:
+            asked = [w.actor.agreed_steps.remote(sent.step) for w in members
+                     if w.slot not in outcome.lost and w in self.group.workers]
+            counts = [n for n in _answers(asked) if isinstance(n, int)]
+            finished = sent.step + min(finished - sent.step, max(counts, default=0))
         if finished <= sent.step:
             return
-        members = sent.members
         leaders = [i for i in range(len(members)) if is_data_leader(i)]  # the ranks whose loss counts
         known: dict[int, list[dict]] = {}
         asked = {i: members[i].actor.lease_results.remote(sent.step, finished) for i in range(len(members))

@@ -237,7 +237,7 @@ class Supervisor:
                 phase.beside("mlflow_run", tracking.span, tracking.seconds)
             if found.fallback:  # recorded in summary.json and as an MLflow event
                 self._transition(State.STARTING, found.fallback)
-            self.membership = Membership(spec, self.group, target_size=self._target_size)
+            self.membership = Membership(spec, self.group, target_size=self._target_size, summary=self.summary)
             self.steps = Steps(spec, self.data, self.group, found.task, self.summary, self.tracker,
                                self.on_step, found.flops_per_token, self.metrics, self.cost)
             self.stragglers = Stragglers(spec, self.summary, self.tracker, team=self.metrics.tags["team"])
@@ -399,13 +399,13 @@ class Supervisor:
 
     def _recover_lease(self, sent: _Dispatch, outcome: StepOutcome, lease_time_s: float) -> None:
         """Rebuild in place after a failed lease: survivors keep their state; the lease's steps
-        that finished on a survivor are committed, not redone (``sent.members`` and
-        ``sent.shares`` are the lease's, rank by rank)."""
-        degrees = self.spec.parallel.degrees(len(sent.members))
+        that finished on a survivor (with peer copies: that it agreed) are committed, not redone
+        (``sent.members`` and ``sent.shares`` are the lease's, rank by rank)."""
+        degrees, agreed_only = self.spec.parallel.degrees(len(sent.members)), bool(self.membership.peers)
 
         def commit_if_finished(held: dict[int, int]) -> None:
             self.steps.commit_finished(sent, outcome, min(max(held.values()), sent.end),
-                                       lambda i: is_data_leader_rank(degrees, i), lease_time_s)
+                                       lambda i: is_data_leader_rank(degrees, i), lease_time_s, agreed_only)
 
         where = f"step {sent.step + 1}" if sent.count == 1 else f"steps {sent.step + 1}..{sent.end}"
         self.recovery.recover(outcome.lost_among(sent.members), f"{where} failed: {outcome.describe(sent.members)}",

@@ -1,0 +1,206 @@
+"""Each rank's shard copied to a peer's host memory after every step (``checkpoint.peer_copies``).
+
+In a layout whose shards have no replica (FSDP without a second data-parallel group, PP stages
+without DP, TP), a lost rank's state exists nowhere else: without a copy the run restores the
+newest checkpoint and redoes the steps since. With peer copies every rank sends the blocks it
+owns (``reshard.local_pieces(owned_by=...)``: the union over ranks is the state, once) to one
+peer, on another node when there is one (``peer_ring``), and the survivors rebuild a lost rank's
+blocks from its copy (``Membership._share_state_as_pieces``: copies are one more kind of source).
+
+The invariant that makes the recovery redo nothing: **a step commits only once every rank's
+copy of the state it made is whole at its peer**, and the copies and snapshots of an older
+state are dropped only once a newer one is confirmed. A rank puts its blocks in its node's
+object store right after its optimizer step (``ray.put`` of flat arrays: the one memory copy on
+the step's path); the peer copies them into its own memory on a concurrency group of its own,
+while this rank computes the next step. Before that next step's agreement (``_agree``'s
+all-gather) the rank waits for the receipt, so the agreement confirms every rank's copy of the
+state before it: that step is kept (``lease_results``) and committed only then. The lease's
+last step waits for its own copy and confirms it with one more collective before its report
+(a step a call, as the tests run, is so synchronous). Whatever dies, the committed state is
+whole among the survivors: their live state, the copies they hold for the lost, and their own
+snapshots (a survivor ahead of the committed state goes back to its snapshot, since its copy
+may have been on the lost rank); a member about to be killed while it still answers hands its
+copies over first (``Membership.rescue``). A copy is a whole call's argument: held once it
+arrived whole, never in part. Losing a rank and its peer together loses that copy: the
+checkpoint is the fallback.
+
+Memory, per rank: the copies it holds for others (one rank's with a balanced ring) in its own
+memory, and its own snapshots in its node's object store; two of each in a lease (the newest
+state's arriving while the one before waits for its confirmation), one of each at its end.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import ray
+import torch
+
+from raytrain_sys.parallel.reshard import Piece
+
+
+
+def wanted(setting: int, degrees: dict[str, int]) -> bool:
+    """Whether a layout keeps peer copies: ``checkpoint.peer_copies`` 1 on, 0 off, -1 (auto) on
+    when some state has no replica: sharded (fsdp, tp or pp > 1) without a second
+    data-parallel group."""
+    if setting >= 0:
+        return bool(setting)
+    sharded = degrees.get("fsdp", 1) > 1 or degrees.get("tp", 1) > 1 or degrees.get("pp", 1) > 1
+    return sharded and degrees.get("dp", 1) == 1
+
+
+# Tensors of optimizer state per parameter tensor (AdamW and LAMB: two moments; LARS: momentum).
+STATES_PER_PARAM = {"adamw": 2, "lamb": 2, "lars": 1}
+
+
+def copy_bytes(param_bytes: int, optimizer: str) -> int:
+    """A rank's copy, estimated before its first step (optimizer state is made at the first):
+    its parameters' blocks and their optimizer state."""
+    return param_bytes * (1 + STATES_PER_PARAM.get(optimizer, 2))
+
+
+def peer_ring(nodes: list[str]) -> list[int]:
+    """The peer of each rank (``nodes[r]``: rank r's node): a rank on another node whenever
+    there is one, so that losing any one node loses no rank together with its copy; of those,
+    the one holding the fewest copies so far, then the nearest after it in the ring of ranks
+    ordered by node. Balanced nodes give every rank exactly one copy to hold. On one node the
+    peer is the next rank (a process lost, not the node)."""
+    n = len(nodes)
+    if n < 2:
+        return [0] * n
+    order = sorted(range(n), key=lambda r: (nodes[r], r))
+    position = {r: i for i, r in enumerate(order)}
+    load = [0] * n
+    peers = [0] * n
+    for r in order:
+        others = [p for p in range(n) if p != r and nodes[p] != nodes[r]] or [p for p in range(n) if p != r]
+        p = min(others, key=lambda q: (load[q], (position[q] - position[r]) % n))
+        peers[r] = p
+        load[p] += 1
+    return peers
+
+
+def to_wire(pieces: dict[str, Piece]) -> dict[str, tuple]:
+    """Pieces as flat byte arrays (numpy: Ray puts those in the object store with one memory
+    copy and reads them back without one, where a tensor is pickled) with their dtype, shape and
+    place; a piece under several keys (tied parameters) is one array."""
+    arrays: dict[int, Any] = {}
+    out = {}
+    for key, p in pieces.items():
+        if id(p.data) not in arrays:
+            arrays[id(p.data)] = p.data.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        out[key] = (str(p.data.dtype).removeprefix("torch."), tuple(p.data.shape), p.global_shape, p.offset,
+                    arrays[id(p.data)])
+    return out
+
+
+def from_wire(wire: dict[str, tuple], copy: bool = True) -> dict[str, Piece]:
+    """``to_wire``'s pieces back, copied into this process's memory (the arrays Ray hands out
+    are views of the object store, whose object the sender owns: it may die); ``copy=False``
+    reads them in place (an object this process owns: read only, for a rebuild's cuts)."""
+    tensors: dict[int, torch.Tensor] = {}
+    out = {}
+    for key, (dtype, shape, global_shape, offset, array) in wire.items():
+        if id(array) not in tensors:
+            with warnings.catch_warnings():  # read only in place: the cuts copy, nothing writes
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(array.copy() if copy else array)
+            tensors[id(array)] = data.view(getattr(torch, dtype)).reshape(shape)
+        out[key] = Piece(tuple(global_shape), tuple(offset), tensors[id(array)])
+    return out
+
+
+class PeerCopies:
+    """A worker's side: where its copy goes (``set_peer``), sending it (``send``), its own newest
+    snapshots (the object each copy moves through, in this node's object store, kept until a
+    newer step is agreed), and the copies it holds for others (``hold``, by (generation, source
+    rank) and step), dropped as newer steps are agreed (``agreed``)."""
+
+    def __init__(self):
+        self.peer = None  # the peer's actor handle, None: no copies in this layout
+        self.peer_rank = -1
+        self.generation = -1
+        self.sent_step = -1  # newest step of this rank's own state its peer holds whole
+        self.sent_bytes = 0
+        self.copy_s = 0.0  # seconds this rank's steps spent sending their copies (to the receipt)
+        self._own: dict[int, Any] = {}  # step -> reference to this rank's snapshot (its copy's object)
+        self._receipt: tuple[int, Any] | None = None  # (step, the peer's receipt) of the copy in flight
+        self._held: dict[tuple[int, int], dict[int, Any]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def on(self) -> bool:
+        return self.peer is not None
+
+    def set_peer(self, peer, peer_rank: int, generation: int) -> None:
+        """This rank's peer in ``generation`` (None: no copies); the next step sends one."""
+        self.peer, self.peer_rank, self.generation, self.sent_step = peer, peer_rank, generation, -1
+        self._receipt = None
+
+    def send(self, rank: int, step: int, pieces: dict) -> None:
+        """Copy ``pieces`` (this rank's owned blocks at ``step``) to the peer; ``wait`` for its
+        receipt. The snapshot stays in this node's object store until a newer step is agreed: a
+        survivor ahead of the committed step goes back to it."""
+        wire = to_wire(pieces)
+        ref = ray.put(wire)  # the one memory copy on the step's path
+        with self._lock:
+            self._own[step] = (self.generation, rank, ref)
+        self.sent_bytes = sum(a.nbytes for a in {id(w[4]): w[4] for w in wire.values()}.values())
+        self._receipt = (step, self.peer.hold_copy.remote(self.generation, rank, step, ref))
+
+    def wait(self, timeout_s: float) -> None:
+        """Return once the peer holds the copy sent last whole. Raises what its receipt raised
+        (e.g. the peer died) as a plain error: this rank is healthy, and the Supervisor tells a
+        member's failed step from a dead member by the exception's type."""
+        if self._receipt is None:
+            return
+        step, ref = self._receipt
+        try:
+            ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.RayError as exc:
+            raise RuntimeError(f"the copy of step {step} to peer rank {self.peer_rank} failed: "
+                               f"{type(exc).__name__}") from None
+        self._receipt, self.sent_step = None, step
+
+    def hold(self, generation: int, source: int, step: int, wire: dict) -> int:
+        """Keep a whole copy (the call's argument arrived whole; ``from_wire`` copies it into
+        this process) beside the older ones, until ``agreed``. Returns the bytes held."""
+        pieces = from_wire(wire)
+        with self._lock:
+            self._held.setdefault((generation, source), {})[step] = pieces
+            return self.held_bytes()
+
+    def agreed(self, step: int, generation: int) -> None:
+        """Step ``step`` of ``generation`` is agreed: every rank's copy of it is whole at its
+        peer. Copies and snapshots of older steps, and of older generations, are not needed."""
+        with self._lock:
+            for key in list(self._held):
+                if key[0] < generation:
+                    del self._held[key]
+                    continue
+                for s in [s for s in self._held[key] if s < step]:
+                    del self._held[key][s]
+            for s in [s for s, (g, _, _) in self._own.items() if s < step or g < generation]:
+                del self._own[s]
+
+    def held(self) -> list[tuple[str, int, int, int]]:
+        """("held", generation, source rank, step) of every copy held for another rank, and
+        ("own", generation, rank, step) of this rank's own snapshots."""
+        with self._lock:
+            return sorted([("held", g, src, s) for (g, src), steps in self._held.items() for s in steps]
+                          + [("own", g, r, s) for s, (g, r, _) in self._own.items()])
+
+    def pieces(self, kind: str, generation: int, source: int, step: int) -> dict:
+        with self._lock:
+            if kind == "own":
+                ref = self._own[step][2]
+            else:
+                return self._held[(generation, source)][step]
+        return from_wire(ray.get(ref), copy=False)
+
+    def held_bytes(self) -> int:
+        seen = {id(p): p for steps in self._held.values() for pieces in steps.values() for p in pieces.values()}
+        return sum(p.data.numel() * p.data.element_size() for p in seen.values())

@@ -1,0 +1,184 @@
+"""Peer copies (issue 29): in a layout whose shards have no replica, each rank's blocks are
+copied to a peer's host memory after every step, and a lost rank's shard comes back from its
+copy: 0 steps redone, with no checkpoint to fall back on. A rank and its peer lost together
+fall back to the checkpoint, named in the summary; a rank killed while its copy is in flight
+goes back to the copies of the committed step, never a newer one half held. Every run ends where
+one process ends (fp64), every sample exactly once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_sys.control.peer_copies import peer_ring, wanted
+from raytrain_sys.control.supervisor import run_job
+from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, restore_cluster_size,
+                             run_with_events, wait_for_a_ready_newcomer, worker_pid)
+from tests.helpers import final_params
+
+STEPS = 18
+CLUSTER_NODES = 4  # the session cluster's worker nodes (tests/conftest.py)
+MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
+
+
+# ----------------------------------------------------------------------------- pure
+@pytest.mark.parametrize("nodes, peers", [
+    # two nodes of two: every rank's copy on the other node, each rank holding one
+    (["a", "a", "b", "b"], [2, 3, 0, 1]),
+    # ranks of a node interleaved with the other's: still across nodes, one each
+    (["a", "b", "a", "b"], [1, 0, 3, 2]),
+    # one node: the next rank (a lost process, not a lost node)
+    (["a", "a", "a"], [1, 2, 0]),
+    # two ranks on two nodes: each other's
+    (["a", "b"], [1, 0]),
+    # four nodes of one: a ring across them
+    (["a", "b", "c", "d"], [1, 2, 3, 0]),
+])
+def test_peer_ring_puts_each_copy_on_another_node_when_there_is_one(nodes, peers):
+    assert peer_ring(nodes) == peers
+
+
+def test_peer_ring_with_one_crowded_node_still_copies_off_it():
+    """Three ranks on a, one on b: no bijection keeps every copy off its rank's node, so b holds
+    a's three copies (and a's one copy of b): a lost node never takes a rank with its copy."""
+    nodes = ["a", "a", "a", "b"]
+    peers = peer_ring(nodes)
+    assert all(nodes[r] != nodes[p] for r, p in enumerate(peers)), peers
+
+
+@pytest.mark.parametrize("setting, degrees, on", [
+    (-1, {"pp": 1, "dp": 1, "fsdp": 2, "tp": 1}, True),   # FSDP: the only shard of each block
+    (-1, {"pp": 2, "dp": 1, "fsdp": 1, "tp": 1}, True),   # PP stages without DP
+    (-1, {"pp": 2, "dp": 1, "fsdp": 2, "tp": 1}, True),   # 2-D
+    (-1, {"pp": 1, "dp": 2, "fsdp": 2, "tp": 1}, False),  # HSDP with a second replica holds it
+    (-1, {"pp": 1, "dp": 4, "fsdp": 1, "tp": 1}, False),  # plain DDP: every rank holds it all
+    (0, {"pp": 1, "dp": 1, "fsdp": 2, "tp": 1}, False),   # asked off
+    (1, {"pp": 1, "dp": 2, "fsdp": 2, "tp": 1}, True),    # asked on
+])
+def test_peer_copies_are_on_by_default_where_a_shard_has_no_replica(setting, degrees, on):
+    assert wanted(setting, degrees) is on
+
+
+# ----------------------------------------------------------------------------- on the cluster
+@pytest.fixture(scope="module")
+def one_process(ray_cluster, tiny_dataset, tmp_path_factory):
+    """The same job on one worker: every layout must end here."""
+    spec = ft_spec(tmp_path_factory.mktemp("one"), tiny_dataset, STEPS, model=MODEL,
+                   resources={"num_workers": 1})
+    result = run_job(spec)
+    return final_params(result.newest_checkpoint), result
+
+
+def _recoveries(summary):
+    return summary["recoveries"]
+
+
+@pytest.mark.parametrize("parallel, workers, killed", [
+    ({"strategy": "fsdp"}, 2, 1),
+    ({"strategy": "fsdp"}, 4, 2),
+    ({"strategy": "fsdp", "pp": 2}, 4, 2),
+], ids=["fsdp2", "fsdp4", "pp2xfsdp2"])
+def test_a_lost_rank_comes_back_from_its_peer_copy_with_no_step_redone(
+        one_process, tiny_dataset, tmp_path, parallel, workers, killed):
+    """SIGKILL a rank at step 15 with no checkpoint to fall back on (checkpoint.every_steps 0):
+    its shard comes back from the copy its peer holds; nothing is redone, and the replacement
+    joins from the survivors' memory too."""
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel=parallel,
+                   resources={"num_workers": workers}, checkpoint={"every_steps": 0})
+    events = {15: lambda s: kill_soon(worker_pid(s, killed)),
+              16: lambda s: wait_for_a_ready_newcomer(s, every=True)}
+    result, sup, seen = run_with_events(spec, events)
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS)
+    recoveries = _recoveries(summary)
+    assert len(recoveries) == 1 and recoveries[0]["from"] == "peer copies", recoveries
+    assert recoveries[0]["steps_redone"] == 0 and recoveries[0]["step"] >= 15, recoveries
+    assert not [t for t in summary["transitions"] if t["state"] == "restoring"], summary["transitions"]
+    assert not summary["checkpoints"][:-1], "a checkpoint before the final one: none was configured"
+    assert summary["world_sizes"][-1] == workers, summary["world_sizes"]
+
+
+def test_a_rank_killed_mid_lease_comes_back_from_the_confirmed_copies(one_process, tiny_dataset, tmp_path):
+    """Leases of 5 steps: within a lease each copy moves while the next step computes, and a
+    step commits only once the next step's agreement (or the lease's end) confirmed every
+    rank's copy of it. A rank killed a few steps into the lease of steps 11..15: the steps
+    confirmed on the survivor are committed, the survivor goes back to its snapshot of the
+    newest of them, the lost rank's blocks come from its copy; 0 steps redone."""
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
+                   resources={"num_workers": 2}, train={"steps_per_call": 5}, checkpoint={"every_steps": 0})
+
+    def kill_a_few_steps_in(sup):
+        kill_soon(worker_pid(sup, 1), delay_s=2.5 * sup.steps._step_times[-1])
+
+    result, sup, seen = run_with_events(spec, {6: kill_a_few_steps_in, 12: wait_for_a_ready_newcomer})
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS)
+    recoveries = _recoveries(summary)
+    assert len(recoveries) == 1 and recoveries[0]["from"] == "peer copies", recoveries
+    assert recoveries[0]["steps_redone"] == 0 and recoveries[0]["step"] >= 10, recoveries
+
+
+def test_a_rank_killed_while_its_copy_is_in_flight_goes_back_to_the_committed_copies(
+        one_process, tiny_dataset, tmp_path):
+    """Every copy takes half a second to be held (elastic.fault_copy_delay_s): a rank killed
+    0.15 s into the step after 10 dies with its copy of step 11 in flight, after every rank ran step 11's
+    optimizer step but before the step was agreed. Step 10 is the committed one: the survivor goes
+    back to its own snapshot of it (its copy was on the lost rank), the lost rank's blocks come
+    from the copy of step 10 its peer held; step 11 is not counted as redone (it never
+    committed), and the run ends like one process."""
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
+                   resources={"num_workers": 2}, checkpoint={"every_steps": 0},
+                   elastic={"fault_copy_delay_s": 0.5})
+    events = {10: lambda s: kill_soon(worker_pid(s, 1), delay_s=0.15), 11: wait_for_a_ready_newcomer}
+    result, sup, seen = run_with_events(spec, events)
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS)
+    recoveries = _recoveries(summary)
+    assert len(recoveries) == 1 and recoveries[0] == {**recoveries[0], "step": 10, "from": "peer copies",
+                                                      "steps_redone": 0}, recoveries
+
+
+def test_a_rank_and_its_peer_lost_together_fall_back_to_the_checkpoint(one_process, tiny_dataset, tmp_path):
+    """FSDP over four ranks on four nodes: rank 1 and the peer holding its copy are killed at
+    once. The survivors cannot cover rank 1's blocks: the checkpoint of step 5 is restored and
+    the steps since redone, and the summary and the transition say why."""
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
+                   resources={"num_workers": 4})
+    pair = []
+
+    def kill_rank_and_peer(sup):
+        peer = sup.membership.peers[1]
+        pair.extend([1, peer])
+        for index in pair:
+            kill_soon(worker_pid(sup, index))
+
+    events = {7: kill_rank_and_peer, 8: lambda s: wait_for_a_ready_newcomer(s, every=True)}
+    result, sup, seen = run_with_events(spec, events)
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS, redone_ok=True)
+    assert pair and pair[1] != 1
+    recoveries = _recoveries(summary)
+    assert recoveries and recoveries[0]["from"] == "checkpoint" and recoveries[0]["steps_redone"] >= 2, recoveries
+    restore = [t for t in summary["transitions"] if t["state"] == "restoring"]
+    assert restore and "its peer copy was lost with it" in restore[0]["reason"], summary["transitions"]
+
+
+
+def test_a_lost_node_comes_back_from_the_peer_copies_on_other_nodes(one_process, tiny_dataset, tmp_path, ray_nodes):
+    """FSDP over two ranks on two nodes; rank 1's node vanishes after step 15 (no grace): its
+    rank's copy is on rank 0's node, so the survivor alone holds the whole step, and nothing is
+    redone with no checkpoint configured."""
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
+                   resources={"num_workers": 2}, checkpoint={"every_steps": 0})
+    removed = []
+
+    def lose_node(sup):
+        assert sup.group.workers[0].node_id != sup.group.workers[1].node_id
+        lose_node_of(ray_nodes, sup.group.workers[1], removed)
+
+    try:
+        result, sup, seen = run_with_events(spec, {15: lose_node, 16: wait_for_a_ready_newcomer})
+    finally:
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
+    assert removed
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS)
+    recoveries = _recoveries(summary)
+    assert len(recoveries) == 1 and recoveries[0]["from"] == "peer copies", recoveries
+    assert recoveries[0]["steps_redone"] == 0, recoveries
+    assert summary["peer_copies"]["peers"] == [1, 0], summary["peer_copies"]
