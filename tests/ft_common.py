@@ -36,6 +36,14 @@ def ft_spec(tmp_path, dataset, steps: int, **sections):
     return tiny_spec(tmp_path, dataset, **base)
 
 
+def one_worker_reference(tmp_path_factory, dataset, steps: int, model: dict):
+    """The same job on one worker, which every layout must end equal to: (final parameters,
+    result)."""
+    spec = ft_spec(tmp_path_factory.mktemp("one"), dataset, steps, model=model, resources={"num_workers": 1})
+    result = Supervisor(spec).run()
+    return final_params(result.newest_checkpoint), result
+
+
 def run_with_events(spec, events: dict):
     """Run a job with ``events`` (see ``supervisor_with_events``): (result, supervisor, steps seen)."""
     sup, seen = supervisor_with_events(spec, events)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_sys.control.supervisor import run_job
-from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, run_with_events,
+from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, one_worker_reference, run_with_events,
                              wait_for_a_ready_newcomer, worker_pid)
-from tests.helpers import final_params
 
 STEPS = 12
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
@@ -21,10 +19,7 @@ MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}
 @pytest.fixture(scope="module")
 def one_process(ray_cluster, tiny_dataset, tmp_path_factory):
     """The same job on one worker: every layout must end here."""
-    spec = ft_spec(tmp_path_factory.mktemp("one"), tiny_dataset, STEPS, model=MODEL,
-                   resources={"num_workers": 1})
-    result = run_job(spec)
-    return final_params(result.newest_checkpoint), result
+    return one_worker_reference(tmp_path_factory, tiny_dataset, STEPS, MODEL)
 
 
 def test_fsdp_shard_lost_restores_from_checkpoint_resharded(one_process, tiny_dataset, tmp_path):

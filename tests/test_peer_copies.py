@@ -11,10 +11,8 @@ from __future__ import annotations
 import pytest
 
 from raytrain_sys.control.peer_copies import peer_ring, wanted
-from raytrain_sys.control.supervisor import run_job
-from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, restore_cluster_size,
-                             run_with_events, wait_for_a_ready_newcomer, worker_pid)
-from tests.helpers import final_params
+from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, one_worker_reference,
+                             restore_cluster_size, run_with_events, wait_for_a_ready_newcomer, worker_pid)
 
 STEPS = 18
 CLUSTER_NODES = 4  # the session cluster's worker nodes (tests/conftest.py)
@@ -63,10 +61,7 @@ def test_peer_copies_are_on_by_default_where_a_shard_has_no_replica(setting, deg
 @pytest.fixture(scope="module")
 def one_process(ray_cluster, tiny_dataset, tmp_path_factory):
     """The same job on one worker: every layout must end here."""
-    spec = ft_spec(tmp_path_factory.mktemp("one"), tiny_dataset, STEPS, model=MODEL,
-                   resources={"num_workers": 1})
-    result = run_job(spec)
-    return final_params(result.newest_checkpoint), result
+    return one_worker_reference(tmp_path_factory, tiny_dataset, STEPS, MODEL)
 
 
 def _recoveries(summary):

@@ -170,8 +170,10 @@ class TrainWorker:
         # The results of the steps of the newest lease that finished here, by step: after a lease
         # fails part-way the Supervisor commits its finished steps from them (lease_results).
         self.recent_results: dict[int, dict[str, float]] = {}
-        # Peer copies: (step, result) of the newest step, kept once its copies are confirmed.
+        # Peer copies: (step, result) of the newest step, kept once its copies are confirmed;
+        # the lease whose last step's copies could not be confirmed (none: every lease's were).
         self.unconfirmed: tuple[int, dict] | None = None
+        self.unconfirmed_lease: int | None = None
         self.cut: tuple[int, int] | None = None  # (through lease, end step): the Supervisor's (rank 0)
         self.cut_through = -1  # leases up to this id are cut short (agreed by every rank: _agree)
         self.task = resolve_task(self.spec)
@@ -302,6 +304,7 @@ class TrainWorker:
         # No copies until the Supervisor names this generation's peer (set_peer); the copies
         # held for the old group stay until the state is loaded: a rebuild may need them.
         self.peer_copies.set_peer(None, -1, generation)
+        self.unconfirmed_lease = None
         if self.slow_factor is None:
             # The run's first group is generation 1 (WorkerGroup): a replacement that later takes
             # the slow rank's number is not slow, as a replacement on a healthy node would not be.
@@ -399,6 +402,8 @@ class TrainWorker:
                report_every_s: float):
         if lease <= self.cut_through:
             return  # sent ahead of a lease that was cut short: it never starts
+        if self.unconfirmed_lease is not None and lease > self.unconfirmed_lease:
+            raise RuntimeError(f"lease {lease} refused: the lease before it ended without its copies confirmed")
         if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
             self.recent_results = {}  # the failed lease's finished steps stay asked for)
             self.unconfirmed = None
@@ -411,7 +416,13 @@ class TrainWorker:
                                            *(pieces[k] for k in which), lease=lease))
             end = reports[-1]["cut"] or i == len(plans) - 1
             if end and self.peer_copies.on:
-                self._confirm_copies()  # before the lease's last report: its steps all commit
+                try:
+                    self._confirm_copies()  # before the lease's last report: its steps all commit
+                except BaseException:
+                    # The lease sent ahead would find this rank at its first step: refused
+                    # (train_step), so that the steps confirmed here stay asked for.
+                    self.unconfirmed_lease = lease
+                    raise
             if end or time.monotonic() - sent_at >= report_every_s:
                 yield reports
                 reports, sent_at = [], time.monotonic()
