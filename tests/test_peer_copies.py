@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_sys.control.peer_copies import peer_ring, wanted
+from raytrain_sys.control.peer_copies import peer_ring, room, wanted
 from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, one_worker_reference,
                              restore_cluster_size, run_with_events, wait_for_a_ready_newcomer, worker_pid)
 
@@ -55,6 +55,16 @@ def test_peer_ring_with_one_crowded_node_still_copies_off_it():
 ])
 def test_peer_copies_are_on_by_default_where_a_shard_has_no_replica(setting, degrees, on):
     assert wanted(setting, degrees) is on
+
+
+@pytest.mark.parametrize("copy_mb, ranks_on_node, available_mb, fits", [
+    (100, 1, 1000, True),    # 3 x 100 MB within half of 1 GB
+    (100, 2, 1000, False),   # two ranks on the node: 600 MB, more than half
+    (200, 1, 1000, False),
+    (1, 8, 100, True),
+])
+def test_auto_peer_copies_need_room_in_host_memory(copy_mb, ranks_on_node, available_mb, fits):
+    assert room(copy_mb * 2**20, ranks_on_node, available_mb * 2**20) is fits
 
 
 # ----------------------------------------------------------------------------- on the cluster

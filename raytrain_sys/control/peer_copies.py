@@ -62,6 +62,18 @@ def copy_bytes(param_bytes: int, optimizer: str) -> int:
     return param_bytes * (1 + STATES_PER_PARAM.get(optimizer, 2))
 
 
+# What peer copies take of a rank's copy on its node, at most: two copies held for its peer
+# (within a lease) and its own snapshot. Auto mode keeps them within HOST_SHARE of the memory
+# the node has available when the group forms.
+COPIES_HELD = 3
+HOST_SHARE = 0.5
+
+
+def room(copy_bytes: int, ranks_on_node: int, available_bytes: int) -> bool:
+    """Whether a node has the host memory for its ranks' peer copies (auto mode)."""
+    return COPIES_HELD * copy_bytes * ranks_on_node <= HOST_SHARE * available_bytes
+
+
 def peer_ring(nodes: list[str]) -> list[int]:
     """The peer of each rank (``nodes[r]``: rank r's node): a rank on another node whenever
     there is one, so that losing any one node loses no rank together with its copy; of those,

@@ -707,6 +707,13 @@ class TrainWorker:
         return self.peer_copies.pieces(*copy)
 
     @ray.method(concurrency_group="control")
+    def host_memory_available(self) -> int:
+        """Bytes of memory this worker's host has available (peer copies' room, auto mode)."""
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+
+    @ray.method(concurrency_group="control")
     def peer_copy_stats(self) -> dict[str, Any]:
         """Seconds this rank's steps spent on their copies, bytes sent a copy, bytes held."""
         c = self.peer_copies

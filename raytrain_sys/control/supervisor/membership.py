@@ -257,7 +257,8 @@ class Membership:
 
     def _name_peers(self, timeout_s: float) -> None:
         """Peer copies (``checkpoint.peer_copies``) in a sharded layout: each member's peer, on
-        another node when there is one (``peer_copies.peer_ring``)."""
+        another node when there is one (``peer_copies.peer_ring``); in auto mode, only where
+        every node has the host memory for them (``peer_copies.room``)."""
         workers = self.group.workers
         degrees = self.spec.parallel.degrees(len(workers))
         if self.layout_replicated or not peer_copies.wanted(self.spec.checkpoint.peer_copies, degrees):
@@ -266,12 +267,24 @@ class Membership:
                 self.summary.peer_copies = {}
             return
         nodes = [w.node_id for w in workers]
+        memory = ray.get([w.actor.memory_bytes.remote() for w in workers], timeout=timeout_s)
+        available = ray.get([w.actor.host_memory_available.remote() for w in workers], timeout=timeout_s)
+        self.copy_bytes = max(peer_copies.copy_bytes(m["param_bytes"], self.spec.optim.name) for m in memory)
+        short = [n for n, free in zip(nodes, available)
+                 if not peer_copies.room(self.copy_bytes, nodes.count(n), free)]
+        if short and self.spec.checkpoint.peer_copies < 0:
+            self.peers = []
+            why = (f"peer copies off: about {peer_copies.COPIES_HELD} x {self.copy_bytes / 2**20:.0f} MB a rank "
+                   f"would take more than {peer_copies.HOST_SHARE:.0%} of the memory available on node "
+                   f"{short[0][:8]}; set checkpoint.peer_copies: 1 to keep them anyway")
+            log.warning(why)
+            if self.summary is not None:
+                self.summary.peer_copies = {"off": why}
+            return
         self.peers = peer_copies.peer_ring(nodes)
         ray.get([w.actor.set_peer.remote(workers[p].actor, p, self.group.generation)
                  for w, p in zip(workers, self.peers)], timeout=timeout_s)
         same = sum(nodes[r] == nodes[p] for r, p in enumerate(self.peers))
-        memory = ray.get([w.actor.memory_bytes.remote() for w in workers], timeout=timeout_s)
-        self.copy_bytes = max(peer_copies.copy_bytes(m["param_bytes"], self.spec.optim.name) for m in memory)
         if self.summary is not None:
             self.summary.peer_copies = {"peers": self.peers, "bytes_per_copy_estimate": self.copy_bytes}
         log.info("peer copies: each rank's blocks go to a peer after every step (rank -> peer: %s); "
