@@ -4,7 +4,10 @@ summary.json keys (stable): status, reason, job, run_dir, committed_steps, sampl
 data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
 checkpoints (step, uri, stall_s: training's wait at the step boundary; a background save,
 checkpoint.async_save, also durable_after_s, write_s and snapshot_bytes_per_rank), mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
-failures, steps_redone, steps_run_ahead, leases, evals (one record per evaluation: step and
+failures, steps_redone, recoveries (one record per recovery from lost members: step, lost,
+reason, from: survivors | peer copies | checkpoint, steps_redone), peer_copies
+(checkpoint.peer_copies: peers, each rank's, and bytes_per_copy_estimate; or off: why; empty
+when the layout keeps none), steps_run_ahead, leases, evals (one record per evaluation: step and
 metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), step_times
 (seconds each committed step took, index i = step i+1, like losses: the throughput plot of
 ``monitor/plots.py``), cost
