@@ -361,9 +361,8 @@ class Membership:
             raise MembersLost(dead, silent)
         holders = [w.slot for w in members if held[w.slot] == committed_step]
         sharded = any(r["stashed"] for r in results) or not all(r["replicated"] for r in results)
-        copies = sharded and (any(s == committed_step for s, _ in self.rescued)
-                              or self._copies_at(everyone, committed_step))
-        if not holders and not copies:
+        if not holders and not (sharded and (any(s == committed_step for s, _ in self.rescued)
+                                             or self._copies_at(everyone, committed_step))):
             return NoHolders(members)
         if sharded:
             gaps = self._share_state_as_pieces(members, {**held_before, **held}, committed_step)
@@ -435,7 +434,8 @@ class Membership:
             return missing
         n_own = len(holders) + len(departed)
         used = {j for plan in plans for j, chunks in enumerate(plan["chunks"]) if chunks}
-        copied = {j for j in range(len(holders), n_own) if any(departed[j - len(holders)] is r for r in rescued)}
+        rescued_ids = {id(ref) for ref in rescued}
+        copied = {j for j, ref in enumerate(departed, len(holders)) if id(ref) in rescued_ids}
         copied |= set(range(n_own, len(indexes)))
         self.last_sources = (["survivors"] if used - copied else []) + (["peer copies"] if used & copied else [])
 

@@ -443,12 +443,9 @@ class Steps:
         known: dict[int, list[dict]] = {}
         asked = {i: members[i].actor.lease_results.remote(sent.step, finished) for i in range(len(members))
                  if members[i].slot not in outcome.lost and members[i] in self.group.workers}
-        for i, ref in asked.items():
-            try:
-                kept = ray.get(ref, timeout=PING_TIMEOUT_S)
-            except (ray.exceptions.RayError, TimeoutError):
-                continue  # lost since: its rows' loss is not counted
-            if len(kept) == finished - sent.step:
+        for i, kept in zip(asked, _answers(list(asked.values()))):
+            # None: lost since, its rows' loss is not counted
+            if kept is not None and len(kept) == finished - sent.step:
                 known[i] = kept
         world = len(members)
         for j in range(finished - sent.step):
