@@ -81,8 +81,9 @@ def _recoveries(summary):
 @pytest.mark.parametrize("parallel, workers, killed", [
     ({"strategy": "fsdp"}, 2, 1),
     ({"strategy": "fsdp"}, 4, 2),
+    ({"pp": 2}, 2, 1),
     ({"strategy": "fsdp", "pp": 2}, 4, 2),
-], ids=["fsdp2", "fsdp4", "pp2xfsdp2"])
+], ids=["fsdp2", "fsdp4", "pp2", "pp2xfsdp2"])
 def test_a_lost_rank_comes_back_from_its_peer_copy_with_no_step_redone(
         one_process, tiny_dataset, tmp_path, parallel, workers, killed):
     """SIGKILL a rank at step 15 with no checkpoint to fall back on (checkpoint.every_steps 0):

@@ -27,7 +27,8 @@ from typing import Callable
 
 import ray
 
-from raytrain_sys.control.supervisor.policy import LIVENESS_EVERY_S, PING_TIMEOUT_S, collective_timeout_s
+from raytrain_sys.control.supervisor.policy import (BLOCKED_WITH_COPIES_S, LIVENESS_EVERY_S, PING_TIMEOUT_S,
+                                                    collective_timeout_s)
 from raytrain_sys.control.supervisor.probe import ping_all
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 
@@ -67,7 +68,7 @@ class WorkerLost(Exception):
 
 
 def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
-            deadline_s: float, since: float | None = None) -> StepOutcome:
+            deadline_s: float, since: float | None = None, blocked_s: float | None = None) -> StepOutcome:
     """Wait for a step on every member; classify each as done, errored or lost.
 
     Lost = dead (Ray reports the actor died), or not answering a ping on its control path
@@ -78,7 +79,9 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
     that answer but do not progress. Survivors whose collective failed because a peer
     vanished report an error quickly; a peer blocked in a collective still answers pings.
     Members found silent are killed; removing them is the caller's (``membership``).
-    ``since``: when the deadline started (``time.monotonic()``; now if None).
+    ``since``: when the deadline started (``time.monotonic()``; now if None). ``blocked_s``: how
+    long members still blocked once the lost are killed are waited for before they count as lost
+    too (default: until their collective times out).
     """
     outcome = StepOutcome()
     by_ref = dict(zip(refs, members))
@@ -155,8 +158,8 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
         if still:
             # Their collective fails as soon as the lost members' sockets close, or at the
             # latest at its timeout (a vanished machine closes none).
-            done, late = ray.wait(still, num_returns=len(still),
-                                  timeout=max(30.0, collective_timeout_s(deadline_s) + PING_TIMEOUT_S))
+            done, late = ray.wait(still, num_returns=len(still), timeout=blocked_s if blocked_s is not None
+                                  else max(30.0, collective_timeout_s(deadline_s) + PING_TIMEOUT_S))
             for ref in done:
                 w = by_ref[ref]
                 outcome.blocked.pop(w.slot)
@@ -184,11 +187,14 @@ class LeaseWatch:
     call is collected (``collect``) into the lease's ``StepOutcome``."""
 
     def __init__(self, group: WorkerGroup, members: list[Worker], member_refs: Callable[[], list], reporter,
-                 step: int, last_step: int, step_deadline_s: float):
+                 step: int, last_step: int, step_deadline_s: float, copies: bool = False):
         # member_refs: each member's call of the lease, asked for only when they are collected
         # (through node agents the driver holds rank 0's alone until then: _Dispatch.member_refs)
         self.group, self.members, self.member_refs, self.reporter = group, members, member_refs, reporter
         self.step, self.last_step, self.deadline_s = step, last_step, step_deadline_s
+        # With peer copies, nothing is lost by giving up on a member blocked after its peers
+        # were lost (its copies are rescued): collect waits BLOCKED_WITH_COPIES_S for it.
+        self.blocked_s = BLOCKED_WITH_COPIES_S if copies else None
         self._ended = False  # the report of the lease's last step came
         self.reports: list[dict] = []
         self._progress = time.monotonic()  # the newest report (or the lease's start)
@@ -243,7 +249,7 @@ class LeaseWatch:
         if self._ended:
             return StepOutcome()  # every rank finished the lease: its last report is their agreement
         outcome = collect(self.group, self.members, self.member_refs(), self.step, self.deadline_s,
-                          since=self._progress)
+                          since=self._progress, blocked_s=self.blocked_s)
         rank0 = self.members[0].slot
         if self._error and rank0 in outcome.results:  # a generator's end is not its error
             del outcome.results[rank0]

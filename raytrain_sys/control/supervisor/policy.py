@@ -23,6 +23,10 @@ from raytrain_sys.spec import ElasticSpec, JobSpec, ParallelSpec
 # or its node vanished). The control path runs in its own thread, so a busy step does not delay
 # the answer; the margin is for a loaded machine.
 PING_TIMEOUT_S = 3.0
+# With peer copies on, a member still blocked this long after the lost were killed is lost too
+# (its copies and snapshot are taken first: Membership.rescue): a pipeline neighbour of a rank
+# whose collective broke waits on a socket that stays open, up to the collective timeout.
+BLOCKED_WITH_COPIES_S = 5.0
 # Members still in a step after this long are pinged this often (see liveness.collect).
 LIVENESS_EVERY_S = 1.0
 # A running lease is looked at this often for a boundary come due (a pause, a resize, newcomers

@@ -384,7 +384,7 @@ class Supervisor:
         as they come (``Boundary.observe``), and the lease cut short (with the one sent ahead)
         when the plan for the earliest boundary it can end at needs that boundary."""
         watch = LeaseWatch(self.group, cur.members, cur.member_refs, cur.reporter, cur.step, cur.end - 1,
-                           self.steps._step_deadline_s())
+                           self.steps._step_deadline_s(), copies=bool(self.membership.peers))
         newest, seen = ahead or cur, 0
         while True:
             outcome = watch.wait(policy.BOUNDARY_POLL_S)
