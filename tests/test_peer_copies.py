@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_sys.control.peer_copies import peer_ring, room, wanted
+import torch
+
+from raytrain_sys.control.peer_copies import PeerCopies, peer_ring, room, to_wire, wanted
+from raytrain_sys.parallel.reshard import Piece
 from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, one_worker_reference,
                              restore_cluster_size, run_with_events, wait_for_a_ready_newcomer, worker_pid)
 
@@ -57,14 +60,38 @@ def test_peer_copies_are_on_by_default_where_a_shard_has_no_replica(setting, deg
     assert wanted(setting, degrees) is on
 
 
-@pytest.mark.parametrize("copy_mb, ranks_on_node, available_mb, fits", [
-    (100, 1, 1000, True),    # 3 x 100 MB within half of 1 GB
-    (100, 2, 1000, False),   # two ranks on the node: 600 MB, more than half
-    (200, 1, 1000, False),
-    (1, 8, 100, True),
+@pytest.mark.parametrize("copy_mb, ranks_on_node, available_mb, store_mb, short", [
+    (100, 1, 1000, 1000, ""),              # 3 x 100 MB within half of 1 GB, in both
+    (100, 2, 1000, 4000, "memory"),        # two ranks on the node: 600 MB, more than half
+    (200, 1, 1000, 4000, "memory"),
+    (1, 8, 100, 100, ""),
+    (172, 1, 20000, 150, "object store"),  # ray.cluster_utils' 150 MiB store: a snapshot a step spilled
+    (50, 1, 20000, 300, ""),
 ])
-def test_auto_peer_copies_need_room_in_host_memory(copy_mb, ranks_on_node, available_mb, fits):
-    assert room(copy_mb * 2**20, ranks_on_node, available_mb * 2**20) is fits
+def test_auto_peer_copies_need_room_in_host_memory_and_the_object_store(
+        copy_mb, ranks_on_node, available_mb, store_mb, short):
+    assert room(copy_mb * 2**20, ranks_on_node, available_mb * 2**20, store_mb * 2**20) == short
+
+
+def test_a_held_copy_reuses_the_arrays_of_a_dropped_one_but_never_one_still_read():
+    """Each step's copy lands in the arrays of the copy an agreement dropped (no fresh pages a
+    step); an array someone still reads (a rebuild's pieces) is never written over."""
+    copies = PeerCopies()
+    where = []
+    for step in range(6):
+        state = torch.full((3, 4), float(step), dtype=torch.float64)
+        copies.hold(0, 1, step, to_wire({"w": Piece((3, 4), (0, 0), state), "tied": Piece((3, 4), (0, 0), state),
+                                         "b": Piece((2,), (0,), torch.ones(2))}))
+        held = copies.pieces("held", 0, 1, step)
+        assert held["w"].data is held["tied"].data and torch.equal(held["w"].data, state)
+        where.append(held["w"].data.data_ptr())
+        if step == 2:
+            still_read = copies.pieces("held", 0, 1, 1)
+        del held
+        copies.agreed(step, 0)
+        assert [c[3] for c in copies.held()] == [step]
+    assert where[2] == where[0] and where[3] not in (where[1], where[2]) and where[4] == where[2], where
+    assert torch.equal(still_read["w"].data, torch.full((3, 4), 1.0, dtype=torch.float64))
 
 
 # ----------------------------------------------------------------------------- on the cluster

@@ -26,15 +26,20 @@ checkpoint is the fallback.
 
 Memory, per rank: the copies it holds for others (one rank's with a balanced ring) in its own
 memory, and its own snapshots in its node's object store; two of each in a lease (the newest
-state's arriving while the one before waits for its confirmation), one of each at its end.
+state's arriving while the one before waits for its confirmation), one of each at its end. A
+copy that is dropped lends its arrays to the next one (``_Arrays``): a new array of hundreds of
+MB costs a page fault per page on its first write, several times the copy itself.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections import Counter
 import warnings
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import ray
 import torch
 
@@ -67,11 +72,19 @@ def copy_bytes(param_bytes: int, optimizer: str) -> int:
 # the node has available when the group forms.
 COPIES_HELD = 3
 HOST_SHARE = 0.5
+# And in its node's object store: its two newest snapshots and a copy on its way in. A store too
+# small for them spills a snapshot to disk at every step (ray.cluster_utils' nodes have 150 MiB).
+COPIES_IN_STORE = 3
 
 
-def room(copy_bytes: int, ranks_on_node: int, available_bytes: int) -> bool:
-    """Whether a node has the host memory for its ranks' peer copies (auto mode)."""
-    return COPIES_HELD * copy_bytes * ranks_on_node <= HOST_SHARE * available_bytes
+def room(copy_bytes: int, ranks_on_node: int, available_bytes: int, object_store_bytes: int) -> str:
+    """Why a node lacks room for its ranks' peer copies (auto mode): "" if it has it, else
+    "memory" or "object store"."""
+    if COPIES_HELD * copy_bytes * ranks_on_node > HOST_SHARE * available_bytes:
+        return "memory"
+    if COPIES_IN_STORE * copy_bytes * ranks_on_node > HOST_SHARE * object_store_bytes:
+        return "object store"
+    return ""
 
 
 def peer_ring(nodes: list[str]) -> list[int]:
@@ -109,20 +122,62 @@ def to_wire(pieces: dict[str, Piece]) -> dict[str, tuple]:
     return out
 
 
-def from_wire(wire: dict[str, tuple], copy: bool = True) -> dict[str, Piece]:
+def from_wire(wire: dict[str, tuple], copy: bool = True,
+              take: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, Piece]:
     """``to_wire``'s pieces back, copied into this process's memory (the arrays Ray hands out
-    are views of the object store, whose object the sender owns: it may die); ``copy=False``
-    reads them in place (an object this process owns: read only, for a rebuild's cuts)."""
+    are views of the object store, whose object the sender owns: it may die), each into the
+    array ``take(array)`` gives if given (of its size); ``copy=False`` reads them in place (an object this process owns:
+    read only, for a rebuild's cuts)."""
     tensors: dict[int, torch.Tensor] = {}
     out = {}
     for key, (dtype, shape, global_shape, offset, array) in wire.items():
         if id(array) not in tensors:
+            mine = array
+            if copy:
+                mine = take(array) if take is not None else np.empty(array.nbytes, np.uint8)
+                np.copyto(mine, array)
             with warnings.catch_warnings():  # read only in place: the cuts copy, nothing writes
                 warnings.simplefilter("ignore", UserWarning)
-                data = torch.from_numpy(array.copy() if copy else array)
+                data = torch.from_numpy(mine)
             tensors[id(array)] = data.view(getattr(torch, dtype)).reshape(shape)
         out[key] = Piece(tuple(global_shape), tuple(offset), tensors[id(array)])
     return out
+
+
+class _Arrays:
+    """The byte arrays of dropped copies, lent to the next copies of the same sizes (the copies
+    a peer holds are the same arrays step after step). An array is lent only when nothing reads
+    it any more (no tensor made from it is alive); at most one copy's arrays are kept idle, and
+    none across generations (another layout, other sizes)."""
+
+    def __init__(self):
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.per_copy: dict[int, int] = {}  # nbytes -> how many arrays of that size a copy has
+
+    def take(self, nbytes: int) -> np.ndarray:
+        free = self._free.get(nbytes, [])
+        for i in range(len(free)):
+            if _unread(free[i]):
+                return free.pop(i)
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, arrays: list[np.ndarray]) -> None:
+        for array in arrays:
+            free = self._free.setdefault(array.nbytes, [])
+            free.append(array)
+            while len(free) > self.per_copy.get(array.nbytes, 0):
+                idle = [i for i in range(len(free)) if _unread(free[i])]
+                if not idle:
+                    break
+                del free[idle[0]]
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+def _unread(array: np.ndarray) -> bool:
+    """Nothing but the pool refers to ``array`` (the list's reference, and the call's)."""
+    return sys.getrefcount(array) <= 3
 
 
 class PeerCopies:
@@ -141,32 +196,69 @@ class PeerCopies:
         self._own: dict[int, Any] = {}  # step -> reference to this rank's snapshot (its copy's object)
         self._receipt: tuple[int, Any] | None = None  # (step, the peer's receipt) of the copy in flight
         self._held: dict[tuple[int, int], dict[int, Any]] = {}
+        self._lent: dict[tuple[int, int, int], list] = {}  # (generation, source, step) -> its arrays
+        self._arrays = _Arrays()
         self._lock = threading.Lock()
+        self._putting: threading.Thread | None = None  # a snapshot going into the object store
+        self._put_error = ""
 
     @property
     def on(self) -> bool:
         return self.peer is not None
 
     def set_peer(self, peer, peer_rank: int, generation: int) -> None:
-        """This rank's peer in ``generation`` (None: no copies); the next step sends one."""
+        """This rank's peer in ``generation`` (None: no copies); the next step sends one. A
+        snapshot still going into the object store gets there first (a new group loads new
+        state into the tensors it reads)."""
+        try:
+            self.fence()
+        except RuntimeError:
+            pass  # that copy's step is not the new group's
         self.peer, self.peer_rank, self.generation, self.sent_step = peer, peer_rank, generation, -1
         self._receipt = None
 
-    def send(self, rank: int, step: int, pieces: dict) -> None:
+    def send(self, rank: int, step: int, pieces: dict, background: bool = False) -> None:
         """Copy ``pieces`` (this rank's owned blocks at ``step``) to the peer; ``wait`` for its
         receipt. The snapshot stays in this node's object store until a newer step is agreed: a
-        survivor ahead of the committed step goes back to it."""
+        survivor ahead of the committed step goes back to it. ``background``: the snapshot is
+        put in the object store by a thread while the caller goes on, which must not change the
+        pieces' tensors before ``fence`` (the next step's forward and backward only read them:
+        its optimizer step waits)."""
         wire = to_wire(pieces)
-        ref = ray.put(wire)  # the one memory copy on the step's path
+        self.sent_bytes = sum(a.nbytes for a in {id(w[4]): w[4] for w in wire.values()}.values())
+        if not background:
+            self._put(rank, step, wire)
+            return
+        self._putting = threading.Thread(target=self._put_caught, args=(rank, step, wire), name="peer-copy",
+                                         daemon=True)
+        self._putting.start()
+
+    def _put(self, rank: int, step: int, wire: dict) -> None:
+        ref = ray.put(wire)  # the one memory copy of the state
         with self._lock:
             self._own[step] = (self.generation, rank, ref)
-        self.sent_bytes = sum(a.nbytes for a in {id(w[4]): w[4] for w in wire.values()}.values())
         self._receipt = (step, self.peer.hold_copy.remote(self.generation, rank, step, ref))
+
+    def _put_caught(self, rank: int, step: int, wire: dict) -> None:
+        try:
+            self._put(rank, step, wire)
+        except Exception as exc:  # raised by fence
+            self._put_error = f"the snapshot of step {step} could not be stored: {type(exc).__name__}: {exc}"
+
+    def fence(self) -> None:
+        """Return once the snapshot sent last is in the object store: its tensors may change."""
+        putting, self._putting = self._putting, None
+        if putting is not None:
+            putting.join()
+        if self._put_error:
+            error, self._put_error = self._put_error, ""
+            raise RuntimeError(error)
 
     def wait(self, timeout_s: float) -> None:
         """Return once the peer holds the copy sent last whole. Raises what its receipt raised
         (e.g. the peer died) as a plain error: this rank is healthy, and the Supervisor tells a
         member's failed step from a dead member by the exception's type."""
+        self.fence()
         if self._receipt is None:
             return
         step, ref = self._receipt
@@ -180,21 +272,30 @@ class PeerCopies:
     def hold(self, generation: int, source: int, step: int, wire: dict) -> int:
         """Keep a whole copy (the call's argument arrived whole; ``from_wire`` copies it into
         this process) beside the older ones, until ``agreed``. Returns the bytes held."""
-        pieces = from_wire(wire)
+        arrays = {id(w[4]): w[4] for w in wire.values()}
+        with self._lock:
+            self._arrays.per_copy = dict(Counter(a.nbytes for a in arrays.values()))
+            taken = {i: self._arrays.take(a.nbytes) for i, a in arrays.items()}
+        pieces = from_wire(wire, take=lambda array: taken[id(array)])
         with self._lock:
             self._held.setdefault((generation, source), {})[step] = pieces
+            self._lent[(generation, source, step)] = list(taken.values())
             return self.held_bytes()
 
     def agreed(self, step: int, generation: int) -> None:
         """Step ``step`` of ``generation`` is agreed: every rank's copy of it is whole at its
         peer. Copies and snapshots of older steps, and of older generations, are not needed."""
         with self._lock:
+            if any(key[0] < generation for key in self._held):
+                self._arrays.clear()  # a new layout: other sizes
             for key in list(self._held):
                 if key[0] < generation:
                     del self._held[key]
+                    self._lent = {k: v for k, v in self._lent.items() if k[:2] != key}
                     continue
                 for s in [s for s in self._held[key] if s < step]:
                     del self._held[key][s]
+                    self._arrays.give(self._lent.pop((*key, s), []))
             for s in [s for s, (g, _, _) in self._own.items() if s < step or g < generation]:
                 del self._own[s]
 
