@@ -17,6 +17,9 @@ steps (recovery.py's fault and measure):
                 (the checkpoint of step K restored, the steps since redone); goal at most 0.5x
   steps redone  0 with copies, N - K without
 
+Each worker node gets OBJECT_STORE_BYTES of object store (ray.cluster_utils' default of 150 MiB
+would spill the large model's snapshots to disk at every step; a real node's is 30% of its memory).
+
     .venv/bin/python benchmarks/peer_copies.py               # both models (about 8 min on 2 cores)
     .venv/bin/python benchmarks/peer_copies.py --models tiny # the tiny GPT only
 
@@ -52,6 +55,8 @@ MODELS = {
     "large": {"model": {"n_layer": 4, "n_embd": 768, "n_head": 12}, "batch": 4,
               "steps": 14, "kill_after": 9, "every": 5},
 }
+
+OBJECT_STORE_BYTES = 2 * 2**30  # each worker node's (recovery.WORKER_NODES of them)
 
 log = logging.getLogger("peer_copies")
 
@@ -166,6 +171,10 @@ def main() -> None:
 
     data_dir = os.path.join(work_dir, "data")
     prepare_text_dataset(data_dir, row_len=129, rows_per_shard=512, max_bytes=2_000_000)
+    # A node's object store holds each rank's newest snapshots (hundreds of MB for the large
+    # model): ray.cluster_utils' 150 MiB would spill every one of them to disk, which no real
+    # node (30% of its memory) does.
+    recovery.NODE_ARGS["object_store_memory"] = OBJECT_STORE_BYTES
     cluster = recovery.start_cluster(work_dir, args.verbose)
     report = common.report_head("peer_copies", False, loadavg)
     try:

@@ -114,6 +114,11 @@ def make_spec(args: argparse.Namespace, data_dir: str, work_dir: str, name: str,
     return from_dict(raw)
 
 
+# Each worker node's Ray arguments. ray.cluster_utils gives a node 150 MiB of object store by
+# default (a real node's is 30% of its memory): a benchmark whose objects are larger sets more.
+NODE_ARGS = {"num_cpus": 1}
+
+
 def start_cluster(work_dir: str, verbose: bool):
     """0-CPU head + WORKER_NODES 1-CPU nodes. RAY_TMPDIR points into work_dir: Cluster records
     its address in <RAY_TMPDIR>/ray/ray_current_cluster, and must not re-point anybody else's
@@ -130,7 +135,7 @@ def start_cluster(work_dir: str, verbose: bool):
                       head_node_args={"num_cpus": 0, "temp_dir": os.path.join(work_dir, "r"),
                                       "include_dashboard": False})
     for _ in range(WORKER_NODES):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(**NODE_ARGS)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=verbose)
     return cluster
@@ -145,7 +150,7 @@ def restore_nodes(cluster) -> None:
         if node.node_id not in alive:
             cluster.remove_node(node, allow_graceful=False)
     while len(cluster.worker_nodes) < WORKER_NODES:
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(**NODE_ARGS)
     cluster.wait_for_nodes()
 
 
