@@ -130,6 +130,21 @@ def test_a_lost_rank_comes_back_from_its_peer_copy_with_no_step_redone(
     assert summary["world_sizes"][-1] == workers, summary["world_sizes"]
 
 
+def test_a_lost_rank_of_fsdp_x_tp_comes_back_from_its_peer_copy_with_no_step_redone(
+        one_process, tiny_dataset, tmp_path):
+    """FSDP2 x TP2 (a 2-D layout whose every block has one owner): rank 3 killed at step 15 with
+    no checkpoint configured; the three survivors form a world of two (tp x fsdp must divide it)
+    from their own state and rank 3's copy; nothing is redone."""
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp", "tp": 2},
+                   resources={"num_workers": 4}, checkpoint={"every_steps": 0})
+    result, sup, seen = run_with_events(spec, {15: lambda s: kill_soon(worker_pid(s, 3))})
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS)
+    recoveries = _recoveries(summary)
+    assert len(recoveries) == 1 and recoveries[0]["from"] == "peer copies", recoveries
+    assert recoveries[0]["steps_redone"] == 0 and recoveries[0]["step"] >= 15, recoveries
+    assert not [t for t in summary["transitions"] if t["state"] == "restoring"], summary["transitions"]
+
+
 def test_a_rank_killed_mid_lease_comes_back_from_the_confirmed_copies(one_process, tiny_dataset, tmp_path):
     """Leases of 5 steps: within a lease each copy moves while the next step computes, and a
     step commits only once the next step's agreement (or the lease's end) confirmed every
