@@ -14,8 +14,10 @@ import torch
 
 from raytrain_sys.control.peer_copies import PeerCopies, peer_ring, room, to_wire, wanted
 from raytrain_sys.parallel.reshard import Piece
-from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, one_worker_reference,
-                             restore_cluster_size, run_with_events, wait_for_a_ready_newcomer, worker_pid)
+from raytrain_sys.control import drain
+from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, node_of_worker,
+                             one_worker_reference, restore_cluster_size, run_with_events, wait_for_a_ready_newcomer,
+                             worker_pid)
 
 STEPS = 18
 CLUSTER_NODES = 4  # the session cluster's worker nodes (tests/conftest.py)
@@ -230,3 +232,34 @@ def test_a_lost_node_comes_back_from_the_peer_copies_on_other_nodes(one_process,
     assert len(recoveries) == 1 and recoveries[0]["from"] == "peer copies", recoveries
     assert recoveries[0]["steps_redone"] == 0, recoveries
     assert summary["peer_copies"]["peers"] == [1, 0], summary["peer_copies"]
+
+
+def test_a_drained_nodes_shard_is_handed_over_before_it_leaves(one_process, tiny_dataset, tmp_path, ray_nodes):
+    """FSDP over two ranks with copies on; rank 1's node gets a preemption notice after step 6:
+    its shard goes to the survivor before the node is let go at the next boundary (not from a
+    copy, not from a checkpoint: none is configured), and nothing is redone."""
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
+                   resources={"num_workers": 2}, checkpoint={"every_steps": 0}, elastic={"drain_poll_s": 0.0})
+    drained = []
+
+    def notice(sup):
+        w = sup.group.workers[1]
+        assert sup.membership.peers == [1, 0], sup.membership.peers  # copies on, across the two nodes
+        drained.append(node_of_worker(ray_nodes, w))
+        assert drain.drain_node(w.node_id, "PREEMPTION", 60.0, "test: spot preemption")
+
+    try:
+        sources = []
+        result, sup, seen = run_with_events(spec, {6: notice, 10: lambda s: sources.append(s.membership.last_sources)})
+    finally:
+        for node in drained:
+            if any(n is node for n in ray_nodes.worker_nodes):
+                ray_nodes.remove_node(node, allow_graceful=False)
+        restore_cluster_size(ray_nodes, CLUSTER_NODES)
+    summary = assert_like_reference(result, seen, one_process, spec, tiny_dataset, STEPS)
+    draining = [t for t in summary["transitions"] if t["state"] == "draining"]
+    assert len(draining) == 1 and "draining node" in draining[0]["reason"], summary["transitions"]
+    assert summary["failures"] == 0 and summary["steps_redone"] == 0 and not summary["recoveries"], summary
+    assert not [t for t in summary["transitions"] if t["state"] == "restoring"], summary["transitions"]
+    assert 1 in summary["world_sizes"], summary["world_sizes"]
+    assert sources == [["survivors"]], sources  # the leaver's own pieces, not the survivor's copy of them
