@@ -115,6 +115,20 @@ def test_per_rank_breakdown_drawn_when_recorded_and_cost_and_stragglers_reported
     rows = dict(summary_rows(timed))
     assert rows["cost"] == "$0.5000 ($31.2500 / M tokens, goodput $40.0000 / M tokens)"
     assert rows["stragglers"] == "1 events (ranks 1)"
+    assert "peer copies" not in rows and rows["recoveries"] == "0 (0 steps redone)"
 
     with pytest.raises(RuntimeError, match="drawing the plots failed: .*Error"):
         write_plots_apart(base | {"losses": "not a list of numbers"}, str(tmp_path / "broken"))
+
+
+def test_the_report_says_where_each_recovery_took_its_state_from_and_who_holds_whose_copy():
+    run = {"job": "t", "status": "finished", "committed_steps": 20, "steps_redone": 2,
+           "transitions": [{"state": s} for s in ("running", "rebuilding", "running", "rebuilding", "restoring")],
+           "recoveries": [{"step": 9, "lost": [1], "from": "peer copies", "steps_redone": 0},
+                          {"step": 15, "lost": [1, 2], "from": "checkpoint", "steps_redone": 2}],
+           "peer_copies": {"peers": [1, 2, 3, 0], "bytes_per_copy_estimate": 5 * 2**20}}
+    rows = dict(summary_rows(run))
+    assert rows["recoveries"] == "2 (2 steps redone; from peer copies 1, checkpoint 1)"
+    assert rows["peer copies"] == "rank -> peer 0->1, 1->2, 2->3, 3->0, about 5.0 MB a copy"
+    off = "peer copies off: about 3 x 900 MB a rank would take more than 50% of the object store on node ab"
+    assert dict(summary_rows(run | {"peer_copies": {"off": off}}))["peer copies"] == off

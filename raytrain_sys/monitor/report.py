@@ -56,7 +56,9 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     tp = s.get("throughput") or {}
     started, finished = s.get("started_at") or 0.0, s.get("finished_at") or 0.0
     transitions = s.get("transitions") or []
-    recoveries = sum(t.get("state") in RECOVERY_STATES for t in transitions)
+    # One entry a recovery in summary.json's recoveries; a summary from before them: the states
+    # entered after losing a member.
+    recoveries = len(s.get("recoveries") or []) or sum(t.get("state") in RECOVERY_STATES for t in transitions)
     rows = [
         ("job", s.get("job", "")),
         ("status", s.get("status", "") + (f" ({s['reason']})" if s.get("reason") else "")),
@@ -66,7 +68,7 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         ("step time", f"{_num(tp['step_time_s'] * 1000, '.1f')} ms" if tp.get("step_time_s") else "n/a"),
         ("world sizes", f"{min(worlds)}..{max(worlds)}, last {worlds[-1]}" if worlds else "n/a"),
         ("failures", str(s.get("failures", 0))),
-        ("recoveries", f"{recoveries} ({s.get('steps_redone', 0)} steps redone)"),
+        ("recoveries", f"{recoveries} ({s.get('steps_redone', 0)} steps redone{_sources(s.get('recoveries'))})"),
         ("duration", f"{finished - started:.1f} s" if started and finished else "running"),
     ]
     cost = s.get("cost") or {}
@@ -74,6 +76,11 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
         rows.append(("cost", f"${_num(cost.get('usd'), '.4f')} "
                              f"(${_num(cost.get('usd_per_million_tokens'), '.4f')} / M tokens, goodput "
                              f"${_num(cost.get('goodput_usd_per_million_tokens'), '.4f')} / M tokens)"))
+    copies = s.get("peer_copies") or {}
+    if copies:
+        rows.append(("peer copies", copies["off"] if "off" in copies else
+                     f"rank -> peer {', '.join(f'{r}->{p}' for r, p in enumerate(copies.get('peers', [])))}, "
+                     f"about {_num((copies.get('bytes_per_copy_estimate') or 0) / 2**20, '.1f')} MB a copy"))
     stragglers = s.get("stragglers")
     if stragglers is not None:
         ranks = sorted({str(e.get("rank")) for e in stragglers})
@@ -82,6 +89,17 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
              ("mlflow run", s.get("mlflow_run_id") or "tracking disabled"),
              ("run dir", s.get("run_dir", ""))]
     return rows
+
+
+def _sources(recoveries: list | None) -> str:
+    """Where the recoveries' state came from (summary.json ``recoveries``), e.g. "; from peer
+    copies 2, checkpoint 1"; "" for a summary without them."""
+    if not recoveries:
+        return ""
+    counts: dict[str, int] = {}
+    for r in recoveries:
+        counts[r.get("from", "?")] = counts.get(r.get("from", "?"), 0) + 1
+    return "; from " + ", ".join(f"{source} {n}" for source, n in counts.items())
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:
