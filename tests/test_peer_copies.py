@@ -213,9 +213,13 @@ def test_a_rank_and_its_peer_lost_together_fall_back_to_the_checkpoint(one_proce
 def test_a_lost_node_comes_back_from_the_peer_copies_on_other_nodes(one_process, tiny_dataset, tmp_path, ray_nodes):
     """FSDP over two ranks on two nodes; rank 1's node vanishes after step 15 (no grace): its
     rank's copy is on rank 0's node, so the survivor alone holds the whole step, and nothing is
-    redone with no checkpoint configured."""
+    redone with no checkpoint configured. The driver reads the rows (data.delivery=driver): with
+    read tasks, the next steps' rows may lie in the lost node's object store, and a replacement's
+    lease then waits for them (its pings queued behind it) until Ray declares the node dead,
+    some 15 s on; the replacement was taken for hung. That is the data plane's, not this test's."""
     spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
-                   resources={"num_workers": 2}, checkpoint={"every_steps": 0})
+                   resources={"num_workers": 2}, checkpoint={"every_steps": 0},
+                   data={"log_sample_ids": True, "delivery": "driver"})
     removed = []
 
     def lose_node(sup):

@@ -199,66 +199,31 @@ class PeerCopies:
         self._lent: dict[tuple[int, int, int], list] = {}  # (generation, source, step) -> its arrays
         self._arrays = _Arrays()
         self._lock = threading.Lock()
-        self._putting: threading.Thread | None = None  # a snapshot going into the object store
-        self._put_error = ""
 
     @property
     def on(self) -> bool:
         return self.peer is not None
 
     def set_peer(self, peer, peer_rank: int, generation: int) -> None:
-        """This rank's peer in ``generation`` (None: no copies); the next step sends one. A
-        snapshot still going into the object store gets there first (a new group loads new
-        state into the tensors it reads)."""
-        try:
-            self.fence()
-        except RuntimeError:
-            pass  # that copy's step is not the new group's
+        """This rank's peer in ``generation`` (None: no copies); the next step sends one."""
         self.peer, self.peer_rank, self.generation, self.sent_step = peer, peer_rank, generation, -1
         self._receipt = None
 
-    def send(self, rank: int, step: int, pieces: dict, background: bool = False) -> None:
+    def send(self, rank: int, step: int, pieces: dict) -> None:
         """Copy ``pieces`` (this rank's owned blocks at ``step``) to the peer; ``wait`` for its
         receipt. The snapshot stays in this node's object store until a newer step is agreed: a
-        survivor ahead of the committed step goes back to it. ``background``: the snapshot is
-        put in the object store by a thread while the caller goes on, which must not change the
-        pieces' tensors before ``fence`` (the next step's forward and backward only read them:
-        its optimizer step waits)."""
+        survivor ahead of the committed step goes back to it."""
         wire = to_wire(pieces)
-        self.sent_bytes = sum(a.nbytes for a in {id(w[4]): w[4] for w in wire.values()}.values())
-        if not background:
-            self._put(rank, step, wire)
-            return
-        self._putting = threading.Thread(target=self._put_caught, args=(rank, step, wire), name="peer-copy",
-                                         daemon=True)
-        self._putting.start()
-
-    def _put(self, rank: int, step: int, wire: dict) -> None:
-        ref = ray.put(wire)  # the one memory copy of the state
+        ref = ray.put(wire)  # the one memory copy on the step's path
         with self._lock:
             self._own[step] = (self.generation, rank, ref)
+        self.sent_bytes = sum(a.nbytes for a in {id(w[4]): w[4] for w in wire.values()}.values())
         self._receipt = (step, self.peer.hold_copy.remote(self.generation, rank, step, ref))
-
-    def _put_caught(self, rank: int, step: int, wire: dict) -> None:
-        try:
-            self._put(rank, step, wire)
-        except Exception as exc:  # raised by fence
-            self._put_error = f"the snapshot of step {step} could not be stored: {type(exc).__name__}: {exc}"
-
-    def fence(self) -> None:
-        """Return once the snapshot sent last is in the object store: its tensors may change."""
-        putting, self._putting = self._putting, None
-        if putting is not None:
-            putting.join()
-        if self._put_error:
-            error, self._put_error = self._put_error, ""
-            raise RuntimeError(error)
 
     def wait(self, timeout_s: float) -> None:
         """Return once the peer holds the copy sent last whole. Raises what its receipt raised
         (e.g. the peer died) as a plain error: this rank is healthy, and the Supervisor tells a
         member's failed step from a dead member by the exception's type."""
-        self.fence()
         if self._receipt is None:
             return
         step, ref = self._receipt

@@ -525,7 +525,6 @@ class TrainWorker:
             # A peer died mid-step: this half-done step is discarded; the rebuild starts clean.
             self.optimizer.zero_grad(set_to_none=True)
             raise
-        self.peer_copies.fence()  # the snapshot of the state this step began from is stored
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_done = step + 1
@@ -546,7 +545,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         self.peer_copies.wait(self._copy_timeout_s())
         self.peer_copies.copy_s += time.perf_counter() - t0
-        self._copy_to_peer(background=True)  # stored while the next step computes (its fence)
+        self._copy_to_peer()
         agreed = self._agree(lease, step, result)
         self._confirmed(step)
         self.unconfirmed = (step, result)
@@ -555,11 +554,11 @@ class TrainWorker:
     def _copy_timeout_s(self) -> float:
         return max(60.0, self.collective_timeout_s)
 
-    def _copy_to_peer(self, background: bool = False) -> None:
+    def _copy_to_peer(self) -> None:
         """This rank's owned blocks of the state it holds, to its peer (its receipt: ``wait``)."""
         t0 = time.perf_counter()
         pieces = reshard.local_pieces(self.model, self.optimizer, owned_by=self.coords, copy=False)
-        self.peer_copies.send(self.rank, self.step_done, pieces, background=background)
+        self.peer_copies.send(self.rank, self.step_done, pieces)
         self.peer_copies.copy_s += time.perf_counter() - t0
 
     def _confirmed(self, state: int) -> None:

@@ -81,7 +81,8 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
     Members found silent are killed; removing them is the caller's (``membership``).
     ``since``: when the deadline started (``time.monotonic()``; now if None). ``blocked_s``: how
     long members still blocked once the lost are killed are waited for before they count as lost
-    too (default: until their collective times out).
+    too, when some other member is out of the step (default, and otherwise: until their
+    collective times out).
     """
     outcome = StepOutcome()
     by_ref = dict(zip(refs, members))
@@ -158,7 +159,11 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
         if still:
             # Their collective fails as soon as the lost members' sockets close, or at the
             # latest at its timeout (a vanished machine closes none).
-            done, late = ray.wait(still, num_returns=len(still), timeout=blocked_s if blocked_s is not None
+            # A short wait (blocked_s) only where some member is out of the step (it failed or
+            # finished): they rebuild the group. Members all blocked may be waiting on a vanished
+            # machine, whose sockets close when its processes end: they are waited for.
+            short = blocked_s is not None and bool(outcome.errored or outcome.results)
+            done, late = ray.wait(still, num_returns=len(still), timeout=blocked_s if short
                                   else max(30.0, collective_timeout_s(deadline_s) + PING_TIMEOUT_S))
             for ref in done:
                 w = by_ref[ref]

@@ -23,9 +23,10 @@ from raytrain_sys.spec import ElasticSpec, JobSpec, ParallelSpec
 # or its node vanished). The control path runs in its own thread, so a busy step does not delay
 # the answer; the margin is for a loaded machine.
 PING_TIMEOUT_S = 3.0
-# With peer copies on, a member still blocked this long after the lost were killed is lost too
-# (its copies and snapshot are taken first: Membership.rescue): a pipeline neighbour of a rank
-# whose collective broke waits on a socket that stays open, up to the collective timeout.
+# With peer copies on, a member still blocked this long after the lost were killed, while another
+# member is out of the step, is lost too (its copies and snapshot are taken first: Membership.
+# rescue): a pipeline neighbour of a rank whose collective broke waits on a socket that stays
+# open, up to the collective timeout. Members all blocked are waited for (liveness.collect).
 BLOCKED_WITH_COPIES_S = 5.0
 # Members still in a step after this long are pinged this often (see liveness.collect).
 LIVENESS_EVERY_S = 1.0
