@@ -9,12 +9,11 @@ one process ends (fp64), every sample exactly once.
 from __future__ import annotations
 
 import pytest
-
 import torch
 
+from raytrain_sys.control import drain
 from raytrain_sys.control.peer_copies import PeerCopies, peer_ring, room, to_wire, wanted
 from raytrain_sys.parallel.reshard import Piece
-from raytrain_sys.control import drain
 from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, node_of_worker,
                              one_worker_reference, restore_cluster_size, run_with_events, wait_for_a_ready_newcomer,
                              worker_pid)

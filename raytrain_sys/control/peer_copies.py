@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections import Counter
 import warnings
+from collections import Counter
 from typing import Any, Callable
 
 import numpy as np
@@ -44,7 +44,6 @@ import ray
 import torch
 
 from raytrain_sys.parallel.reshard import Piece
-
 
 
 def wanted(setting: int, degrees: dict[str, int]) -> bool:
@@ -126,8 +125,8 @@ def from_wire(wire: dict[str, tuple], copy: bool = True,
               take: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, Piece]:
     """``to_wire``'s pieces back, copied into this process's memory (the arrays Ray hands out
     are views of the object store, whose object the sender owns: it may die), each into the
-    array ``take(array)`` gives if given (of its size); ``copy=False`` reads them in place (an object this process owns:
-    read only, for a rebuild's cuts)."""
+    array ``take(array)`` gives if given (of its size); ``copy=False`` reads them in place (an
+    object this process owns: read only, for a rebuild's cuts)."""
     tensors: dict[int, torch.Tensor] = {}
     out = {}
     for key, (dtype, shape, global_shape, offset, array) in wire.items():
