@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import Counter
 
 from raytrain_sys.control.run_record import SUMMARY_FILE
 from raytrain_sys.errors import UserError
@@ -96,9 +97,7 @@ def _sources(recoveries: list | None) -> str:
     copies 2, checkpoint 1"; "" for a summary without them."""
     if not recoveries:
         return ""
-    counts: dict[str, int] = {}
-    for r in recoveries:
-        counts[r.get("from", "?")] = counts.get(r.get("from", "?"), 0) + 1
+    counts = Counter(r.get("from", "?") for r in recoveries)
     return "; from " + ", ".join(f"{source} {n}" for source, n in counts.items())
 
 
