@@ -303,6 +303,9 @@ class SparePool:
 
     def _refill(self) -> None:
         nodes = set(_worker_nodes())
+        # The spares' class (it imports torch: seconds on a loaded node) before the lock, which
+        # status() and take() wait on: the service's first info() waited here 3-5 s at each start.
+        _spare_class()
         with self._lock:
             self._settle_starting()
             for node_id in list(self._idle) + list(self._starting):
@@ -366,10 +369,14 @@ def _worker_nodes() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
 
 
-def _new_spare(node_id: str, owner_id: str = ""):
+def _spare_class():
     from raytrain_sys.control.worker import TrainWorker
 
-    return TrainWorker.options(
+    return TrainWorker
+
+
+def _new_spare(node_id: str, owner_id: str = ""):
+    return _spare_class().options(
         name=f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}", namespace=NAMESPACE, lifetime="detached",
         num_cpus=0, max_restarts=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(None, owner_id)
