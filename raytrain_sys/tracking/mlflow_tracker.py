@@ -262,9 +262,44 @@ def ensure_store(tracking_uri: str) -> None:
         from mlflow import MlflowClient
 
         with _directory_locked(os.path.dirname(path)):
+            if not os.path.exists(path):
+                _copy_empty_store(path)
             _call(tracking_uri, "create its tables",
                   lambda: MlflowClient(tracking_uri=tracking_uri).search_experiments(max_results=1))
         _made_stores.add(path)
+
+
+def _copy_empty_store(path: str) -> None:
+    """Put at ``path`` a copy of an empty store: MLflow's tables, migrated to its schema's head
+    and holding no experiment, made once per user and MLflow schema (in the user's cache
+    directory). MLflow makes a new SQLite store by running its 60-odd migrations, 2-4 s of CPU
+    (as long as a tiny job's training here), on every new store; a copy takes milliseconds.
+    The first open of the copy finds its tables at the head and no experiment, and makes the
+    Default experiment itself, with the artifact root it would have given a store it made. Any
+    failure (a new MLflow without these helpers, an unwritable cache) leaves the path alone:
+    MLflow then makes the store as before."""
+    import shutil
+
+    try:
+        import mlflow
+        from mlflow.store.db import utils as db_utils
+
+        cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "raytrain-sys")
+        template = os.path.join(cache, f"mlflow-{mlflow.__version__}-{db_utils._get_latest_schema_revision()}.db")
+        if not os.path.exists(template):
+            os.makedirs(cache, exist_ok=True)
+            made = f"{template}.{os.getpid()}.{threading.get_ident()}"
+            engine = db_utils.create_sqlalchemy_engine_with_retry(f"sqlite:///{made}")
+            try:
+                db_utils._initialize_tables(engine)
+            finally:
+                engine.dispose()
+            os.replace(made, template)  # whole or not at all, whoever makes it first
+        copied = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        shutil.copyfile(template, copied)
+        os.replace(copied, path)
+    except Exception as exc:  # noqa: BLE001: MLflow makes the store itself
+        log.debug("no copy of an empty MLflow store for %s (%s): MLflow makes it", path, exc)
 
 
 @contextlib.contextmanager
