@@ -88,6 +88,17 @@ def kill_soon(pid: int, sig=signal.SIGKILL, delay_s: float = 0.002) -> None:
     threading.Timer(delay_s, os.kill, (pid, sig)).start()
 
 
+def kill_once_past(sup, index: int, step: int, timeout_s: float = 10.0) -> None:
+    """SIGKILL member ``index`` as soon as it holds step ``step`` (its control path's ping, which
+    answers while a step runs): a kill a given number of steps into a lease, whatever the step
+    times (a delay reckoned from the last lease's time lands late when that lease was slow, e.g.
+    a node agent's first calls on a loaded machine)."""
+    actor, pid = sup.group.workers[index].actor, worker_pid(sup, index)
+    held = wait_until(lambda: ray.get(actor.ping.remote()) >= step, timeout_s, interval_s=0.001)
+    assert held, f"member {index} did not reach step {step} within {timeout_s:g} s"
+    os.kill(pid, signal.SIGKILL)
+
+
 def worker_pid(sup, index):
     return sup.group.workers[index].info["pid"]
 

@@ -19,8 +19,9 @@ import ray
 
 from raytrain_sys.control import drain
 from raytrain_sys.control.supervisor import LIVENESS_EVERY_S, PING_TIMEOUT_S, run_job
+from raytrain_sys.control.supervisor.steps import Steps
 from raytrain_sys.errors import TrainingFailed
-from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, kill_soon,
+from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, kill_once_past, kill_soon,
                              lose_node_of, node_of_worker, restore_cluster_size, run_with_events,
                              supervisor_with_events, wait_for_a_ready_newcomer, worker_pid)
 from tests.helpers import read_summary
@@ -68,19 +69,27 @@ def test_worker_killed_mid_step(reference, tiny_dataset, tmp_path, ray_cluster):
     assert_no_leftovers(ray_cluster, sup.run_key)
 
 
-def test_worker_killed_mid_lease(reference, tiny_dataset, tmp_path, ray_cluster):
+@pytest.mark.parametrize("node_agents", ["off", "on"], ids=["driver_calls", "through_node_agents"])
+def test_worker_killed_mid_lease(reference, tiny_dataset, tmp_path, ray_cluster, monkeypatch, node_agents):
     """Leases of 5 steps (train.steps_per_call): a worker killed a few steps into one. The steps
     of the lease that finished on the survivor are committed from the results it kept, not
-    redone; the rest are sent again after the rebuild; the run equals the uninterrupted one."""
+    redone; the rest are sent again after the rebuild; the run equals the uninterrupted one.
+    The same with the leases through node agents (RAYTRAIN_NODE_AGENTS=on, Steps.node_agents), where
+    the killed worker's call is its agent's: the driver asks the agent for it."""
+    monkeypatch.setattr(Steps, "node_agents", node_agents)
     # No periodic checkpoint: each lease is sent ahead, so it runs as the one before commits.
     spec = spec_for(tmp_path, tiny_dataset, train={"steps_per_call": 5}, checkpoint={"every_steps": 0})
 
+    agents = []
+
     def kill_a_few_steps_in(sup):
         # Step 6 is the first commit of the lease of steps 6..10: the members have just started
-        # the lease of steps 11..15 (sent ahead). Kill about 2.5 of its steps in.
-        kill_soon(worker_pid(sup, 1), delay_s=2.5 * sup.steps._step_times[-1])
+        # the lease of steps 11..15 (sent ahead). Kill once one of its steps finished.
+        agents.append(len(sup.steps._agents))
+        kill_once_past(sup, 1, 11)
 
     result, sup, seen = run_with_events(spec, {6: kill_a_few_steps_in})
+    assert agents == [1 if node_agents == "on" else 0], agents  # the leases went the way asked
     summary = like_reference(result, seen, reference, spec, tiny_dataset)
     rebuild = transitions(summary, "rebuilding")
     assert len(rebuild) == 1 and rebuild[0]["reason"].startswith("steps 11..15 failed"), rebuild
