@@ -38,10 +38,21 @@ def test_a_run_through_node_agents_is_the_same_run(ray_cluster, tiny_dataset, tm
     the run of the driver's own calls."""
     train = {"max_steps": 20, "log_every_steps": 5, "steps_per_call": 4}
     spec = dict(train=train, checkpoint={"every_steps": 10}, resources={"num_workers": 3})
-    monkeypatch.setattr(Steps, "node_agents", False)
+    started: list[tuple] = []  # the agents each run started (Steps._agent, called through)
+    agent = Steps._agent
+
+    def counted(self, key, ranks):
+        if key not in self._agents:
+            started.append(key)
+        return agent(self, key, ranks)
+
+    monkeypatch.setattr(Steps, "_agent", counted)
+    monkeypatch.setattr(Steps, "node_agents", "off")
     direct = run_job(tiny_spec(tmp_path / "direct", tiny_dataset, **spec))
-    monkeypatch.setattr(Steps, "node_agents", True)
+    assert started == []
+    monkeypatch.setattr(Steps, "node_agents", "on")
     agents = run_job(tiny_spec(tmp_path / "agents", tiny_dataset, **spec))
+    assert len(started) >= 1, "no lease went through a node agent"
     assert agents.losses == direct.losses and len(agents.losses) == 20
     assert read_summary(agents.run_dir)["leases"] == read_summary(direct.run_dir)["leases"]
     assert_params_equal(final_params(direct.newest_checkpoint), final_params(agents.newest_checkpoint))

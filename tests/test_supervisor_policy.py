@@ -80,6 +80,28 @@ def test_lease_deadline(times, steps, expected):
     assert policy.step_deadline_s(times, spec, steps) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("mode, members, run, through", [
+    ("auto", 4, 3, False),
+    ("auto", policy.NODE_AGENTS_FROM, 7, True),
+    ("auto", 512, 1, False),
+    ("on", 3, 1, True),
+    ("off", 512, 8, False),
+], ids=[
+    "auto, a small group: the driver's own calls (an agent's process would cost more than it saves)",
+    "auto, a fleet's node of 8 GPUs: its other 7 ranks through the agent",
+    "auto, a node with one rank in the run: the driver's one call, not an agent's",
+    "on: every run through its agent, one rank or not (the tests' switch)",
+    "off: never",
+])
+def test_node_agents_on(mode, members, run, through):
+    assert policy.node_agents_on(mode, members, run) is through
+
+
+def test_node_agents_mode_unknown_is_named():
+    with pytest.raises(ValueError, match="RAYTRAIN_NODE_AGENTS='yes'"):
+        policy.node_agents_on("yes", 64, 8)
+
+
 # ------------------------------------------------------------------ leases
 @pytest.mark.parametrize("train, every, step, last, times, expected", [
     ({}, 0, 0, 100, [], 1),

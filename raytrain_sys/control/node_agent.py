@@ -1,5 +1,7 @@
 """A node's agent: the one call per node per lease that submits the node's ranks' calls itself
-(``Steps.node_agents``, a switch: ``RAYTRAIN_NODE_AGENTS=1``; off, the driver calls every rank).
+(``Steps.node_agents``: ``RAYTRAIN_NODE_AGENTS=on``, or ``auto`` for groups of
+``policy.NODE_AGENTS_FROM`` members or more and a node's run of at least two ranks; off by
+default, when the driver calls every rank).
 
 Owns nothing of the run: it holds its ranks' actor handles (``adopt``, sent again when the
 group changes) and, for its most recent leases, the references of the calls it made for them

@@ -52,6 +52,10 @@ MAX_LEASE_STEPS = 1000
 # entries of N ranks each), and a lease's steps commit together, each tenth one asking for a
 # write. The Supervisor's whole budget is 2% of a step (issue 26); this is a quarter of it.
 SUMMARY_SHARE = 0.005
+# Node agents (control/node_agent.py: a lease to a node's ranks in one call from the driver) in
+# automatic mode (RAYTRAIN_NODE_AGENTS=auto), from this many members on: at 16 and 32 paced
+# stand-ins they saved nothing at the automatic lease (benchmarks/control_plane.py, 2026-11-27).
+NODE_AGENTS_FROM = 32
 
 
 # ------------------------------------------------------------------ timing
@@ -62,6 +66,16 @@ def summary_due(now: float, last_end: float, last_cost_s: float) -> bool:
     length. A small record (a few ms) is still written at every log step; transitions and the
     run's end write it regardless."""
     return now - last_end >= last_cost_s / SUMMARY_SHARE
+
+
+def node_agents_on(mode: str, members: int, node_run: int) -> bool:
+    """Whether a run of ``node_run`` ranks on one node (members 1.., rank 0's call being the
+    driver's), in a group of ``members``, gets its leases through the node's agent: ``mode`` on
+    (every run) or off, or auto: from NODE_AGENTS_FROM members on, a run of at least two ranks
+    (for one, the agent's call would only stand for the driver's one call)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"RAYTRAIN_NODE_AGENTS={mode!r}: auto, on or off (or 1 or 0)")
+    return mode == "on" or (mode == "auto" and members >= NODE_AGENTS_FROM and node_run > 1)
 
 
 def step_deadline_s(step_times: Sequence[float], spec: JobSpec, steps: int = 1) -> float:

@@ -48,7 +48,7 @@ from raytrain_sys.control.node_agent import NodeAgent, node_runs
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
-                                                    step_deadline_s, summary_due)
+                                                    node_agents_on, step_deadline_s, summary_due)
 from raytrain_sys.control.worker import AGREED
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.data.batches import GlobalBatch, rank_plans
@@ -158,14 +158,20 @@ def report_results(reports: list[dict]) -> list[dict]:
             for r, s, c in zip(reports, loss, compute)]
 
 
+# RAYTRAIN_NODE_AGENTS: off (unset), on, or auto (from policy.NODE_AGENTS_FROM members); 1 and 0
+# as before auto existed.
+_NODE_AGENTS_ENV = {None: "off", "": "off", "1": "on", "0": "off"}
+
+
 class Steps:
     """The step ledger and the calls that move it, for one run."""
 
-    # One call per node per lease through a node agent (``node_agent``), not one per rank: 0.3-0.7x
-    # the driver's CPU a step at 64-512 ranks (docs/SCALING.md). A switch (RAYTRAIN_NODE_AGENTS=1),
-    # off by default: a newcomer's agent still starts on its first lease's critical path, which
-    # failed test_worker_killed_mid_step at a load of 40 (its peer's collective timed out).
-    node_agents = os.environ.get("RAYTRAIN_NODE_AGENTS", "") == "1"
+    # One call per node per lease through a node agent (``node_agent``), not one per rank. Off by
+    # default: with the stand-ins paced at GPT-2 small's step (benchmarks/control_plane.py,
+    # 2026-11-27) they cut the driver's CPU 2-2.4x at one step a call but showed no gain at the
+    # automatic lease up to 64 ranks, and a stand-in process died in 2 of about 8 runs through them
+    # at 64 and 128 ranks, not yet explained (docs/SCALING.md, "Paced stand-ins").
+    node_agents = _NODE_AGENTS_ENV.get(os.environ.get("RAYTRAIN_NODE_AGENTS"), os.environ.get("RAYTRAIN_NODE_AGENTS"))
 
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
                  tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
@@ -283,7 +289,7 @@ class Steps:
         # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
         reporter = members[0].actor.report_steps.remote(step, sent[0][0], timeout_s, *sent[0][1], lease=self.leases)
         refs, agents = [reporter.completed()] + [None] * (len(members) - 1), []
-        if self.node_agents and spec.data.delivery != "driver":
+        if spec.data.delivery != "driver":
             agents = self._through_agents(members, sent, step, timeout_s, after)
         through = {i for _, _, idx in agents for i in idx}
         for i in [i for i in range(1, len(members)) if i not in through]:  # the driver's own calls
@@ -302,7 +308,7 @@ class Steps:
         agents."""
         count, steps, entries = sent[0][0][:3]
         out = []
-        for key, run in node_runs(members[1:]):
+        for key, run in self._agent_runs(members):
             idx = [i + 1 for i in run]
             agent = self._agent(key, [members[i] for i in idx])
             if after is None:  # the run's first lease waits for its agents (their start began with
@@ -324,10 +330,16 @@ class Steps:
         """The members' node agents started now (with the ledger, once the group is placed),
         beside what comes before the first lease (the process group forming, a resume's restore): an agent's process takes 0.4-1.2 s to start
         on a loaded machine, which the first lease would otherwise wait for."""
-        if self.node_agents and self.spec.data.delivery != "driver":
+        if self.spec.data.delivery != "driver":
             members = list(self.group.workers)
-            for key, run in node_runs(members[1:]):
+            for key, run in self._agent_runs(members):
                 self._agent(key, [members[i + 1] for i in run])
+
+    def _agent_runs(self, members: list[Worker]) -> list[tuple[tuple, list[int]]]:
+        """The runs of members 1.. (``node_agent.node_runs``) whose leases go through their
+        node's agent (``policy.node_agents_on``)."""
+        return [(key, run) for key, run in node_runs(members[1:])
+                if node_agents_on(self.node_agents, len(members), len(run))]
 
     def _agent(self, key: tuple, ranks: list[Worker]):
         """The agent of ``key`` (a node and a run of its ranks), started on that node at first
