@@ -3,7 +3,11 @@
 The real ``Supervisor`` runs its real step loop (``run`` -> ``_loop`` -> ``Boundary.run``,
 ``Steps.dispatch``, ``_follow`` with ``Boundary.meanwhile``, ``Steps.commit``, run-ahead on, the
 real data plane building each global batch and the rows' references sent to the ranks as task
-arguments) over N stand-in ranks that answer every call at once. The stand-ins replace
+arguments) over N stand-in ranks that do no math: each step is a sleep of GPT-2 small's step
+at N as docs/SCALING.md models it (``--step-ms``; 0 answers at once, as before 2026-11-27), and
+rank 0 reports as TrainWorker does (the finished steps, at least every REPORT_EVERY_S), so that
+reports, the boundary polls and the liveness checks come as often per step as they would for the
+step the goals are judged against. The stand-ins replace
 ``TrainWorker`` through the documented hook ``WorkerGroup.actor_class``, packed as a real node
 hosts its GPUs' ranks: ``--ranks-per-actor`` (8) ranks to one Ray actor process
 (``StandInNode``; each call names its rank), so that 512 ranks are 64 processes and fit this
@@ -12,9 +16,10 @@ and its own calls: the driver sends and follows exactly what it would for N real
 local Ray cluster, started here with explicit ``num_cpus`` and a private temp dir under /tmp,
 serves every N in turn.
 
-Each N runs once per ``--steps-per-call`` mode (default: one step a call, then the automatic
-leases of ``train.steps_per_call = 0``, the default), back to back, so their ratio comes from one
-invocation. Per N and mode, over the steps after ``--skip-steps`` warm-up steps:
+Each N runs once per ``--node-agents`` mode (default: off, the product's default, then on: one
+call per node's agent, RAYTRAIN_NODE_AGENTS=on) and per ``--steps-per-call`` mode (default:
+one step a call, then the automatic leases of ``train.steps_per_call = 0``, the default), back
+to back, so their ratios come from one invocation; the goals are judged on the last of each. Per N and mode, over the steps after ``--skip-steps`` warm-up steps:
 
   driver CPU ms/step   CPU time of the whole driver process per committed step over the measured
                        window (every thread: the Supervisor's own Python thread, Ray's core-worker
@@ -40,7 +45,7 @@ a GPT-2-small step as ``benchmarks/scaling_model.py`` models it: at N = 64, as m
 0.5%; at N = 512, the split's lines at GPT-2 small's own automatic lease, at most 2%.
 
     .venv/bin/python benchmarks/control_plane.py --quick     # N = 8, 16; 60 steps; ~3 min
-    .venv/bin/python benchmarks/control_plane.py             # N = 8 .. 512; 300 steps; ~25 min
+    .venv/bin/python benchmarks/control_plane.py             # N = 8 .. 512; 300 steps; ~40 min
 
 Results go to benchmarks/results/control_plane.json (``"quick": true`` marks a smoke test's).
 """
@@ -48,6 +53,7 @@ Results go to benchmarks/results/control_plane.json (``"quick": true`` marks a s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -74,6 +80,8 @@ os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 # Issue 26: the Supervisor's CPU per step against a GPT-2-small step as docs/SCALING.md models it.
 GOAL_FRACTION_AT_64 = 0.005  # measured directly
 GOAL_FRACTION_AT_512 = 0.02  # from the fit, extrapolated no further than 2x past the measured range
+# A lease sent ahead waits at most this long for the one before it to end on the same rank.
+TURN_WAIT_S = 60.0
 METHODS = ("_boundary", "_dispatch", "_meanwhile", "_follow", "_commit")
 
 log = logging.getLogger("control_plane")
@@ -82,15 +90,34 @@ log = logging.getLogger("control_plane")
 # ----------------------------------------------------------------------------- the stand-ins
 
 class StandInRank:
-    """One stand-in rank's state and answers: TrainWorker's interface, every call returning at
-    once. Several live in one process (``StandInNode``), as a node's ranks live on one machine."""
+    """One stand-in rank's state and answers: TrainWorker's interface, every step taking
+    ``step_s`` of wall time (a sleep: no CPU) and no math. Several live in one process
+    (``StandInNode``), as a node's ranks live on one machine, each in its own thread; a rank's
+    calls run one at a time and in step order, as on a TrainWorker (``turn``)."""
 
-    def __init__(self):
+    def __init__(self, step_s: float = 0.0):
+        self.step_s = step_s
         self.step_done = 0
         self.rank = -1
         self.world_size = 0
         self.recent: dict[int, dict] = {}
         self.cut: tuple[int, int] | None = None
+        self._cond = threading.Condition()
+        self._busy = False
+
+    @contextlib.contextmanager
+    def turn(self, first: int):
+        """This rank's call of the lease starting at ``first``, after the one before it: a
+        lease sent ahead waits for the running one (a TrainWorker runs one call at a time)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy and self.step_done >= first, timeout=TURN_WAIT_S)
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy = False
+                self._cond.notify_all()
 
     def setup_group(self, rank, world_size, master_addr, master_port, generation) -> dict:
         self.rank, self.world_size = rank, world_size
@@ -99,11 +126,13 @@ class StandInRank:
     def train_step(self, step, batch, global_units) -> dict:
         if self.step_done != step:  # TrainWorker's run-ahead check
             raise RuntimeError(f"step {step + 1} refused: holds step {self.step_done}")
+        if self.step_s:
+            time.sleep(self.step_s)
         self.step_done = step + 1
         # A RankShare (references and ranges; Ray has resolved the pieces) or rows.
         rows = batch.num_rows if hasattr(batch, "num_rows") else len(next(iter(batch.values())))
         return {"loss_sum": 1.0 * rows if self.rank == 0 else 0.0, "rows": float(rows),
-                "grad_norm": 1.0, "lr": 1e-3, "compute_s": 0.0}
+                "grad_norm": 1.0, "lr": 1e-3, "compute_s": self.step_s}
 
     def lease(self, first, plans):
         """TrainWorker's lease: each step's result, kept for lease_results, and whether a cut
@@ -115,16 +144,26 @@ class StandInRank:
             yield first + i, self.recent[first + i], self.cut is not None and self.cut[1] <= first + i + 1
 
     def reports(self, first, plans):
-        """TrainWorker.report_steps: a report a step, with every rank's parts (rank 0's: the
-        stand-ins agree on nothing; a cut stops rank 0 only, as no collective tells the others)."""
+        """TrainWorker.report_steps: the finished steps' reports, every rank's parts in each (rank
+        0's: the stand-ins agree on nothing; a cut stops rank 0 only, as no collective tells the
+        others), yielded as TrainWorker yields them: at least every REPORT_EVERY_S and at the
+        lease's end (a step at once: every step its own report)."""
         import numpy as np
 
+        from raytrain_sys.control.worker import REPORT_EVERY_S
+
+        batch, sent_at = [], time.monotonic()
         for step, r, cut in self.lease(first, plans):
             parts = [r["loss_sum"], r["rows"], 0.0, r["compute_s"], 0.0, 0.0]
-            yield [{"step": step, "lr": r["lr"], "grad_norm": r["grad_norm"], "cut": cut,
-                    "ranks": np.array([parts] + [[0.0] + parts[1:]] * (self.world_size - 1))}]
+            batch.append({"step": step, "lr": r["lr"], "grad_norm": r["grad_norm"], "cut": cut,
+                          "ranks": np.array([parts] + [[0.0] + parts[1:]] * (self.world_size - 1))})
+            if cut or not self.step_s or time.monotonic() - sent_at >= REPORT_EVERY_S:
+                yield batch
+                batch, sent_at = [], time.monotonic()
             if cut:
                 return
+        if batch:
+            yield batch
 
 
 def stand_in_node_class():
@@ -135,9 +174,12 @@ def stand_in_node_class():
 
     from raytrain_sys.data.batches import lease_plans  # a lease's plans as TrainWorker reads them
 
-    @ray.remote(concurrency_groups={"control": 2})  # TrainWorker's: pings pass a running step
+    # TrainWorker's control group (pings pass a running step); its ranks' calls each in a thread
+    # (max_concurrency: set by PackedStandIns), one at a time per rank (turn).
+    @ray.remote(concurrency_groups={"control": 2})
     class StandInNode:
-        def __init__(self):
+        def __init__(self, step_s: float):
+            self.step_s = step_s
             self.ranks: dict[int, StandInRank] = {}
 
         def _info(self) -> dict:
@@ -148,7 +190,7 @@ def stand_in_node_class():
                     "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
         def prepare(self, i) -> dict:
-            self.ranks[i] = StandInRank()
+            self.ranks[i] = StandInRank(self.step_s)
             return self._info()
 
         @ray.method(concurrency_group="control")
@@ -170,10 +212,12 @@ def stand_in_node_class():
             pass
 
         def train_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1) -> int:
-            return len(list(self.ranks[i].lease(first, lease_plans(plans))))
+            with self.ranks[i].turn(first):
+                return len(list(self.ranks[i].lease(first, lease_plans(plans))))
 
         def report_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1):
-            yield from self.ranks[i].reports(first, lease_plans(plans))
+            with self.ranks[i].turn(first):
+                yield from self.ranks[i].reports(first, lease_plans(plans))
 
         @ray.method(concurrency_group="control")
         def cut_lease(self, i, through, end) -> int:
@@ -219,8 +263,8 @@ class PackedStandIns:
     actor class. Each ``per_node`` slots in a row share one ``StandInNode`` process (0 CPU: the
     slot's placement group holds its share), so that N ranks cost N / per_node processes."""
 
-    def __init__(self, per_node: int):
-        self.per_node = per_node
+    def __init__(self, per_node: int, step_s: float = 0.0):
+        self.per_node, self.step_s = per_node, step_s
         self.node_class = stand_in_node_class()
         self.nodes: list = []
         self.slots = 0
@@ -231,7 +275,9 @@ class PackedStandIns:
     def remote(self, spec_dict: dict) -> RankHandle:
         index = self.slots % self.per_node
         if index == 0:
-            self.nodes.append(self.node_class.options(num_cpus=0).remote())
+            # A thread for each rank's running lease and the one sent ahead (waiting for its turn),
+            # and room for a lease sent again after a cut.
+            self.nodes.append(self.node_class.options(num_cpus=0, max_concurrency=3 * self.per_node).remote(self.step_s))
         self.slots += 1
         return RankHandle(self.nodes[-1], index)
 
@@ -309,12 +355,27 @@ def thread_kind(native_id: int, names: dict[int, str], main_id: int) -> str:
     return "other python threads"
 
 
-def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, steps_per_call: int) -> dict:
+def stand_in_step_s(args: argparse.Namespace, n: int) -> float:
+    """The stand-ins' step: GPT-2 small's at N as docs/SCALING.md models it (the step the goals
+    are judged against, so that reports, polls and pings come as often as they would), or
+    ``--step-ms``."""
+    if args.step_ms == "gpt2-small":  # modelled at 8, 64 and 512 GPUs (35.6-35.8 ms): the nearest
+        import scaling_model
+
+        return scaling_model.step_time_s("gpt2-small", min((8, 64, 512), key=lambda g: abs(math.log(g / n))))
+    return float(args.step_ms) / 1e3
+
+
+def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, steps_per_call: int,
+            agents: str = "auto") -> dict:
     from raytrain_sys.control import supervisor as sv
+    from raytrain_sys.control.supervisor import steps as steps_mod
     from raytrain_sys.control.worker_group import WorkerGroup
 
     spec = make_spec(args, n, data_dir, work_dir, steps_per_call)
-    WorkerGroup.actor_class = stand_ins = PackedStandIns(args.ranks_per_actor)
+    step_s = stand_in_step_s(args, n)
+    WorkerGroup.actor_class = stand_ins = PackedStandIns(args.ranks_per_actor, step_s)
+    agents_default, steps_mod.Steps.node_agents = steps_mod.Steps.node_agents, agents
     skip = args.skip_steps
     marks: list[tuple[int, float, float]] = []  # (committed step, perf_counter, process_time)
     snaps: dict[str, dict] = {}
@@ -343,7 +404,6 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
     # plan carried out; meanwhile: the plan asked while a lease runs); _follow waits for a lease:
     # time those where they live, for this run only (restored below).
     from raytrain_sys.control.supervisor import boundary as boundary_mod
-    from raytrain_sys.control.supervisor import steps as steps_mod
 
     originals = [(steps_mod.Steps, "dispatch", steps_mod.Steps.dispatch),
                  (steps_mod.Steps, "commit", steps_mod.Steps.commit),
@@ -380,6 +440,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         meter.close()
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)
+        steps_mod.Steps.node_agents = agents_default
         stand_ins.close()
     wall = time.perf_counter() - t0
     assert result.committed_steps == args.steps, result
@@ -413,8 +474,9 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         "workers": n,
         "stand_in_processes": math.ceil(n / args.ranks_per_actor),
         "steps_per_call": steps_per_call or "auto",
-        # One call per node per lease through node agents (Steps.node_agents; RAYTRAIN_NODE_AGENTS=1).
-        "node_agents": steps_mod.Steps.node_agents,
+        # One call per node per lease through node agents (Steps.node_agents: auto, on, off).
+        "node_agents": agents,
+        "stand_in_step_ms": 1e3 * step_s,
         "leases": sup.summary.leases,
         # The mean lease over the measured window (its dispatches; under run-ahead one is sent
         # while the one before it runs).
@@ -568,6 +630,31 @@ def goal(runs: list[dict], split: dict | None) -> dict:
     return out
 
 
+def summarize(ns: list[int], modes: list[int], by_mode: dict[str, list[dict]]) -> tuple[list[str], dict]:
+    """One --node-agents mode's table, fits, split and goal."""
+    fits_by_mode, lines = {}, []
+    for mode in modes:
+        runs = by_mode[str(mode or "auto")]
+        fits = {"driver_cpu": fit_line(ns, [r["driver_cpu_ms_per_step"] for r in runs]),
+                "wall": fit_line(ns, [r["wall_ms_per_step"] for r in runs])}
+        fits_by_mode[str(mode or "auto")] = fits
+        lines += [f"train.steps_per_call = {mode or 'auto'}:"] + report(runs, fits)
+    if len(modes) > 1:
+        first, last = by_mode[str(modes[0] or "auto")], by_mode[str(modes[-1] or "auto")]
+        lines.append("driver CPU per step, steps_per_call " + f"{modes[-1] or 'auto'} / {modes[0] or 'auto'}: "
+                     + ", ".join(f"N={a['workers']} {b['driver_cpu_ms_per_step'] / a['driver_cpu_ms_per_step']:.2f}x"
+                                 for a, b in zip(first, last)))
+    runs, fits = by_mode[str(modes[-1] or "auto")], fits_by_mode[str(modes[-1] or "auto")]
+    split = None
+    if "1" in by_mode and "auto" in by_mode:
+        split = split_per_call(by_mode["1"], by_mode["auto"])
+        lines += report_split(split)
+    verdict = goal(runs, split)
+    lines.append(verdict["text"])
+    return lines, {"runs": runs, "fit": fits, "runs_by_steps_per_call": by_mode,
+                   "fits_by_steps_per_call": fits_by_mode, "split": split, "goal": verdict}
+
+
 # ----------------------------------------------------------------------------- main
 
 def main() -> int:
@@ -591,6 +678,15 @@ def main() -> int:
     p.add_argument("--steps-per-call", default="1,0",
                    help="comma list of train.steps_per_call to run, each over every N (0 = auto, the "
                         "default; 1 = one step a call, as before leases); the goal is judged on the last")
+    p.add_argument("--step-ms", default="gpt2-small",
+                   help="the stand-ins' step, a sleep: gpt2-small (default: GPT-2 small's step at N as "
+                        "docs/SCALING.md models it, the step the goals are judged against), or ms (0: "
+                        "answer at once, every step its own report, as before 2026-11-27)")
+    p.add_argument("--node-agents", default="off,on",
+                   help="comma list of off (the default of Steps.node_agents: the driver's calls to every "
+                        "rank), on (one call per node through node agents), auto (agents from "
+                        "policy.NODE_AGENTS_FROM ranks); each over every N, back to back; the goal is "
+                        "judged on the last")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(HERE / "results" / "control_plane.json"))
     p.add_argument("--keep-temp", action="store_true")
@@ -603,6 +699,12 @@ def main() -> int:
         p.error(f"--global-batch {args.global_batch} is smaller than N={max(ns)}")
     if args.skip_steps + 10 > args.steps:
         p.error("--steps must exceed --skip-steps by at least 10")
+    if args.step_ms != "gpt2-small":
+        try:
+            if float(args.step_ms) < 0:
+                raise ValueError
+        except ValueError:
+            p.error(f"--step-ms {args.step_ms!r}: gpt2-small or a number of ms, at least 0")
 
     work_dir = common.start(args.verbose, log, "cp-")
     try:
@@ -612,45 +714,41 @@ def main() -> int:
         data_dir = prepare_data(args, work_dir)
         start_ray(args, work_dir)
         modes = [int(x) for x in args.steps_per_call.split(",")]
-        by_mode = {str(mode or "auto"): [] for mode in modes}
-        fits_by_mode, lines = {}, []
-        for n in ns:  # the modes back to back at each N: a shared machine's load drifts
-            for mode in modes:
-                common.wait_until_quiet(log, max_s=args.quiet_wait_s)
-                log.info("N=%d, steps_per_call %s: %d steps", n, mode or "auto", args.steps)
-                r = measure(args, n, data_dir, work_dir, mode)
-                log.info("N=%d: driver CPU %.2f ms/step, wall %.2f ms/step, %.1f steps a call", n,
-                         r["driver_cpu_ms_per_step"], r["wall_ms_per_step"], args.steps / max(r["leases"], 1))
-                by_mode[str(mode or "auto")].append(r)
-                with open(args.out + ".partial", "w") as f:  # a late failure keeps what was measured
-                    json.dump(by_mode, f)
-        for mode in modes:
-            runs = by_mode[str(mode or "auto")]
-            fits = {"driver_cpu": fit_line(ns, [r["driver_cpu_ms_per_step"] for r in runs]),
-                    "wall": fit_line(ns, [r["wall_ms_per_step"] for r in runs])}
-            fits_by_mode[str(mode or "auto")] = fits
-            lines += [f"train.steps_per_call = {mode or 'auto'}:"] + report(runs, fits)
-        if len(modes) > 1:
-            first, last = by_mode[str(modes[0] or "auto")], by_mode[str(modes[-1] or "auto")]
-            lines.append("driver CPU per step, steps_per_call " + f"{modes[-1] or 'auto'} / {modes[0] or 'auto'}: "
+        agent_modes = common.pick(p, args.node_agents, ("off", "on", "auto"), "--node-agents")
+        by_agents = {a: {str(mode or "auto"): [] for mode in modes} for a in agent_modes}
+        for n in ns:  # every mode back to back at each N: a shared machine's load drifts
+            for agents in agent_modes:
+                for mode in modes:
+                    common.wait_until_quiet(log, max_s=args.quiet_wait_s)
+                    log.info("N=%d, node agents %s, steps_per_call %s: %d steps, stand-ins' step %.1f ms", n,
+                             agents, mode or "auto", args.steps, 1e3 * stand_in_step_s(args, n))
+                    r = measure(args, n, data_dir, work_dir, mode, agents)
+                    log.info("N=%d: driver CPU %.2f ms/step, wall %.2f ms/step, %.1f steps a call", n,
+                             r["driver_cpu_ms_per_step"], r["wall_ms_per_step"], args.steps / max(r["leases"], 1))
+                    by_agents[agents][str(mode or "auto")].append(r)
+                    with open(args.out + ".partial", "w") as f:  # a late failure keeps what was measured
+                        json.dump(by_agents, f)
+        lines, parts = [], {}
+        for agents in agent_modes:
+            lines.append(f"==== node agents {agents}")
+            part_lines, parts[agents] = summarize(ns, modes, by_agents[agents])
+            lines += part_lines
+        if len(agent_modes) > 1:
+            key = str(modes[-1] or "auto")
+            first, last = agent_modes[0], agent_modes[-1]
+            lines.append(f"driver CPU per step, node agents {last} / {first} (steps_per_call {key}): "
                          + ", ".join(f"N={a['workers']} {b['driver_cpu_ms_per_step'] / a['driver_cpu_ms_per_step']:.2f}x"
-                                     for a, b in zip(first, last)))
-        runs, fits = by_mode[str(modes[-1] or "auto")], fits_by_mode[str(modes[-1] or "auto")]
-        split = None
-        if "1" in by_mode and "auto" in by_mode:
-            split = split_per_call(by_mode["1"], by_mode["auto"])
-            lines += report_split(split)
-        verdict = goal(runs, split)
-        lines.append(verdict["text"])
+                                     for a, b in zip(by_agents[first][key], by_agents[last][key])))
+        verdict = parts[agent_modes[-1]]["goal"]
         print("\n".join(lines))
         out = {"benchmark": "control_plane", "quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                "args": {k: v for k, v in vars(args).items() if k not in ("out",)},
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
                "versions": {"python": platform.python_version(), "ray": ray.__version__,
                             "torch": torch.__version__},
-               "runs": runs, "fit": fits, "runs_by_steps_per_call": by_mode, "fits_by_steps_per_call": fits_by_mode,
-               "split": split,  # per call and per step
-               "goal": verdict, "table": lines}
+               **parts[agent_modes[-1]],  # runs, fits, split, goal: the last --node-agents mode's
+               "by_node_agents": parts,
+               "table": lines}
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
