@@ -214,7 +214,7 @@ class LeaseWatch:
         until = time.monotonic() + timeout_s
         while not self._done:
             now = time.monotonic()
-            if now >= until:
+            if until - now < 0.001:  # Ray's wait rounds a timeout under 1 ms to 0: it would spin
                 return None
             ready, _ = ray.wait([self.reporter], timeout=min(until - now, LIVENESS_EVERY_S))
             if ready:

@@ -34,6 +34,8 @@ LIVENESS_EVERY_S = 1.0
 # up, a straggler's verdict; drains are looked up every elastic.drain_poll_s): a cut then ends
 # it at the end of the step in flight. Each look costs the driver well under a millisecond.
 BOUNDARY_POLL_S = 0.1
+# The straggler window takes a running lease's reported steps this often (and at its end).
+OBSERVE_EVERY_S = 1.0
 # A draining node's last members keep training while successors start elsewhere, until this
 # long before the drain's deadline; then the state goes through a checkpoint instead (a spot
 # notice gives 120 s; a checkpoint of a small model takes well under a second).

@@ -385,11 +385,15 @@ class Supervisor:
         when the plan for the earliest boundary it can end at needs that boundary."""
         watch = LeaseWatch(self.group, cur.members, cur.member_refs, cur.reporter, cur.step, cur.end - 1,
                            self.steps._step_deadline_s(), copies=bool(self.membership.peers))
-        newest, seen = ahead or cur, 0
+        newest, seen, observed, observed_at = ahead or cur, 0, 0, time.monotonic()
         while True:
             outcome = watch.wait(policy.BOUNDARY_POLL_S)
-            self.boundary.observe(cur, watch.reports, seen, len(watch.reports))
             seen = len(watch.reports)
+            # The straggler window takes the reported steps at most every OBSERVE_EVERY_S, and at
+            # the lease's end: its arrays and decision cost about as much as following the lease.
+            if seen > observed and (outcome is not None or time.monotonic() - observed_at >= policy.OBSERVE_EVERY_S):
+                self.boundary.observe(cur, watch.reports, observed, seen)
+                observed, observed_at = seen, time.monotonic()
             if outcome is not None:
                 return outcome, watch.reports
             earliest = min(cur.step + seen + 1, cur.end)
