@@ -630,6 +630,13 @@ def goal(runs: list[dict], split: dict | None) -> dict:
     return out
 
 
+def ratio_line(label: str, base: list[dict], other: list[dict]) -> str:
+    """Each N's driver CPU per step in ``other`` over ``base`` (runs in the same order of N)."""
+    return (f"driver CPU per step, {label}: "
+            + ", ".join(f"N={a['workers']} {b['driver_cpu_ms_per_step'] / a['driver_cpu_ms_per_step']:.2f}x"
+                        for a, b in zip(base, other)))
+
+
 def summarize(ns: list[int], modes: list[int], by_mode: dict[str, list[dict]]) -> tuple[list[str], dict]:
     """One --node-agents mode's table, fits, split and goal."""
     fits_by_mode, lines = {}, []
@@ -640,10 +647,8 @@ def summarize(ns: list[int], modes: list[int], by_mode: dict[str, list[dict]]) -
         fits_by_mode[str(mode or "auto")] = fits
         lines += [f"train.steps_per_call = {mode or 'auto'}:"] + report(runs, fits)
     if len(modes) > 1:
-        first, last = by_mode[str(modes[0] or "auto")], by_mode[str(modes[-1] or "auto")]
-        lines.append("driver CPU per step, steps_per_call " + f"{modes[-1] or 'auto'} / {modes[0] or 'auto'}: "
-                     + ", ".join(f"N={a['workers']} {b['driver_cpu_ms_per_step'] / a['driver_cpu_ms_per_step']:.2f}x"
-                                 for a, b in zip(first, last)))
+        first, last = str(modes[0] or "auto"), str(modes[-1] or "auto")
+        lines.append(ratio_line(f"steps_per_call {last} / {first}", by_mode[first], by_mode[last]))
     runs, fits = by_mode[str(modes[-1] or "auto")], fits_by_mode[str(modes[-1] or "auto")]
     split = None
     if "1" in by_mode and "auto" in by_mode:
@@ -736,9 +741,8 @@ def main() -> int:
         if len(agent_modes) > 1:
             key = str(modes[-1] or "auto")
             first, last = agent_modes[0], agent_modes[-1]
-            lines.append(f"driver CPU per step, node agents {last} / {first} (steps_per_call {key}): "
-                         + ", ".join(f"N={a['workers']} {b['driver_cpu_ms_per_step'] / a['driver_cpu_ms_per_step']:.2f}x"
-                                     for a, b in zip(by_agents[first][key], by_agents[last][key])))
+            lines.append(ratio_line(f"node agents {last} / {first} (steps_per_call {key})",
+                                    by_agents[first][key], by_agents[last][key]))
         verdict = parts[agent_modes[-1]]["goal"]
         print("\n".join(lines))
         out = {"benchmark": "control_plane", "quick": args.quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),

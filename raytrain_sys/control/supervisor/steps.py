@@ -160,7 +160,7 @@ def report_results(reports: list[dict]) -> list[dict]:
 
 # RAYTRAIN_NODE_AGENTS: off (unset), on, or auto (from policy.NODE_AGENTS_FROM members); 1 and 0
 # as before auto existed.
-_NODE_AGENTS_ENV = {None: "off", "": "off", "1": "on", "0": "off"}
+_NODE_AGENTS_ENV = os.environ.get("RAYTRAIN_NODE_AGENTS", "")
 
 
 class Steps:
@@ -171,7 +171,7 @@ class Steps:
     # 2026-11-27) they cut the driver's CPU 2-2.4x at one step a call but showed no gain at the
     # automatic lease up to 64 ranks, and a stand-in process died in 2 of about 8 runs through them
     # at 64 and 128 ranks, not yet explained (docs/SCALING.md, "Paced stand-ins").
-    node_agents = _NODE_AGENTS_ENV.get(os.environ.get("RAYTRAIN_NODE_AGENTS"), os.environ.get("RAYTRAIN_NODE_AGENTS"))
+    node_agents = {"": "off", "1": "on", "0": "off"}.get(_NODE_AGENTS_ENV, _NODE_AGENTS_ENV)
 
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
                  tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
