@@ -9,7 +9,9 @@ one process ends (fp64), every sample exactly once.
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from raytrain_sys.control import drain
 from raytrain_sys.control.peer_copies import PeerCopies, peer_ring, room, to_wire, wanted
@@ -240,14 +242,25 @@ def test_a_lost_node_comes_back_from_the_peer_copies_on_other_nodes(one_process,
 def test_a_drained_nodes_shard_is_handed_over_before_it_leaves(one_process, tiny_dataset, tmp_path, ray_nodes):
     """FSDP over two ranks with copies on; rank 1's node gets a preemption notice after step 6:
     its shard goes to the survivor before the node is let go at the next boundary (not from a
-    copy, not from a checkpoint: none is configured), and nothing is redone."""
+    copy, not from a checkpoint: none is configured), and nothing is redone.
+
+    From the notice to the run's end the cluster's other nodes are held (a placement group of
+    their CPUs), so that the world of 1 is seen: the replacement asked for as the member leaves
+    comes up in 2-4 s, about as long as the leave's re-form takes (the leaver's pieces are
+    indexed and cut by tasks that start processes), and up by the end of it, it joins at that
+    same boundary (the plan's Grow after LeaveDraining), and no step runs at world 1 (once in a
+    FAST=1 suite run, and in one of four runs of this test on 2026-11-27)."""
     spec = ft_spec(tmp_path, tiny_dataset, STEPS, model=MODEL, parallel={"strategy": "fsdp"},
                    resources={"num_workers": 2}, checkpoint={"every_steps": 0}, elastic={"drain_poll_s": 0.0})
-    drained = []
+    drained, held = [], []
 
     def notice(sup):
         w = sup.group.workers[1]
         assert sup.membership.peers == [1, 0], sup.membership.peers  # copies on, across the two nodes
+        free = sorted({n.node_id for n in ray_nodes.worker_nodes} - {m.node_id for m in sup.group.workers})
+        held.append(placement_group([{"CPU": 1}] * len(free), name="test-hold-free-nodes",
+                                    bundle_label_selector=[{"ray.io/node-id": n} for n in free]))
+        ray.get(held[-1].ready(), timeout=60)
         drained.append(node_of_worker(ray_nodes, w))
         assert drain.drain_node(w.node_id, "PREEMPTION", 60.0, "test: spot preemption")
 
@@ -255,6 +268,8 @@ def test_a_drained_nodes_shard_is_handed_over_before_it_leaves(one_process, tiny
         sources = []
         result, sup, seen = run_with_events(spec, {6: notice, 10: lambda s: sources.append(s.membership.last_sources)})
     finally:
+        for pg in held:
+            remove_placement_group(pg)
         for node in drained:
             if any(n is node for n in ray_nodes.worker_nodes):
                 ray_nodes.remove_node(node, allow_graceful=False)
