@@ -59,10 +59,13 @@ log = logging.getLogger(__name__)
 PIECES_FILE = "pieces_rank{rank:05d}.pt"  # one per writing rank; see raytrain_sys.checkpoint.state
 # How long joining a process group may wait for the other members (see setup_group).
 RENDEZVOUS_TIMEOUT_S = 30.0
-# A lease's rank 0 reports its finished steps at least this often (and at the lease's end): a
-# report a step costs the Supervisor a little CPU per step; 0.1 s keeps it to ten a second while
-# what it learns (progress, every rank's step times) is never older than that.
-REPORT_EVERY_S = 0.1
+# A lease's rank 0 reports its finished steps at least this often (and at the lease's end). Each
+# report costs the driver about a millisecond of CPU (Ray's delivery, the wait, the read), so a
+# report a step would cost it more than a whole step's budget; what a report tells it is needed
+# at the lease's end (the commits) and for liveness (a member is pinged only after
+# policy.LIVENESS_EVERY_S without a report, so this stays well under that). A cut does not wait
+# for reports: rank 0 learns it on its control path.
+REPORT_EVERY_S = 0.5
 # A rank's parts of a step that every rank learns in the step's agreement (TrainWorker._agree):
 # the Supervisor's loss sum (data leaders' only), the rows, and where the time went.
 AGREED = ("loss_sum", "rows", "data_wait_s", "compute_s", "collective_s", "optimizer_s")
