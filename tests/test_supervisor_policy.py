@@ -53,14 +53,16 @@ def test_collective_timeout_is_just_past_the_liveness_verdict():
 # ------------------------------------------------------------------ summary.json's refresh
 @pytest.mark.parametrize("now, last_end, cost, due", [
     (100.0, 0.0, 0.0, True),
-    (100.0, 99.5, 0.002, True),
-    (100.0, 95.0, 0.1, False),
-    (100.0, 80.0, 0.1, True),
+    (100.0, 97.5, 0.002, True),
+    (100.0, 99.5, 0.002, False),
+    (100.0, 95.0, 0.02, False),
+    (100.0, 80.0, 0.02, True),
 ], ids=[
     "never written in this loop: written",
-    "a small record (2 ms) half a second ago: written again at the log step",
-    "a write of 0.1 s (many ranks' history) 5 s ago: skipped, it would be 2% of the loop",
-    "the same 20 s ago: written, 0.5% of the loop",
+    "a small record (2 ms) 2.5 s ago: written again at the log step",
+    "the same half a second ago: skipped, it would be 0.4% of the loop",
+    "a write of 20 ms (many ranks' history) 5 s ago: skipped, it would be 0.4% of the loop",
+    "the same 20 s ago: written, 0.1% of the loop",
 ])
 def test_summary_due(now, last_end, cost, due):
     assert policy.summary_due(now, last_end, cost) is due
