@@ -68,6 +68,21 @@ def test_summary_due(now, last_end, cost, due):
     assert policy.summary_due(now, last_end, cost) is due
 
 
+@pytest.mark.parametrize("now, last_sent, metrics, due", [
+    (100.0, float("-inf"), 2560, True),
+    (100.0, 99.8, 10, True),
+    (100.0, 90.0, 2560, False),
+    (100.0, 74.0, 2560, True),
+], ids=[
+    "never sent: sent, however many",
+    "two ranks' ten, 0.2 s ago (steps of 0.02 s): sent at every refresh",
+    "512 ranks' 2,560, 10 s ago: held, it would be 256 a second",
+    "the same 26 s ago: sent",
+])
+def test_rank_metrics_due(now, last_sent, metrics, due):
+    assert policy.rank_metrics_due(now, last_sent, metrics) is due
+
+
 @pytest.mark.parametrize("times, steps, expected", [
     ([], 4, 2400.0),
     ([0.5, 0.6, 0.7], 4, 30.0),

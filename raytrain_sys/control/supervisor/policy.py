@@ -58,6 +58,13 @@ MAX_LEASE_STEPS = 1000
 # progress goes elsewhere (on_step, MLflow, Prometheus, the service's runner); the record is
 # read once a run ended, and written at every transition and at the end regardless.
 SUMMARY_SHARE = 0.001
+# The per-rank step metrics (rank<r>/<part>: five a rank) go to MLflow at a rank_times refresh
+# (every train.log_every_steps) at most this many a second on average: each is a row in MLflow's
+# store and a part of a request its writer sends. Two ranks' ten at each refresh of steps of
+# 0.1 s; at 512 ranks and GPT-2 small's steps (a refresh every 0.36 s) sending all would be
+# 7,000 a second, so they go every 26 s. summary.json's rank_times and the straggler events
+# are refreshed at every one regardless.
+RANK_METRICS_PER_S = 100.0
 # Node agents (control/node_agent.py: a lease to a node's ranks in one call from the driver) in
 # automatic mode (RAYTRAIN_NODE_AGENTS=auto), from this many members on: at 16 and 32 paced
 # stand-ins they saved nothing at the automatic lease (benchmarks/control_plane.py, 2026-11-27).
@@ -71,6 +78,12 @@ def summary_due(now: float, last_end: float, last_cost_s: float) -> bool:
     the refresh stays under that share of the loop whatever the number of ranks or the run's
     length (a record of 2 ms: every 2 s); transitions and the run's end write it regardless."""
     return now - last_end >= last_cost_s / SUMMARY_SHARE
+
+
+def rank_metrics_due(now: float, last_sent: float, metrics: int) -> bool:
+    """Whether a rank_times refresh sends its ``metrics`` per-rank metrics to MLflow: once the
+    time since the last send is at least what they take of RANK_METRICS_PER_S."""
+    return now - last_sent >= metrics / RANK_METRICS_PER_S
 
 
 def node_agents_on(mode: str, members: int, node_run: int) -> bool:

@@ -1,9 +1,10 @@
 """Per-rank step times and stragglers: which rank makes the step slow, and what to do about it.
 
 Owns: ``rank_times``, ``rank_times_history`` and ``stragglers`` in summary.json, the per-rank
-step metrics sent to MLflow (``rank<r>/<part>``), the straggler events (log line, MLflow event
-and ``raytrain.straggler`` tag) and the gauge ``raytrain_straggler_flagged`` (labels job, team,
-rank, node; 1 while a rank is flagged). Calls no other part of the Supervisor: ``observe_reports`` reads
+step metrics sent to MLflow (``rank<r>/<part>``, at most ``policy.RANK_METRICS_PER_S`` a
+second), the straggler events (log line, MLflow event and ``raytrain.straggler`` tag) and the
+gauge ``raytrain_straggler_flagged`` (labels job, team, rank, node; 1 while a rank is
+flagged). Calls no other part of the Supervisor: ``observe_reports`` reads
 the per-rank results of committed steps (rank 0's reports, every rank's parts of a step as one
 array; the window keeps them as arrays, a rank's record is made only when
 ``rank_times`` is refreshed), ``decide`` returns what the policy asks
@@ -28,12 +29,14 @@ and replay stay exactly-once whatever split was used.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.control.supervisor.policy import rank_metrics_due
 from raytrain_sys.control.worker import AGREED
 from raytrain_sys.data.order import weighted_rows
 from raytrain_sys.parallel.mesh import data_index_of_rank
@@ -141,6 +144,7 @@ class Stragglers:
         self._remeasure = False  # a rebalance cleared the window: the next full one re-judges it
         self._gauge = None
         self._gauge_set: dict[int, tuple[str, float]] = {}  # rank -> (node, value) last set
+        self._metrics_sent = float("-inf")  # the per-rank metrics' last send to MLflow (monotonic)
 
     # ------------------------------------------------------------------ per-step records
     def observe_reports(self, sent, reports: list[dict], generation: int) -> None:
@@ -185,7 +189,9 @@ class Stragglers:
         if len(history) >= HISTORY_MAX:
             del history[1::2]
         history.append({"step": step, "ranks": ranks})
-        if self.tracker is not None:
+        now = time.monotonic()
+        if self.tracker is not None and rank_metrics_due(now, self._metrics_sent, len(ranks) * (len(PARTS) + 1)):
+            self._metrics_sent = now
             self.tracker.log_metrics(step, {f"rank{r}/{k}": v for r, t in ranks.items()
                                             for k, v in t.items() if k != "node"})
 
