@@ -186,17 +186,11 @@ class _ListText:
 
     def encode(self, items: list) -> list[str]:
         """The items' JSON text, in parts: joined by ", " and bracketed, the list's."""
-        parts = []
+        blocks = []
         for k, i in enumerate(range(0, len(items), TEXT_BLOCK)):
             block = items[i:i + TEXT_BLOCK]
-            if k < len(self._blocks):
-                kept, text = self._blocks[k]
-                if len(kept) == len(block) and all(map(operator.is_, kept, block)):
-                    parts.append(text)
-                    continue
-                self._blocks[k] = (block, json.dumps(block)[1:-1])
-            else:
-                self._blocks.append((block, json.dumps(block)[1:-1]))
-            parts.append(self._blocks[k][1])
-        del self._blocks[len(parts):]
-        return parts
+            kept = self._blocks[k] if k < len(self._blocks) else ([], "")
+            same = len(kept[0]) == len(block) and all(map(operator.is_, kept[0], block))
+            blocks.append(kept if same else (block, json.dumps(block)[1:-1]))
+        self._blocks = blocks
+        return [text for _, text in blocks]
