@@ -501,8 +501,8 @@ class S3Store(Store):
             )
         if code in ("SlowDown", "ServiceUnavailable", "503", "InternalError", "500"):
             return StorageError(
-                f"S3 endpoint {self._endpoint_name} is overloaded or failing ({code}) after "
-                f"{S3_MAX_ATTEMPTS} attempts to {action} {where}: retry later"
+                f"S3 endpoint {self._endpoint_name} is overloaded or failing ({code}) to "
+                f"{action} {where}, after retries: retry later, or see the server's log"
             )
         return StorageError(
             f"S3 failed to {action} {where} at {self._endpoint_name}: {code} {message}"
