@@ -27,7 +27,7 @@ from typing import Callable
 import ray
 
 from raytrain_sys import __version__
-from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
+from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo, split_checkpoint_uri
 from raytrain_sys.control.run_record import RunSummary
 from raytrain_sys.control.supervisor.liveness import WorkerLost
 from raytrain_sys.control.supervisor.policy import PING_TIMEOUT_S
@@ -42,6 +42,14 @@ log = logging.getLogger(__name__)
 # Test hook: crash the driver after a checkpoint's data files are written and before its
 # manifest, at this step. Used to prove that a half-written checkpoint stays invisible.
 FAULT_BEFORE_MANIFEST_ENV = "RAYTRAIN_SYS_FAULT_BEFORE_MANIFEST_STEP"
+
+
+def started_from_another_root(resumed_uri: str, checkpoint_root: str) -> bool:
+    """Whether the checkpoint a run resumed from (``.../step_NNNNNNNN``) lies outside the run's own
+    checkpoint root (a PBT segment's, from its donor's): its state is then saved in the run's own
+    root first, as the other run's retention may delete that checkpoint."""
+    split = split_checkpoint_uri(resumed_uri)
+    return (split[0] if split is not None else "") != checkpoint_root.rstrip("/")
 
 
 def check_compatible(spec: JobSpec, info: CheckpointInfo) -> None:

@@ -30,13 +30,13 @@ from typing import Callable
 
 import ray
 
-from raytrain_sys.checkpoint.checkpointer import CheckpointInfo, split_checkpoint_uri
+from raytrain_sys.checkpoint.checkpointer import CheckpointInfo
 from raytrain_sys.control.run_record import RunSummary, git_commit
 from raytrain_sys.control.spares import SpareSource
 import raytrain_sys.control.supervisor.launch as launch
 import raytrain_sys.control.supervisor.policy as policy
 from raytrain_sys.control.supervisor.boundary import Boundary
-from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible
+from raytrain_sys.control.supervisor.checkpoints import Checkpoints, check_compatible, started_from_another_root
 from raytrain_sys.control.supervisor.evaluation import Evaluation
 from raytrain_sys.control.supervisor.journal import State, transition_record
 from raytrain_sys.control.supervisor.liveness import LeaseWatch, StepOutcome
@@ -57,7 +57,6 @@ from raytrain_sys.tracking import mlflow_tracker as mt
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class RunResult:
     status: str
@@ -68,13 +67,6 @@ class RunResult:
     newest_checkpoint: str
     summary_path: str
     reason: str = ""
-
-
-def started_from_another_root(resumed_uri: str, checkpoint_root: str) -> bool:
-    """Whether the checkpoint a run resumed from (``.../step_NNNNNNNN``) lies outside the run's own
-    checkpoint root."""
-    split = split_checkpoint_uri(resumed_uri)
-    return (split[0] if split is not None else "") != checkpoint_root.rstrip("/")
 
 
 class Supervisor:
@@ -305,6 +297,7 @@ class Supervisor:
             self._transition(State(end.state), end.reason)
         except MustStop as stop:
             self.recovery.fail_with_checkpoint(str(stop))
+
     def _restore_at_start(self, info: CheckpointInfo, checkpointer) -> None:
         """Load the checkpoint the run resumes from. One whose files are found corrupt while
         loading (a sha256 the pre-flight size check cannot see) is refused naming the newest
