@@ -79,3 +79,51 @@ def test_a_lease_plan_deals_each_rank_what_share_deals_it(piece_rows, shares):
             assert [refs[k] for k in which] == want.refs()
             used.update(which)
         assert used == set(range(len(refs)))
+
+
+def _pulled(piece_rows: int, batch_rows: int, ranks: int, ranks_per_node: int, steps: int
+            ) -> tuple[float, float]:
+    """Over ``steps`` consecutive global batches of a DP job: (rows a node pulls a step, the
+    node's pieces being fetched whole, the most of any node; piece references a rank is passed
+    a step, on average)."""
+    share = batch_rows // ranks
+    bounds = piece_bounds(0, steps * batch_rows, piece_rows)
+    pieces = list(zip(bounds, bounds[1:]))
+    node_rows, refs = [], 0
+    for node in range(ranks // ranks_per_node):
+        lo, hi = node * ranks_per_node * share, (node + 1) * ranks_per_node * share
+        wanted = [(s * batch_rows + lo, s * batch_rows + hi) for s in range(steps)]
+        node_rows.append(sum(b - a for a, b in pieces if any(a < y and b > x for x, y in wanted)))
+        for r in range(node * ranks_per_node, (node + 1) * ranks_per_node):
+            mine = [(s * batch_rows + r * share, s * batch_rows + (r + 1) * share) for s in range(steps)]
+            refs += sum(1 for a, b in pieces if any(a < y and b > x for x, y in mine))
+    return max(node_rows) / steps, refs / ranks / steps
+
+
+@pytest.mark.parametrize("row_bytes, batch_rows, ranks, fewer_refs", [
+    (1_100, 512, 64, 4),     # GPT-2's rows (1,025 byte tokens), 8 a rank: 1 MiB held 2 batches
+    (260, 512, 64, 1.8),     # the benchmark's 129-token rows: 1 MiB held 8 batches
+    (4_096, 4_096, 64, 0),   # a 16 MiB global batch: pieces stay at 1 MiB, 4 ranks' rows
+    (4_096, 2_048, 2, 0),    # a rank's share (4 MiB) is larger than the least piece
+    (2_048, 448, 8, 3),      # a batch just under the least piece (56 rows a rank)
+], ids=["gpt2 rows", "small rows", "large batch", "large share", "batch under a piece"])
+def test_pieces_grow_only_where_every_node_pulls_every_piece_anyway(row_bytes, batch_rows, ranks,
+                                                                     fewer_refs):
+    """Against pieces of the least size (the rule before PIECE_BATCHES): each rank is passed
+    ``fewer_refs`` times fewer references where a piece held a global batch already, and no node
+    pulls more rows."""
+    from raytrain_sys.data import plane
+
+    share = batch_rows // ranks
+    least = share * -(-max(1, plane.MIN_PIECE_BYTES // row_bytes) // share)
+    rows = plane.rows_per_piece(share, row_bytes, batch_rows)
+    assert rows % share == 0 and rows * row_bytes >= min(plane.MIN_PIECE_BYTES, share * row_bytes)
+    assert rows * row_bytes <= max(plane.MAX_PIECE_BYTES, share * row_bytes)
+    steps = 4 * plane.PIECE_BATCHES
+    node_before, refs_before = _pulled(least, batch_rows, ranks, min(8, ranks), steps)
+    node_after, refs_after = _pulled(rows, batch_rows, ranks, min(8, ranks), steps)
+    assert node_after <= node_before
+    if fewer_refs:
+        assert refs_after <= refs_before / fewer_refs
+    else:
+        assert rows == least and refs_after == refs_before
