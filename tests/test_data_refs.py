@@ -92,3 +92,29 @@ def test_a_jobs_first_read_in_the_driver_deals_the_same_rows_as_read_tasks(ray_c
     finally:
         here.close()
         tasks.close()
+
+
+def test_the_depth_a_lease_is_sized_by_counts_the_reads_finished_behind_the_one_taken(ray_cluster, dataset):
+    """A read is taken when a batch needs it, so the rows taken end where the chunk in use
+    does; the reads after it that have finished count too (an automatic lease would otherwise
+    end at every chunk's end), and the batches they hold are the stream's, as any."""
+    from tests.ft_common import wait_until
+
+    m = read_manifest(dataset)
+    steps = 2 * m.num_rows // B
+    kw = dict(end_position=steps * B, prefetch_steps=2, task=NextToken())
+    plane, reference = DataPlane(dataset, m, 3, 128, 16, B, **kw), DataPlane(dataset, m, 3, 128, 16, B, **kw)
+    try:
+        plane.global_batch_refs(0)  # the first chunk (one window) taken, the next reads submitted
+        taken = plane.rows_ahead(0)
+        assert 0 < taken < steps * B
+        assert wait_until(lambda: plane.rows_ahead(0, finished_reads=True) > taken, 60)
+        ready = plane.rows_ahead(0, finished_reads=True)
+        assert plane.rows_ahead(0) == taken  # counting took nothing
+        for step in range(ready // B):
+            np.testing.assert_array_equal(plane.global_batch_refs(step * B).ids,
+                                          reference.global_batch(step * B)[1], err_msg=f"step {step}")
+        assert plane.rows_ahead(0) >= ready  # the finished reads were taken as planned
+    finally:
+        plane.close()
+        reference.close()

@@ -773,9 +773,27 @@ class DataPlane:
                      "will read on from there", meta["bad_window"])
             self._drop_stream()
 
-    def rows_ahead(self, position: int) -> int:
-        """Rows read and ready from ``position`` on (the prefetch depth a consumer at it sees)."""
-        return max(0, max((s.stop for s in self._spans), default=position) - position)
+    def rows_ahead(self, position: int, finished_reads: bool = False) -> int:
+        """Rows read and ready from ``position`` on (the prefetch depth a consumer at it sees):
+        the reads taken; with ``finished_reads``, also the submitted reads after them whose tasks
+        have finished, in stream order, by their planned rows (taking one is then a lookup). A
+        read is taken only when a batch needs it, so without them the depth ends where the
+        chunk in use does (a chunk is at most CHUNK_BYTES: about 60 global batches of 512 rows
+        of 1,024 tokens), and a lease sized by it would end there too. A finished read cut short
+        by a bad shard delivers fewer rows than planned: the batch after them then waits for the
+        read after it, as for any read not finished."""
+        end = max((s.stop for s in self._spans), default=position)
+        if finished_reads and self._pending and self._pending[0].first == end:
+            import ray
+
+            refs = [p.meta_ref for p in self._pending]
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            done = set(done)
+            for p in self._pending:
+                if p.meta_ref not in done or p.first != end:
+                    break
+                end = p.stop
+        return max(0, end - position)
 
     @property
     def reads_in_flight(self) -> int:

@@ -222,9 +222,11 @@ class Steps:
 
     def lease_steps(self, step: int, last: int) -> int:
         """How many steps the call sending ``step`` carries (``policy.lease_steps``; the steps
-        read ahead are counted from where step ``step``'s global batch begins)."""
+        read ahead, reads finished but not yet taken included, are counted from where step
+        ``step``'s global batch begins)."""
         gbs = self.spec.train.global_batch_size
-        ready = self.data.rows_ahead(self.data_cursor + (step - self.committed_step) * gbs) // gbs
+        at = self.data_cursor + (step - self.committed_step) * gbs
+        ready = self.data.rows_ahead(at, finished_reads=True) // gbs
         generation, in_group = self._group_steps
         in_group = in_group + (step - self.committed_step) if generation == self.group.generation else 0
         return lease_steps(step, last, self.spec, self._step_times, ready, in_group)
