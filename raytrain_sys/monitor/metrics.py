@@ -177,8 +177,9 @@ class RunMetrics(_Emitter):
                 _metric("Counter", "raytrain_data_rows_read_total", "Rows the data plane's read tasks delivered",
                         RUN_TAGS).inc(plane.rows_read - self._rows_sent, tags=self.tags)
                 self._rows_sent = plane.rows_read
+            # The depth the lease sizing sees: reads taken and those finished after them.
             _metric("Gauge", "raytrain_data_prefetch_rows", "Rows read and ready beyond the data cursor",
-                    RUN_TAGS).set(plane.rows_ahead(cursor), tags=self.tags)
+                    RUN_TAGS).set(plane.rows_ahead(cursor, finished_reads=True), tags=self.tags)
             _metric("Gauge", "raytrain_data_reads_in_flight", "Read tasks submitted and not yet taken",
                     RUN_TAGS).set(plane.reads_in_flight, tags=self.tags)
 
