@@ -534,16 +534,41 @@ def stop_trial_job(store: Store, sweep_id: int, trial_id: str, step: Optional[in
     if action is None:
         return
     at = f" at step {step}" if step is not None else ""
+    by = f"sweep {sweep_id}"
     try:
         if action == "pause":
-            requests.pause(store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at} (keep_stopped)")
+            stopping = requests.pause(store, job.id, by=by, reason=f"{why}{at} (keep_stopped)")
         else:
-            requests.cancel(store, job.id, by=f"sweep {sweep_id}", reason=f"{why}{at}")
+            stopping = requests.cancel(store, job.id, by=by, reason=f"{why}{at}")
     except JobStateConflict as exc:  # it ended or was held meanwhile
         log.info("trial %s: %s", trial_id, exc)
         return
     log.info("trial %s: job %d %s: %s%s", trial_id, job.id, "paused" if action == "pause" else "cancelled", why, at)
+    if job.state is JobState.RUNNING and stopping.state in (JobState.PAUSING, JobState.CANCELLING):
+        tell_runner(stopping, by)
     wake_service()
+
+
+# How long telling a stop to a spare runner waits for the spares to say which job each runs.
+TELL_RUNNER_SPARE_WAIT_S = 1.0
+
+
+def tell_runner(job: JobRecord, by: str) -> None:
+    """The stop the store now holds (pausing or cancelling), told to the running job's runner at
+    once, in the background: the reconciler's pass tells it too (the runner's pause and cancel
+    are idempotent), but under load a pass comes 0.8-2 s after the wake (sweep.py, 2026-11-28:
+    the store's cancel to the runner's hearing it), while the trial's job trains on."""
+    def tell() -> None:
+        from raytrain_sys.service.names import find_runner
+
+        try:
+            handle = find_runner(job.id, spare_wait_s=TELL_RUNNER_SPARE_WAIT_S)
+            if handle is not None:
+                (handle.pause if job.state is JobState.PAUSING else handle.cancel).remote(job.message, by)
+        except Exception as exc:  # noqa: BLE001: the reconciler's pass tells it anyway
+            log.debug("job %d: stop not told to its runner at once: %s", job.id, exc)
+
+    threading.Thread(target=tell, name=f"tell-runner-{job.id}", daemon=True).start()
 
 
 def wake_service() -> None:
