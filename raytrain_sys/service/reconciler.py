@@ -516,12 +516,7 @@ class Reconciler:
     def _stop(self, job: JobRecord, status: dict, now: float) -> None:
         """Ask the runner to stop (again: the request is idempotent), and make the stop hard
         once its deadline has passed."""
-        handle = self._handle(job.id)
-        by = self._last_actor(job)
-        if job.state is JobState.PAUSING:
-            handle.pause.remote(job.message, by)
-        else:
-            handle.cancel.remote(job.message, by)
+        runners.ask_to_stop(self._handle(job.id), job, self._last_actor(job))
         since = self._since(job)
         if now - since < self.config.stop_deadline_s:
             return

@@ -59,12 +59,20 @@ from raytrain_sys.monitor.report import progress
 from raytrain_sys.service.names import (RUNNER_PREFIX, SPARE_RUNNER_PREFIX,  # noqa: F401 (their home was here)
                                         SPARE_START_TIMEOUT_S, find_runner, runner_name, spare_runners)
 from raytrain_sys.niceness import process_niceness, set_niceness
+from raytrain_sys.service.model import JobRecord, JobState
 from raytrain_sys.spec import apply_overrides, from_dict
 
 if TYPE_CHECKING:  # imported in the runner's __init__, at RUN_NICENESS (torch: most of a start's CPU)
     from raytrain_sys.control.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+
+
+def ask_to_stop(handle, job: JobRecord, by: str) -> None:
+    """Ask a job's runner to stop as the store says: a pausing job with a checkpoint, a
+    cancelling one without. Idempotent on the runner, so every reconciler pass may ask again
+    and a sweep's stop may ask before the pass (``sweeps.runner.tell_runner``)."""
+    (handle.pause if job.state is JobState.PAUSING else handle.cancel).remote(job.message, by)
 
 # How often ``evaluations`` looks at the run's evaluations while it waits: in this process, for
 # nothing; an evaluation is seconds apart at best.

@@ -559,12 +559,12 @@ def tell_runner(job: JobRecord, by: str) -> None:
     are idempotent), but under load a pass comes 0.8-2 s after the wake (sweep.py, 2026-11-28:
     the store's cancel to the runner's hearing it), while the trial's job trains on."""
     def tell() -> None:
-        from raytrain_sys.service.names import find_runner
+        from raytrain_sys.service.runner import ask_to_stop, find_runner
 
         try:
             handle = find_runner(job.id, spare_wait_s=TELL_RUNNER_SPARE_WAIT_S)
             if handle is not None:
-                (handle.pause if job.state is JobState.PAUSING else handle.cancel).remote(job.message, by)
+                ask_to_stop(handle, job, by)
         except Exception as exc:  # noqa: BLE001: the reconciler's pass tells it anyway
             log.debug("job %d: stop not told to its runner at once: %s", job.id, exc)
 
