@@ -6,6 +6,7 @@ differ over HTTP (artifact proxying, REST error codes), a real `mlflow server`.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from tests.fixtures.mlflow_server import running_mlflow_server
 from raytrain_sys.spec import JobSpec, from_dict
 from raytrain_sys.tracking.mlflow_tracker import (
     CHECKPOINT_STEP_METRIC,
+    PLOTS_EVERY_S,
     TAG_CHECKPOINT_ROOT,
     TAG_GIT_COMMIT,
     TAG_LATEST_CHECKPOINT,
@@ -185,6 +187,24 @@ def test_a_rejected_metric_is_dropped_and_counted_not_raised(sqlite_uri, tmp_pat
     assert tracker.dropped_batches == 1
     history = MlflowClient(uri).get_metric_history(tracker.run_id, "loss")
     assert [m.step for m in history] == [2]
+
+
+def test_plots_are_redrawn_while_training_at_most_every_interval_and_always_at_the_end(sqlite_uri, tmp_path):
+    """A checkpoint asks ``plots_due`` before it hands over a snapshot: not within PLOTS_EVERY_S
+    of the tracker's start or of the last redraw while training; the end draws whatever it was
+    asked, so a short run's plots are in MLflow once it finished."""
+    tracker = _start(sqlite_uri, _experiment(), JobSpec(), tmp_path)
+    now = time.monotonic()
+    assert not tracker.plots_due()  # just made
+    assert not tracker.plots_due(now + PLOTS_EVERY_S - 1.0)
+    assert tracker.plots_due(now + PLOTS_EVERY_S + 0.01)
+    tracker.log_plots({"losses": [2.0, 1.5]}, at_end=False)  # a checkpoint's redraw restarts the wait
+    assert not tracker.plots_due(now + PLOTS_EVERY_S - 0.5)
+    assert tracker.plots_due(time.monotonic() + PLOTS_EVERY_S + 0.01)
+    tracker.log_plots({"losses": [2.0, 1.5, 1.2]})  # the end: always drawn
+    tracker.finish("FINISHED")
+    client = MlflowClient(sqlite_uri)
+    assert [os.path.basename(a.path) for a in client.list_artifacts(tracker.run_id, "plots")] == ["loss.png"]
 
 
 def test_trackers_in_several_threads_keep_their_own_runs(sqlite_uri, tmp_path):

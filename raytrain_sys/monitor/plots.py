@@ -2,7 +2,7 @@
 
 Owns: which figures a run gets and how each is drawn. Each is a function of the summary's plain
 dict (``RunSummary`` as written to disk), so the same code serves ``raytrain-sys report`` on a
-finished run dir, the Tracker's background writes at each checkpoint and at the end, and a
+finished run dir, the Tracker's background writes at checkpoints (at most every 30 s) and at the end, and a
 notebook. A figure whose records are absent (a run from before ``step_times``, a branch without
 per-rank timings) is left out rather than drawn empty:
 

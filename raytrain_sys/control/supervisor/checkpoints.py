@@ -283,7 +283,8 @@ class Checkpoints:
         if self.tracker is not None:
             try:
                 self.tracker.record_checkpoint(info.step, info.uri, {"data_cursor": data_cursor, **timing})
-                self.tracker.log_plots(self.summary.snapshot())  # drawn off the step loop
+                if self.tracker.plots_due():  # drawn off the step loop, at most every PLOTS_EVERY_S
+                    self.tracker.log_plots(self.summary.snapshot(), at_end=False)
             except Exception as exc:
                 log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)
         return info
