@@ -12,6 +12,7 @@ tracker does, a drawing that fails is one error naming its cause.
 from __future__ import annotations
 
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -119,6 +120,29 @@ def test_per_rank_breakdown_drawn_when_recorded_and_cost_and_stragglers_reported
 
     with pytest.raises(RuntimeError, match="drawing the plots failed: .*Error"):
         write_plots_apart(base | {"losses": "not a list of numbers"}, str(tmp_path / "broken"))
+
+
+def test_one_drawing_process_serves_every_redraw_and_is_replaced_when_it_dies_or_hangs(tmp_path):
+    """The redraws of a process go to one child, kept between them (its imports paid once); a
+    child that died is started again, and one that outlives a redraw's timeout is ended."""
+    from raytrain_sys.monitor import plots
+
+    base = {"losses": [2.0, 1.5, 1.2], "world_sizes": [2, 2, 2]}
+    assert write_plots_apart(base, str(tmp_path / "a"))
+    first = plots._DRAWER._proc.pid
+    assert write_plots_apart(base, str(tmp_path / "b")) and plots._DRAWER._proc.pid == first
+    with pytest.raises(RuntimeError, match="drawing the plots failed: ValueError"):
+        write_plots_apart(base | {"losses": "not a list of numbers"}, str(tmp_path / "c"))
+    assert plots._DRAWER._proc.pid == first  # an error in a figure is the caller's, not the child's end
+    os.kill(first, signal.SIGKILL)
+    plots._DRAWER._proc.wait()
+    assert {os.path.basename(p) for p in write_plots_apart(base, str(tmp_path / "d"))} == {"loss.png", "world_size.png"}
+    second = plots._DRAWER._proc
+    assert second.pid != first
+    with pytest.raises(RuntimeError, match=r"no plots within 0.001 s"):
+        write_plots_apart(base, str(tmp_path / "e"), timeout_s=0.001)
+    assert second.poll() is not None and plots._DRAWER._proc is None  # ended, not left drawing
+    assert write_plots_apart(base, str(tmp_path / "f"))
 
 
 def test_the_report_says_where_each_recovery_took_its_state_from_and_who_holds_whose_copy():

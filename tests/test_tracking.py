@@ -190,13 +190,14 @@ def test_a_rejected_metric_is_dropped_and_counted_not_raised(sqlite_uri, tmp_pat
 
 
 def test_plots_are_redrawn_while_training_at_most_every_interval_and_always_at_the_end(sqlite_uri, tmp_path):
-    """A checkpoint asks ``plots_due`` before it hands over a snapshot: not within PLOTS_EVERY_S
-    of the tracker's start or of the last redraw while training; the end draws whatever it was
+    """A checkpoint asks ``plots_due`` before it hands over a snapshot: the first is due, then
+    none within PLOTS_EVERY_S of the last redraw while training; the end draws whatever it was
     asked, so a short run's plots are in MLflow once it finished."""
     tracker = _start(sqlite_uri, _experiment(), JobSpec(), tmp_path)
+    assert tracker.plots_due()  # the first checkpoint's
+    tracker.log_plots({"losses": [2.0]}, at_end=False)
     now = time.monotonic()
-    assert not tracker.plots_due()  # just made
-    assert not tracker.plots_due(now + PLOTS_EVERY_S - 1.0)
+    assert not tracker.plots_due() and not tracker.plots_due(now + PLOTS_EVERY_S - 1.0)
     assert tracker.plots_due(now + PLOTS_EVERY_S + 0.01)
     tracker.log_plots({"losses": [2.0, 1.5]}, at_end=False)  # a checkpoint's redraw restarts the wait
     assert not tracker.plots_due(now + PLOTS_EVERY_S - 0.5)

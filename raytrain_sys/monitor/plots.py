@@ -2,7 +2,7 @@
 
 Owns: which figures a run gets and how each is drawn. Each is a function of the summary's plain
 dict (``RunSummary`` as written to disk), so the same code serves ``raytrain-sys report`` on a
-finished run dir, the Tracker's background writes at checkpoints (at most every 30 s) and at the end, and a
+finished run dir, the Tracker's background writes at the first checkpoint, then at most every 30 s, and at the end, and a
 notebook. A figure whose records are absent (a run from before ``step_times``, a branch without
 per-rank timings) is left out rather than drawn empty:
 
@@ -19,19 +19,23 @@ A sweep's parent run gets one more, from its trials' table rather than a summary
 
 Drawn with matplotlib's object API (``Figure``, no pyplot: no global figure state, and a PNG is
 rendered by Agg whatever backend a notebook chose). While a run trains they are drawn in a child
-process (``write_plots_apart``): drawn on a thread of the driver, they would hold its GIL for a
-second or more a redraw and slow its step loop meanwhile by about half
-(``benchmarks/plots_overhead.py``).
+process (``write_plots_apart``; one a process, kept between redraws): drawn on a thread of the
+driver, they would hold its GIL for a second or more a redraw and slow its step loop meanwhile by
+about half (``benchmarks/plots_overhead.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
+import select
+import struct
 import subprocess
 import sys
-import tempfile
+import threading
+import time
 from typing import Any, Callable
 
 PARTS = ("data_wait_s", "compute_s", "collective_s", "optimizer_s")  # one step on one rank, in order
@@ -241,26 +245,114 @@ def write_plots(summary: dict, out_dir: str) -> list[str]:
     return written
 
 
+class _Drawer:
+    """The child Python process that draws this process's redraws (``write_plots_apart``), one at
+    a time: started at the first, kept for the next, so that its imports (matplotlib: about half
+    of a redraw's second) are paid once a process and not once a redraw; started again when it
+    died, and ended when a redraw outlives its timeout. It reads requests on its stdin and ends
+    when that closes (this process ended, however it ended)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._pid = os.getpid()  # a forked copy of this process starts a child of its own
+
+    def draw(self, summary: dict, out_dir: str, timeout_s: float) -> list[str]:
+        request = pickle.dumps((summary, out_dir), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            proc = self._running()
+            deadline = time.monotonic() + timeout_s
+            try:
+                proc.stdin.write(struct.pack("<Q", len(request)) + request)
+                proc.stdin.flush()
+                reply = _read_message(proc.stdout.fileno(), deadline)
+            except (OSError, ValueError):  # a broken pipe: the child died before the request
+                reply = b""
+            if not reply:
+                self._end()
+                why = (f"no plots within {timeout_s:g} s" if reply is None else
+                       f"the drawing process ended (exit status {proc.returncode})")
+                raise RuntimeError(f"drawing the plots failed: {why}")
+        ok, payload = pickle.loads(reply)
+        if not ok:
+            raise RuntimeError(f"drawing the plots failed: {payload}")
+        return payload
+
+    def _running(self) -> subprocess.Popen:
+        if self._pid != os.getpid():
+            self._proc, self._pid = None, os.getpid()
+        if self._proc is None or self._proc.poll() is not None:
+            package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = os.environ | {"PYTHONPATH": os.pathsep.join(
+                filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+            self._proc = subprocess.Popen([sys.executable, "-m", "raytrain_sys.monitor.plots", "--serve"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, env=env, close_fds=True)
+        return self._proc
+
+    def _end(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
+            self._proc = None
+
+
+def _read_message(fd: int, deadline: float | None) -> bytes | None:
+    """One length-prefixed message from ``fd``; b"" at end of file, None past ``deadline``."""
+    header = _read_exact(fd, 8, deadline)
+    if not header:
+        return header
+    return _read_exact(fd, struct.unpack("<Q", header)[0], deadline)
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+        chunk = os.read(fd, n - got)
+        if not chunk:
+            return b""
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+_DRAWER = _Drawer()
+
+
 def write_plots_apart(summary: dict, out_dir: str, timeout_s: float = DRAW_TIMEOUT_S) -> list[str]:
-    """``write_plots`` in a child Python process (``python -m raytrain_sys.monitor.plots``): the
-    caller only pickles the summary and waits with its GIL released. Raises RuntimeError with the
-    child's last error line when it fails."""
+    """``write_plots`` in this process's drawing child (``python -m raytrain_sys.monitor.plots
+    --serve``, kept between redraws): the caller only pickles the summary and waits with its GIL
+    released. Raises RuntimeError with the child's error when it fails."""
     os.makedirs(out_dir, exist_ok=True)
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    with tempfile.NamedTemporaryFile(suffix=".pkl", dir=out_dir, delete=False) as f:
-        pickle.dump(summary, f, protocol=pickle.HIGHEST_PROTOCOL)
-    try:
-        done = subprocess.run([sys.executable, "-m", "raytrain_sys.monitor.plots", f.name, out_dir], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
-    finally:
-        os.unlink(f.name)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        raise RuntimeError(f"drawing the plots failed: {last}")
-    return [path for path in (os.path.join(out_dir, name) for name in FIGURES) if os.path.exists(path)]
+    return _DRAWER.draw(summary, out_dir, timeout_s)
 
 
-if __name__ == "__main__":  # write_plots_apart's child: python -m raytrain_sys.monitor.plots SUMMARY.pkl OUT_DIR
-    with open(sys.argv[1], "rb") as pickled:
-        write_plots(pickle.load(pickled), sys.argv[2])
+def _serve() -> None:
+    """The drawing child: a (summary, out_dir) request on stdin at a time, (ok, paths or the
+    error's last line) on stdout; ends when stdin closes."""
+    stdin = sys.stdin.buffer.fileno()
+    stdout = os.fdopen(os.dup(sys.stdout.fileno()), "wb")  # the replies' own; print() goes to stderr
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    while True:
+        request = _read_message(stdin, None)
+        if not request:
+            return
+        try:
+            summary, out_dir = pickle.loads(request)
+            reply = (True, write_plots(summary, out_dir))
+        except Exception as exc:  # noqa: BLE001: the caller raises it
+            reply = (False, f"{type(exc).__name__}: {exc}".splitlines()[0])
+        data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        stdout.write(struct.pack("<Q", len(data)) + data)
+        stdout.flush()
+
+
+if __name__ == "__main__":  # write_plots_apart's child: python -m raytrain_sys.monitor.plots --serve
+    _serve()

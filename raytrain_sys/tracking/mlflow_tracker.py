@@ -11,7 +11,7 @@ What a run holds, and where ``lookup()`` (hence ``raytrain-sys resume``) reads i
 - metrics: the training loop's step metrics and ``checkpoint_step`` at each committed checkpoint;
 - artifacts: ``spec.json`` (the latest spec, exact, read back by ``lookup``),
   ``spec.original.json`` (as first started), ``checkpoints.json``, ``events.json`` and
-  ``plots/*.png`` (``monitor/plots.py``, redrawn at checkpoints at most every ``PLOTS_EVERY_S`` and at the end).
+  ``plots/*.png`` (``monitor/plots.py``, redrawn at the first checkpoint, then at most every ``PLOTS_EVERY_S``, and at the end).
 
 Writes made while training runs (metrics, tags, events, checkpoint records, plots), and the
 params of a run just started, go through one background thread, in order: a slow or unreachable
@@ -70,9 +70,9 @@ ORIGINAL_SPEC_ARTIFACT = "spec.original.json"  # the spec the run was started wi
 CHECKPOINTS_ARTIFACT = "checkpoints.json"
 EVENTS_ARTIFACT = "events.json"
 PLOTS_ARTIFACT_DIR = "plots"  # monitor/plots.py's PNGs
-# While a run trains, its plots are redrawn at a checkpoint at most this often (the first time this
-# long after the tracker was made); the end of the run always redraws them. A redraw is a child
-# process of about a CPU-second: a short run checkpointing every few steps paid one per checkpoint
+# While a run trains, its plots are redrawn at its first checkpoint, then at a checkpoint at most
+# this often; the end of the run always redraws them (and its last checkpoint leaves it to the end).
+# A redraw costs about a CPU-second: a short run checkpointing every few steps paid one a checkpoint
 # on the cores its workers train on, and its end waited for the last checkpoint's before its own.
 PLOTS_EVERY_S = 30.0
 CHECKPOINT_STEP_METRIC = "checkpoint_step"
@@ -701,7 +701,7 @@ class Tracker:
         self._records_lock = threading.Lock()  # the lists are appended to and snapshotted whole
         self._finished = False
         self.open_span: tuple[float, float] | None = None  # begin(): the opening's perf_counter times
-        self._plots_drawn_at = time.monotonic()  # made, or the last redraw while training (plots_due)
+        self._plots_drawn_at: float | None = None  # the last redraw while training (plots_due)
         self._writer = _Writer(client, run_id, tracking_uri)
 
     # --- opening a run
@@ -877,8 +877,10 @@ class Tracker:
             self._writer.submit(_Write("text", artifact=CHECKPOINTS_ARTIFACT, text=text))
 
     def plots_due(self, now: float | None = None) -> bool:
-        """Whether a checkpoint should redraw the plots while the run trains: ``PLOTS_EVERY_S``
-        since the last such redraw (or since the tracker was made). The end always redraws."""
+        """Whether a checkpoint should redraw the plots while the run trains: none yet, or
+        ``PLOTS_EVERY_S`` since the last. The end always redraws."""
+        if self._plots_drawn_at is None:
+            return True
         return (time.monotonic() if now is None else now) - self._plots_drawn_at >= PLOTS_EVERY_S
 
     def log_plots(self, summary: dict, *, at_end: bool = True) -> None:

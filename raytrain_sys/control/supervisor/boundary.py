@@ -236,7 +236,7 @@ class Boundary:
         self.transition(State.CHECKPOINTING, f"{how} checkpoint at step {step}")
         try:
             for _ in range(3):
-                saved = self.checkpoints.save(self.group, step, self.steps.data_cursor, background, watch)
+                saved = self.checkpoints.save(self.group, step, self.steps.data_cursor, background, watch, final)
                 if isinstance(saved, WriterLost):
                     self.recovery.recover([saved.worker], saved.reason)
                     if self.steps.committed_step != step:

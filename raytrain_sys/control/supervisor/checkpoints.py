@@ -139,11 +139,12 @@ class Checkpoints:
                                                     step, stage_dir=self.spec.checkpoint.stage_dir)
 
     def save(self, group: WorkerGroup, step: int, data_cursor: int, background: bool,
-             watch: Callable) -> Saved | WriterLost:
+             watch: Callable, final: bool = False) -> Saved | WriterLost:
         """Have every member write the blocks of the state of ``step`` it owns (in a replicated
         layout rank 0 owns all of it), then commit the manifest; with ``background``, have them
         take their snapshots and start writing (``Saved.pending``). ``watch(group, worker, ref,
-        what)``: a call's result, raising ``WorkerLost`` when its worker is lost meanwhile."""
+        what)``: a call's result, raising ``WorkerLost`` when its worker is lost meanwhile.
+        ``final``: the run's last checkpoint, whose plots the run's end redraws at once."""
         t0 = time.perf_counter()
         call = self.start_call if background else self.save_call
         refs = [(w, call(w, step)) for w in group.workers]
@@ -162,7 +163,8 @@ class Checkpoints:
         if os.environ.get(FAULT_BEFORE_MANIFEST_ENV) == str(step):
             raise RuntimeError(f"injected fault before the manifest of step {step}")
         files = [record for _, records in done for record in records]
-        return Saved(info=self.commit(step, files, data_cursor, group.world_size, {"stall_s": round(now - t0, 4)}))
+        return Saved(info=self.commit(step, files, data_cursor, group.world_size, {"stall_s": round(now - t0, 4)},
+                                      plots=not final))
 
     def settle(self, group: WorkerGroup, wait: bool, watch: Callable) -> str:
         """The background save in flight (``pending``), if any: committed (manifest last) once
@@ -266,9 +268,10 @@ class Checkpoints:
         return ray.get(refs)
 
     def commit(self, step: int, files: list[dict], data_cursor: int, world_size: int,
-               timing: dict | None = None) -> CheckpointInfo:
+               timing: dict | None = None, plots: bool = True) -> CheckpointInfo:
         """The manifest, written last: the checkpoint becomes visible, and is recorded (with
-        ``timing``: the training stall, the write time and snapshot size, when measured)."""
+        ``timing``: the training stall, the write time and snapshot size, when measured); the
+        plots redrawn if ``plots`` and the tracker says they are due (``Tracker.plots_due``)."""
         if self.tracker is not None:
             # A new run's MLflow run may still be opening beside the first steps: a checkpoint
             # is committed with its run id (what a resume finds it by), or not if it cannot open.
@@ -283,7 +286,7 @@ class Checkpoints:
         if self.tracker is not None:
             try:
                 self.tracker.record_checkpoint(info.step, info.uri, {"data_cursor": data_cursor, **timing})
-                if self.tracker.plots_due():  # drawn off the step loop, at most every PLOTS_EVERY_S
+                if plots and self.tracker.plots_due():  # drawn off the step loop
                     self.tracker.log_plots(self.summary.snapshot(), at_end=False)
             except Exception as exc:
                 log.warning("checkpoint %s not recorded in MLflow: %s", info.uri, exc)
