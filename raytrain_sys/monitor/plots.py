@@ -2,9 +2,9 @@
 
 Owns: which figures a run gets and how each is drawn. Each is a function of the summary's plain
 dict (``RunSummary`` as written to disk), so the same code serves ``raytrain-sys report`` on a
-finished run dir, the Tracker's background writes at the first checkpoint, then at most every 30 s, and at the end, and a
-notebook. A figure whose records are absent (a run from before ``step_times``, a branch without
-per-rank timings) is left out rather than drawn empty:
+finished run dir, the Tracker's background writes (at the first checkpoint, then at most every
+30 s, and at the end), and a notebook. A figure whose records are absent (a run from before
+``step_times``, a branch without per-rank timings) is left out rather than drawn empty:
 
 * ``loss.png``: training loss per committed step, evaluations as points.
 * ``throughput.png``: tokens/s per step (from ``step_times``; the tokens of a step are

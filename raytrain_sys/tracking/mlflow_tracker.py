@@ -11,7 +11,8 @@ What a run holds, and where ``lookup()`` (hence ``raytrain-sys resume``) reads i
 - metrics: the training loop's step metrics and ``checkpoint_step`` at each committed checkpoint;
 - artifacts: ``spec.json`` (the latest spec, exact, read back by ``lookup``),
   ``spec.original.json`` (as first started), ``checkpoints.json``, ``events.json`` and
-  ``plots/*.png`` (``monitor/plots.py``, redrawn at the first checkpoint, then at most every ``PLOTS_EVERY_S``, and at the end).
+  ``plots/*.png`` (``monitor/plots.py``, redrawn at the first checkpoint, then at most every
+  ``PLOTS_EVERY_S``, and at the end).
 
 Writes made while training runs (metrics, tags, events, checkpoint records, plots), and the
 params of a run just started, go through one background thread, in order: a slow or unreachable
