@@ -181,6 +181,27 @@ def test_a_pass_over_hundreds_of_waiting_jobs_writes_nothing_when_nothing_change
     assert [s for s in statements if s[0] in ("UPDATE", "INSERT", "DELETE")] == []
 
 
+def test_a_slow_pass_logs_the_seconds_of_each_of_its_parts(store, monkeypatch, caplog):
+    """A pass of SLOW_PASS_S or more says where its time went (made 0 here: every pass is slow);
+    a pass under it says nothing."""
+    import logging
+
+    from raytrain_sys.service import reconciler as rec
+
+    store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a")
+    reconciler = rec.Reconciler(store, rec.ReconcilerConfig(log_dir=".", spare_runners=0), cluster_workers=lambda: 0)
+    with caplog.at_level(logging.INFO, logger=rec.__name__):
+        reconciler.run_once()
+        assert not [r for r in caplog.records if "took" in r.getMessage()]
+        monkeypatch.setattr(rec, "SLOW_PASS_S", 0.0)
+        reconciler.run_once()
+    [line] = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert line.startswith("pass 2 took ")
+    for part in ("read the store", "runners' status", "runners' requests and ends", "sweep runners",
+                 "snapshot and decision", "1 action(s)", "waits and spares"):
+        assert f"{part} 0." in line, line
+
+
 def test_submit_and_read_back(store):
     job = store.submit(team="a", name="tiny", spec="model: {name: gpt}\n", min_workers=1, max_workers=3,
                        priority=2, actor="a", now_s=100.0)

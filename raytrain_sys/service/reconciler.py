@@ -90,6 +90,7 @@ log = logging.getLogger(__name__)
 ACTOR = "reconciler"
 SCHEDULER = "scheduler"
 PRUNE_EVERY_S = 3600.0  # how often unused code packages are looked for
+SLOW_PASS_S = 1.0  # a pass at least this long logs the seconds of each of its parts
 # MLflow stores the spare runners keep open: a few, as a service's jobs mostly share their team's
 # server or file; each costs a spare a SQLAlchemy engine or an HTTP session.
 TRACKING_URIS_KEPT = 4
@@ -237,6 +238,7 @@ class Reconciler:
 
     # ------------------------------------------------------------------ one pass
     def run_once(self) -> list[Action]:
+        parts = _PassParts()
         now = self.clock()
         self._table = {f.name: f for f in self.store.flavors()}  # before any launch: a job's flavor
         jobs = self.store.jobs(states=LIVE_STATES)
@@ -244,7 +246,9 @@ class Reconciler:
         self.metrics.waiting(jobs)  # the reasons as the last pass wrote them
         for job_id in set(self._watching) - {j.id for j in jobs if j.state in STARTS}:
             del self._watching[job_id]
+        parts.end("read the store")
         seen = self._observe([j for j in jobs if j.state in WITH_RUNNER])
+        parts.end("runners' status")
         for job in jobs:
             if job.state in WITH_RUNNER:
                 try:
@@ -256,6 +260,7 @@ class Reconciler:
         for job_id in list(self._handles):
             if job_id not in {j.id for j in jobs}:
                 self._forget(job_id)
+        parts.end("runners' requests and ends")
         trials_coming = 0
         if self.config.db_url:
             from raytrain_sys.sweeps.runner import ensure_runners
@@ -263,9 +268,11 @@ class Reconciler:
             trials_coming = ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
                                            self.config.sweep_runner_restarts, self.config.status_wait_s,
                                            self._sweep_runners)
+        parts.end("sweep runners")
         snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states()).released(self._released)
         self.metrics.observe(snapshot)
         actions = decide(snapshot, self.clock())
+        parts.end("snapshot and decision")
         # Asked before the actions are carried out: the demand is the decision's, and carrying
         # an admission out (the job's MLflow store, its runner) took 1.2 s of the 1.25 s from a
         # submit to the request (benchmarks/autoscale.py, quiet), seconds every node start waited.
@@ -278,6 +285,7 @@ class Reconciler:
                 log.info("%s: not carried out, the job moved meanwhile: %s", action, exc)
             if isinstance(action, Wait):
                 self._notes[action.job_id] = (states[action.job_id], action.cause, action.reason)
+        parts.end(f"{len(actions)} action(s)")
         self.store.note_waits(self._notes, now_s=self.clock())
         self._spares_wanted = spare_runners_wanted(self.config.spare_runners, trials_coming,
                                                    self.config.sweep_spare_runners)
@@ -285,7 +293,9 @@ class Reconciler:
         self._keep_spare_workers(trials_coming)
         self._delete_cancelled_checkpoints()
         self._prune_packages()
+        parts.end("waits and spares")
         self.passes += 1
+        parts.log_if_slow(self.passes)
         return actions
 
     def _ask_autoscaler(self, snapshot, actions: list[Action]) -> None:
@@ -800,3 +810,23 @@ def _request_resources(bundles: list, selectors: Optional[list]) -> None:
     from ray.autoscaler.sdk import request_resources
 
     request_resources(bundles=bundles, bundle_label_selectors=selectors)
+
+
+class _PassParts:
+    """The seconds each part of one reconciler pass took; logged when the pass took SLOW_PASS_S
+    or more (under load a pass took 1-2 s, and what a stop's successor waited for is in it)."""
+
+    def __init__(self) -> None:
+        self.started = self.last = time.perf_counter()
+        self.parts: list[tuple[str, float]] = []
+
+    def end(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts.append((part, now - self.last))
+        self.last = now
+
+    def log_if_slow(self, number: int) -> None:
+        total = self.last - self.started
+        if total >= SLOW_PASS_S:
+            log.info("pass %d took %.2f s: %s", number, total,
+                     ", ".join(f"{part} {seconds:.2f}" for part, seconds in self.parts))
