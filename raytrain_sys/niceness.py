@@ -6,7 +6,9 @@ would otherwise lose it to every daemon wake-up, and its peers would wait for it
 collective. Every thread of the worker moves, not only the one that adopts the job: a warm
 spare's torch threads were started by its warm-up, at 15.
 
-The rest stays at Ray's 15: read tasks, spares, idle spare runners, the service; except a job's
+The rest stays at Ray's 15: read tasks, spares, idle spare runners; except the job service's actor
+(``service.service.SERVICE_NICENESS``, 0: its reconciler's passes, milliseconds of work that took
+1-2 s at 15 under a sweep's load), a job's
 runner (``service.runner.RUN_NICENESS``, 0: its imports, its job's start and run; at 15 beside
 four training workers at 0 a runner process took 57-88 s to its job's first step, and a growth's
 newcomer 7-9 s from the decision to its first step, against 1.1-1.2 s at 0), and a sweep's Tune

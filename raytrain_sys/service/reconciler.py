@@ -209,6 +209,7 @@ class Reconciler:
         self.flavor_states = flavor_states
         self._table: dict[str, ResourceFlavor] = {}  # the flavor table as this pass read it
         self._sweep_runners: dict[int, Any] = {}  # the sweep runners this reconciler started (ensure_runners)
+        self._sweep_asks: dict[int, tuple] = {}  # their status questions not answered yet (ensure_runners)
         # Ray's autoscaler SDK (bundles, label selectors); a test may watch the calls.
         self.request_resources = request_resources or _request_resources
         self.requested: Optional[autoscale.Request] = None  # the last request Ray accepted
@@ -266,8 +267,8 @@ class Reconciler:
             from raytrain_sys.sweeps.runner import ensure_runners
 
             trials_coming = ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
-                                           self.config.sweep_runner_restarts, self.config.status_wait_s,
-                                           self._sweep_runners)
+                                           self.config.sweep_runner_restarts, self.config.status_timeout_s,
+                                           self._sweep_runners, self._sweep_asks)
         parts.end("sweep runners")
         snapshot = self.store.snapshot(self.cluster_workers(), self._flavor_states()).released(self._released)
         self.metrics.observe(snapshot)
@@ -432,9 +433,13 @@ class Reconciler:
     # ------------------------------------------------------------------ observe
     def _observe(self, jobs: list[JobRecord]) -> dict[int, _Seen]:
         """Each runner's status. A question is asked once and waited for at most
-        ``status_wait_s`` by this pass; an answer not in yet is read by a later pass, and a
-        question unanswered for ``status_timeout_s`` is dropped (asked again next pass)."""
+        ``status_wait_s`` by the pass that asked it; an answer not in yet is read by a later pass
+        without waiting again, and a question unanswered for ``status_timeout_s`` is dropped
+        (asked again next pass). (Every pass waited for every question still open: while a
+        runner started, busy with its imports, each pass took the whole ``status_wait_s``, and
+        every other job's request or admission waited with it.)"""
         seen: dict[int, _Seen] = {}
+        new: list = []  # the questions this pass asks
         for job in jobs:
             handle = self._handles.get(job.id)
             if handle is None:
@@ -447,11 +452,13 @@ class Reconciler:
                 self._created.add(job.id)
             if job.id not in self._asked:
                 self._asked[job.id] = (handle.status.remote(), time.monotonic())
+                new.append(self._asked[job.id][0])
         asked = {job.id: self._asked[job.id] for job in jobs if job.id in self._asked}
         if not asked:
             return seen
-        ready, _ = ray.wait([ref for ref, _ in asked.values()], num_returns=len(asked),
-                            timeout=self.config.status_wait_s)
+        if new:
+            ray.wait(new, num_returns=len(new), timeout=self.config.status_wait_s)
+        ready, _ = ray.wait([ref for ref, _ in asked.values()], num_returns=len(asked), timeout=0)
         ready_set, now = set(ready), time.monotonic()
         for job_id, (ref, asked_at) in asked.items():
             if ref not in ready_set:

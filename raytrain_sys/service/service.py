@@ -53,6 +53,7 @@ from raytrain_sys.control.control_actors import control_options
 from raytrain_sys.control.node_roles import CONTROL_RESOURCE
 from raytrain_sys.control.spares import find_pool, start_pool, stop_pool
 from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
+from raytrain_sys.niceness import set_niceness
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.capacity import autoscaler_max_resources, ceilings, flavor_states
 from raytrain_sys.service.model import FlavorQuota, Team, flavor_from_dict
@@ -71,6 +72,12 @@ DEFAULT_POLL_S = 0.5  # a reconciler pass: a request is acted on within about th
 # Idle worker processes kept per node (about 0.26 GB of memory each, PSS: torch imported;
 # benchmarks/idle_footprint.py). Two cover a small job's first gang on one node; 0 turns the pool off.
 DEFAULT_WARM_WORKERS = 2
+# The nice value the service actor runs at, every thread (the reconciler's passes, the API): Ray
+# starts it at 15, where beside training workers at 0 (raytrain_sys/niceness.py) a pass that does
+# milliseconds of work took 1-2 s, each of its parts slowed alike (reading the store 0.2-0.4 s,
+# the decision 0.3-0.7 s: benchmarks/sweep.py --quick, the pass's parts in service.log), and the
+# job an ASHA stop made room for waited for it. None: Ray's.
+SERVICE_NICENESS: Optional[int] = 0
 API_MODULE = "raytrain_sys.service.api"
 API_CHECK_TIMEOUT_S = 3.0  # GET /healthz answers in milliseconds; seconds allow for a loaded node
 
@@ -99,6 +106,7 @@ class ServiceActor:
                  flavors: Optional[list[dict]] = None, autoscaling: bool = False,
                  max_cluster_workers: Optional[int] = None,
                  provisioning_timeout_s: float = ReconcilerConfig.provisioning_timeout_s):
+        set_niceness(SERVICE_NICENESS, why="the job service")  # before its threads: they inherit it
         self.base_dir = base_dir
         self.store = Store.open(db_url)
         self.log_dir = self.store.log_dir(log_dir, base_dir)  # the store's one rule (Store.log_dir)

@@ -913,22 +913,30 @@ def start_runner(sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str):
 
 
 def ensure_runners(store: Store, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
-                   status_wait_s: float = 1.0, started: Optional[dict] = None) -> int:
+                   status_timeout_s: float = 10.0, started: Optional[dict] = None,
+                   asks: Optional[dict] = None) -> int:
     """One pass over the live sweeps: a queued one gets its runner and runs; a running one whose
     runner is gone gets another (``Tuner.restore``), within ``max_restarts``, else fails with
     its trials cancelled; a runner whose driver raised fails its sweep. ``started`` (the
     caller's, kept across passes) holds the handles of the runners this caller started: a runner
     just created may not be found by its name yet (seen: on the pass 0.3 s after its start), and
-    is not lost for that; one whose process is gone is. Returns the live sweeps' trials still to
-    start (``trials_to_start``): the reconciler keeps spare runners for them."""
+    is not lost for that; one whose process is gone is. A runner's status is asked and read
+    without waiting (``asks``, the caller's too): an answer not in yet is read by a later pass,
+    and one not in within ``status_timeout_s`` is asked again. (Waited for up to a second here,
+    a busy Tune driver's answer held the whole pass, and with it the admission of the job an
+    ASHA stop had just made room for.) Returns the live sweeps' trials still to start
+    (``trials_to_start``): the reconciler keeps spare runners for them."""
     started = {} if started is None else started
+    asks = {} if asks is None else asks
     live = store.sweeps(states=[SweepState.QUEUED, SweepState.RUNNING])
     for sweep_id in set(started) - {s.id for s in live}:
         del started[sweep_id]
+    for sweep_id in set(asks) - {s.id for s in live}:
+        del asks[sweep_id]
     coming = 0
     for sweep in live:
         try:
-            _ensure(store, sweep, db_url, base_dir, log_dir, max_restarts, status_wait_s, started)
+            _ensure(store, sweep, db_url, base_dir, log_dir, max_restarts, status_timeout_s, started, asks)
         except JobStateConflict as exc:  # a request landed meanwhile: next pass
             log.info("sweep %d moved meanwhile: %s", sweep.id, exc)
         coming += trials_to_start(spec_of(sweep).trial_count, store.trials(sweep.id))
@@ -943,7 +951,7 @@ def trials_to_start(trial_count: int, jobs: list[JobRecord]) -> int:
 
 
 def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_dir: str, max_restarts: int,
-            status_wait_s: float, started: dict) -> None:
+            status_timeout_s: float, started: dict, asks: dict) -> None:
     if sweep.state is SweepState.QUEUED:
         store.transition_sweep(sweep.id, SweepState.QUEUED, SweepState.RUNNING, actor="reconciler",
                                reason="its sweep runner starts")
@@ -954,10 +962,19 @@ def _ensure(store: Store, sweep: SweepRecord, db_url: str, base_dir: str, log_di
     status: Optional[dict] = None
     lost = "not found"
     if handle is not None:
+        actor_id = handle._actor_id.hex()
+        ask = asks.get(sweep.id)
+        if ask is None or ask[2] != actor_id:  # none yet, or a question to a runner since replaced
+            ask = asks[sweep.id] = (handle.status.remote(), time.monotonic(), actor_id)
+        if not ray.wait([ask[0]], timeout=0)[0]:
+            if time.monotonic() - ask[1] >= status_timeout_s:
+                del asks[sweep.id]  # busy, or still starting: asked again next pass
+            return
+        del asks[sweep.id]
         try:
-            status = ray.get(handle.status.remote(), timeout=status_wait_s)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-            return  # busy, or still starting: asked again next pass
+            status = ray.get(ask[0])
+        except ray.exceptions.ActorUnavailableError:
+            return  # still starting, or restarting: asked again next pass
         except ray.exceptions.RayActorError as exc:
             handle, lost = None, type(exc).__name__
     if handle is not None and status is not None and status["done"]:
