@@ -790,7 +790,7 @@ class Reconciler:
         self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
         self._released.discard(job_id)
-        end_spares_of(self._runner_ids.pop(job_id, ""))
+        end_spares_of(self._runner_ids.pop(job_id, ""), wait=False)  # asked; the pass goes on
 
     def _last_actor(self, job: JobRecord) -> str:
         history = self.store.history(job.id)
