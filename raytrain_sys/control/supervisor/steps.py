@@ -183,6 +183,7 @@ class Steps:
         self.committed_step = 0
         self.data_cursor = 0
         self._resend: dict[int, GlobalBatch] = {}  # batches of steps voided by a failure, by step
+        self._members: list[Worker] = []  # of the newest lease sent: whose nodes a new group may have lost
         self._step_times: deque[float] = deque(maxlen=50)
         self._sample_log = None
         self._run_t0 = time.perf_counter()
@@ -263,6 +264,10 @@ class Steps:
         wait0 = self.data.wait_s
         gbs = spec.train.global_batch_size
         members = list(self.group.workers)
+        departed = {w.node_id for w in self._members if w not in members} - {w.node_id for w in members}
+        self._members = members
+        if departed and spec.data.delivery != "driver" and self.data.reread_lost(self.data_cursor, departed):
+            self._resend = {}  # members left with their nodes, and read pieces there: the batches made anew
         # Each rank's rows: its data-parallel slice (TP/PP peers share one).
         split = self.rows_split
         rows = split[1] if split is not None and split[0] == self.group.generation else None
