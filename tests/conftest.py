@@ -87,11 +87,25 @@ def tiny_dataset(tmp_path_factory) -> str:
 def _session_cluster_idle(request):
     """Each test that uses the session cluster starts on an idle one, and finds out if an earlier
     test left something holding it: every CPU free again within 30 s (Ray frees a killed actor's
-    resources asynchronously), or an error naming what still holds them."""
+    resources asynchronously), or an error naming what still holds them.
+
+    Its runs start on warm workers, as a notebook's do after ``rts.connect(spec,
+    warm_workers_per_node=1)``: the session's own pool of spares (``control.spares``) keeps one
+    idle worker process on each node, and a run from this process adopts them and gives them
+    back at its end, so most runs pay no worker process's start (its torch import is about 3 s
+    of CPU, most of a tiny run's). A test marked ``fresh_workers`` runs with no pool on the
+    cluster (it starts its own, or asserts what fresh processes do); a service a test starts
+    adopts the session's pool, and stops it with its own end (the next test starts it again)."""
     if not {"ray_nodes", "ray_cluster"} & set(request.fixturenames):
         yield
         return
     request.getfixturevalue("ray_nodes")
+    from raytrain_sys.control.spares import start_pool, stop_pool
+
+    if request.node.get_closest_marker("fresh_workers"):
+        stop_pool()
+    else:
+        start_pool(1, home=True)
     yield
     _wait_until_idle(request.node.nodeid)
 

@@ -130,7 +130,12 @@ def wait_for_a_ready_newcomer(sup, timeout_s: float = 120.0, every: bool = False
     if not pending:
         return False
     want = len(pending) if every else 1
-    ready, _ = ray.wait([w.ready_ref for w in pending], num_returns=want, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    # A newcomer on a warm spare starts once its slot is placed (``started_pending`` starts it).
+    while len(started := [w for w in sup.group.started_pending() if w in pending]) < want:
+        assert time.monotonic() < deadline, f"{want - len(started)} replacement slot(s) not placed within {timeout_s:g} s"
+        time.sleep(0.05)
+    ready, _ = ray.wait([w.ready_ref for w in started], num_returns=want, timeout=max(0.0, deadline - time.monotonic()))
     assert len(ready) == want, f"{want - len(ready)} replacement worker(s) not started within {timeout_s:g} s"
     return True
 
@@ -219,11 +224,24 @@ def assert_no_leftovers(cluster_address: str, run_key: str) -> None:
     and the state API then cannot be reached."""
     from ray._private import state
 
+    from raytrain_sys.control.spares import RECYCLE_TIMEOUT_S, SPARE_PREFIX
+
     prefix = run_name_prefix(run_key)
-    actors = [(a.get("Name"), a["ActorClassName"], a["State"]) for a in state.actors().values()
-              if a["State"] != "DEAD" and ((a.get("Name") or "").startswith(prefix)
-                                           or a["ActorClassName"] == "TrainWorker")
-              and not _idle_spare(a.get("Name") or "")]
+
+    def alive():
+        return [(a.get("Name"), a["ActorClassName"], a["State"]) for a in state.actors().values()
+                if a["State"] != "DEAD" and ((a.get("Name") or "").startswith(prefix)
+                                             or a["ActorClassName"] == "TrainWorker")
+                and not _idle_spare(a.get("Name") or "")]
+
+    # A warm spare the run gave back is the pool's once its recycle ends (within the pool's
+    # RECYCLE_TIMEOUT_S); one still claimed past it, and any other worker, is left over.
+    deadline = time.monotonic() + RECYCLE_TIMEOUT_S
+    actors = alive()
+    while actors and all((name or "").startswith(SPARE_PREFIX) for name, _, _ in actors) \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+        actors = alive()
     groups = [(g["name"], g["state"]) for g in ray.util.placement_group_table().values()
               if g["name"].startswith(prefix) and g["state"] != "REMOVED"]
     assert not actors, f"actors left alive: {actors}"

@@ -180,14 +180,30 @@ def test_hung_worker_during_checkpoint_is_detected(reference, tiny_dataset, tmp_
     assert rebuild[0]["time"] - started["time"] < LIVENESS_EVERY_S + PING_TIMEOUT_S + LOAD_ALLOWANCE_S
 
 
-def test_node_removed(reference, tiny_dataset, tmp_path, ray_nodes):
+@pytest.mark.parametrize("replacement", [
+    pytest.param("fresh", marks=pytest.mark.fresh_workers),
+    "warm",
+], ids=["a fresh replacement: the survivor trains alone while its process starts",
+        "a warm spare replaces the lost worker at once: the pieces lost with the node are read again, "
+        "not waited for as a hang"])
+def test_node_removed(reference, tiny_dataset, tmp_path, ray_nodes, replacement):
     spec = spec_for(tmp_path, tiny_dataset)
     removed = []
     lost = {}
+    keep = ""  # a node not to lose: the one the session's pool runs on (no safe node here: anywhere)
+    if replacement == "warm":  # a spare idle on every node, the lost one's replacement too
+        from ray._private.state import state
+
+        from raytrain_sys.control.spares import find_pool
+
+        pool = find_pool()
+        assert ray.get(pool.wait_full.remote(120.0))
+        keep = state.actor_table(pool._actor_id.hex())["Address"]["NodeID"]
 
     def lose_node(sup):
-        lost["slot"] = sup.group.workers[1].slot
-        lose_node_of(ray_nodes, sup.group.workers[1], removed)
+        victim = next(w for w in reversed(sup.group.workers) if w.node_id != keep)
+        lost["slot"] = victim.slot
+        lose_node_of(ray_nodes, victim, removed)
 
     try:
         result, sup, seen = run_with_events(spec, {6: lose_node})
@@ -196,8 +212,12 @@ def test_node_removed(reference, tiny_dataset, tmp_path, ray_nodes):
     assert removed
     summary = like_reference(result, seen, reference, spec, tiny_dataset)
     rebuild = transitions(summary, "rebuilding")
-    assert len(rebuild) == 1 and f"worker {lost['slot']} on node" in rebuild[0]["reason"]
-    assert summary["failures"] == 1 and 1 in summary["world_sizes"]
+    assert len(rebuild) == 1 and f"worker {lost['slot']} on node" in rebuild[0]["reason"], rebuild
+    assert summary["failures"] == 1
+    if replacement == "fresh":
+        assert 1 in summary["world_sizes"]
+    else:
+        assert sup.group.spares_used == 3, sup.group.spares_used  # the first gang and the replacement
 
 
 def test_all_workers_lost_restores_from_checkpoint(reference, tiny_dataset, tmp_path, ray_cluster):

@@ -4,7 +4,10 @@ What a user would notice: a job whose first gang is made of warm spares trains e
 whose workers started fresh (same final parameters); a spare never outlives the job that took it
 (its owner killed, its process ends); spares a job gives back at its end serve the next job, which
 trains exactly as on fresh workers; a pool that restarts keeps its idle spares instead of
-starting more; GPU slots and plain drivers never take spares.
+starting more; GPU slots never take spares, and a driver takes them only from a pool its own Ray
+job started (``rts.connect(spec, warm_workers_per_node=1)``), which ends with that driver.
+
+Every test here starts the pool it needs (``fresh_workers``: the session's is stopped first).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from raytrain_sys.control.supervisor import Supervisor, run_job
 from raytrain_sys.spec import from_dict
 from tests.ft_common import ft_spec, wait_until
 from tests.helpers import assert_params_equal, final_params
+
+pytestmark = pytest.mark.fresh_workers
 
 STEPS = 6
 
@@ -71,10 +76,23 @@ def worker_nodes() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
 
 
-def test_who_takes_spares():
-    assert takes_spares(0.0, in_actor=True)
-    assert not takes_spares(1.0, in_actor=True)  # a GPU is bound to a process when it is created
-    assert not takes_spares(0.0, in_actor=False)  # a driver has no handle a spare could watch
+@pytest.mark.parametrize("gpus, owner, pool_job, my_job, takes", [
+    (0.0, "actor", "01000000", "02000000", True),
+    (1.0, "actor", "01000000", "01000000", False),
+    (0.0, "driver", "01000000", "01000000", True),
+    (0.0, "driver", "01000000", "02000000", False),
+    (0.0, "driver", "", "01000000", False),
+    (1.0, "driver", "01000000", "01000000", False),
+], ids=[
+    "a job's runner takes any pool's spares",
+    "a GPU slot never takes one: Ray binds a GPU to a process when it is created",
+    "a driver takes the spares of a pool its own job started",
+    "a driver never takes another job's spares: they may not import its code",
+    "a driver whose pool's job is unknown takes none",
+    "a driver's GPU slot takes none either",
+])
+def test_who_takes_spares(gpus, owner, pool_job, my_job, takes):
+    assert takes_spares(gpus, owner, pool_job, my_job) is takes
 
 
 def test_a_gang_of_spares_trains_like_fresh_workers(pool, ray_cluster, tiny_dataset, tmp_path):
@@ -84,8 +102,8 @@ def test_a_gang_of_spares_trains_like_fresh_workers(pool, ray_cluster, tiny_data
     assert placed == "2 workers placed (2 warm spares)"
     status = ray.get(pool.status.remote())
     assert status["taken"] == 2 and status["missed"] == 0, status
-    # Fresh workers (a driver never takes spares): the same parameters, bit for bit.
-    reference = run_job(ft_spec(tmp_path / "fresh", tiny_dataset, STEPS, checkpoint={"every_steps": 0}))
+    # Fresh workers: the same parameters, bit for bit.
+    reference = run_job(ft_spec(tmp_path / "fresh", tiny_dataset, STEPS, checkpoint={"every_steps": 0}), spares=None)
     assert_params_equal(final_params(newest), final_params(reference.newest_checkpoint))
     # The pool makes up for what was taken.
     assert ray.get(pool.wait_full.remote(120.0)), ray.get(pool.status.remote())
@@ -112,7 +130,8 @@ def test_spares_given_back_serve_the_next_job_like_fresh_workers(ray_cluster, ti
         newest, placed = ray.get(second.run.remote(spec.to_dict()))
         assert placed == "2 workers placed (2 warm spares)"
         assert spare_pids() == before
-        reference = run_job(ft_spec(tmp_path / "fresh", tiny_dataset, STEPS, checkpoint={"every_steps": 0}))
+        reference = run_job(ft_spec(tmp_path / "fresh", tiny_dataset, STEPS, checkpoint={"every_steps": 0}),
+                            spares=None)
         assert_params_equal(final_params(newest), final_params(reference.newest_checkpoint))
         assert wait_until(lambda: ray.get(pool.status.remote())["recycled"] == 4, 60), ray.get(pool.status.remote())
         ray.kill(second)
@@ -177,3 +196,78 @@ def test_a_restarted_pool_keeps_its_idle_spares(pool, ray_cluster):
     assert ray.get(again.wait_full.remote(5.0))
     time.sleep(1.5)  # a refill pass: still nothing started
     assert ray.get(again.status.remote())["started"] == 0
+
+
+def _placed(result) -> str:
+    import json
+
+    with open(result.summary_path) as f:
+        return json.load(f)["transitions"][0]["reason"]
+
+
+def test_a_drivers_runs_take_the_spares_of_its_own_pool_and_give_them_back(ray_cluster, tiny_dataset, tmp_path):
+    """A notebook after ``rts.connect(spec, warm_workers_per_node=1)``: its runs start on the pool's
+    warm processes, the next run on the same ones, and each trains exactly as on fresh workers."""
+    from raytrain_sys.control.worker_group import connect_ray
+
+    spec = ft_spec(tmp_path / "first", tiny_dataset, STEPS, checkpoint={"every_steps": 0})
+    assert connect_ray(spec, warm_workers_per_node=1) is False  # the session's cluster, already connected
+    pool = find_pool()
+    try:
+        assert ray.get(pool.wait_full.remote(120.0)), ray.get(pool.status.remote())
+        before = spare_pids()
+        first = run_job(spec)
+        assert _placed(first) == "2 workers placed (2 warm spares)"
+        assert wait_until(lambda: ray.get(pool.status.remote())["recycled"] == 2, 60), ray.get(pool.status.remote())
+        second = run_job(ft_spec(tmp_path / "second", tiny_dataset, STEPS, checkpoint={"every_steps": 0}))
+        assert _placed(second) == "2 workers placed (2 warm spares)"
+        assert spare_pids() == before, "the runs' workers were not the pool's warm processes"
+        fresh = run_job(ft_spec(tmp_path / "fresh", tiny_dataset, STEPS, checkpoint={"every_steps": 0}), spares=None)
+        assert _placed(fresh) == "2 workers placed"
+        for run in (first, second):
+            assert_params_equal(final_params(run.newest_checkpoint), final_params(fresh.newest_checkpoint))
+    finally:
+        stop_pool()
+
+
+DRIVER = """
+import sys, time
+import ray
+from raytrain_sys.control.spares import SpareSource, start_pool
+ray.init(address=sys.argv[1], log_to_driver=False)
+pool = start_pool(1, home=sys.argv[2] == "home")
+assert ray.get(pool.wait_full.remote(120.0))
+source = SpareSource.here()
+taken = source.take([sys.argv[3]])
+print("TAKEN", ray.get(taken[0].node_info.remote())["pid"], flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_drivers_pool_and_its_spares_end_with_the_driver(ray_cluster, tmp_path):
+    """A driver's pool is detached, as the service's is (a pool's restart keeps its spares), so
+    nothing in Ray ends it with the notebook that started it: it watches that driver's Ray job,
+    and its spares, idle or claimed, end once the job is dead. Another driver's run (this one)
+    does not take that pool's spares."""
+    import signal
+    import subprocess
+    import sys
+
+    node = worker_nodes()[0]
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, ray_cluster, "home", node], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("TAKEN"), line
+        claimed = int(line.split()[1])
+        assert wait_until(lambda: find_pool() is not None, 30)
+        assert SpareSource.here() is None, "a driver took the spares of another driver's pool"
+        pids = spare_pids() | {claimed}
+        assert len(pids) >= 4 and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert wait_until(lambda: find_pool() is None, 30), "the pool outlived the driver that started it"
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 30), \
+        f"spares {[p for p in pids if psutil.pid_exists(p)]} outlived the driver whose pool made them"

@@ -33,10 +33,15 @@ Ownership, because a spare must outlive its pool but never its job:
   ``RECYCLE_GROWTH_BYTES`` (its heap is the largest job's), and one the pool does not need (its
   node has ``per_node`` idle).
 
-Only runs inside an actor use spares (the service's runners): the first gang, and newcomers
-(growth, replacements) once their slots are placed (``WorkerGroup.start_placed``), so that every
-worker of a service job can go back to the pool; a newcomer with no spare on its node starts
-fresh, in the background while the group trains. Only CPU slots: Ray binds GPUs to a process when it is created (CUDA_VISIBLE_DEVICES),
+Who uses spares: runs inside an actor (the service's runners) take any pool's; a run from a
+driver (a notebook, a script) takes the spares of a pool its own Ray job started
+(``rts.connect(spec, warm_workers_per_node=1)``), since spares run with the code and import
+path of the job that made them: a claim by a driver is a claim by its Ray job (``job:<id>``,
+ended when the job table says that job is dead), and the spares and pool of a driver's job end
+with it (``home_id``). Both take them for the first gang, and for newcomers (growth,
+replacements) once their slots are placed (``WorkerGroup.start_placed``), so that every worker
+can go back to the pool; a newcomer with no spare on its node starts fresh, in the background
+while the group trains. Only CPU slots: Ray binds GPUs to a process when it is created (CUDA_VISIBLE_DEVICES),
 so a spare made before the job cannot be handed the GPU its bundle reserved; GPU slots start
 fresh processes (``takes_spares``).
 """
@@ -44,6 +49,7 @@ fresh processes (``takes_spares``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -52,6 +58,8 @@ from typing import Any, Optional
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raytrain_sys.control.owners import JOB_OWNER, owner_gone
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +78,20 @@ RECYCLE_WAIT_S = 2.0
 REFILL_DELAY_S = 5.0
 
 
-def takes_spares(gpus_per_worker: float, in_actor: bool) -> bool:
-    """Whether a gang start may use warm spares: CPU slots, started by an actor (the claim's
-    owner; a driver process has no actor id a spare could watch)."""
-    return in_actor and not gpus_per_worker
+def takes_spares(gpus_per_worker: float, owner: str, pool_job: str = "", my_job: str = "") -> bool:
+    """Whether a gang start may use the warm spares of a pool: CPU slots only, and the start's
+    ``owner`` ("actor": a job's runner; "driver": a notebook or script) an actor, or a driver
+    of the Ray job that started the pool (``pool_job == my_job``: a spare imports what that job
+    can, and another driver's modules and working_dir may not be there)."""
+    if not slots_take_spares(gpus_per_worker):
+        return False
+    return owner == "actor" or (owner == "driver" and bool(pool_job) and pool_job == my_job)
+
+
+def slots_take_spares(gpus_per_worker: float) -> bool:
+    """CPU slots only: Ray binds GPUs to a process when it is created (CUDA_VISIBLE_DEVICES),
+    so a spare made before the job cannot be handed the GPU its slot's bundle reserved."""
+    return not gpus_per_worker
 
 
 @dataclass(frozen=True)
@@ -86,14 +104,27 @@ class SpareSource:
 
     @classmethod
     def here(cls) -> Optional["SpareSource"]:
-        """The running pool and this actor as the owner; None outside an actor or without a pool."""
+        """The running pool and this process as the owner (an actor by its id, a driver by its
+        Ray job: ``takes_spares``); None without a pool, or a driver's when the pool is another
+        job's."""
         if not ray.is_initialized():
             return None
-        owner_id = ray.get_runtime_context().get_actor_id()
-        if owner_id is None:  # a driver, not an actor
-            return None
         pool = find_pool()
-        return cls(pool, owner_id) if pool is not None else None
+        if pool is None:
+            return None
+        context = ray.get_runtime_context()
+        owner_id = context.get_actor_id()
+        if owner_id is not None:
+            return cls(pool, owner_id)
+        try:
+            pool_job = ray.get(pool.job_id.remote(), timeout=CLAIM_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001: a pool that is gone or slow: fresh workers
+            log.warning("warm spares: the pool did not answer (%s); starting fresh workers", exc)
+            return None
+        my_job = context.get_job_id()
+        if not takes_spares(0.0, "driver", pool_job, my_job):
+            return None
+        return cls(pool, JOB_OWNER + my_job)
 
     def take(self, node_ids: list[str], timeout_s: float = CLAIM_TIMEOUT_S) -> list[Any]:
         """One claimed spare per entry of ``node_ids`` (on that node), or None where the pool
@@ -131,8 +162,14 @@ class SparePool:
     """Keeps ``per_node`` idle spares on every alive node with CPUs; hands them out claimed.
     A detached named actor (``start_pool``); see the module docstring."""
 
-    def __init__(self, per_node: int, poll_s: float = 1.0, refill_delay_s: float = REFILL_DELAY_S):
+    def __init__(self, per_node: int, poll_s: float = 1.0, refill_delay_s: float = REFILL_DELAY_S,
+                 home_id: str = ""):
         self.per_node = int(per_node)
+        # A driver's pool (``start_pool(home=True)``): it and its spares end with that driver's
+        # Ray job (``owner_gone``), as nothing else would end a detached actor. "" (the
+        # service's): it lives until stopped.
+        self.home_id = home_id
+        self._job_id = ray.get_runtime_context().get_job_id()
         self.poll_s = poll_s
         self.refill_delay_s = refill_delay_s
         self._taken_at: dict[str, float] = {}  # node id -> when a spare was last taken there
@@ -280,6 +317,10 @@ class SparePool:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10.0)
+        return self.stop_idle()
+
+    def stop_idle(self) -> int:
+        """End every idle or starting spare; returns how many."""
         with self._lock:
             spares = [s for idle in self._idle.values() for s in idle]
             spares += [s for starting in self._starting.values() for s, _ in starting]
@@ -291,9 +332,17 @@ class SparePool:
     def ping(self) -> bool:
         return True
 
+    def job_id(self) -> str:
+        """The Ray job that started this pool: its spares import what that job's processes can."""
+        return self._job_id
+
     # ------------------------------------------------------------------ the refill loop
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self.home_id and owner_gone(self.home_id):
+                log.warning("warm spares: the driver that started this pool is gone: ending it and its spares")
+                self.stop_idle()
+                os._exit(0)
             try:
                 self._refill()
             except Exception as exc:  # noqa: BLE001: e.g. the GCS briefly unreachable; try again
@@ -321,7 +370,7 @@ class SparePool:
                 # Spares taken there just now: those given back come first.
                 delayed = now - self._taken_at.get(node_id, -1e9) < self.refill_delay_s
                 for _ in range(0 if delayed else max(0, self.per_node - have)):
-                    spare = _new_spare(node_id)
+                    spare = _new_spare(node_id, home_id=self.home_id)
                     self._starting.setdefault(node_id, []).append((spare, spare.node_info.remote()))
                     self._counts["started"] += 1
                 surplus = self._idle.get(node_id, [])[self.per_node:]  # per_node or keep_extra lowered
@@ -375,11 +424,11 @@ def _spare_class():
     return TrainWorker
 
 
-def _new_spare(node_id: str, owner_id: str = ""):
+def _new_spare(node_id: str, owner_id: str = "", home_id: str = ""):
     return _spare_class().options(
         name=f"{SPARE_PREFIX}{uuid.uuid4().hex[:12]}", namespace=NAMESPACE, lifetime="detached",
         num_cpus=0, max_restarts=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(None, owner_id)
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(None, owner_id, home_id)
 
 
 def _id(actor) -> str:
@@ -396,13 +445,17 @@ def _kill(actor) -> None:
 RemoteSparePool = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(SparePool)
 
 
-def start_pool(per_node: int, refill_delay_s: float = REFILL_DELAY_S):
-    """The cluster's pool (started now, or the running one set to ``per_node``)."""
+def start_pool(per_node: int, refill_delay_s: float = REFILL_DELAY_S, home: bool = False):
+    """The cluster's pool (started now, or the running one set to ``per_node``). ``home``: a
+    driver's pool (``rts.connect(..., warm_workers_per_node=n)``), which ends, with its spares,
+    when this driver's Ray job does; the service's lives until ``stop_pool``."""
     from raytrain_sys.control.control_actors import control_options
 
+    home_id = JOB_OWNER + ray.get_runtime_context().get_job_id() if home else ""
     # A control actor (control_actors.py): on a safe node when the cluster has one.
     pool = RemoteSparePool.options(name=POOL_NAME, namespace=NAMESPACE, lifetime="detached",
-                                   get_if_exists=True, **control_options()).remote(per_node, 1.0, refill_delay_s)
+                                   get_if_exists=True, **control_options()).remote(per_node, 1.0, refill_delay_s,
+                                                                                   home_id)
     ray.get(pool.set_per_node.remote(per_node))
     return pool
 

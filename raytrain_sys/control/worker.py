@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_sys.checkpoint.background import BackgroundWrite
+from raytrain_sys.control.owners import JOB_OWNER, owner_gone
 from raytrain_sys.control.peer_copies import PeerCopies
 from raytrain_sys.data.batches import RankShare, lease_plans
 from raytrain_sys.extensions import resolve_task
@@ -88,21 +89,17 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def _end_with(owner_id: str, poll_s: float, released) -> None:
-    """End this process once the actor ``owner_id`` is dead (its entry in the cluster's actor
-    table says so): a claimed spare outlives no job. Anything else (alive, restarting, the
-    table briefly unreadable) means it lives. By id, not by handle: a handle passed on through
-    the pool costs its receivers a first-contact delay (seconds under load), and a name can be
+    """End this process once ``owner_id`` is dead (an actor, or a driver's Ray job: the cluster's
+    tables say so, ``owners.owner_gone``): a claimed spare outlives no job, and a spare of a
+    driver's pool (its home) no driver. By id, not by handle: a handle passed on through the
+    pool costs its receivers a first-contact delay (seconds under load), and a name can be
     taken again by a restarted runner. Returns once ``released`` (a threading.Event) is set:
-    the spare was given back to the pool (``TrainWorker.recycle``)."""
-    from ray._private import state
-
+    the spare was given back to the pool (``TrainWorker.recycle``); a home's watch is never
+    released."""
     while not released.is_set():
-        try:
-            info = state.actors(actor_id=owner_id)
-        except Exception:  # noqa: BLE001: the GCS briefly unreachable: ask again
-            info = None
-        if info and info.get("State") == "DEAD":
-            log.warning("the actor that claimed this spare is gone: ending its worker process")
+        if owner_gone(owner_id):
+            log.warning("the %s of this spare is gone: ending its worker process",
+                        "driver" if owner_id.startswith(JOB_OWNER) else "actor that claimed it")
             os._exit(1)
         released.wait(poll_s)
 
@@ -124,11 +121,17 @@ def cut_departed(pieces: dict, chunks: list):
 # beside the steps, so that the Supervisor can hold its reference while training goes on.
 @ray.remote(concurrency_groups={"control": 2, "checkpoint": 1, "peer": 1})
 class TrainWorker:
-    def __init__(self, spec_dict: dict[str, Any] | None, owner_id: str = ""):
+    def __init__(self, spec_dict: dict[str, Any] | None, owner_id: str = "", home_id: str = ""):
         """A worker of the job ``spec_dict``; with None, a warm spare (torch and this module
         imported, nothing else) that becomes a job's worker by ``adopt`` (see
         raytrain_sys.control.spares), claimed at once by ``owner_id`` when given (a spare
-        started for a job's slot when the pool had none there)."""
+        started for a job's slot when the pool had none there), and ended with ``home_id``
+        when given (a spare of a driver's pool: that driver's Ray job)."""
+        if home_id:
+            import threading
+
+            threading.Thread(target=_end_with, args=(home_id, 1.0, threading.Event()), name="home-watch",
+                             daemon=True).start()
         self._as_spare()
         self.jobs_served = 0
         if spec_dict is not None:

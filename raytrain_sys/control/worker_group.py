@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
 
 from raytrain_sys.control import GB, NAME_PREFIX, slot_bundle
 from raytrain_sys.control.node_roles import ACCELERATOR_LABEL, MARKET_LABEL
-from raytrain_sys.control.spares import SpareSource, takes_spares
+from raytrain_sys.control.spares import SpareSource, slots_take_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
@@ -60,11 +60,23 @@ def run_name_prefix(run_key: str) -> str:
     return f"{NAME_PREFIX}:{run_key}:"
 
 
-def connect_ray(spec: JobSpec) -> bool:
+def connect_ray(spec: JobSpec, warm_workers_per_node: int = 0) -> bool:
     """Connect to the cluster the spec or environment names, or start a local one.
 
     Returns True when this call started a local cluster (the caller then owns its shutdown).
+    ``warm_workers_per_node``: keep that many warm worker processes (torch imported) idle on
+    each node for this process's runs (``control.spares``, a pool of this driver's own, ended
+    with it): a notebook's second run starts its workers in a fraction of a second, not seconds.
     """
+    started = _connect(spec)
+    if warm_workers_per_node > 0:
+        from raytrain_sys.control.spares import start_pool
+
+        start_pool(warm_workers_per_node, home=True)
+    return started
+
+
+def _connect(spec: JobSpec) -> bool:
     if ray.is_initialized():
         return False
     address = spec.resources.ray_address or os.environ.get("RAY_ADDRESS", "")
@@ -203,7 +215,7 @@ class WorkerGroup:
         self.spec = spec
         self.local_cluster = local_cluster
         # Warm spares for the first gang (raytrain_sys.control.spares): CPU slots only.
-        usable = self.actor_class is TrainWorker and takes_spares(spec.resources.gpus_per_worker, True)
+        usable = self.actor_class is TrainWorker and slots_take_spares(spec.resources.gpus_per_worker)
         self.spares = spares if usable else None
         self.spares_used = 0
         self.start_phases: dict[str, float] = {}  # start(): seconds to place the slots, then to start the workers

@@ -72,13 +72,13 @@ class RunResult:
 class Supervisor:
     def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
                  previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None,
-                 requests: RunRequests | None = None, spares: SpareSource | None = None, team: str = "-"):
+                 requests: RunRequests | None = None, spares: SpareSource | None | str = "here", team: str = "-"):
         self.spec = spec
         # Prometheus series (tracking.metrics) labelled with the job and its service team ("-": none).
         self.metrics = RunMetrics(spec.name, team, enabled=spec.tracking.metrics)
         self.cost = CostMeter(spec.resources.cost_per_worker_hour)  # paid worker-time, summary.json's cost
         self._recovering_since = 0.0  # when the current rebuild began (time.time()); 0: none
-        self.spares = spares  # warm worker processes for the first gang (control.spares)
+        self.spares = spares  # warm workers (control.spares); "here": SpareSource.here() once connected
         # Pause, cancel and resize from outside the run (the job service's runner, a notebook).
         self.requests = requests or RunRequests()
         self.resume_run_id = resume_run_id
@@ -214,6 +214,8 @@ class Supervisor:
             # The MLflow run begins to open (seconds on a busy node) once the slots are placed: a
             # job that cannot be placed leaves no run behind.
             tracking = launch.InBackground(start_tracking, "mlflow-run")
+            if self.spares == "here":
+                self.spares = SpareSource.here()
             self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key, spares=self.spares)
             try:
                 self.group.start(spec.resources.num_workers, on_placed=tracking.start)
@@ -466,10 +468,11 @@ class Supervisor:
 
 
 def run_job(spec: JobSpec, *, on_step: Callable[[StepReport], None] | None = None,
-            requests: RunRequests | None = None) -> RunResult:
+            requests: RunRequests | None = None, spares: SpareSource | None | str = "here") -> RunResult:
     """Run a job to completion on the cluster the spec names (or a local one); ``requests``
-    lets another thread pause, cancel or resize it."""
-    return Supervisor(spec, on_step=on_step, requests=requests).run()
+    lets another thread pause, cancel or resize it. ``spares``: "here" takes the warm spares of
+    a pool this process may use (``SpareSource.here``), None starts fresh worker processes."""
+    return Supervisor(spec, on_step=on_step, requests=requests, spares=spares).run()
 
 
 def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
@@ -485,7 +488,7 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
 def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                       output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
                       requests: RunRequests | None = None, objects: dict | None = None,
-                      spares: SpareSource | None = None, team: str = "-") -> Supervisor:
+                      spares: SpareSource | None | str = "here", team: str = "-") -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
     state while it runs (the job service's runner). The run's record is read by
     ``launch.resumed_run``; raises ``CheckpointError`` when the run has no complete checkpoint."""
