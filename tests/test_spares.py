@@ -271,3 +271,39 @@ def test_a_drivers_pool_and_its_spares_end_with_the_driver(ray_cluster, tmp_path
     assert wait_until(lambda: find_pool() is None, 30), "the pool outlived the driver that started it"
     assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 30), \
         f"spares {[p for p in pids if psutil.pid_exists(p)]} outlived the driver whose pool made them"
+
+
+def test_a_take_whose_caller_gave_up_ends_what_it_claimed(pool, ray_cluster):
+    """A gang start waits CLAIM_TIMEOUT_S for the pool's take, then starts fresh workers (a claim
+    of a spare on a node that vanished holds a take that long). What the take claimed is then
+    ended, whether the caller's word comes after the take returned or before: no one adopts
+    those spares, and a driver's claim would keep them for as long as the driver lives."""
+    nodes = worker_nodes()[:2]
+    owner = "job:" + ray.get_runtime_context().get_job_id()
+    before = spare_pids()
+    late = ray.get(pool.take.remote(nodes[:1], owner, "late"))
+    assert late[0] is not None
+    assert ray.get(pool.forget_take.remote("late")) == 1
+    assert ray.get(pool.forget_take.remote("early")) == 0  # the word before the take
+    assert ray.get(pool.take.remote(nodes[1:], owner, "early")) == [None]
+    assert wait_until(lambda: len(before - spare_pids()) == 2, 20), (before, spare_pids())
+
+
+def test_a_run_whose_pool_died_ends_its_spares_rather_than_hand_them_to_no_one(pool, ray_cluster, tiny_dataset,
+                                                                              tmp_path):
+    """The pool runs anywhere on a cluster with no safe node, and dies with its node: a run that
+    gives its spares back then finds no one to take them, and ends them (claimed by a driver's
+    job, they would live as long as the driver)."""
+    from tests.ft_common import run_with_events
+
+    pids = []
+
+    def kill_pool(sup):
+        pids.extend(w.info["pid"] for w in sup.group.workers)
+        ray.kill(pool)
+
+    spec = ft_spec(tmp_path / "run", tiny_dataset, STEPS, checkpoint={"every_steps": 0})
+    result, sup, _ = run_with_events(spec, {3: kill_pool})
+    assert result.status == "finished" and sup.group.spares_used == 2
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 20), \
+        f"the run's spares {pids} outlived it, handed back to a pool that was gone"

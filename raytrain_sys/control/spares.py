@@ -76,6 +76,9 @@ RECYCLE_WAIT_S = 2.0
 # (a sweep's trial) gives its spares back meanwhile, and a replacement started at once would be
 # ended when they come back, its imports paid for nothing, beside the jobs that train there.
 REFILL_DELAY_S = 5.0
+# The takes the pool remembers (token -> spares), for a caller that gave up waiting on one: its
+# word comes within seconds of the take's return.
+RECENT_TAKES = 64
 
 
 def takes_spares(gpus_per_worker: float, owner: str, pool_job: str = "", my_job: str = "") -> bool:
@@ -129,10 +132,17 @@ class SpareSource:
     def take(self, node_ids: list[str], timeout_s: float = CLAIM_TIMEOUT_S) -> list[Any]:
         """One claimed spare per entry of ``node_ids`` (on that node), or None where the pool
         has none; all None when the pool does not answer (the start then makes fresh workers)."""
+        token = uuid.uuid4().hex
         try:
-            return ray.get(self.pool.take.remote(node_ids, self.owner_id), timeout=timeout_s)
+            return ray.get(self.pool.take.remote(node_ids, self.owner_id, token), timeout=timeout_s)
         except Exception as exc:  # noqa: BLE001: a pool that is gone or slow costs seconds, not the job
             log.warning("warm spares: the pool did not answer (%s); starting fresh workers", exc)
+            # What the take claims for this call no one adopts: ended, now or when it returns (a
+            # claim by a driver's job would otherwise keep them for as long as the driver lives).
+            try:
+                self.pool.forget_take.remote(token)
+            except Exception:  # noqa: BLE001: a pool that is gone: it claimed nothing more
+                pass
             return [None] * len(node_ids)
 
     def new_claimed(self, node_id: str):
@@ -147,11 +157,14 @@ class SpareSource:
             log.warning("warm spares: could not tell the pool of a spare claimed on %s: %s", node_id[:8], exc)
         return spare
 
-    def give_back(self, spares: list[tuple[Any, str]]) -> bool:
-        """Hand spares this owner took (with their nodes) back to the pool (``SparePool.give_back``);
-        False when the pool is gone (the caller ends them)."""
+    def give_back(self, spares: list[tuple[Any, str]], timeout_s: float = CLAIM_TIMEOUT_S) -> bool:
+        """Hand spares this owner took (with their nodes) back to the pool (``SparePool.give_back``,
+        which answers at once: the recycling runs in its threads); False when the pool is gone
+        or does not answer (the caller ends them). Waited for: a call to a pool that died (its
+        node lost) fails only when read, and spares handed to no one would live on, claimed by
+        this owner (a driver's job: as long as the driver)."""
         try:
-            self.pool.give_back.remote(spares, self.owner_id)
+            ray.get(self.pool.give_back.remote(spares, self.owner_id), timeout=timeout_s)
             return True
         except Exception as exc:  # noqa: BLE001: a pool that is gone: they are ended instead
             log.warning("warm spares: could not give %d back to the pool: %s", len(spares), exc)
@@ -183,6 +196,8 @@ class SparePool:
         self.keep_extra = 0
         # owner actor id -> the spares it claimed, until its end is reported (end_claimed_by)
         self._claimed: dict[str, list[Any]] = {}
+        self._takes: dict[str, tuple[str, list[Any]]] = {}  # the newest takes: token -> (owner, spares)
+        self._forgotten: set[str] = set()  # tokens whose caller gave up before the take returned
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._find_existing()
@@ -190,16 +205,45 @@ class SparePool:
         self._thread.start()
 
     # ------------------------------------------------------------------ what gang starts call
-    def take(self, node_ids: list[str], owner_id: str) -> list[Any]:
+    def take(self, node_ids: list[str], owner_id: str, token: str = "") -> list[Any]:
+        """One spare claimed by ``owner_id`` per entry of ``node_ids`` (None where there is none).
+        ``token``: the caller's name for this take; a caller that stopped waiting for it says
+        ``forget_take(token)``, and what it claimed is ended."""
         out = []
         for node_id in node_ids:
             out.append(self._take_one(node_id, owner_id))
         taken = [s for s in out if s is not None]
-        if taken:
-            with self._lock:
+        with self._lock:
+            forgotten = token in self._forgotten
+            if forgotten:
+                self._forgotten.discard(token)
+            else:
                 self._claimed.setdefault(owner_id, []).extend(taken)
+                if token:
+                    self._takes[token] = (owner_id, taken)
+                    while len(self._takes) > RECENT_TAKES:
+                        self._takes.pop(next(iter(self._takes)))
         self._wake.set()
+        if forgotten:
+            for spare in taken:
+                _kill(spare)
+            return [None] * len(node_ids)
         return out
+
+    def forget_take(self, token: str) -> int:
+        """The caller of take ``token`` gave up waiting for it: the spares it claimed (or will
+        claim) are ended, as no one adopts them. Returns how many were ended now."""
+        with self._lock:
+            entry = self._takes.pop(token, None)
+            if entry is None:  # still running: take ends them as it returns
+                self._forgotten.add(token)
+                return 0
+            owner_id, spares = entry
+            ended = {_id(s) for s in spares}
+            self._claimed[owner_id] = [s for s in self._claimed.get(owner_id, []) if _id(s) not in ended]
+        for spare in spares:
+            _kill(spare)
+        return len(spares)
 
     def note_claimed(self, spares: list[Any], owner_id: str) -> None:
         """Spares started for ``owner_id``, claimed from their start (``SpareSource.new_claimed``):
