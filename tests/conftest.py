@@ -89,23 +89,24 @@ def _session_cluster_idle(request):
     test left something holding it: every CPU free again within 30 s (Ray frees a killed actor's
     resources asynchronously), or an error naming what still holds them.
 
-    Its runs start on warm workers, as a notebook's do after ``rts.connect(spec,
-    warm_workers_per_node=1)``: the session's own pool of spares (``control.spares``) keeps one
-    idle worker process on each node, and a run from this process adopts them and gives them
-    back at its end, so most runs pay no worker process's start (its torch import is about 3 s
-    of CPU, most of a tiny run's). A test marked ``fresh_workers`` runs with no pool on the
-    cluster (it starts its own, or asserts what fresh processes do); a service a test starts
-    adopts the session's pool, and stops it with its own end (the next test starts it again)."""
+    A test marked ``warm_workers`` (its module's ``pytestmark``) runs on warm workers, as a
+    notebook's runs do after ``rts.connect(spec, warm_workers_per_node=1)``: the session's own
+    pool of spares (``control.spares``) keeps one idle worker process on each node, and a run
+    from this process adopts them and gives them back at its end, so it pays no worker
+    process's start (a torch import is about 3 s of CPU, most of a tiny run's). The others run
+    with no pool on the cluster, as before it (fresh processes, or a service's own pool): a
+    test that asserts what happens while a replacement's process starts (a world of one for
+    a while) needs that, and a module joins the warm ones once its file passed on them."""
     if not {"ray_nodes", "ray_cluster"} & set(request.fixturenames):
         yield
         return
     request.getfixturevalue("ray_nodes")
     from raytrain_sys.control.spares import start_pool, stop_pool
 
-    if request.node.get_closest_marker("fresh_workers"):
-        stop_pool()
-    else:
+    if request.node.get_closest_marker("warm_workers"):
         start_pool(1, home=True)
+    else:
+        stop_pool()
     yield
     _wait_until_idle(request.node.nodeid)
 

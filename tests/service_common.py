@@ -100,10 +100,6 @@ def running_service(db, gates: StepGates, **config):
     # Beside the gates (the test's dir), unless a test gives one ("": the store's, Store.log_dir).
     config.setdefault("log_dir", os.path.join(os.path.dirname(gates.root), "raytrain-sys-logs"))
     config.setdefault("serve_api", False)  # the HTTP API on DEFAULT_PORT unless a test gives a port
-    if not config["warm_workers_per_node"]:  # no warm spares asked: not the session's either (conftest)
-        from raytrain_sys.control.spares import stop_pool
-
-        stop_pool()
     handle = start_service(url, step_hook=gates, **config)
     try:
         yield handle

@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers import live_actors_and_groups
 
+pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+
 CLI = [sys.executable, "-m", "raytrain_sys.cli.main"]
 
 

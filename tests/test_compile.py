@@ -3,10 +3,13 @@ tolerance: the compiled kernels sum in another order) and reports its compile ti
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from raytrain_sys.control.supervisor import run_job
 from tests.helpers import final_params, read_summary, tiny_spec
+
+pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
 
 
 def test_compiled_run_equals_eager(ray_cluster, tiny_dataset, tmp_path):

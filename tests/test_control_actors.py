@@ -55,7 +55,6 @@ def _control_actor_names() -> list[str]:
                                                or a["name"].startswith((RUNNER_PREFIX, SPARE_RUNNER_PREFIX)))]
 
 
-@pytest.mark.fresh_workers  # the pool the service starts must be its own, placed where control actors go
 def test_control_actors_run_on_a_safe_node_when_the_cluster_has_one(ray_nodes, tiny_dataset, tmp_path):
     from ray._private.state import state
 

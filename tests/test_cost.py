@@ -12,6 +12,8 @@ from raytrain_sys.monitor.cost import CostMeter
 from tests.ft_common import ft_spec, run_with_events
 from tests.helpers import read_summary
 
+pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+
 PRICE = 3.6  # dollars a worker-hour: 0.001 $ a worker-second
 STEPS = 12
 TOKENS_PER_STEP = 8 * 32  # tiny_spec: 8 rows of 33 tokens, 32 targets each

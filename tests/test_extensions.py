@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+
 
 def build(model):
     return nn.Sequential(nn.Linear(model.args["width"], 3))

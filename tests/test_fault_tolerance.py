@@ -181,8 +181,8 @@ def test_hung_worker_during_checkpoint_is_detected(reference, tiny_dataset, tmp_
 
 
 @pytest.mark.parametrize("replacement", [
-    pytest.param("fresh", marks=pytest.mark.fresh_workers),
-    "warm",
+    "fresh",
+    pytest.param("warm", marks=pytest.mark.warm_workers),
 ], ids=["a fresh replacement: the survivor trains alone while its process starts",
         "a warm spare replaces the lost worker at once: the pieces lost with the node are read again, "
         "not waited for as a hang"])

@@ -34,9 +34,6 @@ from raytrain_sys.control.node_drain import plan_drain
 from tests.ft_common import run_with_events, wait_until
 from tests.helpers import read_summary, tiny_spec
 
-# A pod's node must be idle to exit: an idle warm spare there (the session's pool, conftest) is not ours to wait out.
-pytestmark = pytest.mark.fresh_workers
-
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).parent / "ray")
 RAYTRAIN_SYS = str(Path(sys.executable).parent / "raytrain-sys")

@@ -7,7 +7,7 @@ trains exactly as on fresh workers; a pool that restarts keeps its idle spares i
 starting more; GPU slots never take spares, and a driver takes them only from a pool its own Ray
 job started (``rts.connect(spec, warm_workers_per_node=1)``), which ends with that driver.
 
-Every test here starts the pool it needs (``fresh_workers``: the session's is stopped first).
+Every test here starts the pool it needs.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from raytrain_sys.control.supervisor import Supervisor, run_job
 from raytrain_sys.spec import from_dict
 from tests.ft_common import ft_spec, wait_until
 from tests.helpers import assert_params_equal, final_params
-
-pytestmark = pytest.mark.fresh_workers
 
 STEPS = 6
 

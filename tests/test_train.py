@@ -18,6 +18,8 @@ from raytrain_sys.tracking import mlflow_tracker as mt
 from tests.helpers import (assert_params_close, assert_params_equal, final_params, read_summary,
                            tiny_spec)
 
+pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def straight_run(ray_cluster, tiny_dataset, tmp_path_factory):
