@@ -23,8 +23,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
-
 
 def build(model):
     return nn.Sequential(nn.Linear(model.args["width"], 3))
@@ -54,6 +52,9 @@ class BadUnits:
 def double_x(row):
     return {"x": row["x"] * 2, "y": row["y"]}
 '''
+
+
+pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
 
 
 @pytest.fixture()
