@@ -160,11 +160,15 @@ class SpareSource:
     def give_back(self, spares: list[tuple[Any, str]], timeout_s: float = CLAIM_TIMEOUT_S) -> bool:
         """Hand spares this owner took (with their nodes) back to the pool (``SparePool.give_back``,
         which answers at once: the recycling runs in its threads); False when the pool is gone
-        or does not answer (the caller ends them). Waited for: a call to a pool that died (its
-        node lost) fails only when read, and spares handed to no one would live on, claimed by
-        this owner (a driver's job: as long as the driver)."""
+        or does not answer (the caller ends them). A driver's is waited for: a call to a pool
+        that died (its node lost) fails only when read, and spares handed to no one would live
+        on, claimed by the driver's job for as long as the driver lives. An actor's (a job's
+        runner) is not: its spares end with it, and its run's end does not wait on the pool
+        (at Ray's nice 15 under a sweep's load it took seconds to answer)."""
         try:
-            ray.get(self.pool.give_back.remote(spares, self.owner_id), timeout=timeout_s)
+            call = self.pool.give_back.remote(spares, self.owner_id)
+            if self.owner_id.startswith(JOB_OWNER):
+                ray.get(call, timeout=timeout_s)
             return True
         except Exception as exc:  # noqa: BLE001: a pool that is gone: they are ended instead
             log.warning("warm spares: could not give %d back to the pool: %s", len(spares), exc)
