@@ -264,7 +264,9 @@ class Steps:
         wait0 = self.data.wait_s
         gbs = spec.train.global_batch_size
         members = list(self.group.workers)
-        departed = {w.node_id for w in self._members if w not in members} - {w.node_id for w in members}
+        slots = {w.slot for w in members}  # by slot: Worker's dataclass equality compares every field
+        departed = {w.node_id for w in self._members if w.slot not in slots}
+        departed -= {w.node_id for w in members} if departed else set()
         self._members = members
         if departed and spec.data.delivery != "driver" and self.data.reread_lost(self.data_cursor, departed):
             self._resend = {}  # members left with their nodes, and read pieces there: the batches made anew
