@@ -145,7 +145,11 @@ def test_replace_drains_the_slow_worker_with_no_step_lost(unmitigated, tiny_data
     drained = [t for t in summary["transitions"] if t["state"] == "draining"]
     assert len(drained) == 1 and "straggler" in drained[0]["reason"]
     worlds = summary["world_sizes"]
-    assert worlds[0] == WORKERS and WORKERS - 1 in worlds and worlds[-1] == WORKERS
+    assert worlds[0] == WORKERS and worlds[-1] == WORKERS
+    # The slow worker left (a group of two), then its replacement joined (three again): on a warm
+    # spare it may join before the group of two took a step, so the groups are read off the moves.
+    after = summary["transitions"][summary["transitions"].index(drained[0]) + 1:]
+    assert after[0]["world"] == WORKERS - 1 and after[-1]["world"] == WORKERS, after
     assert summary["failures"] == 0 and summary["steps_redone"] == 0
     same_samples(result, ref_result)
     assert_params_close(final_params(result.newest_checkpoint), final_params(ref_result.newest_checkpoint),

@@ -69,11 +69,15 @@ _MOVES: dict[State, frozenset[State]] = {
 
 
 def transition_record(state: State, reason: str, step: int, at_unix_s: float,
-                      detected_at_unix_s: float = 0.0) -> dict:
+                      detected_at_unix_s: float = 0.0, world: int | None = None) -> dict:
     """One entry of summary.json's ``transitions``; ``detected_at``: when the failure that
     caused it was seen, if earlier (the rebuild decision waits for the rest of the step's
-    members)."""
+    members); ``world``: the group's members at the move, once there is a group (a group of two
+    that a warm replacement grew back to three before its first step shows here, not in the
+    per-step ``world_sizes``)."""
     record = {"time": at_unix_s, "state": state.value, "reason": reason, "step": step}
+    if world is not None:
+        record["world"] = world
     if detected_at_unix_s:
         record["detected_at"] = detected_at_unix_s
     return record

@@ -151,7 +151,8 @@ class Supervisor:
         self.state = state
         self.summary.status = state.value
         self.summary.transitions.append(
-            transition_record(state, reason, self.committed_step, now, detected_at_unix_s))
+            transition_record(state, reason, self.committed_step, now, detected_at_unix_s,
+                              self.group.world_size if self.group is not None else None))
         if self.tracker is not None:
             try:
                 self.tracker.log_event(self.committed_step, state.value, reason)
