@@ -277,6 +277,46 @@ def test_a_trial_reports_each_evaluation_of_its_job_once_in_step_order(tmp_path)
     assert [rungs_passed(s, 3, 2, 12) for s in (2, 3, 5, 6, 12)] == [0, 1, 1, 2, 2]
 
 
+def test_a_trial_rides_out_a_store_it_cannot_read_and_gives_up_after_the_outage_budget(tmp_path):
+    """A SQLite store busy past its timeout (a sweep on a loaded machine: "database is locked")
+    failed the trial's proxy, and Tune saw a trial error; now the proxy reads again."""
+    from raytrain_sys.errors import ServiceStoreError
+    from raytrain_sys.sweeps.runner import follow
+
+    class Unreadable(Store):  # the real store, unreadable while ``down`` says so
+        down = 0
+
+        def job(self, job_id):
+            if self.down:
+                self.down -= 1
+                raise ServiceStoreError("cannot reach the store: database is locked")
+            return super().job(job_id)
+
+    store = Store.open(f"sqlite:///{tmp_path}/service.db")
+    store.add_team(Team("a", 4))
+    sweep = store.submit_sweep(team="a", name="s", spec="{}", storage_path="/tmp", actor="a")
+    job = _trial(store, sweep.id, "t1")
+    flaky = Unreadable(store.engine, store.url)
+    flaky.down = 3
+    logged = [(3, 2.0)]
+    sleeps: list[float] = []
+
+    def sleep(s):
+        sleeps.append(s)
+        if not flaky.down and len(sleeps) > 3:
+            store.transition(job.id, JobState.QUEUED, JobState.CANCELLED, actor="t", reason="done")
+
+    reports: list[dict] = []
+    ended = follow(flaky, job.id, "eval_loss", reports.append, lambda j, m: list(logged), sleep=sleep)
+    assert ended.state is JobState.CANCELLED and [r["step"] for r in reports] == [3]
+    assert len(sleeps) >= 3  # each unreadable read waited a poll before the next
+    flaky.down = 10 ** 6
+    with pytest.raises(ServiceStoreError, match="database is locked"):
+        follow(flaky, job.id, "eval_loss", reports.append, lambda j, m: [], sleep=lambda _s: None,
+               store_outage_s=0.0)
+    store.close()
+
+
 def test_a_trial_hears_its_jobs_evaluations_from_its_runner_and_reads_mlflow_when_none_answers(tmp_path):
     from raytrain_sys.sweeps.runner import follow
 

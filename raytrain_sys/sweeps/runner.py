@@ -48,7 +48,7 @@ import ray
 
 from raytrain_sys.control.control_actors import control_options
 from raytrain_sys.control.spares import NAMESPACE
-from raytrain_sys.errors import JobStateConflict
+from raytrain_sys.errors import JobStateConflict, ServiceStoreError
 from raytrain_sys.niceness import set_niceness
 from raytrain_sys.service import requests
 from raytrain_sys.service.model import JobRecord, JobState, SweepRecord, SweepState
@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 SWEEP_RUNNER_PREFIX = "raytrain-sys-sweep-"
 POLL_S = 1.0  # a proxy reads MLflow this often while no runner answers: an evaluation is seconds apart at best
+# A proxy rides out a store it cannot read this long (SQLite busy past its timeout on a loaded
+# machine, a PostgreSQL failover): its job trains on meanwhile, and Tune must not see a trial error.
+STORE_OUTAGE_S = 300.0
 # The nice value of a sweep's Tune driver and its trial proxies (Ray starts them at 15; why 0:
 # raytrain_sys/niceness.py).
 CONTROL_NICENESS = 0
@@ -93,17 +96,31 @@ class TrialJobFailed(RuntimeError):
 def follow(store: Store, job_id: int, metric: str, report: Callable[[dict], None],
            history: Callable[[JobRecord, str], list[tuple[int, float]]], *, after_step: int = 0,
            poll_s: float = POLL_S, sleep: Callable[[float], None] = time.sleep,
-           live: Optional[Callable[[JobRecord, int], Optional[tuple[list, bool]]]] = None) -> JobRecord:
+           live: Optional[Callable[[JobRecord, int], Optional[tuple[list, bool]]]] = None,
+           store_outage_s: float = STORE_OUTAGE_S) -> JobRecord:
     """Report each evaluation of the job after ``after_step`` once, in step order, until the job
     ends; returns it ended. ``live(job, after)``: the job's evaluations after a step as its
     runner holds them, waiting a little for one (``(points, run_done)``), None when no runner
     answers: the proxy hears of an evaluation as the job records it. MLflow (``history``) is read
     when no runner answers, and once the job has ended: the job is read before its evaluations,
     so a job read as ended has every evaluation it will ever log. Raises ``TrialJobFailed`` when
-    it failed."""
+    it failed. A store that cannot be read is read again every ``poll_s`` for up to
+    ``store_outage_s`` (then its ``ServiceStoreError`` is raised): a sweep on SQLite under load
+    once failed a trial's proxy, and with it the trial, on one "database is locked"."""
     reported = after_step
+    unreadable_since = None
     while True:
-        job = store.job(job_id)
+        try:
+            job = store.job(job_id)
+        except ServiceStoreError as e:
+            now = time.monotonic()
+            unreadable_since = unreadable_since if unreadable_since is not None else now
+            if now - unreadable_since >= store_outage_s:
+                raise
+            log.warning("job %d: the store cannot be read (%s): reading it again in %g s", job_id, e, poll_s)
+            sleep(poll_s)
+            continue
+        unreadable_since = None
         asked = None if live is None or job.state.terminal else live(job, reported)
         for step, value in (history(job, metric) if asked is None else asked[0]):
             if step > reported:
