@@ -89,21 +89,24 @@ def _session_cluster_idle(request):
     test left something holding it: every CPU free again within 30 s (Ray frees a killed actor's
     resources asynchronously), or an error naming what still holds them.
 
-    A test marked ``warm_workers`` (its module's ``pytestmark``) runs on warm workers, as a
-    notebook's runs do after ``rts.connect(spec, warm_workers_per_node=1)``: the session's own
-    pool of spares (``control.spares``) keeps one idle worker process on each node, and a run
-    from this process adopts them and gives them back at its end, so it pays no worker
-    process's start (a torch import is about 3 s of CPU, most of a tiny run's). The others run
-    with no pool on the cluster, as before it (fresh processes, or a service's own pool): a
-    test that asserts what happens while a replacement's process starts (a world of one for
-    a while) needs that, and a module joins the warm ones once its file passed on them."""
+    A test marked ``warm_workers(needed=True)`` runs on warm workers, as a notebook's runs do
+    after ``rts.connect(spec, warm_workers_per_node=1)``: the session's own pool of spares
+    (``control.spares``) keeps one idle worker process on each node, and a run from this
+    process adopts them and gives them back at its end. The modules marked ``warm_workers``
+    without ``needed`` passed on that pool too, and run on it only with
+    ``RTS_TESTS_WARM_WORKERS=1``: by default they start fresh processes, as every other test
+    does (or a service's own pool). Each of those files is faster on the pool alone, but the
+    whole suite was not: 68.7 min in CI with it against 53.6 min without (README), the pool's
+    spares started again at every switch between a warm and a cold module and after every run
+    that took some, beside the tests on 2 cores."""
     if not {"ray_nodes", "ray_cluster"} & set(request.fixturenames):
         yield
         return
     request.getfixturevalue("ray_nodes")
     from raytrain_sys.control.spares import start_pool, stop_pool
 
-    if request.node.get_closest_marker("warm_workers"):
+    warm = request.node.get_closest_marker("warm_workers")
+    if warm is not None and (warm.kwargs.get("needed") or os.environ.get("RTS_TESTS_WARM_WORKERS") == "1"):
         start_pool(1, home=True)
     else:
         stop_pool()

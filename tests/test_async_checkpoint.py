@@ -22,7 +22,7 @@ from tests.ft_common import (assert_like_reference, ft_spec, pid_alive, run_with
                              supervisor_with_events, wait_until, worker_pid)
 from tests.helpers import assert_params_equal, final_params, read_summary, tiny_spec
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS = 16
 HOLD_S = 3.0  # how long the S3 server stays paused after the pause is asked

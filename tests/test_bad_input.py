@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import live_actors_and_groups
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 CLI = [sys.executable, "-m", "raytrain_sys.cli.main"]
 

@@ -9,7 +9,7 @@ import torch
 from raytrain_sys.control.supervisor import run_job
 from tests.helpers import final_params, read_summary, tiny_spec
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 
 def test_compiled_run_equals_eager(ray_cluster, tiny_dataset, tmp_path):

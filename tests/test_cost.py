@@ -12,7 +12,7 @@ from raytrain_sys.monitor.cost import CostMeter
 from tests.ft_common import ft_spec, run_with_events
 from tests.helpers import read_summary
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 PRICE = 3.6  # dollars a worker-hour: 0.001 $ a worker-second
 STEPS = 12

@@ -18,7 +18,7 @@ from raytrain_sys.data.shards import read_manifest
 from raytrain_sys.errors import DataError
 from tests.helpers import read_summary, tiny_spec
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 WINDOW, BLOCK, B = 64, 16, 8
 

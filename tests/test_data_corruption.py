@@ -25,7 +25,7 @@ from raytrain_sys.data.prepare import prepare_digits_dataset, prepare_text_datas
 from raytrain_sys.data.shards import BadShardError, read_columns, read_manifest, read_token_pool
 from raytrain_sys.errors import DataError
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 WINDOW, BLOCK, B = 64, 16, 8
 BAD = 2  # a shard in the middle of the dataset

@@ -19,7 +19,7 @@ from raytrain_sys.data.prepare import _ShardWriter, prepare_text_dataset
 from raytrain_sys.data.manifest import MANIFEST_NAME, TOKENS_FORMAT, DatasetManifest
 from raytrain_sys.data.shards import read_manifest
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 WINDOW, BLOCK, B = 16, 4, 8
 MAX_STEPS = 40

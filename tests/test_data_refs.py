@@ -14,7 +14,7 @@ from raytrain_sys.parallel.mesh import rank_data_slices
 from raytrain_sys.spec import ParallelSpec
 from raytrain_sys.train.tasks import NextToken
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 B = 24
 

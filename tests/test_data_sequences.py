@@ -27,7 +27,7 @@ from raytrain_sys.models.gpt import GPT, GPTConfig
 from raytrain_sys.train.tasks import NextToken
 from tests.helpers import tiny_spec
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 ROW_LEN, WINDOW, BLOCK, B = 17, 8, 4, 8
 MAX_STEPS = 40

@@ -25,7 +25,7 @@ from raytrain_sys.errors import SpecError
 from raytrain_sys.spec import load_spec
 from tests.helpers import assert_params_close, final_params, read_summary, tiny_spec
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

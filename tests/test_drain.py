@@ -29,7 +29,7 @@ import pytest
 from raytrain_sys.control import drain
 from tests.ft_common import wait_until
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRUBBED_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",

@@ -32,7 +32,7 @@ from raytrain_sys.control.worker_group import find_leftovers
 from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, wait_until)
 from tests.helpers import final_params, read_summary
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS = 40
 KILL_AFTER_STEP = 12  # checkpoints every 5 steps: the resume redoes the steps after step 10

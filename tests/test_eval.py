@@ -17,7 +17,7 @@ from raytrain_sys.errors import SpecError
 from tests.ft_common import ft_spec, kill_soon, run_with_events, worker_pid
 from tests.helpers import read_summary, tiny_spec
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS, EVERY = 9, 3
 

@@ -17,7 +17,7 @@ from tests.fixtures.custom_example import repo_env
 from tests.fixtures.ray_head import _ray_cli
 from tests.helpers import read_summary
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)

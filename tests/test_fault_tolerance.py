@@ -182,7 +182,7 @@ def test_hung_worker_during_checkpoint_is_detected(reference, tiny_dataset, tmp_
 
 @pytest.mark.parametrize("replacement", [
     "fresh",
-    pytest.param("warm", marks=pytest.mark.warm_workers),
+    pytest.param("warm", marks=pytest.mark.warm_workers(needed=True)),
 ], ids=["a fresh replacement: the survivor trains alone while its process starts",
         "a warm spare replaces the lost worker at once: the pieces lost with the node are read again, "
         "not waited for as a hang"])

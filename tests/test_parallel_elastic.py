@@ -12,7 +12,7 @@ import pytest
 from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, one_worker_reference, run_with_events,
                              wait_for_a_ready_newcomer, worker_pid)
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS = 12
 MODEL = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32}

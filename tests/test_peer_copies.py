@@ -20,7 +20,7 @@ from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_nod
                              one_worker_reference, restore_cluster_size, run_with_events, wait_for_a_ready_newcomer,
                              worker_pid)
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS = 18
 CLUSTER_NODES = 4  # the session cluster's worker nodes (tests/conftest.py)

@@ -14,7 +14,7 @@ from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec
                              wait_for_a_ready_newcomer)
 from tests.helpers import assert_params_close, final_params, read_summary
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS = 16
 

@@ -28,7 +28,7 @@ from raytrain_sys.errors import SpecError
 from tests.ft_common import run_with_events, wait_for_a_ready_newcomer, wait_until
 from tests.helpers import assert_params_close, exported_series, final_params, read_summary, tiny_spec
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS = 24
 SLOW_RANK = 1

@@ -18,7 +18,7 @@ from raytrain_sys.tracking import mlflow_tracker as mt
 from tests.helpers import (assert_params_close, assert_params_equal, final_params, read_summary,
                            tiny_spec)
 
-pytestmark = pytest.mark.warm_workers  # runs start on the session's warm spares (tests/conftest.py)
+pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 
 @pytest.fixture(scope="module")
