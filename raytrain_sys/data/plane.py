@@ -545,9 +545,14 @@ class DataPlane:
                     sequences=d.sequences, row_len=spec.model.block_size + 1, task=task,
                     num_readers=d.num_readers, read_resources=d.read_resources)
         plane.transform = d.transform or None
-        # Reads asked onto particular nodes (data.read_resources) are left there.
-        plane.read_first_here = not d.read_resources
+        plane.read_next_here()
         return plane
+
+    def read_next_here(self) -> None:
+        """The next read runs in this process (``_read_here``), as a stream's first should: a new
+        reader process takes seconds to start. Reads asked onto particular nodes
+        (data.read_resources) are left there."""
+        self.read_first_here = not self.read_resources
 
     # ----- window geometry: raw (the plan's) and delivered (after skipped shards) positions
     def _raw_start(self, g: int) -> int:
@@ -827,10 +832,9 @@ class DataPlane:
         if lost:
             log.warning("data plane: %d read piece(s) from position %d on had a copy on a departed member's "
                         "node: reading again from there", lost, position)
-            # Its first read in this process (as a job's first is), unless reads must run on the
-            # nodes read_resources names: a new read task waited 4-5 s for a reader process here
+            # As a job's first: a new read task waited 4-5 s for a reader process here
             # (benchmarks/recovery.py worker kill: 4.64 s to the next step, 1.06 s with this, 0.96 without the read).
-            self.read_first_here = not self.read_resources
+            self.read_next_here()
             self._open_stream(position)
         return lost
 

@@ -113,9 +113,9 @@ def follow(store: Store, job_id: int, metric: str, report: Callable[[dict], None
         try:
             job = store.job(job_id)
         except ServiceStoreError as e:
-            now = time.monotonic()
-            unreadable_since = unreadable_since if unreadable_since is not None else now
-            if now - unreadable_since >= store_outage_s:
+            if unreadable_since is None:
+                unreadable_since = time.monotonic()
+            if time.monotonic() - unreadable_since >= store_outage_s:
                 raise
             log.warning("job %d: the store cannot be read (%s): reading it again in %g s", job_id, e, poll_s)
             sleep(poll_s)
