@@ -264,7 +264,8 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         ray_cluster, tiny_dataset, tmp_path, gates, reference):
     spec = job_spec(tmp_path, tiny_dataset, "k", resources={"num_workers": 1})
     db = tmp_path / "svc.db"
-    with running_service(db, gates) as svc:
+    # With a pool of warm spares, as a service runs by default: the restarted service finds it.
+    with running_service(db, gates, warm_workers_per_node=1) as svc:
         ray.get([svc.add_team.remote("a", 1), svc.add_team.remote("b", 1)])
         gates.hold(1, 7)
         gates.hold(3, 2)
@@ -299,7 +300,8 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         store.transition(intent, JobState.QUEUED, JobState.STARTING, actor="scheduler", target_workers=1,
                          reason="admitted just before the service died")
         store.close()
-        svc = start_service(f"sqlite:///{db}", serve_api=False, step_hook=gates, poll_s=0.2)
+        svc = start_service(f"sqlite:///{db}", serve_api=False, step_hook=gates, poll_s=0.2,
+                            warm_workers_per_node=1)
         assert ray.get(svc.info.remote())["pid"] != pid
         assert ray.get(svc.teams.remote()) == teams
         assert ray.get(svc.audit_log.remote())[:len(audit)] == audit
@@ -463,7 +465,7 @@ def test_a_start_whose_workers_cannot_be_placed_goes_back_to_the_queue_then_fail
     spec = job_spec(tmp_path, tiny_dataset, "big", resources={"num_workers": 6})
     stall_s = 12.0  # above the run's own preparation on a loaded machine: placement is what stalls
     with running_service(tmp_path / "svc.db", gates, cluster_workers=8, start_stall_s=stall_s,
-                         max_start_returns=1) as svc:
+                         max_start_returns=1, warm_workers_per_node=1) as svc:
         ray.get(svc.add_team.remote("a", 8))
         # Both starts on a spare runner (up in a second): a fresh one's first answer holds a pass
         # for the status timeout (10 s), which would only make the test longer.
