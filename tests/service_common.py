@@ -95,8 +95,8 @@ def running_service(db, gates: StepGates, **config):
     from raytrain_sys.service.service import start_service, stop_service
 
     config.setdefault("poll_s", 0.2)
-    # No pool of warm spares unless a test asks for one (tests/test_spares.py tests the pool, and
-    # the tests that give warm_workers_per_node the service's jobs on it): a service's pool keeps a
+    # No pool of warm spares unless a test passes warm_workers_per_node (tests/test_spares.py
+    # tests the pool itself): a service's pool keeps a
     # spare TrainWorker on each of the session's four nodes and two spare runners, and starts
     # another for each one a job takes, several times the processes a test's one or two jobs
     # need. Four service_runner tests: 144 s and 255 CPU-seconds with a spare per node, 104 s and

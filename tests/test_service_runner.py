@@ -264,7 +264,7 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
         ray_cluster, tiny_dataset, tmp_path, gates, reference):
     spec = job_spec(tmp_path, tiny_dataset, "k", resources={"num_workers": 1})
     db = tmp_path / "svc.db"
-    # With a pool of warm spares, as a service runs by default: the restarted service finds it.
+    # With a pool of warm spares, as a service runs by default, before the kill and after it.
     with running_service(db, gates, warm_workers_per_node=1) as svc:
         ray.get([svc.add_team.remote("a", 1), svc.add_team.remote("b", 1)])
         gates.hold(1, 7)
