@@ -178,28 +178,34 @@ def tied_duplicate(split: PipelineSplit) -> nn.Parameter | None:
 
 class _Sleep(torch.autograd.Function):
     """Stands for compute of a fixed length that uses no CPU, so the pipeline's idle time can
-    be measured on a 2-core machine without the stages competing for cores."""
+    be measured on a 2-core machine without the stages competing for cores. Each sleep's actual
+    length goes to ``spent``: on a loaded machine a sleep overruns (its wake-up waits for a
+    core), and that is compute time of the stage, not idle time of the pipeline."""
 
     @staticmethod
-    def forward(ctx, x, forward_s, backward_s):
+    def forward(ctx, x, forward_s, backward_s, spent):
+        t0 = time.perf_counter()
         time.sleep(forward_s)
-        ctx.backward_s = backward_s
+        spent.append(time.perf_counter() - t0)
+        ctx.backward_s, ctx.spent = backward_s, spent
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
+        t0 = time.perf_counter()
         time.sleep(ctx.backward_s)
-        return grad, None, None
+        ctx.spent.append(time.perf_counter() - t0)
+        return grad, None, None, None
 
 
 class _SleepStage(nn.Module):
-    def __init__(self, width: int, forward_s: float, backward_s: float):
+    def __init__(self, width: int, forward_s: float, backward_s: float, spent: list[float]):
         super().__init__()
         self.lin = nn.Linear(width, width)
-        self.forward_s, self.backward_s = forward_s, backward_s
+        self.forward_s, self.backward_s, self.spent = forward_s, backward_s, spent
 
     def forward(self, x):
-        return _Sleep.apply(self.lin(x), self.forward_s, self.backward_s)
+        return _Sleep.apply(self.lin(x), self.forward_s, self.backward_s, self.spent)
 
 
 @dataclass
@@ -227,7 +233,8 @@ def measure_bubble(schedule: str, microbatches: int, group: dist.ProcessGroup | 
     v = stages_per_rank if schedule == "interleaved_1f1b" else 1
     ids = local_stage_ids(rank, pp, schedule, v)
     width, rows_per_mb = 8, 2
-    stages = [PipelineStage(_SleepStage(width, forward_s / v, backward_s / v), s, pp * v,
+    spent: list[float] = []  # every stage's sleeps on this rank, as they ran
+    stages = [PipelineStage(_SleepStage(width, forward_s / v, backward_s / v, spent), s, pp * v,
                             torch.device("cpu"), group=group) for s in ids]
     sched = build_schedule(stages, schedule, microbatches, lambda out, tgt: (out - tgt).pow(2).sum())
     x = torch.randn(microbatches * rows_per_mb, width)
@@ -239,16 +246,19 @@ def measure_bubble(schedule: str, microbatches: int, group: dist.ProcessGroup | 
         sched.step(*args, **kwargs)
 
     step()  # shape inference and first-call costs stay out of the measurement
-    times = []
+    times, busy = [], []
     for _ in range(steps):
         dist.barrier(group)
+        spent.clear()
         t0 = time.perf_counter()
         step()
         dist.barrier(group)  # the step ends when the last rank is done
         times.append(time.perf_counter() - t0)
+        busy.append(sum(spent))
     # The fastest step: noise from other processes only ever adds time, it never removes any.
-    step_s = min(times)
-    busy_s = microbatches * v * (forward_s + backward_s) / v
+    # Its busy time is the stages' sleeps as they ran (each at least its nominal length).
+    fastest = min(range(steps), key=times.__getitem__)
+    step_s, busy_s = times[fastest], busy[fastest]
     return BubbleReport(schedule, pp, microbatches, v, step_s, busy_s, 1 - busy_s / step_s,
                         (pp - 1) / (v * microbatches + pp - 1), times)
 
