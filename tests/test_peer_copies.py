@@ -8,6 +8,8 @@ one process ends (fp64), every sample exactly once.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import ray
 import torch
@@ -97,6 +99,49 @@ def test_a_held_copy_reuses_the_arrays_of_a_dropped_one_but_never_one_still_read
         assert [c[3] for c in copies.held()] == [step]
     assert where[2] == where[0] and where[3] not in (where[1], where[2]) and where[4] == where[2], where
     assert torch.equal(still_read["w"].data, torch.full((3, 4), 1.0, dtype=torch.float64))
+
+
+def test_a_ranks_blocks_are_reused_between_steps_but_never_stale():
+    """The blocks a rank sends are worked out once and read its live state (a step updates it in
+    place); a load, a swapped ``.data`` or a new layout makes them be worked out again: what is
+    sent always equals the state as it is now."""
+    from raytrain_sys.control.worker import TrainWorker
+    from raytrain_sys.parallel.reshard import local_pieces
+
+    torch.manual_seed(0)
+    cls = TrainWorker.__ray_actor_class__  # the class under the actor, its state without a process
+    worker = cls.__new__(cls)
+    worker.model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    worker.optimizer = torch.optim.AdamW(worker.model.parameters(), lr=0.1)
+    worker.generation, worker.coords, worker._pieces_cache = 1, None, None
+
+    def step():
+        worker.model(torch.randn(5, 4)).square().sum().backward()
+        worker.optimizer.step()
+
+    def sent_is_now():
+        sent, now = worker._owned_pieces(), local_pieces(worker.model, worker.optimizer, copy=True)
+        assert sent.keys() == now.keys()
+        for key in now:
+            assert torch.equal(sent[key].data, now[key].data), key
+        return sent
+
+    step()
+    first = sent_is_now()
+    step()
+    assert sent_is_now() is first  # the same views, now reading the second step's values
+    weight = worker.model[0].weight
+    weight.data = weight.data.clone()  # new memory behind the same parameter
+    with torch.no_grad():
+        weight.add_(1.0)
+    swapped = sent_is_now()
+    assert swapped is not first
+    worker.optimizer.load_state_dict(copy.deepcopy(worker.optimizer.state_dict()))  # new state tensors
+    step()
+    loaded = sent_is_now()
+    assert loaded is not swapped
+    worker.generation = 2  # a new layout
+    assert sent_is_now() is not loaded
 
 
 # ----------------------------------------------------------------------------- on the cluster
