@@ -194,6 +194,7 @@ class PeerCopies:
         self.copy_s = 0.0  # seconds this rank's steps spent sending their copies (to the receipt)
         self._own: dict[int, Any] = {}  # step -> reference to this rank's snapshot (its copy's object)
         self._receipt: tuple[int, Any] | None = None  # (step, the peer's receipt) of the copy in flight
+        self._wire: tuple[dict, dict] | None = None  # (pieces, to_wire(pieces)) of the last send: views
         self._held: dict[tuple[int, int], dict[int, Any]] = {}
         self._lent: dict[tuple[int, int, int], list] = {}  # (generation, source, step) -> its arrays
         self._arrays = _Arrays()
@@ -206,13 +207,19 @@ class PeerCopies:
     def set_peer(self, peer, peer_rank: int, generation: int) -> None:
         """This rank's peer in ``generation`` (None: no copies); the next step sends one."""
         self.peer, self.peer_rank, self.generation, self.sent_step = peer, peer_rank, generation, -1
-        self._receipt = None
+        self._receipt = self._wire = None
 
     def send(self, rank: int, step: int, pieces: dict) -> None:
         """Copy ``pieces`` (this rank's owned blocks at ``step``) to the peer; ``wait`` for its
         receipt. The snapshot stays in this node's object store until a newer step is agreed: a
         survivor ahead of the committed step goes back to it."""
-        wire = to_wire(pieces)
+        if self._wire is not None and self._wire[0] is pieces:
+            wire = self._wire[1]  # the same views as the step before (the worker's _owned_pieces)
+        else:
+            wire = to_wire(pieces)
+            # Its arrays are views of the pieces' memory only where no .contiguous() copied them.
+            views = all(p.data.is_contiguous() and p.data.device.type == "cpu" for p in pieces.values())
+            self._wire = (pieces, wire) if views else None
         ref = ray.put(wire)  # the one memory copy on the step's path
         with self._lock:
             self._own[step] = (self.generation, rank, ref)
