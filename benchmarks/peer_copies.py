@@ -17,6 +17,20 @@ steps (recovery.py's fault and measure):
                 (the checkpoint of step K restored, the steps since redone); goal at most 0.5x
   steps redone  0 with copies, N - K without
 
+and what moving a copy costs by itself, no training beside it (``--sections transport``): a
+rank's shard of each model (its owned blocks' sizes: parameters and AdamW's two moments, halved)
+sent twenty times from an actor on one worker node to one on the other, two ways:
+
+  ray           our path (PeerCopies.send to a peer's hold_copy and its receipt: ray.put into
+                the node's object store, Ray's object transfer, the peer's copy into its arrays)
+  gloo          a snapshot copied into a buffer of the sender's, then torch.distributed send /
+                recv over gloo into the peer's buffer (a possible transport, not in the product)
+
+  wall s        a copy, sent to held
+  CPU-s         a copy's CPU in both actors and every raylet (the object transfer is theirs)
+  floor         the step ratio that CPU alone sets when every core trains (this machine: two
+                ranks on two cores): 1 + CPU-s / the step without copies, one copy a rank a step
+
 Each worker node gets OBJECT_STORE_BYTES of object store (ray.cluster_utils' default of 150 MiB
 would spill the large model's snapshots to disk at every step; a real node's is 30% of its memory).
 
@@ -36,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -59,6 +74,7 @@ MODELS = {
 OBJECT_STORE_BYTES = 2 * 2**30  # each worker node's (recovery.WORKER_NODES of them)
 
 log = logging.getLogger("peer_copies")
+
 
 
 def make_spec(data_dir: str, work_dir: str, name: str, model: dict, copies: int, steps: int,
@@ -90,6 +106,7 @@ def steady_run(spec: JobSpec) -> dict:
 
     sup = Supervisor(spec)
     seen = {"held": 0, "sent": 0, "shard": 0, "copy_s": 0.0}
+    asked: list = []  # (the group's first worker, its memory_bytes calls) in flight
     done = threading.Event()
 
     def poll() -> None:
@@ -97,15 +114,26 @@ def steady_run(spec: JobSpec) -> dict:
             workers = list(sup.group.workers) if sup.group is not None else []
             if len(workers) != 2:
                 continue
-            try:
+            try:  # the copies' figures answer during a lease (the control group)
                 stats = ray.get([w.actor.peer_copy_stats.remote() for w in workers], timeout=5)
-                memory = ray.get([w.actor.memory_bytes.remote() for w in workers], timeout=5)
             except Exception:  # between groups, or the run ending
                 continue
             seen["held"] = max(seen["held"], *(s["held_bytes"] for s in stats))
             seen["sent"] = max(seen["sent"], *(s["sent_bytes"] for s in stats))
             seen["copy_s"] = max(s["copy_s"] for s in stats)
-            seen["shard"] = max(seen["shard"], *(m["param_bytes"] + m["optim_bytes"] for m in memory))
+            # The shard's answer waits for the lease to end (a step's own method): asked once
+            # at a time, read when it has come.
+            if asked and asked[0] is not workers[0]:  # a new group: ask it
+                asked.clear()
+            if asked and not ray.wait(asked[1], num_returns=2, timeout=0)[1]:
+                try:
+                    memory = ray.get(asked[1])
+                    seen["shard"] = max(seen["shard"], *(m["param_bytes"] + m["optim_bytes"] for m in memory))
+                except Exception:
+                    pass
+                asked.clear()
+            if not asked:
+                asked.extend([workers[0], [w.actor.memory_bytes.remote() for w in workers]])
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
@@ -154,11 +182,131 @@ def measure(model: str, data_dir: str, work_dir: str, cluster, sections: list[st
     return out
 
 
+def shard_pieces(model: str) -> dict:
+    """A rank's owned blocks under FSDP x2, by size: half of each parameter, and as much of each
+    of AdamW's two moments (the values do not matter to a copy's cost)."""
+    import torch
+
+    from raytrain_sys.models import build_model
+    from raytrain_sys.parallel.reshard import Piece
+
+    spec = make_spec("/nonexistent", "/tmp", "transport", model, 1, 1, 0)
+    pieces = {}
+    for name, param in build_model(spec.model).named_parameters():
+        half = (param.numel() + 1) // 2
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            pieces[f"{name}/{kind}"] = Piece((param.numel(),), (0,), torch.rand(half, dtype=param.dtype))
+    return pieces
+
+
+COPIES = 20  # each way
+
+
+def transport(model: str, cluster) -> dict:
+    """One rank's copy moved between the two worker nodes, our way (ray) and over gloo."""
+    import psutil
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raytrain_sys.control.drain import alive_nodes
+
+    nodes = sorted(n for n in alive_nodes() if n != cluster.head_node.node_id)[:2]
+    at = [NodeAffinitySchedulingStrategy(n, soft=False) for n in nodes]
+    end = ray.remote(num_cpus=0)(CopyEnd)
+    src = end.options(scheduling_strategy=at[0]).remote(model, 0)
+    peer = end.options(scheduling_strategy=at[1]).remote(model, 1)
+    pids = ray.get([src.pid.remote(), peer.pid.remote()])
+    port = 29000 + os.getpid() % 1000
+    ray.get([src.gloo.remote(port), peer.gloo.remote(port)])
+
+    def cpu() -> float:
+        total = 0.0
+        for proc in psutil.process_iter(["name", "pid"]):
+            if proc.info["pid"] in pids or "raylet" in (proc.info["name"] or ""):
+                try:
+                    t = proc.cpu_times()
+                    total += t.user + t.system
+                except psutil.Error:
+                    pass
+        return total
+
+    out = {"bytes": ray.get(src.nbytes.remote())}
+    for way in ("ray", "gloo", "ray", "gloo"):  # twice each, alternated; the second counts (the
+        # first makes the buffers and the object store's pages)
+        common.wait_until_quiet(log, max_s=20)
+        c0, t0 = cpu(), time.perf_counter()
+        if way == "ray":
+            ray.get(src.ray_copies.remote(peer, COPIES))
+        else:
+            ray.get([src.gloo_copies.remote(COPIES), peer.gloo_copies.remote(COPIES)])
+        wall, used = time.perf_counter() - t0, cpu() - c0
+        out[way] = {"wall_s": wall / COPIES, "cpu_s": used / COPIES}
+        log.info("%s transport %s: %.1f ms, %.1f CPU-ms a copy", model, way, wall / COPIES * 1e3,
+                 used / COPIES * 1e3)
+    for actor in (src, peer):
+        ray.kill(actor)
+    return out
+
+
+class CopyEnd:
+    """Either end of a copy: the sender (rank 0) holds a shard's blocks, the peer (rank 1) what
+    it receives. The ray way is the product's PeerCopies on both ends."""
+
+    def __init__(self, model: str, rank: int):
+        import torch
+
+        from raytrain_sys.control.peer_copies import PeerCopies
+
+        torch.set_num_threads(1)
+        self.rank, self.copies = rank, PeerCopies()
+        self.pieces = shard_pieces(model)
+        self.flat = torch.cat([p.data.reshape(-1) for p in self.pieces.values()])
+        self.snapshot = torch.empty_like(self.flat)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def hold_copy(self, generation: int, source: int, step: int, wire: dict) -> int:
+        held = self.copies.hold(generation, source, step, wire)
+        self.copies.agreed(step, generation)  # one copy held at a time, as at a lease's end
+        return held
+
+    def ray_copies(self, peer, n: int) -> None:
+        self.copies.set_peer(peer, 1, 1)
+        for step in range(n):
+            self.copies.send(0, step, self.pieces)
+            self.copies.wait(60.0)
+            self.copies.agreed(step, 1)
+
+    def gloo(self, port: int) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=60))
+
+    def gloo_copies(self, n: int) -> None:
+        import torch.distributed as dist
+
+        for _ in range(n):
+            if self.rank == 0:
+                self.snapshot.copy_(self.flat)  # the state goes on changing: send a snapshot
+                dist.send(self.snapshot, 1)
+            else:
+                dist.recv(self.snapshot, 0)
+        dist.barrier()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,large")
     p.add_argument("--out", default=str(HERE / "results" / "peer_copies.json"))
-    p.add_argument("--sections", default="steady,kill", help="steady (step time and memory), kill")
+    p.add_argument("--sections", default="steady,kill",
+                   help="steady (step time and memory), kill, transport (a copy's cost alone)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     models = common.pick(p, args.models, MODELS, "--models")
@@ -178,14 +326,16 @@ def main() -> None:
     cluster = recovery.start_cluster(work_dir, args.verbose)
     report = common.report_head("peer_copies", False, loadavg)
     try:
-        sections = common.pick(p, args.sections, ("steady", "kill"), "--sections")
+        sections = common.pick(p, args.sections, ("steady", "kill", "transport"), "--sections")
         report["models"] = {m: measure(m, data_dir, work_dir, cluster, sections) for m in models}
+        if "transport" in sections:
+            for m in models:
+                report["models"][m]["transport"] = transport(m, cluster)
     finally:
         import ray
 
         ray.shutdown()
         cluster.shutdown()
-    common.write_report(args.out, report)
     for m, r in report["models"].items():
         if r["pairs"]:
             pairs = ", ".join(f"{pair['ratio']:.3f}" for pair in r["pairs"])
@@ -197,6 +347,17 @@ def main() -> None:
                   f"{k['off']['recovery_s']:.2f} s from the checkpoint ({r['recovery_ratio']:.2f}x); to the step in "
                   f"flight done again {k['on']['regain_s']:.2f} / {k['off']['regain_s']:.2f} s ({r['regain_ratio']:.2f}x); "
                   f"steps redone {k['on']['steps_redone']} / {k['off']['steps_redone']}")
+        t = r.get("transport")
+        if t:
+            step = r["pairs"][-1]["off"]["step_median_s"] if r["pairs"] else None
+            floors = {way: 1 + t[way]["cpu_s"] / step for way in ("ray", "gloo")} if step else {}
+            print(f"{m}: a copy of {t['bytes'] / 2**20:.1f} MB alone: ray {t['ray']['wall_s'] * 1e3:.1f} ms, "
+                  f"{t['ray']['cpu_s'] * 1e3:.1f} CPU-ms; gloo {t['gloo']['wall_s'] * 1e3:.1f} ms, "
+                  f"{t['gloo']['cpu_s'] * 1e3:.1f} CPU-ms ({t['ray']['cpu_s'] / t['gloo']['cpu_s']:.2f}x the CPU)"
+                  + (f"; step-ratio floor {floors['ray']:.3f}x ray, {floors['gloo']:.3f}x gloo" if floors else ""))
+            if floors:
+                t["floor"] = floors
+    common.write_report(args.out, report)
     shutil.rmtree(work_dir, ignore_errors=True)
 
 
