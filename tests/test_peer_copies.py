@@ -16,7 +16,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from raytrain_sys.control import drain
-from raytrain_sys.control.peer_copies import PeerCopies, peer_ring, room, to_wire, wanted
+from raytrain_sys.control.peer_copies import Channel, PeerCopies, flat_layout, peer_ring, room, to_wire, wanted
 from raytrain_sys.parallel.reshard import Piece
 from tests.ft_common import (assert_like_reference, ft_spec, kill_soon, lose_node_of, node_of_worker,
                              one_worker_reference, restore_cluster_size, run_with_events, wait_for_a_ready_newcomer,
@@ -99,6 +99,44 @@ def test_a_held_copy_reuses_the_arrays_of_a_dropped_one_but_never_one_still_read
         assert [c[3] for c in copies.held()] == [step]
     assert where[2] == where[0] and where[3] not in (where[1], where[2]) and where[4] == where[2], where
     assert torch.equal(still_read["w"].data, torch.full((3, 4), 1.0, dtype=torch.float64))
+
+
+def test_a_copy_over_the_channel_arrives_whole_and_only_in_its_generation():
+    """The channel's way (gloo between the two ends, as between two ranks' processes; here two
+    threads): the held pieces equal the sent ones step after step, a tied block stays one, and a
+    copy of a generation the holder has no channel for is refused, nothing held."""
+    import numpy as np
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    sender, holder = Channel(store, 0, 1, 20.0), Channel(store, 1, 1, 20.0)
+    copies = PeerCopies()
+    copies.channel, copies.generation = holder, 1
+    try:
+        for step in range(3):
+            state = torch.arange(12, dtype=torch.float64).reshape(3, 4) + step
+            wire = to_wire({"w": Piece((3, 4), (0, 0), state), "tied": Piece((3, 4), (0, 0), state),
+                            "b": Piece((4,), (2,), torch.full((2,), float(step), dtype=torch.float32))})
+            meta, arrays, total = flat_layout(wire)
+            assert total == 12 * 8 + 2 * 4 and len(arrays) == 2
+            flat = np.empty(total, np.uint8)
+            for start, array in arrays:
+                flat[start:start + array.nbytes] = array
+            sent = sender.send(1, flat)
+            copies.hold(1, 0, step, ("channel", meta))
+            sent.result(timeout=20)
+            held = copies.pieces("held", 1, 0, step)
+            assert held["w"].data is held["tied"].data and torch.equal(held["w"].data, state)
+            assert held["b"].offset == (2,) and torch.equal(held["b"].data, torch.full((2,), float(step)))
+            del held
+            copies.agreed(step, 1)
+        copies.generation = 2  # a copy of a generation this end has no channel for: refused, none held
+        with pytest.raises(RuntimeError, match="no channel"):
+            copies.hold(1, 0, 3, ("channel", meta))
+        assert [c[3] for c in copies.held()] == [2]
+    finally:
+        sender.close()
+        holder.close()
 
 
 def test_a_ranks_blocks_are_reused_between_steps_but_never_stale():

@@ -9,26 +9,31 @@ blocks from its copy (``Membership._share_state_as_pieces``: copies are one more
 
 The invariant that makes the recovery redo nothing: **a step commits only once every rank's
 copy of the state it made is whole at its peer**, and the copies and snapshots of an older
-state are dropped only once a newer one is confirmed. A rank puts its blocks in its node's
-object store right after its optimizer step (``ray.put`` of flat arrays: the one memory copy on
-the step's path); the peer copies them into its own memory on a concurrency group of its own,
-while this rank computes the next step. Before that next step's agreement (``_agree``'s
-all-gather) the rank waits for the receipt, so the agreement confirms every rank's copy of the
-state before it: that step is kept (``lease_results``) and committed only then. The lease's
-last step waits for its own copy and confirms it with one more collective before its report
-(a step a call, as the tests run, is so synchronous). Whatever dies, the committed state is
-whole among the survivors: their live state, the copies they hold for the lost, and their own
-snapshots (a survivor ahead of the committed state goes back to its snapshot, since its copy
-may have been on the lost rank); a member about to be killed while it still answers hands its
-copies over first (``Membership.rescue``). A copy is a whole call's argument: held once it
-arrived whole, never in part. Losing a rank and its peer together loses that copy: the
-checkpoint is the fallback.
+state are dropped only once a newer one is confirmed. A rank copies its blocks into a snapshot
+buffer of its own right after its optimizer step (the one memory copy on the step's path) and
+sends it over the group's ``Channel`` (gloo, a process group of two per pair, a thread of its
+own); the peer receives it into its own memory on a concurrency group of its own (``hold_copy``,
+whose return is the receipt), while this rank computes the next step. Before that next step's
+agreement (``_agree``'s all-gather) the rank waits for the receipt, so the agreement confirms
+every rank's copy of the state before it: that step is kept (``lease_results``) and committed
+only then. The lease's last step waits for its own copy and confirms it with one more
+collective before its report (a step a call, as the tests run, is so synchronous). Whatever
+dies, the committed state is whole among the survivors: their live state, the copies they hold
+for the lost, and their own snapshots (a survivor ahead of the committed state goes back to its
+snapshot, since its copy may have been on the lost rank); a member about to be killed while it
+still answers hands its copies over first (``Membership.rescue``). A copy is held only once
+every byte of it arrived (a receive that fails holds nothing), never in part. Losing a rank and
+its peer together loses that copy: the checkpoint is the fallback. A process without a group
+(no store for the channel) moves its copies as Ray objects instead (``ray.put``, Ray's object
+transfer, the peer's copy in): the same protocol at 4-6x the channel's CPU a copy
+(``benchmarks/peer_copies.py --sections transport``), which on a host whose cores all train is
+what a copy costs the step.
 
-Memory, per rank: the copies it holds for others (one rank's with a balanced ring) in its own
-memory, and its own snapshots in its node's object store; two of each in a lease (the newest
-state's arriving while the one before waits for its confirmation), one of each at its end. A
-copy that is dropped lends its arrays to the next one (``_Arrays``): a new array of hundreds of
-MB costs a page fault per page on its first write, several times the copy itself.
+Memory, per rank: the copies it holds for others (one rank's with a balanced ring) and its own
+snapshots, in its own memory; two of each in a lease (the newest state's arriving while the one
+before waits for its confirmation), one of each at its end. A copy or snapshot that is dropped
+lends its buffer to the next one (``_Arrays``): a new array of hundreds of MB costs a page
+fault per page on its first write, several times the copy itself.
 """
 
 from __future__ import annotations
@@ -37,11 +42,14 @@ import sys
 import threading
 import warnings
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 
 from raytrain_sys.parallel.reshard import Piece
 
@@ -179,9 +187,83 @@ def _unread(array: np.ndarray) -> bool:
     return sys.getrefcount(array) <= 3
 
 
+def flat_layout(wire: dict[str, tuple]) -> tuple[dict[str, tuple], list[tuple[int, Any]], int]:
+    """``to_wire``'s pieces laid end to end in one byte buffer: each key's (dtype, shape, global
+    shape, offset, start, nbytes), the (start, array) of each array once, and the total."""
+    starts: dict[int, int] = {}
+    arrays, total, meta = [], 0, {}
+    for key, (dtype, shape, global_shape, offset, array) in wire.items():
+        if id(array) not in starts:
+            starts[id(array)] = total
+            arrays.append((total, array))
+            total += array.nbytes
+        meta[key] = (dtype, shape, global_shape, offset, starts[id(array)], array.nbytes)
+    return meta, arrays, total
+
+
+def wire_of(meta: dict[str, tuple], flat: np.ndarray) -> dict[str, tuple]:
+    """``flat_layout``'s meta over a buffer, as ``to_wire``'s pieces (views of the buffer)."""
+    views: dict[int, np.ndarray] = {}
+    out = {}
+    for key, (dtype, shape, global_shape, offset, start, nbytes) in meta.items():
+        if start not in views:
+            views[start] = flat[start:start + nbytes]
+        out[key] = (dtype, shape, global_shape, offset, views[start])
+    return out
+
+
+class Channel:
+    """The bytes of copies between the ranks of one group, over gloo: a process group of two for
+    each (sender, holder) pair, made on its first copy by both ends (the sender's thread, the
+    holder's call) through the group's store, so no member waits for any other to make them
+    (each on a store client of its own: one waiting for its other end holds no other up).
+    A rank's sends go one at a time in a thread of their own, beside its step. Gloo moves a
+    copy with about a fifth of the CPU of Ray's object transfer (``benchmarks/peer_copies.py
+    --sections transport``), which on a host whose cores all train is the copy's cost."""
+
+    def __init__(self, store, rank: int, generation: int, timeout_s: float):
+        self.rank, self.timeout = rank, timedelta(seconds=timeout_s)
+        self._store = dist.PrefixStore(f"peer_copies/{generation}", store)
+        self._groups: dict[tuple[int, int], Any] = {}
+        self._lock = threading.Lock()
+        self._sender = ThreadPoolExecutor(1, thread_name_prefix="peer-copy-send")
+
+    def _group(self, source: int, holder: int):
+        with self._lock:
+            group = self._groups.get((source, holder))
+        if group is None:
+            # A store client of its own (clone): a client's ops go one at a time, and the
+            # other end's group may be made meanwhile through this process's other thread.
+            store = dist.PrefixStore(f"{source}->{holder}", self._store.clone())
+            group = dist.ProcessGroupGloo(store, 0 if self.rank == source else 1, 2, self.timeout)
+            with self._lock:
+                self._groups[(source, holder)] = group
+        return group
+
+    def send(self, holder: int, flat: np.ndarray) -> Future:
+        tensor = torch.from_numpy(flat)
+        return self._sender.submit(lambda: self._group(self.rank, holder).send([tensor], 1, 0).wait())
+
+    def recv(self, source: int, flat: np.ndarray) -> None:
+        self._group(source, self.rank).recv([torch.from_numpy(flat)], 0, 0).wait()
+
+    def close(self) -> None:
+        self._sender.shutdown(wait=False)
+
+
+def default_store():
+    """The store of this process's default group (None: no group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
 class PeerCopies:
     """A worker's side: where its copy goes (``set_peer``), sending it (``send``), its own newest
-    snapshots (the object each copy moves through, in this node's object store, kept until a
+    snapshots (the buffer each copy moves from, or its object in this node's store, kept until a
     newer step is agreed), and the copies it holds for others (``hold``, by (generation, source
     rank) and step), dropped as newer steps are agreed (``agreed``)."""
 
@@ -195,6 +277,10 @@ class PeerCopies:
         self._own: dict[int, Any] = {}  # step -> reference to this rank's snapshot (its copy's object)
         self._receipt: tuple[int, Any] | None = None  # (step, the peer's receipt) of the copy in flight
         self._wire: tuple[dict, dict] | None = None  # (pieces, to_wire(pieces)) of the last send: views
+        self.channel: Channel | None = None  # the copies' bytes over gloo (None: through Ray's objects)
+        self._sending: Future | None = None  # the channel's send of the copy in flight
+        self._own_arrays = _Arrays()  # this rank's snapshot buffers (channel), lent as the held ones
+        self._sizes: dict[int, int] = {}  # source rank -> bytes of its copies (channel), this generation
         self._held: dict[tuple[int, int], dict[int, Any]] = {}
         self._lent: dict[tuple[int, int, int], list] = {}  # (generation, source, step) -> its arrays
         self._arrays = _Arrays()
@@ -204,15 +290,23 @@ class PeerCopies:
     def on(self) -> bool:
         return self.peer is not None
 
-    def set_peer(self, peer, peer_rank: int, generation: int) -> None:
-        """This rank's peer in ``generation`` (None: no copies); the next step sends one."""
+    def set_peer(self, peer, peer_rank: int, generation: int, rank: int = -1,
+                 timeout_s: float = 60.0) -> None:
+        """This rank's peer in ``generation`` (None: no copies); the next step sends one. With a
+        process group (``rank`` in it) the copies' bytes go over gloo (``Channel``), else as
+        objects through Ray (a process without a group)."""
         self.peer, self.peer_rank, self.generation, self.sent_step = peer, peer_rank, generation, -1
-        self._receipt = self._wire = None
+        self._receipt = self._wire = self._sending = None
+        self._sizes = {}
+        if self.channel is not None:
+            self.channel.close()
+        store = default_store() if peer is not None and rank >= 0 else None
+        self.channel = Channel(store, rank, generation, timeout_s) if store is not None else None
 
     def send(self, rank: int, step: int, pieces: dict) -> None:
         """Copy ``pieces`` (this rank's owned blocks at ``step``) to the peer; ``wait`` for its
-        receipt. The snapshot stays in this node's object store until a newer step is agreed: a
-        survivor ahead of the committed step goes back to it."""
+        receipt. The snapshot is kept until a newer step is agreed: a survivor ahead of the
+        committed step goes back to it."""
         if self._wire is not None and self._wire[0] is pieces:
             wire = self._wire[1]  # the same views as the step before (the worker's _owned_pieces)
         else:
@@ -220,11 +314,30 @@ class PeerCopies:
             # Its arrays are views of the pieces' memory only where no .contiguous() copied them.
             views = all(p.data.is_contiguous() and p.data.device.type == "cpu" for p in pieces.values())
             self._wire = (pieces, wire) if views else None
+        if self.channel is not None:
+            self._send_by_channel(rank, step, wire)
+            return
         ref = ray.put(wire)  # the one memory copy on the step's path
         with self._lock:
             self._own[step] = (self.generation, rank, ref)
         self.sent_bytes = sum(a.nbytes for a in {id(w[4]): w[4] for w in wire.values()}.values())
         self._receipt = (step, self.peer.hold_copy.remote(self.generation, rank, step, ref))
+
+    def _send_by_channel(self, rank: int, step: int, wire: dict) -> None:
+        """The snapshot copied into a buffer of this rank's (the one memory copy on the step's
+        path: the state goes on changing while the bytes move), sent to the peer over the
+        channel; the peer's ``hold_copy`` receives it and is the receipt."""
+        meta, arrays, total = flat_layout(wire)
+        with self._lock:
+            self._own_arrays.per_copy = {total: 1}
+            flat = self._own_arrays.take(total)
+        for start, array in arrays:
+            np.copyto(flat[start:start + array.nbytes], array)
+        with self._lock:
+            self._own[step] = (self.generation, rank, (meta, flat))
+        self.sent_bytes = total
+        self._sending = self.channel.send(self.peer_rank, flat)
+        self._receipt = (step, self.peer.hold_copy.remote(self.generation, rank, step, ("channel", meta)))
 
     def wait(self, timeout_s: float) -> None:
         """Return once the peer holds the copy sent last whole. Raises what its receipt raised
@@ -235,14 +348,19 @@ class PeerCopies:
         step, ref = self._receipt
         try:
             ray.get(ref, timeout=timeout_s)
-        except ray.exceptions.RayError as exc:
+            if self._sending is not None:  # done with the receipt: the peer has every byte
+                self._sending.result(timeout=timeout_s)
+        except (ray.exceptions.RayError, RuntimeError, TimeoutError) as exc:
             raise RuntimeError(f"the copy of step {step} to peer rank {self.peer_rank} failed: "
                                f"{type(exc).__name__}") from None
-        self._receipt, self.sent_step = None, step
+        self._receipt, self._sending, self.sent_step = None, None, step
 
-    def hold(self, generation: int, source: int, step: int, wire: dict) -> int:
+    def hold(self, generation: int, source: int, step: int, wire) -> int:
         """Keep a whole copy (the call's argument arrived whole; ``from_wire`` copies it into
-        this process) beside the older ones, until ``agreed``. Returns the bytes held."""
+        this process; ("channel", meta): received whole over the channel) beside the older
+        ones, until ``agreed``. Returns the bytes held."""
+        if isinstance(wire, tuple) and wire[0] == "channel":
+            return self._hold_from_channel(generation, source, step, wire[1])
         arrays = {id(w[4]): w[4] for w in wire.values()}
         with self._lock:
             self._arrays.per_copy = dict(Counter(a.nbytes for a in arrays.values()))
@@ -251,6 +369,22 @@ class PeerCopies:
         with self._lock:
             self._held.setdefault((generation, source), {})[step] = pieces
             self._lent[(generation, source, step)] = list(taken.values())
+            return self.held_bytes()
+
+    def _hold_from_channel(self, generation: int, source: int, step: int, meta: dict) -> int:
+        channel = self.channel
+        if channel is None or self.generation != generation:
+            raise RuntimeError(f"no channel of generation {generation} for rank {source}'s copy")
+        total = max((m[4] + m[5] for m in meta.values()), default=0)
+        with self._lock:
+            self._sizes[source] = total  # a buffer idle for each source's copy at most
+            self._arrays.per_copy = dict(Counter(self._sizes.values()))
+            flat = self._arrays.take(total)
+        channel.recv(source, flat)  # raises if the sender goes: nothing is held then
+        pieces = from_wire(wire_of(meta, flat), copy=False)
+        with self._lock:
+            self._held.setdefault((generation, source), {})[step] = pieces
+            self._lent[(generation, source, step)] = [flat]
             return self.held_bytes()
 
     def agreed(self, step: int, generation: int) -> None:
@@ -268,7 +402,9 @@ class PeerCopies:
                     del self._held[key][s]
                     self._arrays.give(self._lent.pop((*key, s), []))
             for s in [s for s, (g, _, _) in self._own.items() if s < step or g < generation]:
-                del self._own[s]
+                own = self._own.pop(s)[2]
+                if isinstance(own, tuple):  # the channel's: its buffer, lent to the next snapshot
+                    self._own_arrays.give([own[1]])
 
     def held(self) -> list[tuple[str, int, int, int]]:
         """("held", generation, source rank, step) of every copy held for another rank, and
@@ -280,10 +416,12 @@ class PeerCopies:
     def pieces(self, kind: str, generation: int, source: int, step: int) -> dict:
         with self._lock:
             if kind == "own":
-                ref = self._own[step][2]
+                own = self._own[step][2]
             else:
                 return self._held[(generation, source)][step]
-        return from_wire(ray.get(ref), copy=False)
+        if isinstance(own, tuple):  # the channel's: (meta, buffer) in this process
+            return from_wire(wire_of(*own), copy=False)
+        return from_wire(ray.get(own), copy=False)
 
     def held_bytes(self) -> int:
         seen = {id(p): p for steps in self._held.values() for pieces in steps.values() for p in pieces.values()}

@@ -721,7 +721,7 @@ class TrainWorker:
     @ray.method(concurrency_group="control")
     def set_peer(self, peer, peer_rank: int, generation: int) -> None:
         """Copy this rank's blocks to ``peer`` after every step of ``generation`` (None: no copies)."""
-        self.peer_copies.set_peer(peer, peer_rank, generation)
+        self.peer_copies.set_peer(peer, peer_rank, generation, self.rank, self._copy_timeout_s())
 
     @ray.method(concurrency_group="peer")
     def hold_copy(self, generation: int, source: int, step: int, pieces: dict) -> int:
