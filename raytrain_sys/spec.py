@@ -263,8 +263,8 @@ class CheckpointSpec:
     # is one) after every step, so that a lost rank's shard comes back from its copy with no step
     # redone (raytrain_sys.control.peer_copies): 1 on, 0 off, -1 on for a layout whose shards have
     # no replica (fsdp, tp or pp > 1 without a second data-parallel group) where every node has
-    # the room (3 copies a rank within half of the memory available and half of its object
-    # store: else off, said in the log and summary.json's peer_copies)
+    # the room (4 copies a rank within half of the memory available: else off, said in the log
+    # and summary.json's peer_copies)
     peer_copies: int = -1
 
 

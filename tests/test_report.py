@@ -154,5 +154,5 @@ def test_the_report_says_where_each_recovery_took_its_state_from_and_who_holds_w
     rows = dict(summary_rows(run))
     assert rows["recoveries"] == "2 (2 steps redone; from peer copies 1, checkpoint 1)"
     assert rows["peer copies"] == "rank -> peer 0->1, 1->2, 2->3, 3->0, about 5.0 MB a copy"
-    off = "peer copies off: about 3 x 900 MB a rank would take more than 50% of the object store on node ab"
+    off = "peer copies off: about 4 x 900 MB a rank would take more than 50% of the memory available on node ab"
     assert dict(summary_rows(run | {"peer_copies": {"off": off}}))["peer copies"] == off

@@ -75,23 +75,16 @@ def copy_bytes(param_bytes: int, optimizer: str) -> int:
 
 
 # What peer copies take of a rank's copy on its node, at most: two copies held for its peer
-# (within a lease) and its own snapshot. Auto mode keeps them within HOST_SHARE of the memory
-# the node has available when the group forms.
-COPIES_HELD = 3
+# and two snapshots of its own (within a lease), all in the processes' memory (the channel's
+# copies go through no object store). Auto mode keeps them within HOST_SHARE of the memory the
+# node has available when the group forms.
+COPIES_HELD = 4
 HOST_SHARE = 0.5
-# And in its node's object store: its two newest snapshots and a copy on its way in. A store too
-# small for them spills a snapshot to disk at every step (ray.cluster_utils' nodes have 150 MiB).
-COPIES_IN_STORE = 3
 
 
-def room(copy_bytes: int, ranks_on_node: int, available_bytes: int, object_store_bytes: int) -> str:
-    """Why a node lacks room for its ranks' peer copies (auto mode): "" if it has it, else
-    "memory" or "object store"."""
-    if COPIES_HELD * copy_bytes * ranks_on_node > HOST_SHARE * available_bytes:
-        return "memory"
-    if COPIES_IN_STORE * copy_bytes * ranks_on_node > HOST_SHARE * object_store_bytes:
-        return "object store"
-    return ""
+def room(copy_bytes: int, ranks_on_node: int, available_bytes: int) -> bool:
+    """Whether a node has the memory for its ranks' peer copies (auto mode)."""
+    return COPIES_HELD * copy_bytes * ranks_on_node <= HOST_SHARE * available_bytes
 
 
 def peer_ring(nodes: list[str]) -> list[int]:

@@ -258,7 +258,7 @@ class Membership:
     def _name_peers(self, timeout_s: float) -> None:
         """Peer copies (``checkpoint.peer_copies``) in a sharded layout: each member's peer, on
         another node when there is one (``peer_copies.peer_ring``); in auto mode, only where
-        every node has the host memory and the object store for them (``peer_copies.room``)."""
+        every node has the host memory for them (``peer_copies.room``)."""
         workers = self.group.workers
         degrees = self.spec.parallel.degrees(len(workers))
         if self.layout_replicated or not peer_copies.wanted(self.spec.checkpoint.peer_copies, degrees):
@@ -270,16 +270,12 @@ class Membership:
         memory = ray.get([w.actor.memory_bytes.remote() for w in workers], timeout=timeout_s)
         available = ray.get([w.actor.host_memory_available.remote() for w in workers], timeout=timeout_s)
         self.copy_bytes = max(peer_copies.copy_bytes(m["param_bytes"], self.spec.optim.name) for m in memory)
-        stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
-        short = [(n, why) for n, free in zip(nodes, available)
-                 if (why := peer_copies.room(self.copy_bytes, nodes.count(n), free, stores.get(n, 0)))]
+        short = [n for n, free in zip(nodes, available) if not peer_copies.room(self.copy_bytes, nodes.count(n), free)]
         if short and self.spec.checkpoint.peer_copies < 0:
             self.peers = []
-            node, what = short[0]
-            held = peer_copies.COPIES_HELD if what == "memory" else peer_copies.COPIES_IN_STORE
-            why = (f"peer copies off: about {held} x {self.copy_bytes / 2**20:.0f} MB a rank would take more "
-                   f"than {peer_copies.HOST_SHARE:.0%} of the {'memory available' if what == 'memory' else what} "
-                   f"on node {node[:8]}; set checkpoint.peer_copies: 1 to keep them anyway")
+            why = (f"peer copies off: about {peer_copies.COPIES_HELD} x {self.copy_bytes / 2**20:.0f} MB a rank "
+                   f"would take more than {peer_copies.HOST_SHARE:.0%} of the memory available on node "
+                   f"{short[0][:8]}; set checkpoint.peer_copies: 1 to keep them anyway")
             log.warning(why)
             if self.summary is not None:
                 self.summary.peer_copies = {"off": why}
@@ -291,7 +287,7 @@ class Membership:
         if self.summary is not None:
             self.summary.peer_copies = {"peers": self.peers, "bytes_per_copy_estimate": self.copy_bytes}
         log.info("peer copies: each rank's blocks go to a peer after every step (rank -> peer: %s); "
-                 "about %.1f MB a copy, held by the peer and as a snapshot in the rank's object store%s",
+                 "about %.1f MB a copy, held by the peer and as a snapshot by the rank%s",
                  ", ".join(f"{r}->{p}" for r, p in enumerate(self.peers)), self.copy_bytes / 2**20,
                  f"; {same} on their own node (a lost node loses those copies)" if same else "")
 
