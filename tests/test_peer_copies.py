@@ -180,6 +180,16 @@ def test_a_ranks_blocks_are_reused_between_steps_but_never_stale():
     assert sent_is_now() is not loaded
 
 
+def test_blocks_off_the_cpu_are_never_reused():
+    """A GPU's blocks reach the copy as CPU copies made at the call (``.cpu()``): the cache is
+    only for state on the CPU, judged by the state's tensors, not by the (CPU) pieces."""
+    from raytrain_sys.control.worker import views_of_state
+
+    on_cpu, elsewhere = torch.zeros(2), torch.empty(2, device="meta")  # meta: any device but the CPU
+    assert views_of_state([(on_cpu, on_cpu.data_ptr())])
+    assert not views_of_state([(on_cpu, on_cpu.data_ptr()), (elsewhere, 0)])
+
+
 # ----------------------------------------------------------------------------- on the cluster
 @pytest.fixture(scope="module")
 def one_process(ray_cluster, tiny_dataset, tmp_path_factory):

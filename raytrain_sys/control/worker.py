@@ -117,6 +117,13 @@ def cut_departed(pieces: dict, chunks: list):
         yield reshard.cut(pieces, requests)
 
 
+def views_of_state(memory: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether ``reshard.local_pieces(copy=False)`` of this state are views of it (its tensors
+    all on the CPU), which a step updates in place; off the CPU they are copies made at the
+    call (``.cpu()``), stale at the next step: never kept."""
+    return all(getattr(t, "_local_tensor", t).device.type == "cpu" for t, _ in memory)
+
+
 # "checkpoint": the call that waits for a background checkpoint write (checkpoint_written) runs
 # beside the steps, so that the Supervisor can hold its reference while training goes on.
 @ray.remote(concurrency_groups={"control": 2, "checkpoint": 1, "peer": 1})
@@ -583,8 +590,7 @@ class TrainWorker:
                 and all(a[0] is b[0] and a[1] == b[1] for a, b in zip(cached[1], memory))):
             return cached[2]
         pieces = reshard.local_pieces(self.model, self.optimizer, owned_by=self.coords, copy=False)
-        on_cpu = all(p.data.device.type == "cpu" for p in pieces.values())
-        self._pieces_cache = (layout, memory, pieces) if on_cpu else None
+        self._pieces_cache = (layout, memory, pieces) if views_of_state(memory) else None
         return pieces
 
     def _state_memory(self) -> list[tuple[torch.Tensor, int]]:
