@@ -126,7 +126,10 @@ def views_of_state(memory: list[tuple[torch.Tensor, int]]) -> bool:
 
 # "checkpoint": the call that waits for a background checkpoint write (checkpoint_written) runs
 # beside the steps, so that the Supervisor can hold its reference while training goes on.
-@ray.remote(concurrency_groups={"control": 2, "checkpoint": 1, "peer": 1})
+# "peer": the copies this rank holds for others, received beside the steps (hold_copy), several
+# at once: a receive from a sender that vanished without a word (a host gone, no reset) waits
+# out the copy's timeout, and must not hold up the next group's copies behind it.
+@ray.remote(concurrency_groups={"control": 2, "checkpoint": 1, "peer": 4})
 class TrainWorker:
     def __init__(self, spec_dict: dict[str, Any] | None, owner_id: str = "", home_id: str = ""):
         """A worker of the job ``spec_dict``; with None, a warm spare (torch and this module
@@ -731,7 +734,8 @@ class TrainWorker:
 
     @ray.method(concurrency_group="peer")
     def hold_copy(self, generation: int, source: int, step: int, pieces: dict) -> int:
-        """Hold rank ``source``'s blocks at ``step`` (the whole argument has arrived); the bytes held."""
+        """Hold rank ``source``'s blocks at ``step`` (the whole argument arrived, or its bytes over
+        the channel, ``PeerCopies.hold``); the bytes held."""
         if self.spec.elastic.fault_copy_delay_s:  # test only: a copy in flight for that long
             time.sleep(self.spec.elastic.fault_copy_delay_s)
         return self.peer_copies.hold(generation, source, step, pieces)
