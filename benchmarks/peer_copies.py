@@ -31,10 +31,12 @@ sent twenty times from an actor on one worker node to one on the other, two ways
   floor         the step ratio that CPU alone sets when every core trains (this machine: two
                 ranks on two cores): 1 + CPU-s / the step without copies, one copy a rank a step
 
-Each worker node gets OBJECT_STORE_BYTES of object store (ray.cluster_utils' default of 150 MiB
-would spill the large model's snapshots to disk at every step; a real node's is 30% of its memory).
+Each worker node gets OBJECT_STORE_BYTES of object store, for the transport section's Ray-object
+way (ray.cluster_utils' default of 150 MiB would spill a 170 MB copy; a real node's is 30% of its
+memory); the product's copies go over gloo and use none.
 
-    .venv/bin/python benchmarks/peer_copies.py               # both models (about 8 min on 2 cores)
+    .venv/bin/python benchmarks/peer_copies.py               # both models (5-13 min on 2 cores)
+    .venv/bin/python benchmarks/peer_copies.py --sections steady,kill,transport  # and a copy alone
     .venv/bin/python benchmarks/peer_copies.py --models tiny # the tiny GPT only
 
 Results go to benchmarks/results/peer_copies.json.
