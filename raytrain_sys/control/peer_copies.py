@@ -359,10 +359,7 @@ class PeerCopies:
             self._arrays.per_copy = dict(Counter(a.nbytes for a in arrays.values()))
             taken = {i: self._arrays.take(a.nbytes) for i, a in arrays.items()}
         pieces = from_wire(wire, take=lambda array: taken[id(array)])
-        with self._lock:
-            self._held.setdefault((generation, source), {})[step] = pieces
-            self._lent[(generation, source, step)] = list(taken.values())
-            return self.held_bytes()
+        return self._keep(generation, source, step, pieces, list(taken.values()))
 
     def _hold_from_channel(self, generation: int, source: int, step: int, meta: dict) -> int:
         channel = self.channel
@@ -374,10 +371,13 @@ class PeerCopies:
             self._arrays.per_copy = dict(Counter(self._sizes.values()))
             flat = self._arrays.take(total)
         channel.recv(source, flat)  # raises if the sender goes: nothing is held then
-        pieces = from_wire(wire_of(meta, flat), copy=False)
+        return self._keep(generation, source, step, from_wire(wire_of(meta, flat), copy=False), [flat])
+
+    def _keep(self, generation: int, source: int, step: int, pieces: dict, arrays: list) -> int:
+        """Hold a whole copy, its arrays lent back to the pool once it is dropped; the bytes held."""
         with self._lock:
             self._held.setdefault((generation, source), {})[step] = pieces
-            self._lent[(generation, source, step)] = [flat]
+            self._lent[(generation, source, step)] = arrays
             return self.held_bytes()
 
     def agreed(self, step: int, generation: int) -> None:
