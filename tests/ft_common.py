@@ -1,6 +1,7 @@
 """Shared by the fault-tolerance tests: fault injection at committed steps and the assertions a
-user would notice (the run completes, committed steps never go backwards, final parameters equal
-an uninterrupted run's, every sample exactly once, nothing left on the cluster)."""
+user would notice (the run completes, committed steps never go backwards, final parameters and
+each step's loss equal an uninterrupted run's, every sample exactly once, nothing left on the
+cluster)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 import time
 
 import ray
+import torch
 
 from raytrain_sys.control.supervisor import Supervisor
 from raytrain_sys.control.worker_group import find_leftovers, run_name_prefix
@@ -192,6 +194,7 @@ def assert_like_reference(result, seen, reference, spec, dataset, steps: int,
     else:  # after a restore, steps are redone from the checkpoint on, ending at the last one
         assert not seen or seen[-1] == steps
     assert_params_close(final_params(result.newest_checkpoint), ref_params, rtol=1e-6, atol=1e-9)
+    assert_losses_like(summary, reference[1].losses, steps)
     # Exactly once: committed steps' ids are the plan's ids, each sample once.
     with open(os.path.join(result.run_dir, "sample_ids.jsonl")) as f:
         lines = [json.loads(line) for line in f]
@@ -202,6 +205,20 @@ def assert_like_reference(result, seen, reference, spec, dataset, steps: int,
     ids = [i for s in sorted(by_step) for i in by_step[s]]
     assert ids == expected_sample_ids(spec, dataset, steps) and len(set(ids)) == len(ids)
     return summary
+
+
+def assert_losses_like(summary: dict, reference_losses: list[float], steps: int) -> None:
+    """Each step's loss in the run's record equals the uninterrupted run's (fp64: rtol 1e-6),
+    steps committed from a survivor included; only a step in ``losses_partial`` (its loss lost
+    with the ranks that died in its agreement, at most one a failure) may differ."""
+    partial = set(summary.get("losses_partial", []))
+    assert len(partial) <= summary["failures"], (sorted(partial), summary["failures"])
+    kept = [s for s in range(1, steps + 1) if s not in partial]
+    losses = summary["losses"]
+    assert len(losses) == steps and len(reference_losses) == steps, (len(losses), len(reference_losses))
+    torch.testing.assert_close(torch.tensor([losses[s - 1] for s in kept], dtype=torch.float64),
+                               torch.tensor([reference_losses[s - 1] for s in kept], dtype=torch.float64),
+                               rtol=1e-6, atol=0)
 
 
 def _idle_spare(name: str) -> bool:

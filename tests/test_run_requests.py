@@ -76,14 +76,13 @@ def test_shrink_then_grow_back_loses_no_step(reference, tiny_dataset, tmp_path, 
     from a draining node), then for three again at step 9."""
     spec = spec_for(tmp_path, tiny_dataset, resources={"num_workers": 3},
                     elastic={"min_workers": 1, "max_workers": 3})
-    ref_params, _ = reference
     result, sup, seen = run_with_requests(spec, {
         4: lambda r, s: r.resize(1, "team b is owed its quota", by="scheduler"),
         9: lambda r, s: r.resize(3, "quota free again", by="scheduler"),
         # Newcomers take seconds to start: hold the loop until both are up (as the fault tests
         # do), or the run may end before the second joins.
         10: lambda r, s: wait_for_a_ready_newcomer(s, every=True)})
-    summary = assert_like_reference(result, seen, (ref_params, None), spec, tiny_dataset, STEPS)
+    summary = assert_like_reference(result, seen, reference, spec, tiny_dataset, STEPS)
     worlds = summary["world_sizes"]
     assert worlds[:4] == [3] * 4 and 1 in worlds and worlds[-1] == 3, worlds
     shrink = [t for t in summary["transitions"] if t["reason"].startswith("shrinking to 1")]

@@ -540,3 +540,36 @@ def test_ending(step, stop, early, save_on_exit, expected):
                checkpoint={"save_on_exit": save_on_exit})
     e = policy.ending(step, spec, stop, early)
     assert (e.save, e.state, e.reason) == expected
+
+
+# ------------------------------------------------------------------ a rank's kept step results
+@pytest.mark.parametrize("kept, newest_from, first, expected", [
+    # The lease of steps 10..14 ran here, and the next one begins at 15: under run-ahead the
+    # Supervisor may yet learn that 10..14 failed elsewhere (its reporter lost), and ask.
+    ({10: "a", 11: "b", 14: "c"}, 10, 15, [10, 11, 14]),
+    # A lease older than the newest one before this is never asked for again.
+    ({5: "old", 10: "a"}, 10, 15, [10]),
+    # A restore rewound the run to step 8: the results of steps 8 on are of the old timeline.
+    ({5: "a", 8: "b", 9: "c"}, 5, 8, [5]),
+])
+def test_a_rank_keeps_the_results_of_the_lease_before_the_one_it_begins(kept, newest_from, first, expected):
+    from raytrain_sys.control.worker import results_kept
+
+    assert sorted(results_kept(kept, newest_from, first)) == expected
+
+
+def test_a_kept_result_after_the_agreement_carries_every_ranks_loss():
+    """A survivor alone can then commit the step with its whole loss, summed in rank order as
+    ``report_results`` sums a lease's reports (the same float)."""
+    import numpy as np
+
+    from raytrain_sys.control.supervisor.steps import report_results
+    from raytrain_sys.control.worker import AGREED, agreed_result
+
+    ranks = np.zeros((3, len(AGREED)))
+    ranks[:, AGREED.index("loss_sum")] = [0.1, 0.7, 0.2]
+    agreed = {"step": 4, "lr": 1e-3, "grad_norm": 2.0, "ranks": ranks, "cut": False}
+    mine = {"loss_sum": 0.7, "lr": 1e-3, "grad_norm": 2.0}
+    kept = agreed_result(mine, agreed)
+    assert kept["loss_sum"] == 0.7  # this rank's part, as before
+    assert kept["loss_all"] == report_results([agreed])[0]["loss_sum"] == (0.1 + 0.7) + 0.2

@@ -1,7 +1,8 @@
 """The run directory contract: ``summary.json`` and friends, read by other tools and later runs.
 
 summary.json keys (stable): status, reason, job, run_dir, committed_steps, samples_consumed,
-data_cursor, losses (index i = step i+1), world_sizes (index i = step i+1), newest_checkpoint,
+data_cursor, losses (index i = step i+1; losses_partial: the steps whose loss counts only the
+rows of the ranks that outlived the step's agreement, NaN with none), world_sizes (index i = step i+1), newest_checkpoint,
 checkpoints (step, uri, stall_s: training's wait at the step boundary; a background save,
 checkpoint.async_save, also durable_after_s, write_s and snapshot_bytes_per_rank), mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
 failures, steps_redone, recoveries (one record per recovery from lost members: step, lost,
@@ -91,6 +92,8 @@ class RunSummary:
     resumed_from: list[str] = field(default_factory=list)
     failures: int = 0  # membership failures survived
     steps_redone: int = 0  # committed steps lost to a restore from a durable checkpoint
+    # steps whose loss counts only some ranks' rows (theirs lost with them in the step's agreement)
+    losses_partial: list[int] = field(default_factory=list)
     # one record a recovery from lost members: {"step", "lost", "reason", "from": survivors |
     # peer copies | checkpoint, "steps_redone"}
     recoveries: list[dict] = field(default_factory=list)
@@ -165,6 +168,7 @@ class RunSummary:
     def truncate_to(self, step: int) -> None:
         """Forget per-step records after ``step`` (a resume from an older checkpoint)."""
         self.losses = self.losses[:step]
+        self.losses_partial = [s for s in self.losses_partial if s <= step]
         self.world_sizes = self.world_sizes[:step]
         self.step_times = self.step_times[:step]
         self.checkpoints = [c for c in self.checkpoints if c["step"] <= step]

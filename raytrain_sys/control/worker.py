@@ -77,6 +77,22 @@ MAX_JOBS_PER_PROCESS = 50
 RECYCLE_GROWTH_BYTES = 1 << 30
 
 
+def agreed_result(result: dict[str, Any], agreed: dict[str, Any]) -> dict[str, Any]:
+    """A rank's result of a step kept after the ranks' agreement (``TrainWorker._agree``): with
+    ``loss_all``, every rank's ``loss_sum`` summed in rank order as ``report_results`` sums a
+    lease's reports, so a survivor alone gives the step's whole loss."""
+    losses = agreed["ranks"][:, AGREED.index("loss_sum")]
+    return {**result, "loss_all": float(np.cumsum(losses)[-1])}
+
+
+def results_kept(results: dict[int, dict], newest_from: int, first: int) -> dict[int, dict]:
+    """A rank's kept step results as a lease from step ``first`` begins here, the newest one
+    before it having begun at ``newest_from``: that lease's stay (the Supervisor may yet learn it
+    failed elsewhere and ask for them), older ones go, and so do steps from ``first`` on (kept in
+    a timeline that a restore rewound)."""
+    return {s: r for s, r in results.items() if newest_from <= s < first}
+
+
 def _rss_bytes() -> int:
     import psutil
 
@@ -184,9 +200,13 @@ class TrainWorker:
         # The state held before the layout was rebuilt: (step, pieces), until shared and loaded.
         self.stash: tuple[int, dict] | None = None
         self.collective_timeout_s = 0.0  # of the current process groups (see train_step)
-        # The results of the steps of the newest lease that finished here, by step: after a lease
-        # fails part-way the Supervisor commits its finished steps from them (lease_results).
+        # The results of the steps of the two newest leases that ran here, by step: after a lease
+        # fails part-way the Supervisor commits its finished steps from them (lease_results). The
+        # one before the newest stays: under run-ahead this rank may have begun the next lease
+        # when the Supervisor learns that the one before it failed elsewhere (its reporter lost
+        # with its report unread). ``results_from``: the first step of the newest lease.
         self.recent_results: dict[int, dict[str, float]] = {}
+        self.results_from = 0
         # Peer copies: (step, result) of the newest step, kept once its copies are confirmed;
         # the lease whose last step's copies could not be confirmed (none: every lease's were).
         self.unconfirmed: tuple[int, dict] | None = None
@@ -423,7 +443,10 @@ class TrainWorker:
         if self.unconfirmed_lease is not None and lease > self.unconfirmed_lease:
             raise RuntimeError(f"lease {lease} refused: the lease before it ended without its copies confirmed")
         if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
-            self.recent_results = {}  # the failed lease's finished steps stay asked for)
+            # the failed lease's finished steps stay asked for). Steps from ``first`` on, kept
+            # of an older timeline (a restore rewound it), go, and those of leases before the last.
+            self.recent_results = results_kept(self.recent_results, self.results_from, first)
+            self.results_from = first
             self.unconfirmed = None
             if self.peer_copies.on and self.peer_copies.sent_step != first:
                 self._copy_to_peer()  # a new group's first lease: the state it starts from
@@ -553,8 +576,10 @@ class TrainWorker:
         if lease is None:
             return result
         if not self.peer_copies.on:
-            self.recent_results[step] = result
-            return self._agree(lease, step, result)
+            self.recent_results[step] = result  # (a peer lost in the agreement: this rank's part)
+            agreed = self._agree(lease, step, result)
+            self.recent_results[step] = agreed_result(result, agreed)
+            return agreed
         # Peer copies (raytrain_sys.control.peer_copies): the copy of the state this step began
         # from went to the peer after the step before, and moved while this one computed; it is
         # whole there before this step's agreement, which so confirms it on every rank: the step
@@ -566,7 +591,7 @@ class TrainWorker:
         self._copy_to_peer()
         agreed = self._agree(lease, step, result)
         self._confirmed(step)
-        self.unconfirmed = (step, result)
+        self.unconfirmed = (step, agreed_result(result, agreed))
         return agreed
 
     def _copy_timeout_s(self) -> float:

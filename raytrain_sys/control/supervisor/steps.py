@@ -448,7 +448,8 @@ class Steps:
                         is_data_leader: Callable[[int], bool], elapsed_s: float, agreed_only: bool = False) -> None:
         """After a failed lease: commit its steps before ``finished`` (the newest step a survivor
         holds): they finished on some replica, so their updates are complete and correct (every
-        rank's gradient went into the all-reduce). The loss counts the ranks whose results are
+        rank's gradient went into the all-reduce). The loss is the whole step's when a survivor
+        passed the step's agreement (``loss_all``), else that of the ranks whose results are
         known: the survivors' kept results of the steps they finished (``TrainWorker.lease_results``).
         ``agreed_only`` (peer copies): only the steps whose agreement a survivor passed, those
         every rank's copy of which is whole (raytrain_sys.control.peer_copies)."""
@@ -471,18 +472,26 @@ class Steps:
         world = len(members)
         for j in range(finished - sent.step):
             batch = sent.batches[j]
-            done = [i for i in leaders if i in known]
-            units = sum(int(batch.row_units[sent.shares[i]].sum()) for i in done)
-            # With no data leader's result known, another rank's gives the step's lr and grad
-            # norm (the same on every rank); the loss is then unknown (no units: NaN).
-            results = [known[i][j] for i in done] or [known[i][j] for i in list(known)[:1]]
-            self.commit(sent.step + j, results, units, batch.ids, sent.shares,
-                        elapsed_s / sent.count, sent.data_wait if j == 0 else 0.0, world_size=world)
+            whole = [known[i][j] for i in known if "loss_all" in known[i][j]][:1]
+            if whole:  # a survivor passed the step's agreement: it knows every rank's loss
+                results, loss_units = [{**whole[0], "loss_sum": whole[0]["loss_all"]}], None
+            else:
+                # A peer lost in the agreement: the known data leaders' rows count (a partial
+                # loss). With none known, another rank's result gives the step's lr and grad
+                # norm (the same on every rank); the loss is then unknown (no units: NaN).
+                done = [i for i in leaders if i in known]
+                loss_units = sum(int(batch.row_units[sent.shares[i]].sum()) for i in done)
+                results = [known[i][j] for i in done] or [known[i][j] for i in list(known)[:1]]
+            self.commit(sent.step + j, results, batch.units, batch.ids, sent.shares, elapsed_s / sent.count,
+                        sent.data_wait if j == 0 else 0.0, world_size=world, loss_units=loss_units)
         self.summary.leases += 1
         log.info("steps %d..%d had finished on a survivor: committed, not redone", sent.step + 1, finished)
 
     def commit(self, step: int, results: list[dict], units: int, ids, shares: list[slice],
-               dt: float, data_wait: float, world_size: int | None = None) -> None:
+               dt: float, data_wait: float, world_size: int | None = None, loss_units: int | None = None) -> None:
+        """``units``: the step's loss units (its trained tokens). ``loss_units``: those that the
+        ``results`` count, when some ranks' results were lost (``commit_finished``): the loss is
+        then theirs alone (NaN with none) and the step is in ``summary.losses_partial``."""
         spec = self.spec
         world = world_size or len(shares)
         self.committed_step = step + 1
@@ -491,7 +500,12 @@ class Steps:
         self._group_steps = (generation, in_group + 1) if generation == self.group.generation else \
             (self.group.generation, 1)
         self._step_times.append(dt)
-        loss = sum(r["loss_sum"] for r in results) / units if units else float("nan")
+        counted = units if loss_units is None else loss_units
+        loss = sum(r["loss_sum"] for r in results) / counted if counted else float("nan")
+        if loss_units is not None and loss_units < units:
+            self.summary.losses_partial.append(self.committed_step)
+            log.warning("step %d's loss counts %d of its %d units: the results of ranks lost in its "
+                        "agreement are gone", self.committed_step, loss_units, units)
         self.summary.losses.append(loss)
         self.summary.world_sizes.append(world)
         self.summary.step_times.append(dt)
