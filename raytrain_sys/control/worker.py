@@ -77,12 +77,18 @@ MAX_JOBS_PER_PROCESS = 50
 RECYCLE_GROWTH_BYTES = 1 << 30
 
 
+def ranks_loss(ranks: np.ndarray) -> np.ndarray:
+    """The step's loss sum from the ranks' agreed parts (``..., ranks, AGREED``): each rank's
+    ``loss_sum`` added in rank order (a running sum, so the same float whatever else is summed
+    beside it), one per step for a lease's table."""
+    return np.cumsum(ranks[..., AGREED.index("loss_sum")], axis=-1)[..., -1]
+
+
 def agreed_result(result: dict[str, Any], agreed: dict[str, Any]) -> dict[str, Any]:
     """A rank's result of a step kept after the ranks' agreement (``TrainWorker._agree``): with
-    ``loss_all``, every rank's ``loss_sum`` summed in rank order as ``report_results`` sums a
-    lease's reports, so a survivor alone gives the step's whole loss."""
-    losses = agreed["ranks"][:, AGREED.index("loss_sum")]
-    return {**result, "loss_all": float(np.cumsum(losses)[-1])}
+    ``loss_all``, every rank's ``loss_sum`` (``ranks_loss``, as ``report_results`` sums a lease's
+    reports), so a survivor alone gives the step's whole loss."""
+    return {**result, "loss_all": float(ranks_loss(agreed["ranks"]))}
 
 
 def results_kept(results: dict[int, dict], newest_from: int, first: int) -> dict[int, dict]:

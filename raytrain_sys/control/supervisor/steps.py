@@ -49,7 +49,7 @@ from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
                                                     node_agents_on, step_deadline_s, summary_due)
-from raytrain_sys.control.worker import AGREED
+from raytrain_sys.control.worker import AGREED, ranks_loss
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.data.batches import GlobalBatch, rank_plans
 from raytrain_sys.data.plane import DataPlane
@@ -152,7 +152,7 @@ def report_results(reports: list[dict]) -> list[dict]:
     if not reports:
         return []
     ranks = np.stack([r["ranks"] for r in reports])  # (steps, ranks, AGREED)
-    loss = np.cumsum(ranks[:, :, AGREED.index("loss_sum")], axis=1)[:, -1].tolist()
+    loss = ranks_loss(ranks).tolist()
     compute = ranks[:, :, AGREED.index("compute_s")].max(axis=1).tolist()
     return [{"loss_sum": s, "lr": r["lr"], "grad_norm": r["grad_norm"], "compute_s": c}
             for r, s, c in zip(reports, loss, compute)]
@@ -472,9 +472,9 @@ class Steps:
         world = len(members)
         for j in range(finished - sent.step):
             batch = sent.batches[j]
-            whole = [known[i][j] for i in known if "loss_all" in known[i][j]][:1]
-            if whole:  # a survivor passed the step's agreement: it knows every rank's loss
-                results, loss_units = [{**whole[0], "loss_sum": whole[0]["loss_all"]}], None
+            whole = next((kept[j] for kept in known.values() if "loss_all" in kept[j]), None)
+            if whole is not None:  # a survivor passed the step's agreement: it knows every rank's loss
+                results, loss_units = [{**whole, "loss_sum": whole["loss_all"]}], None
             else:
                 # A peer lost in the agreement: the known data leaders' rows count (a partial
                 # loss). With none known, another rank's result gives the step's lr and grad
