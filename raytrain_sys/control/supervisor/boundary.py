@@ -59,6 +59,7 @@ class Boundary:
         self._last_drain_poll = -float("inf")
         self.training_on: set[str] = set()  # draining nodes whose members await successors
         self.step = steps.committed_step  # the committed step at the newest boundary
+        self._members_seen: tuple = (None, ())  # (key, members as the plan sees them): see _members
 
     # ------------------------------------------------------------------ facts and plan
     def run(self, last: int) -> bool:
@@ -91,13 +92,24 @@ class Boundary:
         ceiling, why = self.requests.max_workers()
         redeal = self.redeal[1] if self.redeal and self.redeal[0] == g.generation else None
         return policy.Facts(
-            step, last, members=_seen(g.workers), target=policy.target_size(self.spec, ceiling),
+            step, last, members=self._members(), target=policy.target_size(self.spec, ceiling),
             ceiling_reason=why, pending=_seen(w for w in g.pending if w not in ready), ready=_seen(ready),
             draining=self._draining(), training_on=frozenset(self.training_on),
             straggler=(self.straggler[0].slot, self.straggler[1]) if self.straggler else None, redeal=redeal,
             stop=self.requests.stop(), early_stop=self.early_stop, just_committed=just_committed,
             saved=self.checkpoints.saved(step), evaluates=self.evaluation is not None, tried=tried,
             now_unix_s=time.time())
+
+    def _members(self) -> tuple[policy.Member, ...]:
+        """The members as the plan sees them, made again only when the group changed: a running
+        lease is looked at four times a second, and remaking them is a look's one cost that grows
+        with the ranks. The key holds the workers themselves (compared by identity first, so no
+        field compare while the group stays as it is)."""
+        g = self.group
+        key = (g.generation, tuple(g.workers))
+        if key != self._members_seen[0]:
+            self._members_seen = (key, _seen(g.workers))
+        return self._members_seen[1]
 
     def _draining(self) -> tuple:
         """Draining nodes and their deadlines, looked up every elastic.drain_poll_s (the newest

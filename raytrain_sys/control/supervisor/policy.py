@@ -13,6 +13,7 @@ in), so a table of named cases tests each one (tests/test_supervisor_policy.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from raytrain_sys.control.supervisor.requests import CANCEL, StopRequest
@@ -398,7 +399,7 @@ class Facts:
     tried: frozenset[str] = frozenset()  # item kinds already carried out at this boundary
     now_unix_s: float = 0.0
 
-    @property
+    @cached_property  # asked once per member by the plan: made once (frozen: set in __dict__ directly)
     def drain_deadlines(self) -> dict[str, float | None]:
         return dict(self.draining)
 
@@ -622,7 +623,8 @@ def _resize(f: Facts, spec: JobSpec) -> list[Item]:
         return [Shrink(f.target, tuple(w.slot for w in leaving),
                        f"shrinking to {f.target} worker(s) at step {f.step}{why}")]
     surplus = tuple(w.slot for w in f.pending + f.ready)
-    successors = any(w.node_id in f.drain_deadlines for w in f.members)  # newcomers for those training on
+    # newcomers for those training on
+    successors = bool(f.draining) and any(w.node_id in f.drain_deadlines for w in f.members)
     if world >= f.target:
         if surplus and not successors and "Release" not in f.tried:
             return [Release(surplus, f"the world is at its target of {f.target}")]

@@ -308,7 +308,7 @@ class Supervisor:
         checkpoint.on_corrupt=previous replaced by it (``launch.fall_back``)."""
         while True:
             try:
-                self._restore(info)
+                self.recovery.restore(info)
                 return
             except Exception as exc:
                 corrupt = find_user_error(exc)
@@ -316,10 +316,6 @@ class Supervisor:
                     raise
                 info, note = launch.fall_back(self.spec, checkpointer, info, str(corrupt))
                 self._transition(State.RESTORING, note)  # recorded in summary.json and as an MLflow event
-
-    def _restore(self, info: CheckpointInfo) -> None:
-        """Load a durable checkpoint into every member (a resume's)."""
-        self.recovery.restore(info)
 
     def _target_size(self) -> int:
         """The world the run grows back to: the spec's, under a ceiling asked for from outside."""
