@@ -106,9 +106,9 @@ def _session_cluster_idle(request):
     without ``needed`` passed on that pool too, and run on it only with
     ``RTS_TESTS_WARM_WORKERS=1``: by default they start fresh processes, as every other test
     does (or a service's own pool). Each of those files is faster on the pool alone, but the
-    whole suite was not: 68.7 min in CI with it against 53.6 min without (benchmarks/HISTORY.md), the pool's
-    spares started again at every switch between a warm and a cold module and after every run
-    that took some, beside the tests on 2 cores."""
+    whole suite was not: 68.7 min in CI with it against 53.6 min without (benchmarks/HISTORY.md),
+    the pool's spares started again at every switch between a warm and a cold module and after
+    every run that took some, beside the tests on 2 cores."""
     if not {"ray_nodes", "ray_cluster"} & set(request.fixturenames):
         yield
         return
