@@ -31,6 +31,12 @@ cores and one job service on it (warm spares and a spare runner, a pass every 0.
              end (and the sweep's submit to its trial's end beside it). Goal: the trial's median
              at most 1.10x the job's.
 
+  ideal      The grid's recorded curves replayed as both sweeps with no overhead at all
+             (``benchmarks/sweep_ideal.py``: Tune's own ASHA decides, starts and stops are
+             instant), for the admission orders this invocation drew and over 2,000 orders: what
+             the 0.5x goals allow at best, and so how much of a measured ratio is the draw and
+             how much the system.
+
 Why these trial lengths: the trials must train long enough that the starts (a warm start is
 about 0.5 s on a quiet machine, a start on a fresh worker process about 7 s, and tens of seconds
 when the machine is loaded) and Tune's lag behind the evaluations (a proxy hears of one from its job's
@@ -73,6 +79,7 @@ sys.path.insert(0, str(REPO))
 
 import _common as common  # noqa: E402
 import scheduler as sched_bench  # noqa: E402  (its ServiceBench: the cluster, the service, the specs)
+import sweep_ideal  # noqa: E402  (the same two sweeps replayed with no overhead)
 
 GOAL_ASHA_RATIO = 0.5  # issue 28: ASHA at most 0.5x the grid's time to a good configuration and worker-seconds
 GOAL_STOP_TO_STEP = 1.5  # issue 28: an ASHA stop to the freed workers' step elsewhere, x the warm start
@@ -327,6 +334,7 @@ def figures(args, reference: dict, grid: dict, asha: dict, alone: list[dict]) ->
     used = [s["step_s"] for s in stops if s["step_s"] is not None]
     out = {"grid_best_final": best, "threshold": threshold, "grid": g, "asha": a, "stops": stops,
            "alone": alone, "reference": reference, "goals": {}}
+    out["ideal"] = sweep_ideal.ideal_figures(out, args.steps, args.cluster_cpus, float(os.cpu_count() or 1))
     time_ratio = a["found_within_2pct_s"] / g["found_within_2pct_s"] if a["found_within_2pct_s"] else None
     out["goals"]["asha_time"] = goal(
         time_ratio is not None and time_ratio <= GOAL_ASHA_RATIO,
@@ -390,6 +398,7 @@ def table(f: dict) -> list[str]:
         f"{r['alone_s']:.2f} / {r['trial_s']:.2f} (sweep's submit to the trial's end {r['sweep_submit_to_trial_end_s']:.2f})"
         for r in f["alone"]))
     lines.append(f"warm submit-to-first-step: {f['reference']['median_s']:.2f} s ({f['reference']['source']})")
+    lines += sweep_ideal.ideal_lines(f["ideal"])
     return lines + [g_["text"] for g_ in f["goals"].values()]
 
 
