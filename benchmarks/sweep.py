@@ -124,7 +124,7 @@ def worlds(hooks: str, job_id: int) -> list[tuple[float, int, int]]:
 
 
 def base_spec(bench, name: str, steps: int, dataset: str) -> dict:
-    every = max(1, steps // 8)
+    every = sweep_ideal.every(steps)
     return bench.spec(name, 1, steps, model={"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64},
                       data={"path": dataset}, train={"global_batch_size": 16, "log_every_steps": every},
                       eval={"every_steps": every, "max_rows": 128, "batch_rows": 32},
@@ -436,11 +436,12 @@ def main() -> int:
         # ~1 MB of the standard library's source: 1,000 steps of 16 rows read most of it once
         prepare_text_dataset(dataset, row_len=33, rows_per_shard=1024, max_bytes=1_000_000, val_fraction=0.01)
         svc = bench.start_service(args.warm_workers, [("a", args.cluster_cpus)], step_hook=WorldSteps(bench.hooks))
-        every = max(1, args.steps // 8)
+        every = sweep_ideal.every(args.steps)
         grid = run_sweep(bench, svc, sweep_spec(base_spec(bench, "grid", args.steps, dataset), {"type": "fifo"}))
         loads["after_grid"] = os.getloadavg()
         asha = run_sweep(bench, svc, sweep_spec(base_spec(bench, "asha", args.steps, dataset),
-                                                {"type": "asha", "grace_period_steps": every, "reduction_factor": 2}))
+                                                {"type": "asha", "grace_period_steps": every,
+                                                 "reduction_factor": sweep_ideal.REDUCTION_FACTOR}))
         loads["after_asha"] = os.getloadavg()
         best = min((t for t in grid["trials"] if t["evals"]), key=final_value)
         base = base_spec(bench, "one", args.steps, dataset)

@@ -46,6 +46,12 @@ import sys
 from dataclasses import dataclass, field
 
 SPEEDS = ("gpu", "host")
+REDUCTION_FACTOR = 2  # ASHA's, as benchmarks/sweep.py runs it
+
+
+def every(steps: int) -> int:
+    """The benchmark's evaluation period and ASHA's first rung: an eighth of the trial."""
+    return max(1, steps // 8)
 
 
 @dataclass
@@ -80,7 +86,7 @@ def replay(curves: list[list[tuple[int, float]]], threshold: float, *, asha: boo
         from ray.tune.schedulers import ASHAScheduler
 
         scheduler = ASHAScheduler(time_attr="step", metric="loss", mode="min", max_t=steps,
-                                  grace_period=max(1, steps // 8), reduction_factor=2)
+                                  grace_period=every(steps), reduction_factor=REDUCTION_FACTOR)
     trials = [_Trial(f"t{i:05d}", list(c)) for i, c in enumerate(curves)]
     if scheduler is not None:
         for t in trials:
@@ -129,11 +135,10 @@ def replay(curves: list[list[tuple[int, float]]], threshold: float, *, asha: boo
 
 
 def _rungs(steps: int) -> list[int]:
-    grace, out = max(1, steps // 8), []
-    r = grace
+    out, r = [], every(steps)
     while r < steps:
         out.append(r)
-        r *= 2
+        r *= REDUCTION_FACTOR
     return out
 
 
