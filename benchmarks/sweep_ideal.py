@@ -215,17 +215,24 @@ def ideal_figures(results: dict, steps: int, slots: int = 4, cores: float = 2.0,
     return out
 
 
+def _x(ratio) -> str:
+    """A ratio as printed; "-" when there is none (ASHA found no configuration within 2% in any
+    order), so that the benchmark's report is still written."""
+    return f"{ratio:.2f}x" if ratio is not None and math.isfinite(ratio) else "-"
+
+
 def ideal_lines(ideal: dict) -> list[str]:
     lines = []
     for speed in SPEEDS:
         d, e = ideal[speed]["drawn"], ideal[speed]["over_orders"]
-        drawn = (f"time {d['time']:.2f}x" if d["time"] is not None else "time -") + \
+        drawn = f"time {_x(d['time'])}" + \
             f", worker-seconds {d['worker_s']:.2f}x ({d['stopped']} stopped)"
         cores = f", {ideal['cores']:g} cores" if speed == "host" else ""
         lines.append(
             f"ideal ASHA / grid ({speed}: no overhead, {ideal['slots']} slots{cores}): "
-            f"the admission orders drawn here {drawn}; over {e['orders']} orders: time mean {e['time_mean']:.2f}x, "
-            f"median {e['time_median']:.2f}x, at most 0.5x in {100 * e['time_at_most_half']:.0f}%; worker-seconds "
+            f"the admission orders drawn here {drawn}; over {e['orders']} orders: time mean {_x(e['time_mean'])}, "
+            f"median {_x(e['time_median'])}, at most 0.5x in {100 * e['time_at_most_half']:.0f}% (ASHA found none in "
+            f"{100 * e['asha_never_found']:.0f}%); worker-seconds "
             f"mean {e['worker_s_mean']:.2f}x, at most 0.5x in {100 * e['worker_s_at_most_half']:.0f}%")
     return lines
 
