@@ -64,10 +64,17 @@ def pool(ray_cluster):
 
 
 def spare_pids() -> set[int]:
-    """The pids of the pool's spares, idle or working."""
+    """The pids of the pool's spares, idle or working (one that ends between the listing and its
+    answer is not counted: the tests wait for spares to end)."""
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE and a["name"].startswith(SPARE_PREFIX)]
-    return {ray.get(ray.get_actor(n, namespace=NAMESPACE).node_info.remote(), timeout=30)["pid"] for n in names}
+    pids = set()
+    for name in names:
+        try:
+            pids.add(ray.get(ray.get_actor(name, namespace=NAMESPACE).node_info.remote(), timeout=30)["pid"])
+        except (ValueError, ray.exceptions.RayActorError):  # ended meanwhile
+            continue
+    return pids
 
 
 def worker_nodes() -> list[str]:
