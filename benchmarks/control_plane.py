@@ -16,8 +16,8 @@ and its own calls: the driver sends and follows exactly what it would for N real
 local Ray cluster, started here with explicit ``num_cpus`` and a private temp dir under /tmp,
 serves every N in turn.
 
-Each N runs once per ``--node-agents`` mode (default: off, the product's default, then on: one
-call per node's agent, RAYTRAIN_NODE_AGENTS=on) and per ``--steps-per-call`` mode (default:
+Each N runs once per ``--node-agents`` mode (default: off, the driver's own call to every rank,
+then on: one call per node's agent, the product's default) and per ``--steps-per-call`` mode (default:
 one step a call, then the automatic leases of ``train.steps_per_call = 0``, the default), back
 to back, so their ratios come from one invocation; the goals are judged on the last of each. Per N and mode, over the steps after ``--skip-steps`` warm-up steps:
 
@@ -205,6 +205,10 @@ def stand_in_node_class():
         def ping(self, i) -> int:
             return self.ranks[i].step_done
 
+        @ray.method(concurrency_group="control")
+        def hand_to(self, i, owner_id) -> bool:
+            return True  # the nodes end with the benchmark (PackedStandIns.close), not an owner
+
         def setup_group(self, i, *args) -> dict:
             return self.ranks[i].setup_group(*args)
 
@@ -272,7 +276,7 @@ class PackedStandIns:
     def options(self, **_slot_options) -> "PackedStandIns":
         return self  # the slot's name, CPUs and placement: its node actor's own are used
 
-    def remote(self, spec_dict: dict) -> RankHandle:
+    def remote(self, spec_dict: dict, owner_id: str = "") -> RankHandle:
         index = self.slots % self.per_node
         if index == 0:
             # A thread for each rank's running lease and the one sent ahead (waiting for its turn),
@@ -692,8 +696,8 @@ def main() -> int:
                         "docs/SCALING.md models it, the step the goals are judged against), or ms (0: "
                         "answer at once, every step its own report, as before 2026-11-27)")
     p.add_argument("--node-agents", default="off,on",
-                   help="comma list of off (the default of Steps.node_agents: the driver's calls to every "
-                        "rank), on (one call per node through node agents), auto (agents from "
+                   help="comma list of off (the driver's calls to every rank), on (one call per node "
+                        "through node agents: the default of Steps.node_agents), auto (agents from "
                         "policy.NODE_AGENTS_FROM ranks); each over every N, back to back; the goal is "
                         "judged on the last")
     p.add_argument("--quick", action="store_true")

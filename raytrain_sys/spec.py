@@ -279,6 +279,9 @@ class ElasticSpec:
     hang_floor_s: float = 30.0  # a step is "hung" after max(this, hang_factor x median step time)
     hang_factor: float = 10.0  # see hang_floor_s
     drain_poll_s: float = 1.0  # how often draining (preempted) nodes are looked up
+    # How long a run's node agents keep its ranks and slots once the process that drives it (a CLI
+    # driver, a notebook, a job's runner) is gone and no other took the run over; then they end it
+    orphan_timeout_s: float = 60.0
     # What to do with a rank whose compute is slow for its rows (a slow node, not a data
     # imbalance; docs/STRAGGLERS.md): none (flag it only), rebalance (deal it fewer rows of the same
     # global batch, in proportion to measured speed) or replace (drain it, ask for a replacement)
@@ -494,7 +497,7 @@ _POSITIVE = [
     "resources.num_workers", "resources.cpus_per_worker", "resources.start_timeout_s",
     "elastic.max_failures", "elastic.failure_window_s", "elastic.below_min_timeout_s",
     "elastic.hang_floor_s", "elastic.hang_factor", "elastic.straggler_window_steps",
-    "elastic.fault_slow_factor",
+    "elastic.fault_slow_factor", "elastic.orphan_timeout_s",
 ]
 _NON_NEGATIVE = [
     "model.dropout", "train.micro_batch_size", "train.stop_at_step", "train.steps_per_call", "optim.min_lr_ratio", "optim.warmup_steps",

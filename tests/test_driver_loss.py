@@ -7,8 +7,9 @@ placement groups, and what the resume does about leftovers, are both asserted:
 
 * while the old driver is alive (SIGSTOP: alive but silent), a resume refuses with a clear
   error and touches nothing of the run;
-* once the driver is SIGKILLed, Ray removes its non-detached actors and placement groups by
-  itself (about 0.3 s on a quiet machine);
+* once the driver is SIGKILLed, its workers train on nothing but live on (they answer to their
+  nodes' agents, not to the driver: control/node_agent.py), and the agents end the launch, every
+  actor and placement group of it, once the driver has been gone for elastic.orphan_timeout_s;
 * the resume continues from the newest committed checkpoint in the same MLflow run and run
   dir, ends with the same parameters as an uninterrupted run, every sample exactly once, and
   leaves nothing of the run on the cluster.
@@ -21,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ import yaml
 
 from raytrain_sys.control.supervisor import run_job
 from raytrain_sys.control.supervisor.journal import State
-from raytrain_sys.control.worker_group import find_leftovers
+from raytrain_sys.control.worker_group import find_leftovers, run_name_prefix
 from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, wait_until)
 from tests.helpers import final_params, read_summary
 
@@ -36,13 +38,33 @@ pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WA
 
 STEPS = 40
 KILL_AFTER_STEP = 12  # checkpoints every 5 steps: the resume redoes the steps after step 10
+ORPHAN_S = 8.0  # elastic.orphan_timeout_s: the agents end the run this long after its driver's death
 RAYTRAIN_SYS = str(Path(sys.executable).parent / "raytrain-sys")
 REPO = Path(__file__).resolve().parents[1]
 
 
 def driver_spec(tmp_path, dataset, mlflow_uri):
-    return ft_spec(tmp_path, dataset, STEPS, train={"log_every_steps": 1},
+    return ft_spec(tmp_path, dataset, STEPS, train={"log_every_steps": 1}, elastic={"orphan_timeout_s": ORPHAN_S},
                    tracking={"uri": mlflow_uri, "experiment": "driver-loss"})
+
+
+def run_workers(run_key: str) -> list[tuple[str, int]]:
+    """The run's live TrainWorker actors: (name, pid), sorted."""
+    from ray._private import state
+
+    prefix = run_name_prefix(run_key)
+    return sorted((a["Name"], a["Pid"]) for a in state.actors().values()
+                  if a["State"] == "ALIVE" and a["ActorClassName"] == "TrainWorker"
+                  and (a.get("Name") or "").startswith(prefix))
+
+
+def run_agents(run_key: str) -> list[str]:
+    """The names of the run's live node agents."""
+    from ray._private import state
+
+    prefix = run_name_prefix(run_key)
+    return [a["Name"] for a in state.actors().values()
+            if a["State"] == "ALIVE" and a["ActorClassName"] == "NodeAgent" and (a.get("Name") or "").startswith(prefix)]
 
 
 def committed(run_dir: str) -> int:
@@ -94,14 +116,22 @@ def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, m
         assert "stop that driver" in refused.stderr
         assert Path(run_dir, "summary.json").read_text() == summary_before  # untouched
 
+        workers = run_workers(run_key)
+        assert len(workers) == 2 and len(run_agents(run_key)) >= 1, (workers, run_agents(run_key))
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=60)
+        killed_at = time.monotonic()
     finally:
         if driver.poll() is None:
             driver.kill()
             driver.wait(timeout=60)
-    # Ray ties non-detached actors and placement groups to their driver: all gone by itself.
-    assert wait_until(lambda: find_leftovers(run_key) == [], 30.0), find_leftovers(run_key)
+    # The workers answer to their node's agent, not to the driver: the same processes live on...
+    time.sleep(2.0)
+    assert run_workers(run_key) == workers, "the workers died with their driver"
+    # ...until the driver has been gone for elastic.orphan_timeout_s: then the agents end the
+    # launch, and nothing of it is left.
+    assert wait_until(lambda: find_leftovers(run_key) == [], ORPHAN_S + 30.0), find_leftovers(run_key)
+    assert time.monotonic() - killed_at >= ORPHAN_S - 1.0
 
     resumed = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=600)

@@ -85,11 +85,11 @@ def test_worker_killed_mid_lease(reference, tiny_dataset, tmp_path, ray_cluster,
     def kill_a_few_steps_in(sup):
         # Step 6 is the first commit of the lease of steps 6..10: the members have just started
         # the lease of steps 11..15 (sent ahead). Kill once one of its steps finished.
-        agents.append(len(sup.steps._agents))
+        agents.append(sup.summary.agent_calls > 0)
         kill_once_past(sup, 1, 11)
 
     result, sup, seen = run_with_events(spec, {6: kill_a_few_steps_in})
-    assert agents == [1 if node_agents == "on" else 0], agents  # the leases went the way asked
+    assert agents == [node_agents == "on"], agents  # the leases went the way asked
     summary = like_reference(result, seen, reference, spec, tiny_dataset)
     rebuild = transitions(summary, "rebuilding")
     assert len(rebuild) == 1 and rebuild[0]["reason"].startswith("steps 11..15 failed"), rebuild

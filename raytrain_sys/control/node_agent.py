@@ -1,38 +1,46 @@
-"""A node's agent: the one call per node per lease that submits the node's ranks' calls itself
-(``Steps.node_agents``: ``RAYTRAIN_NODE_AGENTS=on``, or ``auto`` for groups of
-``policy.NODE_AGENTS_FROM`` members or more and a node's run of at least two ranks; off by
-default, when the driver calls every rank).
+"""A node's agent: the ranks of one launch on one node answer to it, not to the driver.
 
-Owns nothing of the run: it holds its ranks' actor handles (``adopt``, sent again when the
-group changes) and, for its most recent leases, the references of the calls it made for them
-(``refs``), which the Supervisor asks for only on the failure path.
+One agent per node per launch (at most ``RANKS_PER_AGENT`` ranks each: a node of 8 GPUs has
+one), started by the launch's ``WorkerGroup`` when the first of its ranks there is up.
+**Detached** and named after the launch and the node (``launches.agent_name``), 0 CPUs, pinned
+to its node: it outlives the process that drives the run (the Supervisor: a CLI driver, a
+notebook, a job's runner), so that losing that process no longer ends the ranks.
 
-Why: the driver's CPU per lease is about one Ray task submission per rank (about 42 us of
-driver CPU, plus about 7 us per piece reference passed; docs/SCALING.md, "One call per node").
-With an agent per node the driver submits one call per node (its ranks' plans as plain bytes
-and ints, the node's pieces each once), and the node's ranks' calls are submitted from the
-node: the driver holds no reference per rank. Rank 0's call stays the driver's own (its
-reports are how the driver follows the lease), so the happy path never needs the other ranks'
-references; a failed or cut lease asks the agents for them (``Steps.member_refs``) and goes on
-exactly as before (``liveness.collect``, ``Steps.settle``, ``Steps.drop``).
+What it owns:
 
-Ordering: a rank's leases come from one caller (its agent), in the order sent, so run-ahead
-still queues lease k + 1 behind lease k. The Supervisor's other calls to a rank come from the
-driver; each is made at a boundary after the ranks agreed on the lease's last step (so their
-calls of it have begun) or after its calls were collected, as before.
+* **Its node's ranks.** A rank is a detached actor *claimed* by its agent once it is up
+  (``TrainWorker.hand_to``: the claim the warm spares already use, ``owners.owner_gone``): the
+  rank ends itself within about a second of its agent's death, never with the driver's. (Ray's
+  own ownership would do the same for an actor the agent created, but creating a
+  ``TrainWorker`` there would import torch into every agent.) The agent keeps each rank's handle
+  and placement group (``keep``, ``drop``).
+* **Its leases.** The driver sends one call per agent per lease (``lease``): the plan's bytes
+  once, each rank's rows and piece map, the node's piece references once; the agent submits
+  its ranks' calls itself and keeps their references for its most recent leases (``refs``),
+  which the Supervisor asks for only on the failure path. A rank's leases come from one caller
+  (its agent), in the order sent, so run-ahead still queues lease k + 1 behind lease k. Rank 0's
+  call stays the driver's own (its reports are how the driver follows the lease).
+* **The launch's end when its owner is gone.** The launch's owner (``launches.owner_of``: the
+  Supervisor's process) is watched; one gone for ``elastic.orphan_timeout_s`` with no new
+  owner (``set_owner``: a Supervisor that adopts the launch) ends the agent's ranks, removes the
+  launch's placement groups and ends the agent: nothing of a run outlives its driver by more
+  than that bounded wait. A run that ends as asked ends its agents itself (``WorkerGroup.shutdown``).
 
-An agent runs on its ranks' node (0 CPU, pinned with ``NodeAffinitySchedulingStrategy``) and
-serves at most ``RANKS_PER_AGENT`` ranks of it; the agents start once the group is placed
-(``Steps.start_agents``), beside the process group's forming, and end with the step loop. An agent that dies loses the references of its
-ranks' calls: those ranks count as lost (``liveness.collect`` reads the missing answer as
-``OwnerDiedError`` or the agent's own death), which a node's loss means anyway.
+An agent that dies (its node lost) takes its ranks with it, which a node's loss means anyway;
+the calls it made read as ``OwnerDiedError`` (``liveness.collect``).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
 from collections import OrderedDict
 
 import ray
+
+log = logging.getLogger(__name__)
 
 # A node's GPUs: the agent's fan-out is one node's ranks, as on a real node (and the stand-in
 # benchmark, which runs every rank on one Ray node, gets the agents a fleet of 8-GPU nodes would).
@@ -40,18 +48,65 @@ RANKS_PER_AGENT = 8
 # Leases whose call references an agent keeps: the Supervisor asks only for the running lease's
 # and the one sent ahead of it.
 KEPT_LEASES = 8
+# How often the agent looks at its launch's owner.
+OWNER_POLL_S = 1.0
 
 
-@ray.remote(num_cpus=0)
+# "control": drop, set_owner, ping and end answer while a lease call submits (the default group
+# runs one call at a time, in the order sent: the leases, and ``keep`` before them).
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={"control": 4})
 class NodeAgent:
-    def __init__(self):
+    def __init__(self, prefix: str, node_id: str, owner_id: str, orphan_timeout_s: float,
+                 poll_s: float = OWNER_POLL_S):
+        self.prefix, self.node_id = prefix, node_id
+        self._owner = owner_id
+        self._orphan_timeout_s = float(orphan_timeout_s)
         self._ranks: dict[int, object] = {}  # slot -> the rank's actor handle
+        self._groups: dict[int, object] = {}  # slot -> its placement group
         self._leases: OrderedDict[int, list] = OrderedDict()  # lease id -> its calls' references
+        self._lock = threading.Lock()
+        self._ending = threading.Event()
+        threading.Thread(target=self._watch_owner, args=(poll_s,), name="owner-watch", daemon=True).start()
 
-    def adopt(self, ranks: dict[int, object]) -> None:
-        """The ranks this agent serves from now on (slot -> actor handle)."""
-        self._ranks = dict(ranks)
+    # ------------------------------------------------------------------ its ranks
+    def keep(self, ranks: dict[int, tuple]) -> int:
+        """Ranks of this node that answer to this agent from now on (slot -> (actor, placement
+        group)); returns how many it holds. In the default group, as the leases: a lease sent
+        after it finds its ranks here."""
+        with self._lock:
+            for slot, (actor, group) in ranks.items():
+                self._ranks[slot], self._groups[slot] = actor, group
+            return len(self._ranks)
 
+    @ray.method(concurrency_group="control")
+    def drop(self, slots: list[int]) -> int:
+        """Ranks that left (killed, or given back to the warm spares' pool): no longer this
+        agent's to end. Returns how many it still holds."""
+        with self._lock:
+            for slot in slots:
+                self._ranks.pop(slot, None)
+                self._groups.pop(slot, None)
+            return len(self._ranks)
+
+    @ray.method(concurrency_group="control")
+    def set_owner(self, owner_id: str) -> None:
+        """The Supervisor's process that drives the launch from now on."""
+        self._owner = owner_id
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> dict:
+        """The agent's node, its owner and its ranks' slots."""
+        with self._lock:
+            return {"node_id": self.node_id, "owner": self._owner, "slots": sorted(self._ranks),
+                    "pid": os.getpid()}
+
+    @ray.method(concurrency_group="control")
+    def end(self) -> int:
+        """End this agent's ranks, remove their placement groups, then the agent itself
+        (the launch ended, or its owner is gone). Returns how many ranks it ended."""
+        return self._end(sweep=False, why="")
+
+    # ------------------------------------------------------------------ leases
     def lease(self, lease: int, first: int, count: int, steps: bytes, entries: bytes, timeout_s: float,
               ranks: list[tuple], pieces: list) -> int:
         """Submit lease ``lease`` to each of ``ranks`` (``(slot, lo, hi, arg, which)``: its rows,
@@ -65,19 +120,69 @@ class NodeAgent:
             self._leases.popitem(last=False)
         return len(refs)
 
+    @ray.method(concurrency_group="control")
     def refs(self, lease: int) -> list | None:
         """The references of lease ``lease``'s calls, in the order its ``ranks`` were sent (None
         when it is no longer kept)."""
         return self._leases.get(lease)
 
+    # ------------------------------------------------------------------ its end
+    def _watch_owner(self, poll_s: float) -> None:
+        """End the launch once its owner has been gone for the orphan timeout (a new owner set
+        meanwhile, by adoption, keeps it)."""
+        from raytrain_sys.control.owners import owner_gone
 
-def node_runs(members: list, per_agent: int = RANKS_PER_AGENT) -> list[tuple[tuple[str, int], list[int]]]:
-    """The members' indices grouped for their agents: by node (``Worker.node_id``, first seen
-    first), each node's run cut into groups of at most ``per_agent``; each group keyed by
-    (node, its place among the node's groups) so that an agent serves the same node's ranks
-    from lease to lease."""
-    by_node: dict[str, list[int]] = {}
-    for i, w in enumerate(members):
-        by_node.setdefault(w.node_id, []).append(i)
-    return [((node, k // per_agent), idx[k:k + per_agent])
-            for node, idx in by_node.items() for k in range(0, len(idx), per_agent)]
+        gone_since = None
+        while not self._ending.wait(poll_s):
+            owner = self._owner
+            if not owner_gone(owner):
+                gone_since = None
+                continue
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since >= self._orphan_timeout_s:
+                self._end(sweep=True, why=f"its driver ({owner}) has been gone for {self._orphan_timeout_s:g} s "
+                                          f"(elastic.orphan_timeout_s) and no Supervisor took the run over")
+                return
+
+    def _end(self, sweep: bool, why: str) -> int:
+        """Kill this agent's ranks and remove their placement groups (with ``sweep``, every
+        placement group of the launch: slots still starting when its owner died belong to no
+        agent); then the process exits."""
+        from ray.util.placement_group import remove_placement_group
+
+        self._ending.set()
+        with self._lock:
+            ranks, groups = dict(self._ranks), dict(self._groups)
+            self._ranks, self._groups = {}, {}
+        if why:
+            log.warning("node agent %s: ending %d ranks of launch %s: %s", self.node_id[:8], len(ranks),
+                        self.prefix, why)
+        for actor in ranks.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001: gone already
+                pass
+        for group in groups.values():
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001: removed already
+                pass
+        if sweep:
+            from raytrain_sys.control import launches
+
+            try:
+                launches.end_launch(self.prefix, agents_first=False)
+            except Exception as exc:  # noqa: BLE001: what is left is a resume's to remove
+                log.warning("node agent %s: could not end the rest of launch %s: %s", self.node_id[:8],
+                            self.prefix, exc)
+        # Exit after this call answers: the caller (WorkerGroup.shutdown, end_launch) waits on it.
+        threading.Timer(0.2, os._exit, args=(0,)).start()
+        return len(ranks)
+
+
+def agent_with_room(held: dict[tuple, int], node_id: str, per_agent: int = RANKS_PER_AGENT) -> tuple | None:
+    """Which agent a rank that came up on ``node_id`` answers to: of the agents ``held`` ((node,
+    index) -> how many ranks it holds), the one of that node with the lowest index that holds
+    fewer than ``per_agent``; None when the node has none with room (a new one is started)."""
+    free = sorted(key for key, n in held.items() if key[0] == node_id and n < per_agent)
+    return free[0] if free else None

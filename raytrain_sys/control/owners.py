@@ -1,4 +1,5 @@
-"""Who owns a warm spare's claim, and whether that owner is gone: read from the cluster's tables.
+"""Who owns a warm spare's claim or a launch of a run, and whether that owner is gone: read from
+the cluster's tables.
 
 An owner id is an actor's id (a job's runner) or ``job:<id>``, a driver's Ray job (a notebook or
 script that took spares from a pool of its own job). No torch import: the pool and the workers
@@ -8,6 +9,15 @@ both ask it.
 from __future__ import annotations
 
 JOB_OWNER = "job:"  # an owner id that names a Ray job (a driver), not an actor
+
+
+def this_process() -> str:
+    """This process's owner id: its actor's id inside an actor (a job's runner), else its Ray
+    job's as ``job:<id>`` (a driver: a CLI run, a notebook, a script)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return context.get_actor_id() or JOB_OWNER + context.get_job_id()
 
 
 def owner_gone(owner_id: str) -> bool:

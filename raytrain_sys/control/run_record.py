@@ -8,7 +8,7 @@ checkpoint.async_save, also durable_after_s, write_s and snapshot_bytes_per_rank
 failures, steps_redone, recoveries (one record per recovery from lost members: step, lost,
 reason, from: survivors | peer copies | checkpoint, steps_redone), peer_copies
 (checkpoint.peer_copies: peers, each rank's, and bytes_per_copy_estimate; or off: why; empty
-when the layout keeps none), steps_run_ahead, leases, evals (one record per evaluation: step and
+when the layout keeps none), steps_run_ahead, leases, agent_calls, evals (one record per evaluation: step and
 metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), step_times
 (seconds each committed step took, index i = step i+1, like losses: the throughput plot of
 ``monitor/plots.py``), cost
@@ -101,6 +101,7 @@ class RunSummary:
     peer_copies: dict = field(default_factory=dict)
     steps_run_ahead: int = 0  # committed steps sent while the step before them ran (train.run_ahead)
     leases: int = 0  # calls to the members with steps committed (train.steps_per_call); a failed one counts
+    agent_calls: int = 0  # lease calls sent to node agents (each for its node's ranks; control/node_agent.py)
     evals: list[dict] = field(default_factory=list)  # {"step": s, "loss": ..., ...} per evaluation
     best_checkpoint: dict = field(default_factory=dict)  # {"step", "uri", metric}: checkpoint.keep_best
     compile_s: float = 0.0  # train.compile: first step's compute time beyond a later step's

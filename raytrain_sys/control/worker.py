@@ -110,17 +110,19 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 10_007 + rank) % (2**63 - 1)
 
 
-def _end_with(owner_id: str, poll_s: float, released) -> None:
-    """End this process once ``owner_id`` is dead (an actor, or a driver's Ray job: the cluster's
-    tables say so, ``owners.owner_gone``): a claimed spare outlives no job, and a spare of a
-    driver's pool (its home) no driver. By id, not by handle: a handle passed on through the
-    pool costs its receivers a first-contact delay (seconds under load), and a name can be
-    taken again by a restarted runner. Returns once ``released`` (a threading.Event) is set:
-    the spare was given back to the pool (``TrainWorker.recycle``); a home's watch is never
-    released."""
+def _end_with(owner, poll_s: float, released) -> None:
+    """End this process once its owner is dead (``owner()``, read at each look: an actor's id,
+    or a driver's Ray job as ``job:<id>``; the cluster's tables say whether it is gone,
+    ``owners.owner_gone``): a claimed worker outlives no job's agent (``hand_to``) or driver,
+    and a spare of a driver's pool (its home) no driver. By id, not by handle: a handle passed
+    on through the pool costs its receivers a first-contact delay (seconds under load), and a
+    name can be taken again by a restarted runner. Returns once ``released`` (a
+    threading.Event) is set: the spare was given back to the pool (``TrainWorker.recycle``); a
+    home's watch is never released."""
     while not released.is_set():
+        owner_id = owner()
         if owner_gone(owner_id):
-            log.warning("the %s of this spare is gone: ending its worker process",
+            log.warning("the %s of this worker is gone: ending its process",
                         "driver" if owner_id.startswith(JOB_OWNER) else "actor that claimed it")
             os._exit(1)
         released.wait(poll_s)
@@ -162,7 +164,7 @@ class TrainWorker:
         if home_id:
             import threading
 
-            threading.Thread(target=_end_with, args=(home_id, 1.0, threading.Event()), name="home-watch",
+            threading.Thread(target=_end_with, args=(lambda: home_id, 1.0, threading.Event()), name="home-watch",
                              daemon=True).start()
         self._as_spare()
         self.jobs_served = 0
@@ -175,8 +177,8 @@ class TrainWorker:
             import_for_any()
             warm_up()
             self.born = {"nice": process_niceness(), "threads": torch.get_num_threads(), "rss": _rss_bytes()}
-            if owner_id:
-                self._claim(owner_id)
+        if owner_id:  # a job's worker started for its driver, or a spare started for a job's slot
+            self._claim(owner_id)
 
     def _as_spare(self) -> None:
         """The state of a spare that no one claimed: no job, no owner."""
@@ -239,9 +241,19 @@ class TrainWorker:
         import threading
 
         self.owner = owner_id
-        self.released = threading.Event()
-        threading.Thread(target=_end_with, args=(owner_id, poll_s, self.released), name="owner-watch",
-                         daemon=True).start()
+        self.released = released = threading.Event()
+        threading.Thread(target=_end_with, args=(lambda: getattr(self, "owner", None) or owner_id, poll_s, released),
+                         name="owner-watch", daemon=True).start()
+
+    @ray.method(concurrency_group="control")
+    def hand_to(self, owner_id: str) -> bool:
+        """This claimed worker answers to ``owner_id`` from now on (its node's agent once it is
+        up, ``node_agent``; its driver again before it goes back to the pool): it ends with that
+        one, not the one before. False when it holds no claim any more (given back already)."""
+        if self.owner is None or self.released is None or self.released.is_set():
+            return False
+        self.owner = owner_id
+        return True
 
     @ray.method(concurrency_group="control")
     def spare_state(self) -> dict[str, Any]:

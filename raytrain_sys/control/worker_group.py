@@ -13,11 +13,14 @@ the others train) or removed (dead, hung, or on a draining node) one at a time, 
 each worker has its own one-bundle placement group rather than a share of one gang-wide group.
 ``shutdown`` leaves no actor and no placement group behind, whatever happened.
 
-Actors and placement groups are not detached: Ray ties them to the driver that created them and
-removes both within about 0.3 s when that driver exits, even by SIGKILL (measured on Ray 2.60,
-see tests/test_driver_loss.py). They are also named after the run (``raytrain-sys:<run_key>:``)
-so that a resumed run can find and remove anything of its predecessor that is still there (the
-moment between a driver's death and Ray's clean-up, or a leak), see ``clean_up_leftovers``.
+Nothing of a launch dies with the process that drives it (issue 56): the slots' placement groups
+and the workers are detached, and each worker answers to its node's agent once it is up
+(``node_agent``: a claim, ``TrainWorker.hand_to``; before that, to this process, which started
+or took it). The agents end the launch when its owner (this process, recorded in the GCS by
+``launches.record``) has been gone for ``elastic.orphan_timeout_s``; a run that ends as asked
+ends them itself (``shutdown``). Everything is named after the run
+(``raytrain-sys:<run_key>:<launch>:``) so that a resumed run can find and remove what an earlier
+launch left (``clean_up_leftovers``: at once when that launch's owner is gone).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
-from raytrain_sys.control import GB, NAME_PREFIX, slot_bundle
+from raytrain_sys.control import GB, NAME_PREFIX, launches, slot_bundle
+from raytrain_sys.control.node_agent import RANKS_PER_AGENT, NodeAgent, agent_with_room
 from raytrain_sys.control.node_roles import ACCELERATOR_LABEL, MARKET_LABEL
-from raytrain_sys.control.spares import SpareSource, slots_take_spares
+from raytrain_sys.control.owners import JOB_OWNER, owner_gone, this_process
+from raytrain_sys.control.spares import NAMESPACE, SpareSource, slots_take_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
 from raytrain_sys.spec import JobSpec
@@ -199,10 +204,16 @@ class Worker:
     spare: bool = False  # a warm spare adopted from the pool: given back to it when it leaves healthy
     placed_ref: Any = None  # a newcomer started once its slot is placed (``start_placed``): pg.ready()
     requested_at: float = field(default_factory=time.monotonic)
+    agent: tuple | None = None  # the key of its node's agent (``WorkerGroup.agents``), once it is up
 
     @property
     def node_id(self) -> str:
         return self.info.get("node_id", "")
+
+
+# How long the end of a run waits for its warm spares given back to answer to its driver again
+# (a control-path call: milliseconds) before their agents end.
+HAND_BACK_WAIT_S = 2.0
 
 
 class WorkerGroup:
@@ -234,6 +245,15 @@ class WorkerGroup:
         # gone (or given up on), so a job service may hand the slots to the next job while the
         # run still closes its MLflow run (``JobRunner.status()["released"]``).
         self.released = False
+        # The process that drives this launch (``owners.this_process``), recorded in the GCS before
+        # the first slot is asked for (``launches.record``): the agents end the launch once it is gone.
+        self.owner_id = ""
+        # Node agents (``node_agent``): (node id, index) -> its handle; the slots each one holds;
+        # its first answer's reference (``agent_answered``); how many each node has had.
+        self.agents: dict[tuple, Any] = {}
+        self._agent_slots: dict[tuple, set[int]] = {}
+        self._agent_ready: dict[tuple, Any] = {}
+        self._agents_made: dict[str, int] = {}
 
     # ------------------------------------------------------------------ resources
     def _bundle(self) -> dict[str, float]:
@@ -271,9 +291,12 @@ class WorkerGroup:
         that takes warm spares starts it once its slot is placed (``start_placed``): on a spare
         of that node when the pool has one, which goes back to the pool when it leaves healthy."""
         slot = next(self._slots)
+        self._record_launch()
         selector = self._selector()
+        # Detached: the slot outlives this process (its node's agent removes it when the launch
+        # ends without it).
         pg = placement_group([self._bundle()], strategy="STRICT_PACK", name=f"{self.name_prefix}{slot}",
-                             bundle_label_selector=[selector] if selector else None)
+                             lifetime="detached", bundle_label_selector=[selector] if selector else None)
         worker = Worker(slot, None, pg)
         if start_actor and self.spares is None:
             self._start_fresh(worker)
@@ -316,15 +339,86 @@ class WorkerGroup:
         return False
 
     def _start_fresh(self, w: Worker) -> None:
-        """A new worker process in the slot's placement group."""
+        """A new worker process in the slot's placement group: detached, claimed by this process
+        until it is up and handed to its node's agent (``_up``)."""
         r = self.spec.resources
         w.actor = self.actor_class.options(
-            name=f"{self.name_prefix}{w.slot}", num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
+            name=f"{self.name_prefix}{w.slot}", namespace=NAMESPACE, lifetime="detached", max_restarts=0,
+            num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker,
             **({"memory": r.memory_per_worker_gb * GB} if r.memory_per_worker_gb else {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=w.pg,
                                                                  placement_group_bundle_index=0),
-        ).remote(self.spec.to_dict())
+        ).remote(self.spec.to_dict(), self.owner_id)
         w.ready_ref = w.actor.prepare.remote()
+
+    # ------------------------------------------------------------------ node agents
+    def _record_launch(self) -> None:
+        """This process drives the launch: written once, before its first slot is asked for."""
+        if not self.owner_id:
+            self.owner_id = this_process()
+            launches.record(self.name_prefix, self.owner_id)
+
+    def mark_up(self, w: Worker, info: dict) -> None:
+        """``w`` is up on ``info["node_id"]``: it answers to its node's agent from now on (started
+        now if the node has none with room)."""
+        w.info = info
+        key = self._agent_for(w.node_id)
+        w.agent = key
+        self._agent_slots[key].add(w.slot)
+        agent = self.agents[key]
+        w.actor.hand_to.remote(agent._actor_id.hex())
+        agent.keep.remote({w.slot: (w.actor, w.pg)})
+
+    def _agent_for(self, node_id: str) -> tuple:
+        """The key of an agent of ``node_id`` with room for one more rank (at most
+        ``RANKS_PER_AGENT``), started if there is none."""
+        key = agent_with_room({k: len(v) for k, v in self._agent_slots.items()}, node_id, RANKS_PER_AGENT)
+        if key is not None:
+            return key
+        index = self._agents_made.get(node_id, 0)
+        self._agents_made[node_id] = index + 1
+        key = (node_id, index)
+        where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
+        agent = NodeAgent.options(name=launches.agent_name(self.name_prefix, node_id, index), namespace=NAMESPACE,
+                                  lifetime="detached", **where).remote(
+            self.name_prefix, node_id, self.owner_id, self.spec.elastic.orphan_timeout_s)
+        self.agents[key], self._agent_slots[key] = agent, set()
+        self._agent_ready[key] = agent.ping.remote()  # answers once the agent is up
+        log.info("node agent %d started on node %s", index, node_id[:8] or "?")
+        return key
+
+    def agent_answered(self, key: tuple) -> bool:
+        """Whether the agent of ``key`` is up (it answered its first call)."""
+        ref = self._agent_ready.get(key)
+        return ref is not None and bool(ray.wait([ref], timeout=0)[0])
+
+    def agent_lost(self, agent) -> None:
+        """An agent found dead (its call failed): its ranks died with it (their claim); a later
+        rank of its node gets a new one."""
+        for key in [k for k, a in self.agents.items() if a is agent]:
+            del self.agents[key]
+            self._agent_slots.pop(key, None)
+            self._agent_ready.pop(key, None)
+
+    def _forget_rank(self, w: Worker) -> None:
+        """``w`` left: no longer its agent's to end."""
+        if w.agent is None:
+            return
+        self._agent_slots.get(w.agent, set()).discard(w.slot)
+        agent = self.agents.get(w.agent)
+        if agent is not None:
+            try:
+                agent.drop.remote([w.slot])
+            except Exception:  # noqa: BLE001: the agent is gone: nothing to tell
+                pass
+
+    def _end_agents(self) -> None:
+        for agent in self.agents.values():
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:  # noqa: BLE001: gone already
+                pass
+        self.agents, self._agent_slots, self._agent_ready = {}, {}, {}
 
     def _start_actors(self, workers: list[Worker]) -> None:
         """Each placed slot's worker: a warm spare taken on the bundle's node, else a new spare
@@ -351,13 +445,14 @@ class WorkerGroup:
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for w in started:
             if w.ready_ref in done:
-                try:
-                    w.info = ray.get(w.ready_ref)
-                except ray.exceptions.RayError as exc:  # died while starting: drop, ask again later
-                    log.warning("worker slot %d failed to start: %s", w.slot, exc)
-                    self.pending.remove(w)
-                    self._release(w)
-                    continue
+                if not w.info:
+                    try:
+                        self.mark_up(w, ray.get(w.ready_ref))
+                    except ray.exceptions.RayError as exc:  # died while starting: drop, ask again later
+                        log.warning("worker slot %d failed to start: %s", w.slot, exc)
+                        self.pending.remove(w)
+                        self._release(w)
+                        continue
                 self.pending.remove(w)
                 ready.append(w)
         return ready
@@ -422,15 +517,20 @@ class WorkerGroup:
                 self.standby.remove(w)
         self._let_go(workers, healthy)
 
-    def _let_go(self, workers: list[Worker], healthy: bool) -> None:
+    def _let_go(self, workers: list[Worker], healthy: bool) -> list:
+        """Returns the references of the hand-backs (``TrainWorker.hand_to`` this process) of the
+        warm spares given back: each answers to this process again before its agent ends."""
         back = [w for w in workers if healthy and w.spare and w.node_id and self.spares is not None]
+        handed = [w.actor.hand_to.remote(self.owner_id) for w in back if w.agent is not None]
         if back and self.spares.give_back([(w.actor, w.node_id) for w in back]):
             for w in back:
                 with contextlib.suppress(Exception):
                     remove_placement_group(w.pg)
+                self._forget_rank(w)
             workers = [w for w in workers if w not in back]
         for w in workers:
             self._release(w)
+        return handed
 
     def reap(self, workers: list[Worker]) -> None:
         """SIGKILL the processes of workers that stopped answering, from their own node.
@@ -466,6 +566,7 @@ class WorkerGroup:
             remove_placement_group(w.pg)
         except Exception:
             pass
+        self._forget_rank(w)
 
     # ------------------------------------------------------------------ process group
     def form_process_group(self, timeout_s: float = 120.0) -> list[dict]:
@@ -506,9 +607,15 @@ class WorkerGroup:
     def shutdown(self, wait_s: float = 10.0, healthy: bool = False) -> None:
         """Kill every actor and remove every placement group of this launch, and wait (up to
         ``wait_s``) until Ray reports them gone: ``ray.kill`` only asks. With ``healthy`` (the
-        run ended as it was asked to), warm spares go back to the pool instead of being killed."""
-        self._let_go(self.workers + self.pending + self.standby, healthy)
+        run ended as it was asked to), warm spares go back to the pool instead of being killed;
+        then the agents end, and the launch's record goes."""
+        handed = self._let_go(self.workers + self.pending + self.standby, healthy)
         self.workers, self.pending, self.standby = [], [], []
+        if handed:  # a spare given back must not end with its agent: it answers to this process first
+            ray.wait(handed, num_returns=len(handed), timeout=HAND_BACK_WAIT_S)
+        self._end_agents()
+        if self.owner_id:
+            launches.forget(self.name_prefix)
         try:
             self._wait_gone(wait_s)
         finally:
@@ -590,39 +697,69 @@ def _remove(left: Leftover) -> None:
 def clean_up_leftovers(run_key: str, grace_s: float = 10.0, poll_s: float = 0.2) -> list[Leftover]:
     """Remove what earlier launches of ``run_key`` left behind; return what was removed.
 
-    Ray removes a dead driver's actors and placement groups by itself, within about 0.3 s; the
-    grace period covers that moment (a resume started right after the crash). Leftovers whose
-    creating job is dead are removed at once. Leftovers of a job that stays alive through the
-    grace period mean the earlier driver still runs: resuming would train the same run twice,
-    so that is an error.
+    A launch's owner is recorded in the GCS (``launches``): a launch whose owner is gone is
+    ended at once (``launches.end_launch``: its agents end their ranks, its slots are removed),
+    before its agents' own ``elastic.orphan_timeout_s`` would. Leftovers of no recorded launch
+    (a leak, another tool's) are removed once the Ray job that made them is dead; Ray removes a
+    dead driver's non-detached actors by itself within about 0.3 s, which the grace period
+    covers. Leftovers whose owner (or job) stays alive through the grace period mean the earlier
+    driver still runs: resuming would train the same run twice, so that is an error.
     """
+    me = this_process()
     my_job = ray.get_runtime_context().get_job_id()
     deadline = time.monotonic() + grace_s
     removed: dict[tuple[str, str], Leftover] = {}
+    ended: set[str] = set()
     while True:
-        left = [x for x in find_leftovers(run_key) if x.job_id != my_job]
-        if not left:
-            return list(removed.values())
-        live = _live_jobs()
-        for x in left:
-            if x.job_id not in live:  # removal is asynchronous: ask again only once
+        left, held, live = [], [], None
+        for x in find_leftovers(run_key):
+            prefix = launches.launch_prefix(x.name)
+            owner = launches.owner_of(prefix) if prefix else None
+            if owner is None and x.job_id == my_job:
+                continue  # this job's own, of no recorded launch
+            if owner == me:
+                continue  # this process's own launch
+            left.append(x)
+            if owner is not None:
+                if not owner_gone(owner):
+                    held.append((x, owner))
+                elif prefix not in ended:  # ended once: what is still listed goes meanwhile
+                    log.warning("ending launch %s of run %s: its driver (%s) is gone", prefix, run_key, owner)
+                    launches.end_launch(prefix)
+                    ended.add(prefix)
+                if owner_gone(owner):
+                    removed[(x.kind, x.name)] = x
+                continue
+            live = _live_jobs() if live is None else live
+            if x.job_id in live:
+                held.append((x, JOB_OWNER + x.job_id))
+            else:  # removal is asynchronous: ask again only once
                 if (x.kind, x.name) not in removed:
                     log.warning("removing %s %s left by Ray job %s, whose driver is gone",
                                 x.kind.replace("_", " "), x.name, x.job_id)
                     _remove(x)
                 removed[(x.kind, x.name)] = x
+        if not left:
+            return list(removed.values())
         if time.monotonic() >= deadline:
-            held = [x for x in left if x.job_id in live]
             if held:
-                jobs = sorted({x.job_id for x in held})
-                drivers = ", ".join(f"job {j} (driver pid {live[j].get('DriverPid')} on "
-                                    f"{live[j].get('DriverIPAddress')})" for j in jobs)
+                live = _live_jobs()
+                drivers = ", ".join(sorted({_driver_words(owner, live) for _, owner in held}))
                 raise UserError(
                     f"run {run_key} is still running: {len(held)} of its workers/placement groups "
-                    f"belong to the live Ray {drivers}; stop that driver (Ctrl-C, or `ray job "
+                    f"belong to the live {drivers}; stop that driver (Ctrl-C, or `ray job "
                     f"stop`) and resume again")
             raise UserError(
                 f"could not remove {len(left)} actors/placement groups left by an earlier driver "
                 f"of run {run_key} within {grace_s:g} s ({', '.join(x.name for x in left)}); "
                 f"check the cluster's state (`ray list actors`, `ray list placement-groups`)")
         time.sleep(poll_s)
+
+
+def _driver_words(owner: str, live: dict[str, dict]) -> str:
+    """An owner id as the error names it: a Ray job with its driver's pid and host, or an actor."""
+    if not owner.startswith(JOB_OWNER):
+        return f"actor {owner}"
+    job = owner[len(JOB_OWNER):]
+    info = live.get(job, {})
+    return f"Ray job {job} (driver pid {info.get('DriverPid')} on {info.get('DriverIPAddress')})"

@@ -67,12 +67,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import ray
 
+from raytrain_sys.control.launches import end_launches_of
 from raytrain_sys.control.spares import end_spares_of, find_pool
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
@@ -784,13 +786,18 @@ class Reconciler:
         self._forget(job_id)  # after the kill: its spares are ended once, with no runner left to adopt more
 
     def _forget(self, job_id: int) -> None:
-        """The job's runner is gone or being ended: its warm spares (workers a killed runner
-        cannot end) are ended now rather than when they notice."""
+        """The job's runner is gone or being ended: its warm spares and its launch (node agents,
+        their ranks and slots, which outlive a runner: ``launches``) are ended now rather than
+        when they notice, in the background: the pass goes on."""
         self._handles.pop(job_id, None)
         self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
         self._released.discard(job_id)
-        end_spares_of(self._runner_ids.pop(job_id, ""), wait=False)  # asked; the pass goes on
+        runner_id = self._runner_ids.pop(job_id, "")
+        end_spares_of(runner_id, wait=False)  # asked; the pass goes on
+        if runner_id:
+            threading.Thread(target=end_launches_of, args=(runner_id,), name=f"end-launches-{job_id}",
+                             daemon=True).start()
 
     def _last_actor(self, job: JobRecord) -> str:
         history = self.store.history(job.id)

@@ -158,7 +158,7 @@ class Membership:
             for w in started:
                 if w.ready_ref in done and not w.info:
                     try:
-                        w.info = ray.get(w.ready_ref)
+                        g.mark_up(w, ray.get(w.ready_ref))
                     except ray.exceptions.RayError:
                         continue  # died while starting: take_ready lets it go
                 up += [w] if w.ready_ref in done and w.info else []

@@ -66,9 +66,10 @@ SUMMARY_SHARE = 0.001
 # 7,000 a second, so they go every 26 s. summary.json's rank_times and the straggler events
 # are refreshed at every one regardless.
 RANK_METRICS_PER_S = 100.0
-# Node agents (control/node_agent.py: a lease to a node's ranks in one call from the driver) in
-# automatic mode (RAYTRAIN_NODE_AGENTS=auto), from this many members on: at 16 and 32 paced
-# stand-ins they saved nothing at the automatic lease (benchmarks/control_plane.py, 2026-11-27).
+# Leases through the node agents (control/node_agent.py: a lease to a node's ranks in one call
+# from the driver; on by default) in automatic mode (RAYTRAIN_NODE_AGENTS=auto), from this many
+# members on: at 16 and 32 paced stand-ins they saved nothing at the automatic lease
+# (benchmarks/control_plane.py, 2026-11-27).
 NODE_AGENTS_FROM = 32
 
 

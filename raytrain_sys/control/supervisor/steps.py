@@ -42,9 +42,7 @@ from typing import Callable
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raytrain_sys.control.node_agent import NodeAgent, node_runs
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
@@ -158,7 +156,7 @@ def report_results(reports: list[dict]) -> list[dict]:
             for r, s, c in zip(reports, loss, compute)]
 
 
-# RAYTRAIN_NODE_AGENTS: off (unset), on, or auto (from policy.NODE_AGENTS_FROM members); 1 and 0
+# RAYTRAIN_NODE_AGENTS: on (unset), off, or auto (from policy.NODE_AGENTS_FROM members); 1 and 0
 # as before auto existed.
 _NODE_AGENTS_ENV = os.environ.get("RAYTRAIN_NODE_AGENTS", "")
 
@@ -166,12 +164,10 @@ _NODE_AGENTS_ENV = os.environ.get("RAYTRAIN_NODE_AGENTS", "")
 class Steps:
     """The step ledger and the calls that move it, for one run."""
 
-    # One call per node per lease through a node agent (``node_agent``), not one per rank. Off by
-    # default: with the stand-ins paced at GPT-2 small's step (benchmarks/control_plane.py,
-    # 2026-11-27) they cut the driver's CPU 2-2.4x at one step a call but showed no gain at the
-    # automatic lease up to 64 ranks, and a stand-in process died in 2 of about 8 runs through them
-    # at 64 and 128 ranks, not yet explained (docs/SCALING.md, "Paced stand-ins").
-    node_agents = {"": "off", "1": "on", "0": "off"}.get(_NODE_AGENTS_ENV, _NODE_AGENTS_ENV)
+    # One call per agent per lease (``node_agent``: each node's ranks answer to its agent), not one
+    # per rank: the default. "off" (the driver calls every rank itself, the ranks still its agents')
+    # is kept to measure the two against each other (benchmarks/control_plane.py).
+    node_agents = {"": "on", "1": "on", "0": "off"}.get(_NODE_AGENTS_ENV, _NODE_AGENTS_ENV)
 
     def __init__(self, spec: JobSpec, data: DataPlane, group: WorkerGroup, task, summary: RunSummary,
                  tracker, on_step: Callable[[StepReport], None] | None, flops_per_token: float,
@@ -195,10 +191,6 @@ class Steps:
         self._group_steps = (0, 0)  # (generation, steps committed by that process group)
         self.cut_through = -1  # the newest lease a cut was asked for (``cut``)
         self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
-        self._agents: dict[tuple, object] = {}  # node_agents: (node, run) -> its NodeAgent
-        self._adopted: dict[tuple, tuple] = {}  # ... and the slots it was last told
-        self._agent_ready: dict[tuple, object] = {}  # ... and its first answer's reference
-        self.start_agents()  # the group is placed: its agents start beside its process group's forming
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
@@ -209,7 +201,6 @@ class Steps:
         self._run_t0 = time.perf_counter()
 
     def close(self) -> None:
-        self.forget_agents()
         if self._sample_log is not None:
             self._sample_log.close()
 
@@ -309,21 +300,25 @@ class Steps:
 
     def _through_agents(self, members: list[Worker], sent: list, step: int, timeout_s: float,
                         after: "_Dispatch | None") -> list:
-        """The lease to members 1.. in one call per node's agent (``node_agent``): the plan's
-        bytes once, each rank's rows and piece map, the node's pieces each once. Returns, per
-        agent, (agent, its call, the member indices it submitted for). A node's ranks change
-        path only at a lease with none sent ahead of it (``after``): a rank's leases come from
-        one caller, or their order is lost; the others are the driver's own calls, as without
-        agents."""
+        """The lease to members 1.. in one call per agent (``node_agent``: the members that answer
+        to it): the plan's bytes once, each rank's rows and piece map, the node's pieces each once.
+        Returns, per agent, (agent, its call, the member indices it submitted for). A member
+        changes path (its agent's call, or the driver's own) only at a lease with none sent ahead
+        of it (``after``): a rank's leases come from one caller, or their order is lost; and the
+        first lease through an agent waits for the agent to be up only at the run's start (later,
+        a member whose agent has not answered yet gets the driver's own call)."""
         count, steps, entries = sent[0][0][:3]
+        runs: dict[tuple, list[int]] = {}
+        for i in range(1, len(members)):
+            if members[i].agent in self.group.agents:
+                runs.setdefault(members[i].agent, []).append(i)
         out = []
-        for key, run in self._agent_runs(members):
-            idx = [i + 1 for i in run]
-            agent = self._agent(key, [members[i] for i in idx])
-            if after is None:  # the run's first lease waits for its agents (their start began with
-                # the group's forming, and no step time bounds its collectives yet); a later one
-                # takes an agent only once it answers (a newcomer's peers would time out on it)
-                through = not self._step_times or bool(ray.wait([self._agent_ready[key]], timeout=0)[0])
+        for key, idx in runs.items():
+            if not node_agents_on(self.node_agents, len(members), len(idx)):
+                continue
+            agent = self.group.agents[key]
+            if after is None:
+                through = not self._step_times or self.group.agent_answered(key)
             else:
                 through = any(a is agent for a, _, _ in after.agents)
             if not through:
@@ -333,64 +328,18 @@ class Steps:
                       tuple(pieces.setdefault(r, len(pieces)) for r in sent[i][1])) for i in idx]
             call = agent.lease.remote(self.leases, step, count, steps, entries, timeout_s, ranks, list(pieces))
             out.append((agent, call, idx))
+        self.summary.agent_calls += len(out)
         return out
 
-    def start_agents(self) -> None:
-        """The members' node agents started now (with the ledger, once the group is placed),
-        beside what comes before the first lease (the process group forming, a resume's restore): an agent's process takes 0.4-1.2 s to start
-        on a loaded machine, which the first lease would otherwise wait for."""
-        if self.spec.data.delivery != "driver":
-            members = list(self.group.workers)
-            for key, run in self._agent_runs(members):
-                self._agent(key, [members[i + 1] for i in run])
-
-    def _agent_runs(self, members: list[Worker]) -> list[tuple[tuple, list[int]]]:
-        """The runs of members 1.. (``node_agent.node_runs``) whose leases go through their
-        node's agent (``policy.node_agents_on``)."""
-        return [(key, run) for key, run in node_runs(members[1:])
-                if node_agents_on(self.node_agents, len(members), len(run))]
-
-    def _agent(self, key: tuple, ranks: list[Worker]):
-        """The agent of ``key`` (a node and a run of its ranks), started on that node at first
-        use, told its ranks when they changed."""
-        agent = self._agents.get(key)
-        if agent is None:
-            node = key[0]
-            where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)} if node else {}
-            agent = self._agents[key] = NodeAgent.options(num_cpus=0, **where).remote()
-            self._agent_ready[key] = agent.refs.remote(-1)  # answers once the agent is up
-            log.info("node agent started on node %s for workers %s", node[:8] or "?",
-                     ", ".join(str(w.slot) for w in ranks))
-        slots = tuple(w.slot for w in ranks)
-        if self._adopted.get(key) != slots:
-            agent.adopt.remote({w.slot: w.actor for w in ranks})
-            self._adopted[key] = slots
-        return agent
-
-    def forget_agents(self, dispatch: "_Dispatch | None" = None) -> None:
-        """After a failure: agents found lost are started afresh at their next use; with no
-        ``dispatch``, every agent is ended (the step loop ends)."""
-        if dispatch is None:
-            for agent in self._agents.values():
-                try:
-                    ray.kill(agent, no_restart=True)
-                except Exception:  # already gone
-                    pass
-            self._agents, self._adopted, self._agent_ready = {}, {}, {}
-            return
+    def forget_agents(self, dispatch: "_Dispatch") -> None:
+        """After a failed lease: an agent whose lease call failed is dead (its node lost), and its
+        ranks with it (their claim): the group forgets it."""
         for agent, call, _ in dispatch.agents:
             if ray.wait([call], timeout=0)[0]:
                 try:
                     ray.get(call)
-                    continue
                 except ray.exceptions.RayError:
-                    pass
-            else:
-                continue
-            for key in [k for k, a in self._agents.items() if a is agent]:
-                del self._agents[key]
-                self._adopted.pop(key, None)
-                self._agent_ready.pop(key, None)
+                    self.group.agent_lost(agent)
 
     def cut(self, running: "_Dispatch", through: int, end: int) -> None:
         """Cut the running lease short after step ``end - 1`` (or the step its rank 0 is in, if
@@ -562,10 +511,8 @@ class Steps:
                 self._summary_written = (time.perf_counter(), time.perf_counter() - now)
 
     def end(self) -> None:
-        """The run ends: its cost refreshed, its node agents ended (a run that failed before its
-        step loop, or between loops, has them too)."""
+        """The run ends: its cost refreshed."""
         self.record_cost()
-        self.forget_agents()
 
     def record_cost(self) -> None:
         """Refresh summary.json's cost (when priced) in the record, MLflow and Prometheus."""
