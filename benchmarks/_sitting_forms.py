@@ -65,6 +65,9 @@ class Point:
 
 @dataclass(frozen=True)
 class Figure:
+    """One figure a benchmark's result holds, read by ``extract`` (a number, a ``Point`` when the
+    run sets its goal's limit, None when that result has no such figure)."""
+
     key: str
     label: str
     unit: str  # "s", "ms", "x", "B", "MB", "%", "steps", "tokens/s", "us", "GB/s"
@@ -76,6 +79,8 @@ class Figure:
 
 @dataclass(frozen=True)
 class Benchmark:
+    """A script's standard form, as the sitting runs it and as the committed results hold it."""
+
     name: str
     script: str
     args: tuple[str, ...]  # the standard form's flags; "{work}" is the sitting's work dir
@@ -119,6 +124,18 @@ def from_benchmark(name: str, **config) -> Callable[[str, dict], bool]:
 
 def scheduler_section(name: str, *path) -> Callable[[dict], float | None]:
     return lambda d: dig(d, "sections", name, *path)
+
+
+WARM_START = ("first_step", "warm", "median_s")
+
+
+def scheduler_limited(path: tuple, factor: float, base: tuple) -> Callable[[dict], Point | None]:
+    """A scheduler.py figure whose goal is ``factor`` times another figure of the same run (the
+    reclaim within 1.2x the warm start): the limit that run sets, where it measured both."""
+    def extract(d: dict) -> Point | None:
+        value, of = dig(d, "sections", *path), dig(d, "sections", *base)
+        return None if value is None else Point(value, factor * of if of else None)
+    return extract
 
 
 def recovery_run(d: dict, fault: str, framework: str = "raytrain-sys", lease=(0, None)) -> dict | None:
@@ -208,6 +225,19 @@ def named(prefix: str, test: Callable[[dict], bool]) -> Callable[[str, dict], bo
     return lambda file, data: file.startswith(prefix) and not data.get("quick") and test(data)
 
 
+def data_throughput(name: str, epochs: int, repeats: int, what: str, expected_min: float,
+                    rows: tuple[Noise, Goal], more: tuple[Figure, ...] = ()) -> Benchmark:
+    """data_throughput.py's form over ``epochs``: our plane against pyarrow, ``repeats`` rounds;
+    first its rows/s over pyarrow's (median of the rounds' ratios), then ``more``."""
+    return Benchmark(
+        name, "data_throughput.py", ("--epochs", str(epochs), "--variants", "pyarrow,raytrain-sys",
+                                     "--repeats", str(repeats)),
+        what, expected_min=expected_min, timeout_min=8,
+        accepts=named("data_throughput", lambda d: d.get("epochs") == epochs),
+        figures=(Figure("rows", "rows/s over pyarrow's (median of rounds)", "x", "higher",
+                        within_rounds("rows_per_s"), *rows), *more))
+
+
 # ----------------------------------------------------------------------------- the registry
 
 BENCHMARKS: tuple[Benchmark, ...] = (
@@ -228,24 +258,19 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                    # 4-7): up to 20% of their median; quiet invocations 11-26..12-06: 6.32-9.67 s
                    scheduler_section("first_step", "fresh", "median_s"), Noise(rel=0.20)),
             Figure("warm_start_s", "submit to first step, warm spares and runner", "s", "lower",
-                   lambda d: (Point(w, 0.3 * f) if (w := dig(d, "sections", "first_step", "warm", "median_s"))
-                              and (f := dig(d, "sections", "first_step", "fresh", "median_s")) else None),
+                   scheduler_limited(("first_step", "warm", "median_s"), 0.3, ("first_step", "fresh", "median_s")),
                    # quiet invocations since the runner's start at nice 0 (11-27..12-06): 0.177, 0.258,
                    # 0.344, 0.308 s; one 12-06 round took 0.758 s
                    Noise(abs=0.17), Goal("<=", None, "0.3x the fresh start", "issue 26")),
             Figure("reclaim_s", "high-priority submit into a full cluster, to its first step", "s", "lower",
-                   lambda d: (Point(r, 1.2 * w) if (r := dig(d, "sections", "reclaim", "median_s"))
-                              and (w := dig(d, "sections", "first_step", "warm", "median_s")) else
-                              dig(d, "sections", "reclaim", "median_s")),
+                   scheduler_limited(("reclaim", "median_s"), 1.2, WARM_START),
                    # quiet invocations 11-27..12-06: 0.739, 0.797, 1.373, 0.833 s (0.63 s, 76% of 0.83)
                    Noise(rel=0.76), Goal("<=", None, "1.2x the warm start", "issue 26")),
             Figure("reclaim_redone", "steps redone by the reclaim's shrink", "steps", "lower",
                    scheduler_section("reclaim", "steps_redone_total"), Noise(abs=0),
                    Goal("<=", 0, "0", "issue 13")),
             Figure("handover_s", "a cancel to the next queued job's first step", "s", "lower",
-                   lambda d: (Point(h, 1.5 * w) if (h := dig(d, "sections", "handover", "median_s"))
-                              and (w := dig(d, "sections", "first_step", "warm", "median_s")) else
-                              dig(d, "sections", "handover", "median_s")),
+                   scheduler_limited(("handover", "median_s"), 1.5, WARM_START),
                    # rounds of 2026-11-26 (results/scheduler_handover_nov26b.json): 0.78 and 1.20 s, 42%
                    # of 0.99; invocations that day 1.23 and 0.99 s
                    Noise(rel=0.42), Goal("<=", None, "1.5x the warm start", "issue 28")),
@@ -355,37 +380,26 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                    # the two rounds of 2026-11-25: 0.168x and 0.184x (9%); 0.17x on 11-24
                    lambda d: data_path_row(d, "refs_over_raw"), Noise(rel=0.09), Goal(">=", 0.9, "0.9x", "issue 12")),
         )),
-    Benchmark(
-        "data_throughput_warm", "data_throughput.py",
-        ("--epochs", "40", "--variants", "pyarrow,raytrain-sys", "--repeats", "5"),
-        "our data plane and raw pyarrow reading the same shards, 40 epochs (a run's steady state)",
+    data_throughput(
+        "data_throughput_warm", 40, 5, "our data plane and raw pyarrow reading the same shards, 40 epochs "
+        "(a run's steady state)",
         # 10 reads of 1.0-1.3 s, a local Ray cluster's start, the first-batch probes
-        expected_min=1, timeout_min=8,
-        accepts=named("data_throughput", lambda d: d.get("epochs") == 40),
-        figures=(
-            Figure("rows", "rows/s over pyarrow's (median of rounds)", "x", "higher",
-                   # four invocations of this form on 2026-11-23: 0.81-0.88x (8% of 0.85)
-                   within_rounds("rows_per_s"), Noise(rel=0.08), Goal(">=", 0.9, "0.9x", "issue 12")),
-            Figure("cpu", "CPU per GB over pyarrow's (median of rounds)", "x", "lower",
-                   # the same four: 1.07-1.16x (8%)
-                   within_rounds("cpu_s_per_gb"), Noise(rel=0.08), Goal("<=", 1.2, "1.2x", "issue 12")),
-            Figure("first_batch_s", "a fresh plane's first batch, at 0% or 90% of an epoch", "s", "lower",
-                   # "0.01-0.03 s at 0% and 90%" since the plane's own read tasks (benchmarks/README.md)
-                   lambda d: max(d["first_batch_s"].values()) if d.get("first_batch_s") else None, Noise(abs=0.02),
-                   Goal("<=", 2.0, "2 s", "benchmarks/README.md, data_throughput.py")),
-        )),
-    Benchmark(
-        "data_throughput_cold", "data_throughput.py",
-        ("--epochs", "1", "--variants", "pyarrow,raytrain-sys", "--repeats", "9"),
-        "the same, one 10 MB epoch from a cold pipeline",
+        expected_min=1,
+        # four invocations of this form on 2026-11-23: 0.81-0.88x (8% of 0.85)
+        rows=(Noise(rel=0.08), Goal(">=", 0.9, "0.9x", "issue 12")),
+        more=(Figure("cpu", "CPU per GB over pyarrow's (median of rounds)", "x", "lower",
+                     # the same four: 1.07-1.16x (8%)
+                     within_rounds("cpu_s_per_gb"), Noise(rel=0.08), Goal("<=", 1.2, "1.2x", "issue 12")),
+              Figure("first_batch_s", "a fresh plane's first batch, at 0% or 90% of an epoch", "s", "lower",
+                     lambda d: max(d["first_batch_s"].values()) if d.get("first_batch_s") else None,
+                     # "0.01-0.03 s at 0% and 90%" since the plane's own read tasks (benchmarks/README.md)
+                     Noise(abs=0.02), Goal("<=", 2.0, "2 s", "benchmarks/README.md, data_throughput.py")))),
+    data_throughput(
+        "data_throughput_cold", 1, 9, "the same, one 10 MB epoch from a cold pipeline",
         # "each invocation lasts about 10 s" (HISTORY.md), and the cluster's start
-        expected_min=0.5, timeout_min=8,
-        accepts=named("data_throughput", lambda d: d.get("epochs") == 1),
-        figures=(
-            Figure("rows", "rows/s over pyarrow's (median of rounds)", "x", "higher",
-                   # three invocations of 2026-11-25: 0.38, 0.53, 0.57x, and 0.49x on 11-24 (37% of 0.51)
-                   within_rounds("rows_per_s"), Noise(rel=0.37), Goal(">=", 0.5, "0.5x", "issue 12")),
-        )),
+        expected_min=0.5,
+        # three invocations of 2026-11-25: 0.38, 0.53, 0.57x, and 0.49x on 11-24 (37% of 0.51)
+        rows=(Noise(rel=0.37), Goal(">=", 0.5, "0.5x", "issue 12"))),
     Benchmark(
         "control_plane", "control_plane.py",
         ("--workers", "64", "--steps-per-call", "0", "--node-agents", "off", "--steps", "2000",
@@ -509,7 +523,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             Figure("latency_us", "latency a hop (fit)", "us", "lower",
                    # one invocation (2026-11-24, load ~17): provisional, single runs here move by ±30%
                    # (benchmarks/README.md, ddp_overhead.py)
-                   lambda d: 1e6 * v if (v := dig(d, "fit", "latency_s")) else None, Noise(rel=0.30, provisional=True)),
+                   lambda d: 1e6 * v if (v := dig(d, "fit", "latency_s")) else None,
+                   Noise(rel=0.30, provisional=True)),
             Figure("busbw", "bus bandwidth (fit)", "GB/s", "higher",
                    lambda d: v / 1e9 if (v := dig(d, "fit", "busbw_bytes_per_s")) else None,
                    Noise(rel=0.30, provisional=True)),

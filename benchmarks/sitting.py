@@ -25,6 +25,7 @@ benchmark table (between its two markers) is the newest committed figure of each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -53,16 +54,17 @@ README_END = "<!-- end of the table written by benchmarks/sitting.py -->"
 # ----------------------------------------------------------------------------- verdicts (pure)
 
 @dataclass(frozen=True)
-class Dated:
-    """A figure as one committed run measured it: when (UTC, ISO 8601) and in which file."""
+class Dated(Point):
+    """A figure as one committed run measured it, with when (UTC, ISO 8601) and in which file."""
 
-    point: Point
-    when: str
-    source: str
+    when: str = ""
+    source: str = ""
 
 
 @dataclass(frozen=True)
 class Row:
+    """A line of the table: one figure of one benchmark, now and as last committed."""
+
     benchmark: Benchmark
     figure: Figure
     now: Point | None
@@ -87,10 +89,10 @@ def change_verdict(figure: Figure, now: Point | None, last: Dated | None) -> str
         return "-"
     if last is None:
         return "new"
-    worse_by = now.value - last.point.value
+    worse_by = now.value - last.value
     if figure.better == "higher":
         worse_by = -worse_by
-    band = figure.noise.width(last.point.value)
+    band = figure.noise.width(last.value)
     return "worse" if worse_by > band else "better" if worse_by < -band else "same"
 
 
@@ -115,7 +117,7 @@ def fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
     if unit in ("B", "MB", "steps", "tokens/s"):
-        return f"{value:,.0f}" + ("" if unit in ("tokens/s",) else f" {unit}")
+        return f"{value:,.0f}" + ("" if unit == "tokens/s" else f" {unit}")
     if unit in ("x", "shards"):
         digits = 3 if abs(value) < 0.1 else 2
         return f"{value:.{digits}f}" + ("x" if unit == "x" else " shards")
@@ -139,21 +141,19 @@ def day(when: str) -> str:
 def table(rows: list[Row]) -> list[str]:
     """The sitting's table: a line a figure, grouped by benchmark."""
     head = ("figure", "now", "goal", "met", "last committed", "noise", "vs last")
-    lines, shown = [], None
-    cells = []
+    cells, shown = [], None
     for r in rows:
         if r.benchmark.name != shown:
             shown = r.benchmark.name
             cells.append((f"{r.benchmark.name}: {r.benchmark.shown()}"
                           + ("" if r.status == "ok" else f"  [{r.status}]"),))
-        last = f"{fmt(r.last.point.value, r.figure.unit)} ({day(r.last.when)})" if r.last else "-"
+        last = f"{fmt(r.last.value, r.figure.unit)} ({day(r.last.when)})" if r.last else "-"
         cells.append((f"  {r.figure.label}", fmt(r.now.value if r.now else None, r.figure.unit),
                       goal_text(r.figure, r.now), goal_verdict(r.figure, r.now), last, r.figure.noise.text(),
                       change_verdict(r.figure, r.now, r.last)))
     widths = [max(len(c[i]) for c in [head, *cells] if len(c) > 1) for i in range(len(head))]
-    for c in [head, *cells]:
-        lines.append(c[0] if len(c) == 1 else "  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip())
-    return lines
+    return [c[0] if len(c) == 1 else "  ".join(x.ljust(w) for x, w in zip(c, widths)).rstrip()
+            for c in [head, *cells]]
 
 
 def readme_table(rows: list[Row]) -> list[str]:
@@ -165,10 +165,8 @@ def readme_table(rows: list[Row]) -> list[str]:
         first = r.benchmark.name != shown
         shown = r.benchmark.name
         bench = f"`{r.benchmark.shown()}`: {r.benchmark.what}" if first else ""
-        point = r.last.point if r.last else None
-        verdict = goal_verdict(r.figure, point)
-        goal = "-" if r.figure.goal is None else f"{goal_text(r.figure, point)}: {verdict}"
-        value = f"**{fmt(point.value, r.figure.unit)}**" if point else "not measured yet"
+        goal = "-" if r.figure.goal is None else f"{goal_text(r.figure, r.last)}: {goal_verdict(r.figure, r.last)}"
+        value = f"**{fmt(r.last.value, r.figure.unit)}**" if r.last else "not measured yet"
         when = f"{day(r.last.when)}, `{r.last.source}`" if r.last else "-"
         lines.append(f"| {bench} | {r.figure.label} | {value} | {goal} | {when} |")
     return lines
@@ -238,8 +236,8 @@ def history(results: dict[str, tuple[dict, str]], benchmarks=BENCHMARKS):
                 if run and run.get("form") == list(b.args):
                     for key, p in run.get("figures", {}).items():
                         found.setdefault((b.name, key), []).append(
-                            Dated(Point(p["value"], p.get("limit")), utc(run["started"]) if run.get("started")
-                                  else when, name))
+                            Dated(p["value"], p.get("limit"), utc(run["started"]) if run.get("started") else when,
+                                  name))
             continue
         for b in benchmarks:
             if not b.accepts(name, data):
@@ -251,7 +249,7 @@ def history(results: dict[str, tuple[dict, str]], benchmarks=BENCHMARKS):
                     errors.append(f"{name}: {b.name}.{f.key}: {type(e).__name__}: {e}")
                     continue
                 if point is not None:
-                    found.setdefault((b.name, f.key), []).append(Dated(point, when, name))
+                    found.setdefault((b.name, f.key), []).append(Dated(point.value, point.limit, when, name))
     return found, errors
 
 
@@ -314,18 +312,20 @@ def run_until(argv: list[str], out, left_s: float) -> int | None:
     try:
         return proc.wait(timeout=left_s)
     except subprocess.TimeoutExpired:
-        # SIGTERM first (a benchmark's finally stops its cluster), then SIGKILL for whatever of
-        # its group is left
-        for sig, grace_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
+        end_group(proc)
         return None
+
+
+def end_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """SIGTERM to ``proc``'s whole process group (a benchmark's ``finally`` stops its cluster), and
+    SIGKILL to whatever of it is left ``grace_s`` later."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def read_figures(b: Benchmark, raw: Path, record: dict) -> str:
@@ -355,9 +355,22 @@ def select(p: argparse.ArgumentParser, only: str, skip: str) -> list[Benchmark]:
     return [b for b in BENCHMARKS if b.name in keep and b.name not in drop]
 
 
-def print_list(chosen: list[Benchmark]) -> None:
+def last_sitting_minutes(results: dict[str, tuple[dict, str]]) -> dict[str, str]:
+    """Each form's minutes in the newest committed sitting that ran it, as ``"5.2 min on 2026-12-08"``:
+    what the expected minutes are checked against."""
+    minutes: dict[str, tuple[str, str]] = {}
+    for name, (data, when) in results.items():
+        if isinstance(data, dict) and data.get("benchmark") == "sitting":
+            for form, run in data.get("runs", {}).items():
+                if run.get("wall_s") and when > minutes.get(form, ("", ""))[0]:
+                    minutes[form] = (when, f"{run['wall_s'] / 60:.1f} min on {day(when)}")
+    return {form: text for form, (_, text) in minutes.items()}
+
+
+def print_list(chosen: list[Benchmark], measured: dict[str, str]) -> None:
     for b in chosen:
-        print(f"{b.name}: {b.shown()}  (~{b.expected_min:g} min, timeout {b.timeout_min:g} min)")
+        last = f"; {measured[b.name]}" if b.name in measured else ""
+        print(f"{b.name}: {b.shown()}  (~{b.expected_min:g} min expected{last}; timeout {b.timeout_min:g} min)")
         for f in b.figures:
             print(f"    {f.key}: {f.label} [{f.unit}, {f.better} is better]; goal {goal_text(f, None)}; "
                   f"noise {f.noise.text()}")
@@ -370,7 +383,7 @@ def print_history(chosen: list[Benchmark], found: dict, errors: list[str]) -> No
             points = sorted(found.get((b.name, f.key), []), key=lambda p: p.when)
             print(f"{b.name}.{f.key} ({f.unit}; noise {f.noise.text()}):")
             for p in points:
-                print(f"    {day(p.when)}  {fmt(p.point.value, f.unit):>14}  {p.source}")
+                print(f"    {day(p.when)}  {fmt(p.value, f.unit):>14}  {p.source}")
     for e in errors:
         print(f"extractor error: {e}")
 
@@ -417,10 +430,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="", help="the sitting's JSON (default benchmarks/results/sitting_<UTC time>.json)")
     args = p.parse_args(argv)
     chosen = select(p, args.only, args.skip)
+    results = committed_results()
     if args.list:
-        print_list(chosen)
+        print_list(chosen, last_sitting_minutes(results))
         return 0
-    found, errors = history(committed_results())
+    found, errors = history(results)
     if args.history:
         print_history(chosen, found, errors)
         return 0

@@ -24,7 +24,7 @@ def fig(better="lower", goal=None, noise=Noise(rel=0.25), unit="s") -> Figure:
 
 
 def dated(value, when="2026-12-01T00:00:00+00:00", source="a.json", limit=None) -> sitting.Dated:
-    return sitting.Dated(Point(value, limit), when, source)
+    return sitting.Dated(value, limit, when, source)
 
 
 @pytest.mark.parametrize("figure, point, verdict", [
@@ -119,7 +119,7 @@ BENCH = Benchmark("fake", "fake.py", ("--form",), "a fake", 1, 1,
 def test_a_failed_benchmark_is_rows_that_say_so_with_the_last_figure_beside():
     rows = sitting.make_rows([BENCH], {}, {"fake": "timed out after 20 min"}, {("fake", "f"): [dated(1.5)]})
     [row] = rows
-    assert row.now is None and row.last.point.value == 1.5 and row.status == "timed out after 20 min"
+    assert row.now is None and row.last.value == 1.5 and row.status == "timed out after 20 min"
     lines = sitting.table(rows)
     assert "[timed out after 20 min]" in lines[1]
     assert lines[2].split()[-1] == "-" and sitting.worse_or_missing(rows) == rows
@@ -156,7 +156,7 @@ def test_replace_table(text, ok):
 
 # ----------------------------------------------------------------------------- the committed results
 
-@pytest.mark.parametrize("bench, file, key, value, limit", [
+EXTRACTED = [  # (form, committed file, figure, its value there, the limit its run set)
     ("scheduler", "scheduler.json", "pause_slack_s", 0.275, None),
     ("scheduler", "scheduler_reclaim_dec06.json", "reclaim_s", 0.833, 1.2 * 0.308),
     ("scheduler", "scheduler_handover_nov26b.json", "handover_s", 0.986, 1.5 * 0.661),
@@ -180,7 +180,11 @@ def test_replace_table(text, ok):
     ("allreduce_gloo", "allreduce_gloo.json", "latency_us", 67.72, None),
     ("parallel", "parallel.json", "ddp_tokens", 16825.1, None),
     ("plots_overhead", "plots_overhead.json", "child", 1.1641, None),
-], ids=lambda x: str(x))
+]
+
+
+@pytest.mark.parametrize("bench, file, key, value, limit", EXTRACTED,
+                         ids=[f"{b}'s {k} is read from {f}" for b, f, k, _, _ in EXTRACTED])
 def test_each_extractor_reads_its_committed_result(bench, file, key, value, limit):
     b = forms.BY_NAME[bench]
     data = json.loads((RESULTS / file).read_text())
@@ -217,7 +221,8 @@ def test_a_result_of_another_form_is_not_a_last_figure(bench, file):
 
 
 @pytest.mark.parametrize("bench, file", [("scheduler", "scheduler.json"), ("recovery", "recovery.json"),
-                                         ("checkpoint", "checkpoint.json")], ids=lambda x: str(x))
+                                         ("checkpoint", "checkpoint.json")],
+                         ids=["scheduler.py's", "recovery.py's", "checkpoint.py's"])
 def test_a_smoke_test_of_the_same_flags_is_not_the_standard_form(bench, file):
     data = json.loads((RESULTS / file).read_text())
     assert forms.BY_NAME[bench].accepts(file, data)
@@ -303,3 +308,12 @@ def test_a_failed_setup_stops_the_benchmark_before_it_runs(tmp_path):
     b = fake(tmp_path, "json.dump({'f': 1.0}, open(out, 'w'))\n", setup=("-c", "import sys; sys.exit(4)"))
     run = sitting.run_benchmark(b, tmp_path, 60)
     assert run["status"] == "setup failed (exit 4)" and not (tmp_path / "fake.json").exists()
+
+
+def test_the_list_shows_each_forms_minutes_in_the_newest_sitting_that_ran_it():
+    def one(minutes: float) -> dict:
+        return {"benchmark": "sitting", "runs": {"sweep": {"wall_s": 60 * minutes}}}
+    results = {"sitting_a.json": (one(9.0), "2026-12-08T00:00:00+00:00"),
+               "sitting_b.json": (one(7.5), "2026-12-09T00:00:00+00:00"),
+               "sweep_dec06.json": ({"benchmark": "sweep", "elapsed_s": 501.6}, "2026-12-06T01:44:19+00:00")}
+    assert sitting.last_sitting_minutes(results) == {"sweep": "7.5 min on 2026-12-09"}
