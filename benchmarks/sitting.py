@@ -11,7 +11,7 @@ fails or outlives its timeout is a row that says so; the sitting goes on to the 
     .venv/bin/python benchmarks/sitting.py --list                 # forms, figures, goals, bands, expected minutes
     .venv/bin/python benchmarks/sitting.py --from-results benchmarks/results/sitting_20261207-0300.json
     .venv/bin/python benchmarks/sitting.py --readme --from-results FILE   # the README's table, FILE's figures newest
-    .venv/bin/python benchmarks/sitting.py --history scheduler    # every committed figure the bands come from
+    .venv/bin/python benchmarks/sitting.py --history --only scheduler   # the committed figures the bands come from
 
 The sitting writes one JSON, ``benchmarks/results/sitting_<UTC time>.json`` (each benchmark's
 command, exit status, minutes, figures and where its raw JSON and log were kept), and prints one
