@@ -31,7 +31,7 @@ the leavers before their pieces were stored, and the rebuild failed (fixed with 
     .venv/bin/python benchmarks/reshard_memory.py                 # ~2 min on 2 cores
     .venv/bin/python benchmarks/reshard_memory.py --before e8188ef  # and today's-path figures, ~4 min
 
-Results go to benchmarks/results/reshard_memory.json.
+Results go to benchmarks/results/reshard_memory.json (``--out`` to write elsewhere).
 """
 
 from __future__ import annotations
@@ -212,6 +212,7 @@ def run_variant(label: str, code_dir: Path, shrink: bool = True) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", default="", help="also run the code of this commit (today's path)")
+    p.add_argument("--out", default=str(HERE / "results" / "reshard_memory.json"))
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
     p.add_argument("--no-shrink", action="store_true", help=argparse.SUPPRESS)
@@ -245,7 +246,7 @@ def main() -> None:
               f"{v['worst_anon_state_ratio']:.2f} (RssAnon; RSS: {v['worst_rss_ratio']:.2f}, "
               f"{v['worst_rss_state_ratio']:.2f}); goal <= 1.5; world sizes {v['world_sizes']}; "
               f"{v['wall_s']:.0f} s\n")
-    results = HERE / "results" / "reshard_memory.json"
+    results = Path(args.out)
     results.write_text(json.dumps({"model": MODEL, "steps": STEPS, "variants": variants}, indent=1) + "\n")
     print(f"wrote {results}")
 

@@ -9,6 +9,8 @@ ratio within a round (hook / built-in step time); 1.00 means no cost.
 
     .venv/bin/python benchmarks/step_breakdown.py
     .venv/bin/python benchmarks/step_breakdown.py --rounds 9 --steps 20 --n-embd 256
+
+Results go to benchmarks/results/step_breakdown.json (``--out`` to write elsewhere).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import _common as common
 
 
 def _rank(rank: int, world: int, port: int, args, out) -> None:
@@ -75,7 +79,9 @@ def main() -> None:
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step_breakdown.json"))
     args = p.parse_args()
+    loadavg = os.getloadavg()
     import socket
 
     with socket.socket() as s:
@@ -92,6 +98,9 @@ def main() -> None:
     print(f"step time with the timing hook / DDP's built-in all-reduce, per round: "
           f"{' '.join(f'{r:.3f}' for r in ratios)}")
     print(f"median {statistics.median(ratios):.3f}x over {len(ratios)} rounds of {args.steps} steps")
+    common.write_report(args.out, common.report_head("step_breakdown", False, loadavg) | {
+        "args": {k: v for k, v in vars(args).items() if k != "out"}, "ratios": ratios,
+        "median": statistics.median(ratios)})
 
 
 if __name__ == "__main__":
