@@ -712,33 +712,37 @@ def clean_up_leftovers(run_key: str, grace_s: float = 10.0, poll_s: float = 0.2)
     ended: set[str] = set()
     while True:
         left, held, live = [], [], None
-        for x in find_leftovers(run_key):
+        found = find_leftovers(run_key)
+        owners = {}  # launch prefix -> its recorded owner (None: no record), read once a look
+        for x in found:
             prefix = launches.launch_prefix(x.name)
-            owner = launches.owner_of(prefix) if prefix else None
-            if owner is None and x.job_id == my_job:
-                continue  # this job's own, of no recorded launch
-            if owner == me:
-                continue  # this process's own launch
+            if prefix not in owners:
+                owners[prefix] = launches.owner_of(prefix) if prefix else None
+        gone = {p for p, owner in owners.items() if owner is not None and owner_gone(owner)}
+        for prefix in gone - ended:
+            log.warning("ending launch %s of run %s: its driver (%s) is gone", prefix, run_key, owners[prefix])
+            launches.end_launch(prefix)
+            ended.add(prefix)
+        for x in found:
+            prefix = launches.launch_prefix(x.name)
+            owner = owners.get(prefix) or (prefix in ended and "ended") or None
+            if owner == me or (owner is None and x.job_id == my_job):
+                continue  # this process's own launch, or this job's own of no recorded launch
             left.append(x)
-            if owner is not None:
-                if not owner_gone(owner):
-                    held.append((x, owner))
-                elif prefix not in ended:  # ended once: what is still listed goes meanwhile
-                    log.warning("ending launch %s of run %s: its driver (%s) is gone", prefix, run_key, owner)
-                    launches.end_launch(prefix)
-                    ended.add(prefix)
-                if owner_gone(owner):
+            if prefix in ended:
+                removed[(x.kind, x.name)] = x  # ended: what is still listed goes meanwhile
+            elif owner is not None:
+                held.append((x, owner))
+            else:
+                live = _live_jobs() if live is None else live
+                if x.job_id in live:
+                    held.append((x, JOB_OWNER + x.job_id))
+                else:  # removal is asynchronous: ask again only once
+                    if (x.kind, x.name) not in removed:
+                        log.warning("removing %s %s left by Ray job %s, whose driver is gone",
+                                    x.kind.replace("_", " "), x.name, x.job_id)
+                        _remove(x)
                     removed[(x.kind, x.name)] = x
-                continue
-            live = _live_jobs() if live is None else live
-            if x.job_id in live:
-                held.append((x, JOB_OWNER + x.job_id))
-            else:  # removal is asynchronous: ask again only once
-                if (x.kind, x.name) not in removed:
-                    log.warning("removing %s %s left by Ray job %s, whose driver is gone",
-                                x.kind.replace("_", " "), x.name, x.job_id)
-                    _remove(x)
-                removed[(x.kind, x.name)] = x
         if not left:
             return list(removed.values())
         if time.monotonic() >= deadline:
