@@ -391,7 +391,16 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
     def on_step(report) -> None:
         marks.append((report.step, time.perf_counter(), time.process_time()))
         if report.step in (skip, args.steps):
-            snaps[str(report.step)] = {"threads": thread_times(), "wall": time.perf_counter()}
+            snaps[str(report.step)] = {"threads": thread_times(), "wall": time.perf_counter(),
+                                       "agents": agent_cpu()}
+
+    def agent_cpu() -> dict[str, float]:
+        """Each node agent's process CPU seconds so far (NodeAgent.ping), by its name."""
+        import ray
+
+        agents = dict(sup.group.agents) if sup.group is not None else {}
+        answers = ray.get([a.ping.remote() for a in agents.values()], timeout=60)
+        return {f"{key[0][:8]}:{key[1]}": x["cpu_s"] for key, x in zip(agents, answers)}
 
     sup = sv.Supervisor(spec, on_step=on_step)
 
@@ -476,6 +485,9 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         by_kind[kind] = by_kind.get(kind, 0.0) + cpu - a.get(tid, 0.0)
     by_kind = {k: 1e3 * v / steps for k, v in sorted(by_kind.items())}
     first_step_at = marks[0][1] - t0 if marks else float("nan")
+    # Each node agent's own CPU a step over the measured window (one process per 8 ranks here).
+    a0, a1 = snaps[str(skip)]["agents"], snaps[str(args.steps)]["agents"]
+    agent_ms = sorted(1e3 * (a1[k] - a0[k]) / steps for k in a1 if k in a0)
     return {
         "workers": n,
         "stand_in_processes": math.ceil(n / args.ranks_per_actor),
@@ -497,6 +509,8 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
                     "mean": statistics.fmean(wall_ms)},
         "methods": methods,
         "driver_cpu_ms_per_step_by_thread": by_kind,
+        "agent_cpu_ms_per_step": {"agents": len(agent_ms), "max": agent_ms[-1] if agent_ms else None,
+                                  "median": statistics.median(agent_ms) if agent_ms else None},
         "liveness_ping_round_ms": {
             "wall_median": 1e3 * statistics.median(x[0] for x in liveness) if liveness else None,
             "main_cpu_median": 1e3 * statistics.median(x[1] for x in liveness) if liveness else None,
@@ -574,6 +588,12 @@ def report(runs: list[dict], fits: dict) -> list[str]:
     for r in runs:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in r["driver_cpu_ms_per_step_by_thread"].items())
         lines.append(f"  N={r['workers']:>3}: {parts}")
+    lines.append("each node agent's own CPU ms/step (one agent per 8 ranks; goal: at most 1 ms a node):")
+    for r in runs:
+        a = r.get("agent_cpu_ms_per_step") or {}
+        if a.get("agents"):
+            lines.append(f"  N={r['workers']:>3} ({r['node_agents']}): {a['agents']} agents, median {a['median']:.3f}, "
+                         f"max {a['max']:.3f}")
     for key, label in (("driver_cpu", "driver CPU"), ("wall", "wall")):
         f = fits[key]
         lines.append(f"fit {label:>10}: {f['a_ms']:.2f} ms + {f['b_ms_per_worker'] * 1000:.1f} us x N "

@@ -140,10 +140,12 @@ def end_launch(prefix: str, agents_first: bool = True, timeout_s: float = 10.0) 
     return len(handles) + groups
 
 
-def end_launches_of(owner_id: str) -> int:
-    """End every launch ``owner_id`` supervises (the job service killed that runner: its ranks
-    would otherwise train on, orphaned, until their agents' ``elastic.orphan_timeout_s``).
-    Returns how many launches there were."""
+def end_launches_of(owner_id: str, agents_first: bool = False) -> int:
+    """End every launch ``owner_id`` supervises (the job service killed that runner, or found it
+    gone: its ranks would otherwise train on, orphaned, until their agents'
+    ``elastic.orphan_timeout_s``). By default without waiting for the agents to end their ranks:
+    every actor of the launch is killed by name (the ranks claimed by an agent end with it), so
+    the caller waits only for the GCS. Returns how many launches there were."""
     if not owner_id:
         return 0
     try:
@@ -153,7 +155,7 @@ def end_launches_of(owner_id: str) -> int:
         return 0
     for prefix in mine:
         try:
-            end_launch(prefix)
+            end_launch(prefix, agents_first=agents_first)
         except Exception as exc:  # noqa: BLE001: the agents end it later anyway
             log.warning("could not end launch %s: %s", prefix, exc)
     return len(mine)

@@ -95,10 +95,11 @@ class NodeAgent:
 
     @ray.method(concurrency_group="control")
     def ping(self) -> dict:
-        """The agent's node, its owner and its ranks' slots."""
+        """The agent's node, its owner, its ranks' slots, and its process's CPU seconds so far."""
+        times = os.times()
         with self._lock:
             return {"node_id": self.node_id, "owner": self._owner, "slots": sorted(self._ranks),
-                    "pid": os.getpid()}
+                    "pid": os.getpid(), "cpu_s": times.user + times.system}
 
     @ray.method(concurrency_group="control")
     def end(self) -> int:

@@ -211,8 +211,8 @@ class Worker:
         return self.info.get("node_id", "")
 
 
-# How long the end of a run waits for its warm spares given back to answer to its driver again
-# (a control-path call: milliseconds) before their agents end.
+# How long a warm spare given back is waited for to answer to its driver again (a control-path
+# call: milliseconds) before its agent may end.
 HAND_BACK_WAIT_S = 2.0
 
 
@@ -249,11 +249,13 @@ class WorkerGroup:
         # the first slot is asked for (``launches.record``): the agents end the launch once it is gone.
         self.owner_id = ""
         # Node agents (``node_agent``): (node id, index) -> its handle; the slots each one holds;
-        # its first answer's reference (``agent_answered``); how many each node has had.
+        # its first answer's reference (``hand_over``); how many each node has had.
         self.agents: dict[tuple, Any] = {}
         self._agent_slots: dict[tuple, set[int]] = {}
         self._agent_ready: dict[tuple, Any] = {}
         self._agents_made: dict[str, int] = {}
+        self._to_hand: dict[tuple, list[Worker]] = {}  # ranks up, waiting for their agent to be (``hand_over``)
+        self._handed: set[int] = set()  # slots handed to their agent
 
     # ------------------------------------------------------------------ resources
     def _bundle(self) -> dict[str, float]:
@@ -359,15 +361,56 @@ class WorkerGroup:
             launches.record(self.name_prefix, self.owner_id)
 
     def mark_up(self, w: Worker, info: dict) -> None:
-        """``w`` is up on ``info["node_id"]``: it answers to its node's agent from now on (started
-        now if the node has none with room)."""
+        """``w`` is up on ``info["node_id"]``: it will answer to its node's agent (started now if
+        the node has none with room), from the moment that agent is up (``hand_over``)."""
         w.info = info
         key = self._agent_for(w.node_id)
         w.agent = key
         self._agent_slots[key].add(w.slot)
-        agent = self.agents[key]
-        w.actor.hand_to.remote(agent._actor_id.hex())
-        agent.keep.remote({w.slot: (w.actor, w.pg)})
+        self._to_hand.setdefault(key, []).append(w)
+        self.hand_over()
+
+    def hand_over(self) -> None:
+        """Ranks waiting for their agent go to it once it is up (it answered its first call):
+        each is claimed by it from then on (``TrainWorker.hand_to``) and the agent holds it
+        (``keep``). Until then a rank stays its driver's: a rank never depends on an agent that
+        is not up (one that cannot start there, a node draining say, would end it). An agent
+        that failed to start is forgotten; its ranks stay the driver's."""
+        for key in [k for k, ws in self._to_hand.items() if ws]:
+            ref = self._agent_ready.get(key)
+            if ref is None or not ray.wait([ref], timeout=0)[0]:
+                continue
+            waiting = self._to_hand.pop(key)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                log.warning("node agent %d on node %s did not start (%s): its %d rank(s) stay this process's",
+                            key[1], key[0][:8], type(exc).__name__, len(waiting))
+                self.agents.pop(key, None)
+                self._agent_ready.pop(key, None)
+                for w in waiting:
+                    w.agent = None
+                self._agent_slots.pop(key, None)
+                continue
+            agent = self.agents[key]
+            for w in waiting:
+                w.actor.hand_to.remote(agent._actor_id.hex())
+            agent.keep.remote({w.slot: (w.actor, w.pg) for w in waiting})
+            self._handed.update(w.slot for w in waiting)
+
+    def await_agents(self, timeout_s: float) -> None:
+        """Wait (up to ``timeout_s``) for the agents that ranks wait for to be up, then hand those
+        ranks over: a run's first lease, so that its leases go through the agents from the start
+        (their start began as the slots were placed, beside the workers' own)."""
+        refs = [self._agent_ready[k] for k, ws in self._to_hand.items() if ws and k in self._agent_ready]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self.hand_over()
+
+    def handed(self, key: tuple, slots: list[int]) -> bool:
+        """Whether every one of ``slots`` answers to the agent of ``key`` (so that the agent can
+        take their leases)."""
+        return key in self.agents and all(s in self._handed and s in self._agent_slots[key] for s in slots)
 
     def _agent_for(self, node_id: str) -> tuple:
         """The key of an agent of ``node_id`` with room for one more rank (at most
@@ -387,11 +430,6 @@ class WorkerGroup:
         log.info("node agent %d started on node %s", index, node_id[:8] or "?")
         return key
 
-    def agent_answered(self, key: tuple) -> bool:
-        """Whether the agent of ``key`` is up (it answered its first call)."""
-        ref = self._agent_ready.get(key)
-        return ref is not None and bool(ray.wait([ref], timeout=0)[0])
-
     def agent_lost(self, agent) -> None:
         """An agent found dead (its call failed): its ranks died with it (their claim); a later
         rank of its node gets a new one."""
@@ -399,18 +437,29 @@ class WorkerGroup:
             del self.agents[key]
             self._agent_slots.pop(key, None)
             self._agent_ready.pop(key, None)
+            self._to_hand.pop(key, None)
 
     def _forget_rank(self, w: Worker) -> None:
-        """``w`` left: no longer its agent's to end."""
+        """``w`` left: no longer its agent's to end. An agent left with no rank ends (it would
+        keep a drained node from ending when its last slot goes, as Ray ends an idle drained
+        node): a later rank of its node starts another."""
+        self._handed.discard(w.slot)
         if w.agent is None:
             return
-        self._agent_slots.get(w.agent, set()).discard(w.slot)
+        slots = self._agent_slots.get(w.agent, set())
+        slots.discard(w.slot)
+        self._to_hand[w.agent] = [x for x in self._to_hand.get(w.agent, []) if x.slot != w.slot]
         agent = self.agents.get(w.agent)
-        if agent is not None:
-            try:
+        if agent is None:
+            return
+        try:
+            if slots:
                 agent.drop.remote([w.slot])
-            except Exception:  # noqa: BLE001: the agent is gone: nothing to tell
-                pass
+            else:
+                ray.kill(agent, no_restart=True)
+                self.agent_lost(agent)
+        except Exception:  # noqa: BLE001: the agent is gone: nothing to tell
+            pass
 
     def _end_agents(self) -> None:
         for agent in self.agents.values():
@@ -418,7 +467,8 @@ class WorkerGroup:
                 ray.kill(agent, no_restart=True)
             except Exception:  # noqa: BLE001: gone already
                 pass
-        self.agents, self._agent_slots, self._agent_ready = {}, {}, {}
+        self.agents, self._agent_slots, self._agent_ready, self._to_hand = {}, {}, {}, {}
+        self._handed = set()
 
     def _start_actors(self, workers: list[Worker]) -> None:
         """Each placed slot's worker: a warm spare taken on the bundle's node, else a new spare
@@ -427,6 +477,9 @@ class WorkerGroup:
         of its own."""
         tables = [ray.util.placement_group_table(w.pg) for w in workers]
         node_ids = [t["bundles_to_node_id"][0] for t in tables]
+        for node_id in dict.fromkeys(node_ids):  # its agent starts beside the workers, not after them
+            if not any(key[0] == node_id for key in self.agents):
+                self._agent_for(node_id)
         spec_dict = self.spec.to_dict()
         for w, node_id, spare in zip(workers, node_ids, self.spares.take(node_ids)):
             self.spares_used += spare is not None
@@ -517,11 +570,14 @@ class WorkerGroup:
                 self.standby.remove(w)
         self._let_go(workers, healthy)
 
-    def _let_go(self, workers: list[Worker], healthy: bool) -> list:
-        """Returns the references of the hand-backs (``TrainWorker.hand_to`` this process) of the
-        warm spares given back: each answers to this process again before its agent ends."""
+    def _let_go(self, workers: list[Worker], healthy: bool) -> None:
+        """Warm spares that leave healthy go back to the pool, answering to this process again
+        first (``TrainWorker.hand_to``, waited for: their agent may end next); the rest are
+        killed, and every slot removed."""
         back = [w for w in workers if healthy and w.spare and w.node_id and self.spares is not None]
-        handed = [w.actor.hand_to.remote(self.owner_id) for w in back if w.agent is not None]
+        handed = [w.actor.hand_to.remote(self.owner_id) for w in back if w.slot in self._handed]
+        if handed:  # a control-path call: milliseconds
+            ray.wait(handed, num_returns=len(handed), timeout=HAND_BACK_WAIT_S)
         if back and self.spares.give_back([(w.actor, w.node_id) for w in back]):
             for w in back:
                 with contextlib.suppress(Exception):
@@ -530,7 +586,6 @@ class WorkerGroup:
             workers = [w for w in workers if w not in back]
         for w in workers:
             self._release(w)
-        return handed
 
     def reap(self, workers: list[Worker]) -> None:
         """SIGKILL the processes of workers that stopped answering, from their own node.
@@ -609,10 +664,8 @@ class WorkerGroup:
         ``wait_s``) until Ray reports them gone: ``ray.kill`` only asks. With ``healthy`` (the
         run ended as it was asked to), warm spares go back to the pool instead of being killed;
         then the agents end, and the launch's record goes."""
-        handed = self._let_go(self.workers + self.pending + self.standby, healthy)
+        self._let_go(self.workers + self.pending + self.standby, healthy)
         self.workers, self.pending, self.standby = [], [], []
-        if handed:  # a spare given back must not end with its agent: it answers to this process first
-            ray.wait(handed, num_returns=len(handed), timeout=HAND_BACK_WAIT_S)
         self._end_agents()
         if self.owner_id:
             launches.forget(self.name_prefix)

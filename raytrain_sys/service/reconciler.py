@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -788,7 +787,8 @@ class Reconciler:
     def _forget(self, job_id: int) -> None:
         """The job's runner is gone or being ended: its warm spares and its launch (node agents,
         their ranks and slots, which outlive a runner: ``launches``) are ended now rather than
-        when they notice, in the background: the pass goes on."""
+        when they notice (the spares asked of the pool, which may be slow; the launch killed
+        through the GCS, milliseconds)."""
         self._handles.pop(job_id, None)
         self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
@@ -796,8 +796,7 @@ class Reconciler:
         runner_id = self._runner_ids.pop(job_id, "")
         end_spares_of(runner_id, wait=False)  # asked; the pass goes on
         if runner_id:
-            threading.Thread(target=end_launches_of, args=(runner_id,), name=f"end-launches-{job_id}",
-                             daemon=True).start()
+            end_launches_of(runner_id)
 
     def _last_actor(self, job: JobRecord) -> str:
         history = self.store.history(job.id)

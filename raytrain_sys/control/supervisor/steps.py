@@ -156,6 +156,10 @@ def report_results(reports: list[dict]) -> list[dict]:
             for r, s, c in zip(reports, loss, compute)]
 
 
+# How long a step loop's first lease waits for the node agents to be up (their start began as the
+# slots were placed; a new process takes 0.4-1.2 s on a loaded 2-core machine); past it, the ranks
+# whose agent is not up get the driver's own calls until a lease with none sent ahead of it.
+AGENTS_START_WAIT_S = 10.0
 # RAYTRAIN_NODE_AGENTS: on (unset), off, or auto (from policy.NODE_AGENTS_FROM members); 1 and 0
 # as before auto existed.
 _NODE_AGENTS_ENV = os.environ.get("RAYTRAIN_NODE_AGENTS", "")
@@ -304,10 +308,13 @@ class Steps:
         to it): the plan's bytes once, each rank's rows and piece map, the node's pieces each once.
         Returns, per agent, (agent, its call, the member indices it submitted for). A member
         changes path (its agent's call, or the driver's own) only at a lease with none sent ahead
-        of it (``after``): a rank's leases come from one caller, or their order is lost; and the
-        first lease through an agent waits for the agent to be up only at the run's start (later,
-        a member whose agent has not answered yet gets the driver's own call)."""
+        of it (``after``): a rank's leases come from one caller, or their order is lost; and only
+        once every one of them answers to the agent (``WorkerGroup.hand_over``: the agent is up)."""
         count, steps, entries = sent[0][0][:3]
+        if after is None and not self._step_times:  # the loop's first lease: through the agents from the start
+            self.group.await_agents(AGENTS_START_WAIT_S)
+        else:
+            self.group.hand_over()
         runs: dict[tuple, list[int]] = {}
         for i in range(1, len(members)):
             if members[i].agent in self.group.agents:
@@ -318,7 +325,7 @@ class Steps:
                 continue
             agent = self.group.agents[key]
             if after is None:
-                through = not self._step_times or self.group.agent_answered(key)
+                through = self.group.handed(key, [members[i].slot for i in idx])
             else:
                 through = any(a is agent for a, _, _ in after.agents)
             if not through:
