@@ -215,7 +215,7 @@ def stand_in_node_class():
         def shutdown(self, i) -> None:
             pass
 
-        def train_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1) -> int:
+        def train_steps(self, i, first, plans, collective_timeout_s, *pieces, lease=-1, after=None) -> int:
             with self.ranks[i].turn(first):
                 return len(list(self.ranks[i].lease(first, lease_plans(plans))))
 
@@ -398,7 +398,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         """Each node agent's process CPU seconds so far (NodeAgent.ping), by its name."""
         import ray
 
-        agents = dict(sup.group.agents) if sup.group is not None else {}
+        agents = dict(sup.group.agents.handles) if sup.group is not None else {}
         answers = ray.get([a.ping.remote() for a in agents.values()], timeout=60)
         return {f"{key[0][:8]}:{key[1]}": x["cpu_s"] for key, x in zip(agents, answers)}
 

@@ -15,7 +15,7 @@ import ray
 import torch
 
 from raytrain_sys.control.supervisor import Supervisor
-from raytrain_sys.control.worker_group import find_leftovers, run_name_prefix
+from raytrain_sys.control.launches import find_leftovers, run_name_prefix
 from raytrain_sys.data import order
 from raytrain_sys.data.shards import read_manifest
 from tests.helpers import assert_params_close, final_params, read_summary, tiny_spec
@@ -44,6 +44,19 @@ def one_worker_reference(tmp_path_factory, dataset, steps: int, model: dict):
     spec = ft_spec(tmp_path_factory.mktemp("one"), dataset, steps, model=model, resources={"num_workers": 1})
     result = Supervisor(spec).run()
     return final_params(result.newest_checkpoint), result
+
+
+def agents_up(sup, timeout_s: float = 120.0) -> None:
+    """An event (``supervisor_with_events``): wait until every member but rank 0 answers to its
+    node's agent (``NodeAgents.hand_over``), so that the leases from the next one on go through
+    the agents (a short test run can end before an agent's process is up)."""
+    agents = sup.group.agents
+
+    def handed() -> bool:
+        agents.hand_over()
+        return all(agents.holds(w) for w in sup.group.workers[1:])
+
+    assert wait_until(handed, timeout_s), "the members' node agents did not come up"
 
 
 def run_with_events(spec, events: dict):

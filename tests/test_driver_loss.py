@@ -30,7 +30,7 @@ import yaml
 
 from raytrain_sys.control.supervisor import run_job
 from raytrain_sys.control.supervisor.journal import State
-from raytrain_sys.control.worker_group import find_leftovers, run_name_prefix
+from raytrain_sys.control.launches import find_leftovers, run_name_prefix
 from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, wait_until)
 from tests.helpers import final_params, read_summary
 
@@ -179,7 +179,7 @@ print("MADE", flush=True)
 def test_leftovers_of_a_dead_driver_are_removed(ray_nodes):
     """What Ray does not clean up by itself (detached lifetimes: a leak, or another tool's) is
     removed by the resume's clean-up once the job that made it is dead."""
-    from raytrain_sys.control.worker_group import clean_up_leftovers, run_name_prefix
+    from raytrain_sys.control.launches import clean_up_leftovers, run_name_prefix
 
     run_key = "orphans-test"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

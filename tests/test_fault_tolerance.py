@@ -21,7 +21,7 @@ from raytrain_sys.control import drain
 from raytrain_sys.control.supervisor import LIVENESS_EVERY_S, PING_TIMEOUT_S, run_job
 from raytrain_sys.control.supervisor.steps import Steps
 from raytrain_sys.errors import TrainingFailed
-from tests.ft_common import (assert_like_reference, assert_no_leftovers, ft_spec, kill_once_past, kill_soon,
+from tests.ft_common import (agents_up, assert_like_reference, assert_no_leftovers, ft_spec, kill_once_past, kill_soon,
                              lose_node_of, node_of_worker, restore_cluster_size, run_with_events,
                              supervisor_with_events, wait_for_a_ready_newcomer, worker_pid)
 from tests.helpers import read_summary
@@ -88,7 +88,7 @@ def test_worker_killed_mid_lease(reference, tiny_dataset, tmp_path, ray_cluster,
         agents.append(sup.summary.agent_calls > 0)
         kill_once_past(sup, 1, 11)
 
-    result, sup, seen = run_with_events(spec, {6: kill_a_few_steps_in})
+    result, sup, seen = run_with_events(spec, {1: agents_up, 6: kill_a_few_steps_in})
     assert agents == [node_agents == "on"], agents  # the leases went the way asked
     summary = like_reference(result, seen, reference, spec, tiny_dataset)
     rebuild = transitions(summary, "rebuilding")

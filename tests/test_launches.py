@@ -13,7 +13,7 @@ import ray
 from raytrain_sys.control import launches
 from raytrain_sys.control.node_agent import NodeAgent
 from raytrain_sys.control.spares import NAMESPACE
-from raytrain_sys.control.worker_group import clean_up_leftovers, find_leftovers, run_name_prefix
+from raytrain_sys.control.launches import clean_up_leftovers, find_leftovers, run_name_prefix
 from raytrain_sys.errors import UserError
 from tests.ft_common import wait_until
 

@@ -429,7 +429,7 @@ def local_node(node_id: Optional[str] = None, instance_id: Optional[str] = None,
 
 def training_slots_on(node_id: str, gcs_address: Optional[str] = None) -> list[str]:
     """Names of the training slots still placed on a node: placement groups of raytrain-sys
-    runs (``worker_group.run_name_prefix``) with a bundle there, not removed.
+    runs (``launches.run_name_prefix``) with a bundle there, not removed.
 
     Every worker of a run works in its own one-bundle placement group (warm spares included:
     a spare adopted by a job works in the job's group), and the Supervisor removes it when

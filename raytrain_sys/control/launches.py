@@ -10,9 +10,10 @@ process that supervises it (``owners.this_process``: an actor's id, or ``job:<id
 driver), in the GCS internal KV (``launch/<prefix>``), before the launch places anything.
 
 Readers: the agents (``NodeAgent``: an owner gone for ``elastic.orphan_timeout_s`` ends the
-launch), a resume's clean-up of an earlier launch (``worker_group.clean_up_leftovers``: a launch
-whose owner is gone is removed at once; one whose owner lives refuses the resume), and the job
-service's hard stop (``end_launches_of``: the runner it killed owned these). Writer: the
+launch), a resume's clean-up of what earlier launches of its run left (``find_leftovers``,
+``clean_up_leftovers``: a launch whose owner is gone is removed at once; one whose owner lives
+refuses the resume), and the job service's hard stop (``end_launches_of``: the runner it killed
+owned these). Writer: the
 launch's ``WorkerGroup`` (``record`` at its start, ``forget`` at its shutdown); a new
 Supervisor that adopts a launch will rewrite its owner.
 
@@ -24,10 +25,15 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
+from ray._raylet import PlacementGroupID
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from raytrain_sys.control import NAME_PREFIX
+from raytrain_sys.control.owners import JOB_OWNER, owner_gone, this_process
+from raytrain_sys.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +113,6 @@ def end_launch(prefix: str, agents_first: bool = True, timeout_s: float = 10.0) 
     spares among them), then every placement group and actor of the launch still there is
     removed, and its record forgotten. Returns how many actors and placement
     groups were found."""
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup, remove_placement_group
-
     named = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
     handles = []
     for a in named:
@@ -159,3 +162,134 @@ def end_launches_of(owner_id: str, agents_first: bool = False) -> int:
         except Exception as exc:  # noqa: BLE001: the agents end it later anyway
             log.warning("could not end launch %s: %s", prefix, exc)
     return len(mine)
+
+
+def run_name_prefix(run_key: str) -> str:
+    """The prefix of every actor and placement group name of one run (all its launches)."""
+    return f"{NAME_PREFIX}:{run_key}:"
+
+
+# ---------------------------------------------------------------------- what earlier launches left
+@dataclass
+class Leftover:
+    """An actor or placement group of some earlier launch of a run that is still there."""
+
+    kind: str  # "actor" | "placement_group"
+    name: str
+    job_id: str  # the Ray job (driver) that created it
+    namespace: str = ""
+    pg_id: str = ""
+
+
+def find_leftovers(run_key: str) -> list[Leftover]:
+    """Actors not dead and placement groups not removed whose names belong to ``run_key``.
+
+    Reads the GCS tables directly: no dashboard needed, as on a locally started cluster.
+    """
+    from ray._private import state
+
+    prefix = run_name_prefix(run_key)
+    found = []
+    named = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(prefix)}
+    if named:
+        for info in state.actors().values():
+            name = info.get("Name") or ""
+            if name in named and info.get("State") != "DEAD":
+                found.append(Leftover("actor", name, info["JobID"], namespace=named[name]))
+    for pg_id, info in ray.util.placement_group_table().items():
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
+            # A placement group id ends with the id of the job that created it (4 bytes).
+            found.append(Leftover("placement_group", info["name"], pg_id[-8:], pg_id=pg_id))
+    return found
+
+
+def _live_jobs() -> dict[str, dict]:
+    from ray._private import state
+
+    return {j["JobID"]: j for j in state.state.job_table() if not j.get("IsDead")}
+
+
+def remove_leftover(left: Leftover) -> None:
+    try:
+        if left.kind == "actor":
+            ray.kill(ray.get_actor(left.name, namespace=left.namespace), no_restart=True)
+        else:
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(left.pg_id))))
+    except ValueError:  # gone between the listing and now
+        pass
+
+
+def clean_up_leftovers(run_key: str, grace_s: float = 10.0, poll_s: float = 0.2) -> list[Leftover]:
+    """Remove what earlier launches of ``run_key`` left behind; return what was removed.
+
+    A launch's owner is recorded in the GCS (``launches``): a launch whose owner is gone is
+    ended at once (``end_launch``: its agents end their ranks, its slots are removed),
+    before its agents' own ``elastic.orphan_timeout_s`` would. Leftovers of no recorded launch
+    (a leak, another tool's) are removed once the Ray job that made them is dead; Ray removes a
+    dead driver's non-detached actors by itself within about 0.3 s, which the grace period
+    covers. Leftovers whose owner (or job) stays alive through the grace period mean the earlier
+    driver still runs: resuming would train the same run twice, so that is an error.
+    """
+    me = this_process()
+    my_job = ray.get_runtime_context().get_job_id()
+    deadline = time.monotonic() + grace_s
+    removed: dict[tuple[str, str], Leftover] = {}
+    ended: set[str] = set()
+    while True:
+        left, held, live = [], [], None
+        found = find_leftovers(run_key)
+        owners = {}  # launch prefix -> its recorded owner (None: no record), read once a look
+        for x in found:
+            prefix = launch_prefix(x.name)
+            if prefix not in owners:
+                owners[prefix] = owner_of(prefix) if prefix else None
+        gone = {p for p, owner in owners.items() if owner is not None and owner_gone(owner)}
+        for prefix in gone - ended:
+            log.warning("ending launch %s of run %s: its driver (%s) is gone", prefix, run_key, owners[prefix])
+            end_launch(prefix)
+            ended.add(prefix)
+        for x in found:
+            prefix = launch_prefix(x.name)
+            owner = owners.get(prefix) or (prefix in ended and "ended") or None
+            if owner == me or (owner is None and x.job_id == my_job):
+                continue  # this process's own launch, or this job's own of no recorded launch
+            left.append(x)
+            if prefix in ended:
+                removed[(x.kind, x.name)] = x  # ended: what is still listed goes meanwhile
+            elif owner is not None:
+                held.append((x, owner))
+            else:
+                live = _live_jobs() if live is None else live
+                if x.job_id in live:
+                    held.append((x, JOB_OWNER + x.job_id))
+                else:  # removal is asynchronous: ask again only once
+                    if (x.kind, x.name) not in removed:
+                        log.warning("removing %s %s left by Ray job %s, whose driver is gone",
+                                    x.kind.replace("_", " "), x.name, x.job_id)
+                        remove_leftover(x)
+                    removed[(x.kind, x.name)] = x
+        if not left:
+            return list(removed.values())
+        if time.monotonic() >= deadline:
+            if held:
+                live = _live_jobs()
+                drivers = ", ".join(sorted({_driver_words(owner, live) for _, owner in held}))
+                raise UserError(
+                    f"run {run_key} is still running: {len(held)} of its workers/placement groups "
+                    f"belong to the live {drivers}; stop that driver (Ctrl-C, or `ray job "
+                    f"stop`) and resume again")
+            raise UserError(
+                f"could not remove {len(left)} actors/placement groups left by an earlier driver "
+                f"of run {run_key} within {grace_s:g} s ({', '.join(x.name for x in left)}); "
+                f"check the cluster's state (`ray list actors`, `ray list placement-groups`)")
+        time.sleep(poll_s)
+
+
+def _driver_words(owner: str, live: dict[str, dict]) -> str:
+    """An owner id as the error names it: a Ray job with its driver's pid and host, or an actor."""
+    if not owner.startswith(JOB_OWNER):
+        return f"actor {owner}"
+    job = owner[len(JOB_OWNER):]
+    info = live.get(job, {})
+    return f"Ray job {job} (driver pid {info.get('DriverPid')} on {info.get('DriverIPAddress')})"

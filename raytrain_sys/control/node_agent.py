@@ -110,12 +110,15 @@ class NodeAgent:
     # ------------------------------------------------------------------ leases
     def lease(self, lease: int, first: int, count: int, steps: bytes, entries: bytes, timeout_s: float,
               ranks: list[tuple], pieces: list) -> int:
-        """Submit lease ``lease`` to each of ``ranks`` (``(slot, lo, hi, arg, which)``: its rows,
-        its plan's piece -> argument map, and which of the node's ``pieces`` it is passed, in
-        order: as ``data.batches.rank_plans`` makes a rank's call). Returns at once."""
+        """Submit lease ``lease`` to each of ``ranks`` (``(slot, lo, hi, arg, which, after)``: its
+        rows, its plan's piece -> argument map, and which of the node's ``pieces`` it is passed,
+        in order, as ``data.batches.rank_plans`` makes a rank's call; ``after``: None, or the
+        reference of the rank's call of the lease before, which was the driver's own: this call
+        is sent only once that one ended, so the rank runs them in order). Returns at once."""
         refs = [self._ranks[slot].train_steps.remote(first, (count, steps, entries, lo, hi, arg), timeout_s,
-                                                     *(pieces[k] for k in which), lease=lease)
-                for slot, lo, hi, arg, which in ranks]
+                                                     *(pieces[k] for k in which), lease=lease,
+                                                     **({"after": after} if after is not None else {}))
+                for slot, lo, hi, arg, which, after in ranks]
         self._leases[lease] = refs
         while len(self._leases) > KEPT_LEASES:
             self._leases.popitem(last=False)
@@ -187,3 +190,130 @@ def agent_with_room(held: dict[tuple, int], node_id: str, per_agent: int = RANKS
     fewer than ``per_agent``; None when the node has none with room (a new one is started)."""
     free = sorted(key for key, n in held.items() if key[0] == node_id and n < per_agent)
     return free[0] if free else None
+
+
+class NodeAgents:
+    """The node agents of one launch, on the driver's side: which agent each rank answers to
+    (``assign``: its node's, at most ``RANKS_PER_AGENT`` each), the hand-over once that agent is up
+    (``hand_over``), and the agents' end (``forget``: an agent left with no rank, ``end``: all).
+    Owned by the launch's ``WorkerGroup``; ``Steps`` sends the leases through ``handles``."""
+
+    def __init__(self, prefix: str, orphan_timeout_s: float):
+        self.prefix, self.orphan_timeout_s = prefix, orphan_timeout_s
+        self.owner_id = ""  # the launch's owner (WorkerGroup._record_launch), the agents' to watch
+        self.handles: dict[tuple, object] = {}  # (node id, index) -> the agent's handle
+        self._slots: dict[tuple, set[int]] = {}  # ... -> the slots assigned to it
+        self._ready: dict[tuple, object] = {}  # ... -> its first answer (it is up)
+        self._made: dict[str, int] = {}  # node id -> agents started there (a name is never reused)
+        self._to_hand: dict[tuple, list] = {}  # ... -> ranks up, waiting for it to be up
+        self._handed: set[int] = set()  # slots that answer to their agent
+
+    def ensure(self, node_id: str) -> None:
+        """``node_id`` has an agent (started now if not): called as a slot there is placed, so
+        that the agent starts beside the rank's own process, not after it."""
+        if not any(key[0] == node_id for key in self.handles):
+            self._start(node_id)
+
+    def assign(self, w) -> None:
+        """Worker ``w`` (up on ``w.node_id``) answers to its node's agent with room (``w.agent``
+        its key), from the moment that agent is up."""
+        key = agent_with_room({k: len(v) for k, v in self._slots.items()}, w.node_id) or self._start(w.node_id)
+        w.agent = key
+        self._slots[key].add(w.slot)
+        self._to_hand.setdefault(key, []).append(w)
+        self.hand_over()
+
+    def _start(self, node_id: str) -> tuple:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from raytrain_sys.control.launches import agent_name
+        from raytrain_sys.control.spares import NAMESPACE
+
+        index = self._made.get(node_id, 0)
+        self._made[node_id] = index + 1
+        key = (node_id, index)
+        where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
+        agent = NodeAgent.options(name=agent_name(self.prefix, node_id, index), namespace=NAMESPACE,
+                                  lifetime="detached", **where).remote(self.prefix, node_id, self.owner_id,
+                                                                       self.orphan_timeout_s)
+        self.handles[key], self._slots[key] = agent, set()
+        self._ready[key] = agent.ping.remote()  # answers once the agent is up
+        log.info("node agent %d started on node %s", index, node_id[:8] or "?")
+        return key
+
+    def hand_over(self) -> None:
+        """Ranks waiting for their agent go to it once it is up (it answered its first call):
+        each is claimed by it from then on (``TrainWorker.hand_to``) and the agent holds it
+        (``keep``). Until then a rank stays its driver's: a rank never depends on an agent that
+        is not up (one that cannot start, on a node that began draining say, would end it). An
+        agent that failed to start is forgotten; its ranks stay the driver's."""
+        for key in [k for k, ws in self._to_hand.items() if ws]:
+            ref = self._ready.get(key)
+            if ref is None or not ray.wait([ref], timeout=0)[0]:
+                continue
+            waiting = self._to_hand.pop(key)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                log.warning("node agent %d on node %s did not start (%s): its %d rank(s) stay the driver's",
+                            key[1], key[0][:8], type(exc).__name__, len(waiting))
+                for w in waiting:
+                    w.agent = None
+                self._drop_agent(key)
+                continue
+            agent = self.handles[key]
+            for w in waiting:
+                w.actor.hand_to.remote(agent._actor_id.hex())
+            agent.keep.remote({w.slot: (w.actor, w.pg) for w in waiting})
+            self._handed.update(w.slot for w in waiting)
+
+    def handed(self, key: tuple, slots: list[int]) -> bool:
+        """Whether every one of ``slots`` answers to the agent of ``key`` (which can then take
+        their leases)."""
+        return key in self.handles and all(s in self._handed and s in self._slots[key] for s in slots)
+
+    def holds(self, w) -> bool:
+        """Whether worker ``w`` answers to an agent."""
+        return w.slot in self._handed
+
+    def lost(self, agent) -> None:
+        """An agent found dead (a call to it failed): its ranks died with it (their claim); a
+        later rank of its node gets a new one."""
+        for key in [k for k, a in self.handles.items() if a is agent]:
+            self._drop_agent(key)
+
+    def _drop_agent(self, key: tuple) -> None:
+        self.handles.pop(key, None)
+        self._ready.pop(key, None)
+        self._to_hand.pop(key, None)
+        self._handed -= self._slots.pop(key, set())
+
+    def forget(self, w) -> None:
+        """Worker ``w`` left (killed, or given back to the pool): no longer its agent's to end.
+        An agent left with no rank ends (it would keep a drained node from ending once its last
+        slot goes, as Ray ends an idle drained node); a later rank of its node starts another."""
+        self._handed.discard(w.slot)
+        key = w.agent
+        if key is None or key not in self.handles:
+            return
+        self._slots[key].discard(w.slot)
+        if key in self._to_hand:
+            self._to_hand[key] = [x for x in self._to_hand[key] if x.slot != w.slot]
+        agent = self.handles[key]
+        try:
+            if self._slots[key]:
+                agent.drop.remote([w.slot])
+            else:
+                ray.kill(agent, no_restart=True)
+                self._drop_agent(key)
+        except Exception:  # noqa: BLE001: the agent is gone: nothing to tell
+            pass
+
+    def end(self) -> None:
+        """Every agent of the launch ends (its ranks were ended or given back before)."""
+        for agent in self.handles.values():
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:  # noqa: BLE001: gone already
+                pass
+        self.handles, self._slots, self._ready, self._to_hand, self._handed = {}, {}, {}, {}, set()

@@ -443,8 +443,11 @@ class TrainWorker:
     # short (``cut_lease``). Rank 0 reports each finished step as it goes (``report_steps``); the
     # others return how many steps they ran (``train_steps``). A step that fails raises; the
     # results of the steps before it stay in ``recent_results`` (``lease_results``).
-    def train_steps(self, first: int, plans: list, collective_timeout_s: float, *pieces, lease: int = -1) -> int:
-        """A lease on a rank other than 0: the number of steps it ran (0: cut before it began)."""
+    def train_steps(self, first: int, plans: list, collective_timeout_s: float, *pieces, lease: int = -1,
+                    after: Any = None) -> int:
+        """A lease on a rank other than 0: the number of steps it ran (0: cut before it began).
+        ``after``: the lease before's result, when it came from another caller (its node agent
+        took over from the driver, ``Steps._through_agents``): only an ordering, its value unused."""
         return sum(len(reports) for reports in self._lease(lease, first, plans, collective_timeout_s, pieces,
                                                            float("inf")))
 

@@ -39,10 +39,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (NodeAffinitySchedulingStrategy,
                                             PlacementGroupSchedulingStrategy)
 
-from raytrain_sys.control import GB, NAME_PREFIX, launches, slot_bundle
-from raytrain_sys.control.node_agent import RANKS_PER_AGENT, NodeAgent, agent_with_room
+from raytrain_sys.control import GB, launches, slot_bundle
+from raytrain_sys.control.node_agent import NodeAgents
 from raytrain_sys.control.node_roles import ACCELERATOR_LABEL, MARKET_LABEL
-from raytrain_sys.control.owners import JOB_OWNER, owner_gone, this_process
+from raytrain_sys.control.launches import find_leftovers, remove_leftover, run_name_prefix
+from raytrain_sys.control.owners import this_process
 from raytrain_sys.control.spares import NAMESPACE, SpareSource, slots_take_spares
 from raytrain_sys.control.worker import RENDEZVOUS_TIMEOUT_S, TrainWorker
 from raytrain_sys.errors import ClusterCapacityError, UserError
@@ -58,11 +59,6 @@ def selector_of(spec: JobSpec) -> dict[str, str]:
     if r.accelerator_type:
         selector[ACCELERATOR_LABEL] = r.accelerator_type
     return selector
-
-
-def run_name_prefix(run_key: str) -> str:
-    """The prefix of every actor and placement group name of one run (all its launches)."""
-    return f"{NAME_PREFIX}:{run_key}:"
 
 
 def connect_ray(spec: JobSpec, warm_workers_per_node: int = 0) -> bool:
@@ -248,14 +244,8 @@ class WorkerGroup:
         # The process that drives this launch (``owners.this_process``), recorded in the GCS before
         # the first slot is asked for (``launches.record``): the agents end the launch once it is gone.
         self.owner_id = ""
-        # Node agents (``node_agent``): (node id, index) -> its handle; the slots each one holds;
-        # its first answer's reference (``hand_over``); how many each node has had.
-        self.agents: dict[tuple, Any] = {}
-        self._agent_slots: dict[tuple, set[int]] = {}
-        self._agent_ready: dict[tuple, Any] = {}
-        self._agents_made: dict[str, int] = {}
-        self._to_hand: dict[tuple, list[Worker]] = {}  # ranks up, waiting for their agent to be (``hand_over``)
-        self._handed: set[int] = set()  # slots handed to their agent
+        # The launch's node agents (``node_agent``): whom each rank answers to once it is up.
+        self.agents = NodeAgents(self.name_prefix, spec.elastic.orphan_timeout_s)
 
     # ------------------------------------------------------------------ resources
     def _bundle(self) -> dict[str, float]:
@@ -342,7 +332,7 @@ class WorkerGroup:
 
     def _start_fresh(self, w: Worker) -> None:
         """A new worker process in the slot's placement group: detached, claimed by this process
-        until it is up and handed to its node's agent (``_up``)."""
+        until it is up and handed to its node's agent (``mark_up``)."""
         r = self.spec.resources
         w.actor = self.actor_class.options(
             name=f"{self.name_prefix}{w.slot}", namespace=NAMESPACE, lifetime="detached", max_restarts=0,
@@ -357,118 +347,15 @@ class WorkerGroup:
     def _record_launch(self) -> None:
         """This process drives the launch: written once, before its first slot is asked for."""
         if not self.owner_id:
-            self.owner_id = this_process()
+            self.owner_id = self.agents.owner_id = this_process()
             launches.record(self.name_prefix, self.owner_id)
 
     def mark_up(self, w: Worker, info: dict) -> None:
-        """``w`` is up on ``info["node_id"]``: it will answer to its node's agent (started now if
-        the node has none with room), from the moment that agent is up (``hand_over``)."""
+        """``w`` is up on ``info["node_id"]``: it will answer to its node's agent
+        (``NodeAgents.assign``: started now if the node has none with room), from the moment that
+        agent is up."""
         w.info = info
-        key = self._agent_for(w.node_id)
-        w.agent = key
-        self._agent_slots[key].add(w.slot)
-        self._to_hand.setdefault(key, []).append(w)
-        self.hand_over()
-
-    def hand_over(self) -> None:
-        """Ranks waiting for their agent go to it once it is up (it answered its first call):
-        each is claimed by it from then on (``TrainWorker.hand_to``) and the agent holds it
-        (``keep``). Until then a rank stays its driver's: a rank never depends on an agent that
-        is not up (one that cannot start there, a node draining say, would end it). An agent
-        that failed to start is forgotten; its ranks stay the driver's."""
-        for key in [k for k, ws in self._to_hand.items() if ws]:
-            ref = self._agent_ready.get(key)
-            if ref is None or not ray.wait([ref], timeout=0)[0]:
-                continue
-            waiting = self._to_hand.pop(key)
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError as exc:
-                log.warning("node agent %d on node %s did not start (%s): its %d rank(s) stay this process's",
-                            key[1], key[0][:8], type(exc).__name__, len(waiting))
-                self.agents.pop(key, None)
-                self._agent_ready.pop(key, None)
-                for w in waiting:
-                    w.agent = None
-                self._agent_slots.pop(key, None)
-                continue
-            agent = self.agents[key]
-            for w in waiting:
-                w.actor.hand_to.remote(agent._actor_id.hex())
-            agent.keep.remote({w.slot: (w.actor, w.pg) for w in waiting})
-            self._handed.update(w.slot for w in waiting)
-
-    def await_agents(self, timeout_s: float) -> None:
-        """Wait (up to ``timeout_s``) for the agents that ranks wait for to be up, then hand those
-        ranks over: a run's first lease, so that its leases go through the agents from the start
-        (their start began as the slots were placed, beside the workers' own)."""
-        refs = [self._agent_ready[k] for k, ws in self._to_hand.items() if ws and k in self._agent_ready]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        self.hand_over()
-
-    def handed(self, key: tuple, slots: list[int]) -> bool:
-        """Whether every one of ``slots`` answers to the agent of ``key`` (so that the agent can
-        take their leases)."""
-        return key in self.agents and all(s in self._handed and s in self._agent_slots[key] for s in slots)
-
-    def _agent_for(self, node_id: str) -> tuple:
-        """The key of an agent of ``node_id`` with room for one more rank (at most
-        ``RANKS_PER_AGENT``), started if there is none."""
-        key = agent_with_room({k: len(v) for k, v in self._agent_slots.items()}, node_id, RANKS_PER_AGENT)
-        if key is not None:
-            return key
-        index = self._agents_made.get(node_id, 0)
-        self._agents_made[node_id] = index + 1
-        key = (node_id, index)
-        where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)} if node_id else {}
-        agent = NodeAgent.options(name=launches.agent_name(self.name_prefix, node_id, index), namespace=NAMESPACE,
-                                  lifetime="detached", **where).remote(
-            self.name_prefix, node_id, self.owner_id, self.spec.elastic.orphan_timeout_s)
-        self.agents[key], self._agent_slots[key] = agent, set()
-        self._agent_ready[key] = agent.ping.remote()  # answers once the agent is up
-        log.info("node agent %d started on node %s", index, node_id[:8] or "?")
-        return key
-
-    def agent_lost(self, agent) -> None:
-        """An agent found dead (its call failed): its ranks died with it (their claim); a later
-        rank of its node gets a new one."""
-        for key in [k for k, a in self.agents.items() if a is agent]:
-            del self.agents[key]
-            self._agent_slots.pop(key, None)
-            self._agent_ready.pop(key, None)
-            self._to_hand.pop(key, None)
-
-    def _forget_rank(self, w: Worker) -> None:
-        """``w`` left: no longer its agent's to end. An agent left with no rank ends (it would
-        keep a drained node from ending when its last slot goes, as Ray ends an idle drained
-        node): a later rank of its node starts another."""
-        self._handed.discard(w.slot)
-        if w.agent is None:
-            return
-        slots = self._agent_slots.get(w.agent, set())
-        slots.discard(w.slot)
-        self._to_hand[w.agent] = [x for x in self._to_hand.get(w.agent, []) if x.slot != w.slot]
-        agent = self.agents.get(w.agent)
-        if agent is None:
-            return
-        try:
-            if slots:
-                agent.drop.remote([w.slot])
-            else:
-                ray.kill(agent, no_restart=True)
-                self.agent_lost(agent)
-        except Exception:  # noqa: BLE001: the agent is gone: nothing to tell
-            pass
-
-    def _end_agents(self) -> None:
-        for agent in self.agents.values():
-            try:
-                ray.kill(agent, no_restart=True)
-            except Exception:  # noqa: BLE001: gone already
-                pass
-        self.agents, self._agent_slots, self._agent_ready, self._to_hand = {}, {}, {}, {}
-        self._handed = set()
+        self.agents.assign(w)
 
     def _start_actors(self, workers: list[Worker]) -> None:
         """Each placed slot's worker: a warm spare taken on the bundle's node, else a new spare
@@ -478,8 +365,7 @@ class WorkerGroup:
         tables = [ray.util.placement_group_table(w.pg) for w in workers]
         node_ids = [t["bundles_to_node_id"][0] for t in tables]
         for node_id in dict.fromkeys(node_ids):  # its agent starts beside the workers, not after them
-            if not any(key[0] == node_id for key in self.agents):
-                self._agent_for(node_id)
+            self.agents.ensure(node_id)
         spec_dict = self.spec.to_dict()
         for w, node_id, spare in zip(workers, node_ids, self.spares.take(node_ids)):
             self.spares_used += spare is not None
@@ -575,14 +461,14 @@ class WorkerGroup:
         first (``TrainWorker.hand_to``, waited for: their agent may end next); the rest are
         killed, and every slot removed."""
         back = [w for w in workers if healthy and w.spare and w.node_id and self.spares is not None]
-        handed = [w.actor.hand_to.remote(self.owner_id) for w in back if w.slot in self._handed]
+        handed = [w.actor.hand_to.remote(self.owner_id) for w in back if self.agents.holds(w)]
         if handed:  # a control-path call: milliseconds
             ray.wait(handed, num_returns=len(handed), timeout=HAND_BACK_WAIT_S)
         if back and self.spares.give_back([(w.actor, w.node_id) for w in back]):
             for w in back:
                 with contextlib.suppress(Exception):
                     remove_placement_group(w.pg)
-                self._forget_rank(w)
+                self.agents.forget(w)
             workers = [w for w in workers if w not in back]
         for w in workers:
             self._release(w)
@@ -621,7 +507,7 @@ class WorkerGroup:
             remove_placement_group(w.pg)
         except Exception:
             pass
-        self._forget_rank(w)
+        self.agents.forget(w)
 
     # ------------------------------------------------------------------ process group
     def form_process_group(self, timeout_s: float = 120.0) -> list[dict]:
@@ -666,7 +552,7 @@ class WorkerGroup:
         then the agents end, and the launch's record goes."""
         self._let_go(self.workers + self.pending + self.standby, healthy)
         self.workers, self.pending, self.standby = [], [], []
-        self._end_agents()
+        self.agents.end()
         if self.owner_id:
             launches.forget(self.name_prefix)
         try:
@@ -689,134 +575,5 @@ class WorkerGroup:
                             ", ".join(f"{x.kind} {x.name}" for x in left))
                 return
             for x in left:  # e.g. a worker that was still starting when it was killed
-                _remove(x)
+                remove_leftover(x)
             time.sleep(0.1)
-
-
-# ---------------------------------------------------------------------- leftovers of a lost driver
-@dataclass
-class Leftover:
-    """An actor or placement group of some earlier launch of a run that is still there."""
-
-    kind: str  # "actor" | "placement_group"
-    name: str
-    job_id: str  # the Ray job (driver) that created it
-    namespace: str = ""
-    pg_id: str = ""
-
-
-def find_leftovers(run_key: str) -> list[Leftover]:
-    """Actors not dead and placement groups not removed whose names belong to ``run_key``.
-
-    Reads the GCS tables directly: no dashboard needed, as on a locally started cluster.
-    """
-    from ray._private import state
-
-    prefix = run_name_prefix(run_key)
-    found = []
-    named = {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["name"].startswith(prefix)}
-    if named:
-        for info in state.actors().values():
-            name = info.get("Name") or ""
-            if name in named and info.get("State") != "DEAD":
-                found.append(Leftover("actor", name, info["JobID"], namespace=named[name]))
-    for pg_id, info in ray.util.placement_group_table().items():
-        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED":
-            # A placement group id ends with the id of the job that created it (4 bytes).
-            found.append(Leftover("placement_group", info["name"], pg_id[-8:], pg_id=pg_id))
-    return found
-
-
-def _live_jobs() -> dict[str, dict]:
-    from ray._private import state
-
-    return {j["JobID"]: j for j in state.state.job_table() if not j.get("IsDead")}
-
-
-def _remove(left: Leftover) -> None:
-    from ray._raylet import PlacementGroupID
-    from ray.util.placement_group import PlacementGroup
-
-    try:
-        if left.kind == "actor":
-            ray.kill(ray.get_actor(left.name, namespace=left.namespace), no_restart=True)
-        else:
-            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(left.pg_id))))
-    except ValueError:  # gone between the listing and now
-        pass
-
-
-def clean_up_leftovers(run_key: str, grace_s: float = 10.0, poll_s: float = 0.2) -> list[Leftover]:
-    """Remove what earlier launches of ``run_key`` left behind; return what was removed.
-
-    A launch's owner is recorded in the GCS (``launches``): a launch whose owner is gone is
-    ended at once (``launches.end_launch``: its agents end their ranks, its slots are removed),
-    before its agents' own ``elastic.orphan_timeout_s`` would. Leftovers of no recorded launch
-    (a leak, another tool's) are removed once the Ray job that made them is dead; Ray removes a
-    dead driver's non-detached actors by itself within about 0.3 s, which the grace period
-    covers. Leftovers whose owner (or job) stays alive through the grace period mean the earlier
-    driver still runs: resuming would train the same run twice, so that is an error.
-    """
-    me = this_process()
-    my_job = ray.get_runtime_context().get_job_id()
-    deadline = time.monotonic() + grace_s
-    removed: dict[tuple[str, str], Leftover] = {}
-    ended: set[str] = set()
-    while True:
-        left, held, live = [], [], None
-        found = find_leftovers(run_key)
-        owners = {}  # launch prefix -> its recorded owner (None: no record), read once a look
-        for x in found:
-            prefix = launches.launch_prefix(x.name)
-            if prefix not in owners:
-                owners[prefix] = launches.owner_of(prefix) if prefix else None
-        gone = {p for p, owner in owners.items() if owner is not None and owner_gone(owner)}
-        for prefix in gone - ended:
-            log.warning("ending launch %s of run %s: its driver (%s) is gone", prefix, run_key, owners[prefix])
-            launches.end_launch(prefix)
-            ended.add(prefix)
-        for x in found:
-            prefix = launches.launch_prefix(x.name)
-            owner = owners.get(prefix) or (prefix in ended and "ended") or None
-            if owner == me or (owner is None and x.job_id == my_job):
-                continue  # this process's own launch, or this job's own of no recorded launch
-            left.append(x)
-            if prefix in ended:
-                removed[(x.kind, x.name)] = x  # ended: what is still listed goes meanwhile
-            elif owner is not None:
-                held.append((x, owner))
-            else:
-                live = _live_jobs() if live is None else live
-                if x.job_id in live:
-                    held.append((x, JOB_OWNER + x.job_id))
-                else:  # removal is asynchronous: ask again only once
-                    if (x.kind, x.name) not in removed:
-                        log.warning("removing %s %s left by Ray job %s, whose driver is gone",
-                                    x.kind.replace("_", " "), x.name, x.job_id)
-                        _remove(x)
-                    removed[(x.kind, x.name)] = x
-        if not left:
-            return list(removed.values())
-        if time.monotonic() >= deadline:
-            if held:
-                live = _live_jobs()
-                drivers = ", ".join(sorted({_driver_words(owner, live) for _, owner in held}))
-                raise UserError(
-                    f"run {run_key} is still running: {len(held)} of its workers/placement groups "
-                    f"belong to the live {drivers}; stop that driver (Ctrl-C, or `ray job "
-                    f"stop`) and resume again")
-            raise UserError(
-                f"could not remove {len(left)} actors/placement groups left by an earlier driver "
-                f"of run {run_key} within {grace_s:g} s ({', '.join(x.name for x in left)}); "
-                f"check the cluster's state (`ray list actors`, `ray list placement-groups`)")
-        time.sleep(poll_s)
-
-
-def _driver_words(owner: str, live: dict[str, dict]) -> str:
-    """An owner id as the error names it: a Ray job with its driver's pid and host, or an actor."""
-    if not owner.startswith(JOB_OWNER):
-        return f"actor {owner}"
-    job = owner[len(JOB_OWNER):]
-    info = live.get(job, {})
-    return f"Ray job {job} (driver pid {info.get('DriverPid')} on {info.get('DriverIPAddress')})"

@@ -24,7 +24,8 @@ import ray
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.control.run_record import RunSummary
-from raytrain_sys.control.worker_group import clean_up_leftovers, connect_ray
+from raytrain_sys.control.launches import clean_up_leftovers
+from raytrain_sys.control.worker_group import connect_ray
 from raytrain_sys.data.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest

@@ -156,10 +156,6 @@ def report_results(reports: list[dict]) -> list[dict]:
             for r, s, c in zip(reports, loss, compute)]
 
 
-# How long a step loop's first lease waits for the node agents to be up (their start began as the
-# slots were placed; a new process takes 0.4-1.2 s on a loaded 2-core machine); past it, the ranks
-# whose agent is not up get the driver's own calls until a lease with none sent ahead of it.
-AGENTS_START_WAIT_S = 10.0
 # RAYTRAIN_NODE_AGENTS: on (unset), off, or auto (from policy.NODE_AGENTS_FROM members); 1 and 0
 # as before auto existed.
 _NODE_AGENTS_ENV = os.environ.get("RAYTRAIN_NODE_AGENTS", "")
@@ -306,35 +302,37 @@ class Steps:
                         after: "_Dispatch | None") -> list:
         """The lease to members 1.. in one call per agent (``node_agent``: the members that answer
         to it): the plan's bytes once, each rank's rows and piece map, the node's pieces each once.
-        Returns, per agent, (agent, its call, the member indices it submitted for). A member
-        changes path (its agent's call, or the driver's own) only at a lease with none sent ahead
-        of it (``after``): a rank's leases come from one caller, or their order is lost; and only
-        once every one of them answers to the agent (``WorkerGroup.hand_over``: the agent is up)."""
+        Returns, per agent, (agent, its call, the member indices it submitted for). A member's
+        leases go through its agent once it answers to it (``NodeAgents.hand_over``: the agent
+        is up; until then the driver calls it itself). A rank runs its leases in the order they
+        reach it, and two callers' calls have no order: so when a member's lease before this one
+        (``after``, sent ahead) was the driver's own call, the agent's waits for it (that call's
+        reference is an argument of its call: Ray sends a call only once its arguments are
+        ready), which costs that one lease its run-ahead on that member."""
         count, steps, entries = sent[0][0][:3]
-        if after is None and not self._step_times:  # the loop's first lease: through the agents from the start
-            self.group.await_agents(AGENTS_START_WAIT_S)
-        else:
-            self.group.hand_over()
+        agents = self.group.agents
+        agents.hand_over()
+        before = {i for _, _, idx in after.agents for i in idx} if after is not None else set()
         runs: dict[tuple, list[int]] = {}
         for i in range(1, len(members)):
-            if members[i].agent in self.group.agents:
+            if members[i].agent in agents.handles:
                 runs.setdefault(members[i].agent, []).append(i)
         out = []
         for key, idx in runs.items():
             if not node_agents_on(self.node_agents, len(members), len(idx)):
                 continue
-            agent = self.group.agents[key]
-            if after is None:
-                through = self.group.handed(key, [members[i].slot for i in idx])
-            else:
-                through = any(a is agent for a, _, _ in after.agents)
-            if not through:
+            if not agents.handed(key, [members[i].slot for i in idx]):
                 continue
+            waits = [None if after is None or i in before else after.refs[i] for i in idx]
+            if any(w is None and after is not None and i not in before for w, i in zip(waits, idx)):
+                continue  # (the driver's call of the lease before is unknown: the driver's own, again)
             pieces: dict = {}
             ranks = [(members[i].slot, *sent[i][0][3:],
-                      tuple(pieces.setdefault(r, len(pieces)) for r in sent[i][1])) for i in idx]
-            call = agent.lease.remote(self.leases, step, count, steps, entries, timeout_s, ranks, list(pieces))
-            out.append((agent, call, idx))
+                      tuple(pieces.setdefault(r, len(pieces)) for r in sent[i][1]), wait)
+                     for i, wait in zip(idx, waits)]
+            call = agents.handles[key].lease.remote(self.leases, step, count, steps, entries, timeout_s, ranks,
+                                                   list(pieces))
+            out.append((agents.handles[key], call, idx))
         self.summary.agent_calls += len(out)
         return out
 
@@ -346,7 +344,7 @@ class Steps:
                 try:
                     ray.get(call)
                 except ray.exceptions.RayError:
-                    self.group.agent_lost(agent)
+                    self.group.agents.lost(agent)
 
     def cut(self, running: "_Dispatch", through: int, end: int) -> None:
         """Cut the running lease short after step ``end - 1`` (or the step its rank 0 is in, if
