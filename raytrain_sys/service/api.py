@@ -66,8 +66,8 @@ from raytrain_sys.service import auth, door, packages, requests
 from raytrain_sys.service.model import (ACCELERATOR_PATTERN, DEFAULT_FLAVOR, JOB_NAME_MAX_CHARS, JOB_NAME_PATTERN,
                                         MARKETS, MAX_AMOUNT, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS, NAME_MAX_CHARS,
                                         NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES, RESOURCES,
-                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, FlavorQuota, JobRecord, JobState,
-                                        ResourceFlavor, SweepRecord, SweepState, Team, WaitCause, name_problem,
+                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, FlavorQuota, JobProgress, JobRecord,
+                                        JobState, ResourceFlavor, SweepRecord, SweepState, Team, WaitCause, name_problem,
                                         team_ref_problem)
 from raytrain_sys.service.store import Principal, Store
 from raytrain_sys.sweeps import requests as sweep_requests
@@ -293,6 +293,12 @@ class ProgressOut(BaseModel):
         description="its run's live numbers (monitor.report.progress: status, step, max_steps, world_size, "
                     "losses [[step, loss]], tokens_per_s, step_time_s, rank_times, cost, stragglers, "
                     "failures); null before its run starts or when the service cannot read them")
+    answering: Optional[bool] = Field(
+        description="a live job's runner answered this poll (true), or not within the poll's 2 s (false: busy, "
+                    "starting or lost; progress is then its last answer, of progress_at_s); null for a job with "
+                    "no runner to ask (queued, paused, ended)")
+    progress_at_s: Optional[float] = Field(description="when progress was read from its runner (unix s); null "
+                                                       "when it comes from the run's summary.json, or is null")
 
 
 class TransitionOut(BaseModel):
@@ -471,15 +477,16 @@ REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
 def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
                base_dir: Optional[str] = None,
-               progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+               progress: Optional[Callable[[list[JobRecord]], dict[int, JobProgress]]] = None,
                capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> FastAPI:
     """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
     writes them; None: the store's log directory, ``Store.log_dir``, which a given one replaces).
     ``cluster_workers`` (a number, or a function returning the current one) also rejects a
     submit whose min_workers the cluster could never hold; None: quotas only.
     ``base_dir``: where a submitted spec's relative paths point (default: this process's working
-    directory; the runner runs elsewhere, so they are stored absolute). ``progress``: a job's
-    live numbers for the jobs page (``service/progress.ProgressSource`` in the service); None:
+    directory; the runner runs elsewhere, so they are stored absolute). ``progress``: the live
+    numbers of the jobs listed, for the jobs page, in one call (``service/progress.ProgressSource``
+    in the service: one bounded wait for all their runners); None:
     the page lists the jobs without them. ``capacity``: each flavor's ceiling per resource (the
     service's), for the submit check and ``GET /v1/flavors``; None: quotas only."""
     log_root = Path(store.log_dir(os.fspath(log_dir) if log_dir is not None else ""))
@@ -612,8 +619,10 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                                                                         "its own"),
                       who: Principal = Depends(principal)) -> list[ProgressOut]:
         """The jobs the token may list, each with its run's live numbers (the jobs page polls this)."""
-        return [ProgressOut(job=JobOut.of(job), progress=progress(job) if progress is not None else None)
-                for job in visible_jobs(who, team, None, "get_progress")]
+        jobs = visible_jobs(who, team, None, "get_progress")
+        seen = progress(jobs) if progress is not None else {}
+        return [ProgressOut(job=JobOut.of(job), progress=p.numbers, answering=p.answering, progress_at_s=p.at_s)
+                for job in jobs for p in [seen.get(job.id) or JobProgress()]]
 
     @app.get("/", include_in_schema=False)
     def jobs_page() -> FileResponse:
@@ -876,7 +885,7 @@ def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
           log_dir: Union[str, os.PathLike, None] = None,
           cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
           base_dir: Optional[str] = None,
-          progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+          progress: Optional[Callable[[list[JobRecord]], dict[int, JobProgress]]] = None,
           capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> ServiceHandle:
     """Run the API with uvicorn on a background thread (port 0: a free one) and return once it
     accepts connections. The socket is bound here, so a port in use fails in the caller."""
