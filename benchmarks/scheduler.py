@@ -20,6 +20,10 @@ Sections (``--sections``, comma list; each adds its figures and its goal to the 
             admission and launch, then its summary's start_phases).
   pause     Pause a running 2-worker job: the request to every CPU free, against the pause
             checkpoint's own time.
+  progress  ``GET /v1/progress`` (the jobs page's poll) with 100 running jobs, each with a stand-in
+            runner (a named actor answering ``progress()`` as a job's runner does): 10 of them too
+            busy to answer, 10 killed after the first poll. Each poll timed; the goal (issue 58):
+            each within 2.5 s, every job listed.
   handover  A job cancelled on a full cluster with the next job queued behind it (an ASHA stop's
             path through the service, without Tune's decision): the cancel to the next job's
             first committed step, against the warm start (first_step, when it ran in this
@@ -163,6 +167,7 @@ GOAL_PAUSE_SLACK_S = 2.0  # issue 13: pause to resources free within checkpoint 
 # issue 28: an ASHA stop to its freed workers committing a step elsewhere at most 1.5x the warm
 # start; the handover section is the service's part of it (a cancel, no Tune decision before it)
 GOAL_HANDOVER_TO_WARM = 1.5
+GOAL_PROGRESS_S = 2.5  # issue 58: GET /v1/progress (the jobs page's poll) with 100 running jobs
 
 
 class StepTimes:
@@ -585,6 +590,106 @@ def report_handover(r: dict) -> list[str]:
                                                                     median_phases(r["rounds"]).items()), ""]
 
 
+class StandInRunner:
+    """A job's runner as ``GET /v1/progress`` meets it (defined in __main__, so Ray ships it by
+    value): ``progress()`` answers a run's numbers from memory, after ``delay_s`` (a busy runner)."""
+
+    def __init__(self, answer: dict, delay_s: float):
+        self.answer, self.delay_s = answer, delay_s
+
+    def progress(self) -> dict:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return self.answer
+
+
+def section_progress(args: argparse.Namespace) -> dict:
+    """``GET /v1/progress`` (the jobs page's poll), over HTTP with a team's token, with
+    ``--progress-jobs`` running jobs, each with a stand-in runner named as a job's runner is
+    (``StandInRunner``: the numbers of a run of 1,000 steps on 2 ranks): ``--progress-slow`` of
+    them take 30 s to answer (busy: never within the poll's bound), ``--progress-dead`` are
+    killed after the first poll (their questions fail, then their names are gone), the others
+    answer at once. The first poll (every runner found by name) and ``--polls`` more, timed
+    from the request to the parsed answer; the goal (issue 58): each within 2.5 s, every
+    answering runner's numbers shown, every job listed."""
+    import ray
+
+    from raytrain_sys.control.spares import NAMESPACE
+    from raytrain_sys.monitor.report import progress
+    from raytrain_sys.service import requests as user_requests
+    from raytrain_sys.service.api import serve
+    from raytrain_sys.service.client import Client
+    from raytrain_sys.service.model import JobState, Team
+    from raytrain_sys.service.names import runner_name
+    from raytrain_sys.service.progress import ProgressSource
+    from raytrain_sys.service.store import Store
+
+    bench = _bench(args)
+    n, slow, dead = args.progress_jobs, args.progress_slow, args.progress_dead
+    store = Store.open(f"sqlite:///{bench.work}/progress-{time.monotonic_ns()}.db")
+    store.add_team(Team("a", n))
+    token = store.issue_token("a")
+    ids = []
+    for i in range(n):
+        job = user_requests.submit(store, team="a", spec={"name": f"job-{i}", "train": {"max_steps": 1000}}, by="a").id
+        for state in (JobState.STARTING, JobState.RUNNING):
+            store.transition(job, store.job(job).state, state, actor="reconciler", reason=f"bench: {state.value}")
+        ids.append(job)
+    summary = {"job": "bench", "status": "running", "committed_steps": 1000, "world_sizes": [2] * 1000,
+               "losses": [3.0 - 1e-3 * i for i in range(1000)],
+               "rank_times": {r: {"node": "n", "data_wait_s": 0.002, "compute_s": 0.05, "collective_s": 0.01,
+                                  "optimizer_s": 0.01, "step_s": 0.072} for r in ("0", "1")},
+               "throughput": {"tokens_per_s": 1000.0, "step_time_s": 0.072}}
+    answer = progress(summary, 1000)
+    runner = ray.remote(num_cpus=0)(StandInRunner)
+    slow_ids, dead_ids = set(ids[:slow]), set(ids[slow:slow + dead])
+    t0 = time.monotonic()
+    runners = {job: runner.options(name=runner_name(job), namespace=NAMESPACE).remote(
+        answer, 30.0 if job in slow_ids else 0.0) for job in ids}
+    ray.get([runners[job].progress.remote() for job in ids if job not in slow_ids])  # all up
+    up_s = time.monotonic() - t0
+    out = {"jobs": n, "slow": slow, "dead": dead, "stand_ins_up_s": round(up_s, 1), "polls": []}
+    with serve(store, "127.0.0.1", 0, log_dir=os.path.join(bench.work, "logs"), progress=ProgressSource()) as handle:
+        client = Client(handle.url, token)
+        for i in range(args.polls + 1):
+            if i == 1:
+                for job in dead_ids:
+                    ray.kill(runners[job], no_restart=True)
+            t = time.monotonic()
+            items = client.progress()
+            took = time.monotonic() - t
+            answering = Counter(str(item.get("answering")) for item in items)
+            listed = sorted(item["job"]["id"] for item in items) == ids
+            prompt_shown = all(item["progress"] == answer for item in items
+                               if item["job"]["id"] not in slow_ids | dead_ids)
+            out["polls"].append({"s": round(took, 3), "answering": dict(answering), "all_listed": listed,
+                                 "prompt_ones_shown": prompt_shown})
+            log.info("progress poll %d: %.2f s, answering %s", i, took, dict(answering))
+    for handle_ in runners.values():
+        ray.kill(handle_, no_restart=True)
+    store.close()
+    later = [p["s"] for p in out["polls"][1:]]
+    out["first_s"] = out["polls"][0]["s"]
+    out["median_s"], out["max_s"] = round(statistics.median(later), 3), max(later)
+    worst = max(out["first_s"], out["max_s"])
+    complete = all(p["all_listed"] and p["prompt_ones_shown"] for p in out["polls"])
+    met = worst <= GOAL_PROGRESS_S and complete
+    out["goal"] = {"met": met, "text": f"goal (every poll within {GOAL_PROGRESS_S:g} s with {n} running jobs, every "
+                                       f"job listed, every answering runner's numbers shown): "
+                                       f"{'met' if met else 'NOT met'} (slowest {worst:.2f} s"
+                                       f"{'' if complete else '; jobs or numbers missing'})"}
+    return out
+
+
+def report_progress(r: dict) -> list[str]:
+    last = r["polls"][-1]["answering"]
+    return [f"| GET /v1/progress, {r['jobs']} running jobs ({r['slow']} runners busy, {r['dead']} lost) | s |",
+            "|---|---|", f"| first poll (runners found by name) | {r['first_s']:.2f} |",
+            f"| next {len(r['polls']) - 1} polls, median (max) | {r['median_s']:.2f} ({r['max_s']:.2f}) |",
+            f"answering in the last poll: {last}; stand-ins up in {r['stand_ins_up_s']:.0f} s",
+            r["goal"]["text"], ""]
+
+
 def report_pause(r: dict) -> list[str]:
     return ["| pause to resources free | median s | of which beyond the checkpoint |", "|---|---|---|",
             f"| {len(r['rounds'])} rounds | {r['median_pause_to_free_s']:.2f} | {r['median_slack_s']:.2f} |",
@@ -595,7 +700,7 @@ def report_pause(r: dict) -> list[str]:
 
 SECTIONS = {"pass": (section_pass, report_pass), "first_step": (section_first_step, report_first_step),
             "reclaim": (section_reclaim, report_reclaim), "pause": (section_pause, report_pause),
-            "handover": (section_handover, report_handover)}
+            "handover": (section_handover, report_handover), "progress": (section_progress, report_progress)}
 
 
 def main() -> int:
@@ -611,6 +716,10 @@ def main() -> int:
     p.add_argument("--reclaim-workers", type=int, default=2,
                    help="the service's cluster size in the reclaim section (busy cores when full)")
     p.add_argument("--warm-workers", type=int, default=2, help="warm spares per node (service sections)")
+    p.add_argument("--progress-jobs", type=int, default=100, help="running jobs (stand-in runners) of the progress section")
+    p.add_argument("--progress-slow", type=int, default=10, help="... of them with a runner too busy to answer")
+    p.add_argument("--progress-dead", type=int, default=10, help="... of them with a runner killed after the first poll")
+    p.add_argument("--polls", type=int, default=10, help="polls timed after the first (progress section)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=str(HERE / "results" / "scheduler.json"))
     p.add_argument("--verbose", action="store_true")

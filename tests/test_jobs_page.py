@@ -36,7 +36,7 @@ from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
 from raytrain_sys.service.client import Client
-from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.model import JobProgress, JobState, Team
 from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.store import Store
 from tests.ft_common import ft_spec, wait_until
@@ -176,13 +176,15 @@ def test_progress_is_scoped_by_token_and_read_from_an_ended_jobs_summary(tmp_pat
 def test_page_draws_each_ranks_step_breakdown_and_refreshes_itself(tmp_path):
     """The per-rank step times (``rank_times``, as the step breakdown records them) are drawn as
     one stacked bar a rank, its parts named, the slow rank's bar the longest; the page polls
-    again on its own and shows the newer step."""
+    again on its own and shows the newer step. A job whose runner stopped answering says so,
+    with the age of the numbers it shows."""
     store = Store.open(f"sqlite:///{tmp_path}/svc.db")
     store.add_team(Team("a", 4))
     token = store.issue_token("a")
     spec = {"name": "ranks", "resources": {"num_workers": 4}, "train": {"max_steps": 40},
             "optim": {"warmup_steps": 1}}
     job = user_requests.submit(store, team="a", spec=spec, by="a").id
+    silent = user_requests.submit(store, team="a", spec=spec | {"name": "silent"}, by="a").id
     slow = {"0": 0.05, "1": 0.05, "2": 0.12, "3": 0.05}  # rank 2 computes 2.4x as long
     rank_times = {r: {"node": "n", "data_wait_s": 0.002, "compute_s": c, "collective_s": 0.13 - c,
                       "optimizer_s": 0.01, "step_s": 0.142} for r, c in slow.items()}
@@ -190,13 +192,17 @@ def test_page_draws_each_ranks_step_breakdown_and_refreshes_itself(tmp_path):
             "world_sizes": [4] * 20, "rank_times": rank_times}  # summary.json's form
     answers = []
 
-    def advancing(_job):
+    def advancing(jobs):
         """Each poll: one step further."""
         answers.append(progress(live | {"committed_steps": 20 + len(answers)}, 40))
-        return answers[-1]
+        return {job: JobProgress(answers[-1], True, time.time()),
+                silent: JobProgress(answers[0], False, time.time() - 125)}
 
     with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", progress=advancing) as handle:
-        card = job_cards(chromium(f"{handle.url}/#token={token}"))[str(job)]
+        cards = job_cards(chromium(f"{handle.url}/#token={token}"))
+    card = cards[str(job)]
+    assert "not answering" not in card
+    assert re.search(r'class="silent">its runner is not answering: numbers of 2 min ago<', cards[str(silent)])
     assert len(answers) >= 2, "the page did not poll again"
     shown = int(re.search(r"(\d+) / 40 steps", card).group(1))
     assert shown in [a["step"] for a in answers[1:]], f"step {shown} shown: not a later poll's"

@@ -7,6 +7,9 @@ loses no step and the run still equals the uninterrupted one, and it grows back 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from raytrain_sys.control.supervisor import RunRequests, resume_job, run_job
@@ -17,6 +20,7 @@ from tests.helpers import assert_params_close, final_params, read_summary
 pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
 STEPS = 16
+SLOW_READ_S = 12.0  # each read task's first row (slow_read_tasks): the next window arrives this late
 
 
 def spec_for(tmp_path, dataset, **sections):
@@ -88,4 +92,49 @@ def test_shrink_then_grow_back_loses_no_step(reference, tiny_dataset, tmp_path, 
     shrink = [t for t in summary["transitions"] if t["reason"].startswith("shrinking to 1")]
     assert len(shrink) == 1 and "team b is owed its quota (by scheduler)" in shrink[0]["reason"]
     assert summary["failures"] == 0 and summary["steps_redone"] == 0
+    assert_no_leftovers(ray_cluster, sup.run_key)
+
+
+_slowed: set[str] = set()
+
+
+def slow_read_tasks(row):
+    """A ``data.transform`` under which every read task waits SLOW_READ_S before its first row,
+    as reads wait for their reader processes to start on a busy node; the run's first read, made
+    in its driver (``DataPlane.read_first_here``), does not."""
+    import ray
+
+    task = ray.get_runtime_context().get_task_id()
+    if task is not None and task not in _slowed:
+        _slowed.add(task)
+        time.sleep(SLOW_READ_S)
+    return row
+
+
+def test_a_pause_while_the_next_batch_is_read_stops_at_once(tiny_dataset, tmp_path, ray_cluster):
+    """The run trains through its first window (read in the driver) and then waits for the next
+    one's read; a pause asked meanwhile is carried out then, not after the read. Before the step
+    loop waited for reads a slice at a time (Boundary.read_unless_due) it sat in the lease's
+    dispatch until the read came: a service pause one second into a job took 7-8 s."""
+    spec = spec_for(tmp_path, tiny_dataset, data={"transform": f"{__name__}:slow_read_tasks", "shuffle_window": 64},
+                    train={"max_steps": 40})
+    window_steps = 64 // spec.train.global_batch_size
+    asked: list[float] = []
+
+    def pause_while_reading(requests, sup):
+        def later():  # the driver is at the end of the first window, its next batch in a read task
+            while sup.committed_step < window_steps - 1:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            asked.append(time.time())
+            requests.pause("make room", by="scheduler")
+        threading.Thread(target=later, daemon=True).start()
+
+    result, sup, _ = run_with_requests(spec, {1: pause_while_reading})
+    assert result.status == "stopped", result
+    stopped = read_summary(result.run_dir)["transitions"][-1]
+    assert "paused by scheduler: make room" in stopped["reason"]
+    # Stopped within seconds of the pause, not once the read came, at the end of the window read.
+    assert stopped["time"] - asked[0] < SLOW_READ_S / 3, (stopped, asked)
+    assert result.committed_steps == window_steps, result
     assert_no_leftovers(ray_cluster, sup.run_key)

@@ -465,6 +465,37 @@ def test_an_unknown_team_and_a_min_workers_that_never_fits_are_rejected(service)
     assert service.client(service.b).submit(never, overrides=["elastic.min_workers=3"])["min_workers"] == 3
 
 
+def test_an_integral_number_is_its_int_in_every_integer_field(tmp_path):
+    """JSON Schema's integer (the published schema's) is any number without a fraction: 3.0 in a
+    body, "3.0" or "1e+3" in a query or a path is 3 (1000), stored as the int; 2.5, "3" in a
+    body and true stay refused, naming the field."""
+    svc, handle = _start(f"sqlite:///{tmp_path}/integral.db", tmp_path)
+    try:
+        status, job = raw(svc, "POST", "/v1/jobs", svc.admin, {"spec": SPEC, "team": "a", "priority": 3.0})
+        assert status == 201 and job["priority"] == 3 and svc.store.job(job["id"]).priority == 3
+        status, team = raw(svc, "POST", "/v1/teams", svc.admin, {"name": "floats", "nominal_workers": 185.0,
+                                                                 "borrowing_limit_workers": 2.0})
+        assert status == 201 and (team["nominal_workers"], team["borrowing_limit_workers"]) == (185, 2)
+        status, team = raw(svc, "PUT", "/v1/teams/floats", svc.admin, {"lending_limit_workers": 1e2})
+        assert status == 200 and svc.store.team("floats").lending_limit_workers == 100
+        status, got = raw(svc, "GET", f"/v1/jobs/{job['id']}.0", svc.admin)
+        assert status == 200 and got["id"] == job["id"]
+        status, _ = raw(svc, "GET", f"/v1/jobs/{job['id']}/logs?offset=0.0&limit=1e%2B3", svc.admin)
+        assert status == 200
+        for body, field in [({"spec": SPEC, "team": "a", "priority": 2.5}, "priority"),
+                            ({"spec": SPEC, "team": "a", "priority": "3"}, "priority"),
+                            ({"spec": SPEC, "team": "a", "priority": True}, "priority")]:
+            status, refused = raw(svc, "POST", "/v1/jobs", svc.admin, body)
+            assert (status, refused["field"]) == (400, field), refused
+        status, refused = raw(svc, "POST", "/v1/teams", svc.admin, {"name": "halves", "nominal_workers": 2.5})
+        assert (status, refused["field"]) == (400, "team.nominal_workers")
+        status, refused = raw(svc, "GET", f"/v1/jobs/{job['id']}/logs?offset=0.5", svc.admin)
+        assert (status, refused["field"]) == (400, "offset")
+    finally:
+        handle.stop()
+        svc.store.close()
+
+
 def test_a_bad_request_body_is_400_naming_the_field(sqlite_service):
     status, body = raw(sqlite_service, "POST", "/v1/jobs", sqlite_service.a, {"spec": SPEC, "priority": "high"})
     assert status == 400 and body["field"] == "priority"
@@ -549,8 +580,18 @@ def test_openapi_describes_every_endpoint_with_typed_models(sqlite_service):
                      ("POST", "/v1/jobs/{job_id}/cancel"), ("GET", "/v1/teams"), ("POST", "/v1/teams"),
                      ("PUT", "/v1/teams/{name}"), ("POST", "/v1/teams/{name}/tokens"),
                      ("DELETE", "/v1/teams/{name}/tokens"), ("GET", "/healthz"),
-                     ("PUT", "/v1/packages/{sha256}"), ("GET", "/v1/packages/{sha256}")}
+                     ("PUT", "/v1/packages/{sha256}"), ("GET", "/v1/packages/{sha256}"),
+                     ("PUT", "/v1/teams/{name}/packages/{sha256}"), ("GET", "/v1/teams/{name}/packages/{sha256}")}
+    # What the server needs, the schema says: a package's team is in its path (the token's own
+    # team's path takes no team), and a sweep names its base, space and metric.
+    for method in ("put", "get"):
+        assert [p["name"] for p in doc["paths"]["/v1/packages/{sha256}"][method]["parameters"]] == ["sha256"]
+        team_path = doc["paths"]["/v1/teams/{name}/packages/{sha256}"][method]["parameters"]
+        assert [(p["name"], p["in"], p["required"]) for p in team_path] == [("name", "path", True),
+                                                                            ("sha256", "path", True)]
     schemas = doc["components"]["schemas"]
+    sweep = schemas["SweepSubmitIn"]["properties"]["sweep"]["anyOf"][0]
+    assert sweep["required"] == ["base", "space", "metric"] and sweep["additionalProperties"] is False
     assert set(schemas["JobState"]["enum"]) == {s.value for s in JobState}
     assert set(schemas["WaitCause"]["enum"]) == {c.value for c in WaitCause}
     job = schemas["JobOut"]
@@ -721,7 +762,14 @@ def test_a_package_is_kept_once_per_team_and_only_its_team_submits_with_it(servi
     with pytest.raises(ServiceRequestError) as foreign:
         a.upload_package(code, team="b")
     assert foreign.value.status == 403
+    assert a.upload_package(code, team="a") == info  # its own team, named
     admin = service.client(service.admin)
+    with pytest.raises(ServiceRequestError) as teamless:  # the token's own team's path: the admin has none
+        admin.upload_package(code)
+    assert teamless.value.status == 403 and "/v1/teams/{name}/packages/{sha256}" in str(teamless.value)
+    with pytest.raises(ServiceRequestError) as unknown:
+        admin.upload_package(code, team="nosuchteam")
+    assert unknown.value.status == 404
     assert admin.upload_package(code, team="b")["team"] == "b"  # the admin uploads for a team
     assert b._json("POST", "/v1/jobs", {"spec": SPEC, "package": info["sha256"]})["package"] == info["sha256"]
 
@@ -967,7 +1015,7 @@ MALFORMED = [
                                     "got list", None),
     (b'{"spec": {}, "priority": NaN}', "application/json", "NaN is not a JSON number", None),
     (b'{"spec": {}, "priority": "high"}', "application/json", "field 'priority': got 'high'", "priority"),
-    (b'{"spec": {}, "priority": 1.0}', "application/json", "field 'priority': got 1.0", "priority"),
+    (b'{"spec": {}, "priority": 1.5}', "application/json", "field 'priority': got 1.5", "priority"),
     (b'{"priority": 1}', "application/json", "field 'spec': required", "spec"),
     (b'{"spec": {}, "colour": "red"}', "application/json", "field 'colour': unknown field", "colour"),
     (b'{"spec": {}, "overrides": ["a=1", "no equals sign"]}', "application/json",
@@ -980,7 +1028,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("data, content_type, words, field", MALFORMED, ids=[
     "JSON cut short", "no body", "bytes that are not UTF-8", "a list, not an object", "NaN", "a string for an integer",
-    "a float for an integer", "a required field missing", "an unknown field", "an override without '='",
+    "a fraction for an integer (1.0 is 1)", "a required field missing", "an unknown field", "an override without '='",
     "not sent as JSON", "nested 100 deep"])
 def test_a_malformed_body_is_a_400_in_the_documented_shape_and_audited(door_service, data, content_type, words, field):
     """Whatever layer refuses it (the front door, FastAPI's validation, our models), a body that

@@ -37,18 +37,18 @@ RUN_TIMEOUT_S = 240  # one token's run: 7-55 s here, depending on the machine's 
 POSITIVE_400 = {
     ("POST", "/v1/jobs"): "the spec's own rules (raytrain_sys.spec), an unknown team, a package the team did not "
                           "upload, a size the team could never get; an admin token must name the team",
-    ("PUT", "/v1/packages/{sha256}"): "the bytes must be a zip whose sha256 is the path's; an admin token must name "
-                                      "the team (one schema serves every token)",
-    ("GET", "/v1/packages/{sha256}"): "an admin token must name the team",
+    ("PUT", "/v1/packages/{sha256}"): "the bytes must be a zip whose sha256 is the path's",
+    ("PUT", "/v1/teams/{name}/packages/{sha256}"): "the bytes must be a zip whose sha256 is the path's",
     ("POST", "/v1/teams"): "a name taken, a lending limit above the nominal quota",
     ("PUT", "/v1/teams/{name}"): "a lending limit above the nominal quota",
     ("PUT", "/v1/teams/{name}/quotas/{flavor}"): "a flavor the table does not have, a resource the flavor does not "
                                                   "count, one resource twice, a lending limit above the nominal quota",
     ("PUT", "/v1/flavors"): "two flavors of one name or one kind of node (market and accelerator), removing a flavor "
                             "live jobs run on",
-    ("POST", "/v1/sweeps"): "the sweep spec's own rules (sweeps/spec.py: its base is a job spec, its space names the "
-                            "base's fields with domains the base accepts, its metric one the trials report), an "
-                            "unknown team, a trial the team could never start; an admin token must name the team",
+    ("POST", "/v1/sweeps"): "the sweep spec's own rules where they depend on its base (sweeps/spec.py: the base is a "
+                            "job spec, its space names the base's fields with domains the base accepts, its metric "
+                            "one the trials report, a range's low below its high), an unknown team, a trial the team "
+                            "could never start; an admin token must name the team",
 }
 
 

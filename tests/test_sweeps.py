@@ -14,7 +14,8 @@ import pytest
 from raytrain_sys.errors import JobStateConflict, ServiceInputError
 from raytrain_sys.service.model import JobState, SweepState, Team, TransitionNotAllowed
 from raytrain_sys.service.store import Store
-from raytrain_sys.sweeps.spec import parse_sweep, sweep_from_dict, trial_spec, tune_space
+from raytrain_sys.sweeps.spec import (REQUIRED_FIELDS, parse_sweep, sweep_from_dict, sweep_json_schema, trial_spec,
+                                      tune_space)
 
 BASE = {"name": "tiny", "data": {"path": "/data/tiny"},
         "model": {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32},
@@ -87,6 +88,35 @@ def test_a_bad_sweep_is_refused_naming_its_field(raw, field, words):
         parse_sweep(raw, base_dir="/tmp")
     assert caught.value.field == field, caught.value
     assert words in caught.value.message, caught.value
+
+
+def test_the_published_schema_requires_and_types_a_sweep_as_parse_sweep_does():
+    """The API's schema of a sweep (``sweep_json_schema``, in /openapi.json) requires what
+    ``parse_sweep`` requires: a sweep without its base, space or metric fails both, naming it.
+    And what it types an integer, both take as an integer: 3.0 is 3, stored as the int."""
+    import jsonschema
+
+    schema = sweep_json_schema()
+    jsonschema.validate(SWEEP, schema)
+    for field in REQUIRED_FIELDS:
+        with pytest.raises(jsonschema.ValidationError, match=f"'{field}' is a required property"):
+            jsonschema.validate(with_(**{field: None}), schema)
+        with pytest.raises(ServiceInputError) as missing:
+            parse_sweep(with_(**{field: None}), base_dir="/tmp")
+        assert missing.value.field == field
+    integral = with_(num_samples=3.0, max_workers=2.0, scheduler={"type": "asha", "reduction_factor": 3.0},
+                     space={"optim.lr": {"loguniform": [1e-4, 1e-2]}, "train.seed": {"randint": [0.0, 100.0]}})
+    jsonschema.validate(integral, schema)
+    sweep = parse_sweep(integral, base_dir="/tmp")
+    stored = json.loads(json.dumps(sweep.to_dict()))
+    assert (stored["num_samples"], stored["max_workers"], stored["scheduler"]["reduction_factor"],
+            stored["space"]["train.seed"]) == (3, 2, 3, {"randint": [0, 100]})
+    assert all(type(v) is int for v in (sweep.num_samples, sweep.max_workers, *sweep.space["train.seed"].values))
+    for halves in (with_(num_samples=2.5), with_(space={"train.seed": {"randint": [0, 10.5]}})):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(halves, schema)
+        with pytest.raises(ServiceInputError, match="integer"):
+            parse_sweep(halves, base_dir="/tmp")
 
 
 def test_a_sweep_round_trips_and_sets_each_trials_fields():

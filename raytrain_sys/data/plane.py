@@ -800,6 +800,28 @@ class DataPlane:
                 end = p.stop
         return max(0, end - position)
 
+    def reads_awaited(self, start: int, stop: int) -> list:
+        """The submitted reads, not finished yet, that ``batch_refs(start, stop)`` would wait
+        for (their metadata references, for ``ray.wait``): so that a caller can wait for them
+        in slices and do other work between (the Supervisor acts on a pause meanwhile). Empty
+        when the rows are read, and when reaching them needs a read not submitted yet or a new
+        stream (``batch_refs`` submits or opens it, and waits itself)."""
+        import ray
+
+        pos = start
+        while pos < stop and (i := self._span_index(pos)) >= 0:
+            pos = self._spans[i].stop
+        refs = []
+        for p in self._pending:
+            if pos >= stop or p.first != pos:
+                break
+            refs.append(p.meta_ref)
+            pos = p.stop
+        if not refs:
+            return []
+        _, running = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        return running
+
     def reread_lost(self, position: int, departed_nodes: set[str]) -> int:
         """After members left the group: when a read piece from ``position`` on has a copy on one
         of ``departed_nodes`` (theirs: a piece lives in the object store of the node that read

@@ -42,6 +42,7 @@ a plain ASGI server with no cluster dependency, so the API and its tests need no
 from __future__ import annotations
 
 import contextlib
+import decimal
 import errno
 import dataclasses
 import logging
@@ -58,7 +59,8 @@ from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+from annotated_types import Interval
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.concurrency import run_in_threadpool
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError, quote
@@ -66,8 +68,8 @@ from raytrain_sys.service import auth, door, packages, requests
 from raytrain_sys.service.model import (ACCELERATOR_PATTERN, DEFAULT_FLAVOR, JOB_NAME_MAX_CHARS, JOB_NAME_PATTERN,
                                         MARKETS, MAX_AMOUNT, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS, NAME_MAX_CHARS,
                                         NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES, RESOURCES,
-                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, FlavorQuota, JobRecord, JobState,
-                                        ResourceFlavor, SweepRecord, SweepState, Team, WaitCause, name_problem,
+                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, FlavorQuota, JobProgress, JobRecord,
+                                        JobState, ResourceFlavor, SweepRecord, SweepState, Team, WaitCause, name_problem,
                                         team_ref_problem)
 from raytrain_sys.service.store import Principal, Store
 from raytrain_sys.sweeps import requests as sweep_requests
@@ -157,9 +159,39 @@ Resource = Annotated[str, _held_to(lambda v: None if v in RESOURCES else f"got {
                      WithJsonSchema({"type": "string", "enum": list(RESOURCES),
                                      "description": "what a quota counts: workers, or per worker cpu, gpu, memory_gb"})]
 Amount = Annotated[float, Field(ge=0, le=MAX_AMOUNT, allow_inf_nan=False)]
-JobId = Annotated[int, PathParam(ge=1, le=MAX_JOB_ID, description="a job's id")]
-SweepId = Annotated[int, PathParam(ge=1, le=MAX_JOB_ID, description="a sweep's id")]
-Workers = Annotated[int, Field(ge=0, le=MAX_WORKERS)]
+
+JSON_NUMBER_PATTERN = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?"  # RFC 8259's number
+
+
+def _integral_number(value: Any) -> Any:
+    """A body's integral float (``185.0``) as its int. The schema's ``integer`` is JSON Schema's:
+    any number without a fractional part, 185.0 included (and a JSON writer may send 185 so:
+    JavaScript's numbers cannot tell them apart). 185.5, "185" and true stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _integral_text(value: Any) -> Any:
+    """A query's or path's integer written as an integral JSON number (``185.0``, ``1e+18``: how a
+    client writes an integral float) as its int, exactly; other text is left to the int parser
+    (a value past 2^64 is out of every bound here: it stays text, and is refused)."""
+    if isinstance(value, str) and re.fullmatch(JSON_NUMBER_PATTERN, value) and not value.lstrip("-").isdigit():
+        number = decimal.Decimal(value)
+        if abs(number) <= 2 ** 64 and number == number.to_integral_value():
+            return int(number)
+    return value
+
+
+def integer(low: int, high: int, convert: Callable[[Any], Any] = _integral_number) -> Any:
+    """An integer of ``low``..``high`` (the schema's minimum and maximum) that takes an integral
+    number as its int (``_integral_number`` for a body, ``_integral_text`` for a query or a
+    path). The bounds come before the conversion: so placed, the schema states them."""
+    return Annotated[int, Interval(ge=low, le=high), BeforeValidator(convert)]
+
+
+JobId = Annotated[integer(1, MAX_JOB_ID, _integral_text), PathParam(description="a job's id")]
+SweepId = Annotated[integer(1, MAX_JOB_ID, _integral_text), PathParam(description="a sweep's id")]
+Workers = integer(0, MAX_WORKERS)
+Priority = integer(-PRIORITY_LIMIT, PRIORITY_LIMIT)
 Weight = Annotated[float, Field(gt=0, le=MAX_WEIGHT, allow_inf_nan=False)]
 
 
@@ -178,13 +210,13 @@ class _Body(BaseModel):
 class SubmitIn(_Body):
     spec: SpecIn
     team: Optional[TeamRef] = Field(None, description="default: the token's team (required with an admin token)")
-    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT, description="higher is more important")
+    priority: Priority = Field(0, description="higher is more important")
     name: Optional[str] = Field(None, min_length=1, max_length=JOB_NAME_MAX_CHARS, pattern=JOB_NAME_PATTERN,
                                 description="default: the spec's name")
     overrides: list[Override] = Field(default_factory=list, max_length=MAX_OVERRIDES,
                                       description='"dotted.key=value" applied to the spec')
     package: Optional[Sha256] = Field(None, description="the sha256 of a code package the team uploaded "
-                                                        "(PUT /v1/packages/{sha256}): the job's working directory")
+                                                        "(PUT /v1/teams/{name}/packages/{sha256}): the job's working directory")
 
 
 class ActionIn(_Body):
@@ -250,11 +282,17 @@ class JobOut(BaseModel):
         return cls(**fields, spec=job.spec if with_spec else None)
 
 
+SweepIn = Annotated[Any, _held_to(_spec_problem), WithJsonSchema({
+    "anyOf": [sweep_requests.sweep_json_schema(),
+              {"type": "string", "maxLength": door.JSON_BODY_MAX_BYTES, "description": "its YAML or JSON text"}],
+    "description": "the sweep spec (docs/SWEEPS.md): base, space, metric, mode, num_samples, scheduler, "
+                   "max_workers, keep_stopped; a mapping, or its YAML text"})]
+
+
 class SweepSubmitIn(_Body):
-    sweep: SpecIn = Field(description="the sweep spec (docs/SWEEPS.md): base, space, metric, mode, num_samples, "
-                                      "scheduler, max_workers, keep_stopped; a mapping, or its YAML text")
+    sweep: SweepIn
     team: Optional[TeamRef] = Field(None, description="default: the token's team (required with an admin token)")
-    priority: int = Field(0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT, description="every trial's priority")
+    priority: Priority = Field(0, description="every trial's priority")
 
 
 class TrialOut(BaseModel):
@@ -293,6 +331,12 @@ class ProgressOut(BaseModel):
         description="its run's live numbers (monitor.report.progress: status, step, max_steps, world_size, "
                     "losses [[step, loss]], tokens_per_s, step_time_s, rank_times, cost, stragglers, "
                     "failures); null before its run starts or when the service cannot read them")
+    answering: Optional[bool] = Field(
+        description="a live job's runner answered this poll (true), or not within the poll's 2 s (false: busy, "
+                    "starting or lost; progress is then its last answer, of progress_at_s); null for a job with "
+                    "no runner to ask (queued, paused, ended)")
+    progress_at_s: Optional[float] = Field(description="when progress was read from its runner (unix s); null "
+                                                       "when it comes from the run's summary.json, or is null")
 
 
 class TransitionOut(BaseModel):
@@ -471,15 +515,16 @@ REFUSALS = (ApiError, auth.NotAuthenticated, auth.NotAllowed, UserError)
 def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
                base_dir: Optional[str] = None,
-               progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+               progress: Optional[Callable[[list[JobRecord]], dict[int, JobProgress]]] = None,
                capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> FastAPI:
     """The API over ``store``. Job logs are read from ``<log_dir>/job-<id>.log`` (the runner
     writes them; None: the store's log directory, ``Store.log_dir``, which a given one replaces).
     ``cluster_workers`` (a number, or a function returning the current one) also rejects a
     submit whose min_workers the cluster could never hold; None: quotas only.
     ``base_dir``: where a submitted spec's relative paths point (default: this process's working
-    directory; the runner runs elsewhere, so they are stored absolute). ``progress``: a job's
-    live numbers for the jobs page (``service/progress.ProgressSource`` in the service); None:
+    directory; the runner runs elsewhere, so they are stored absolute). ``progress``: the live
+    numbers of the jobs listed, for the jobs page, in one call (``service/progress.ProgressSource``
+    in the service: one bounded wait for all their runners); None:
     the page lists the jobs without them. ``capacity``: each flavor's ceiling per resource (the
     service's), for the submit check and ``GET /v1/flavors``; None: quotas only."""
     log_root = Path(store.log_dir(os.fspath(log_dir) if log_dir is not None else ""))
@@ -556,40 +601,66 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
         return JobOut.of(job)
 
     # ------------------------------------------------------------------ code packages
+    # Two paths, so that the schema says what each needs: ``/v1/teams/{name}/packages/{sha256}``
+    # names the team (the admin's way, and a team's for itself), ``/v1/packages/{sha256}`` is the
+    # token's own team's (a team token's; the admin has no team of its own: 403 there).
 
-    def package_team(who: Principal, team: Optional[str]) -> str:
-        team = team if team is not None else who.team
-        if team is None:
-            raise ServiceInputError("team", "an admin token must name the team the package is for")
-        auth.check_team(who, team, "packages")
-        return team
+    def package_team(who: Principal, name: Optional[str]) -> str:
+        """The team a package call is for: ``name`` (the path's), else the token's own."""
+        if name is None:
+            if who.team is None:
+                raise auth.NotAllowed("the admin token has no team of its own: name the team, "
+                                      "/v1/teams/{name}/packages/{sha256}")
+            return who.team
+        auth.check_team(who, name, "packages")
+        _team_or_404(store, name)
+        return name
 
-    @app.put(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, status_code=201, tags=["packages"],
-             openapi_extra={"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
-                 "type": "string", "format": "binary", "maxLength": packages.MAX_BYTES}}}}})
-    async def upload_package(sha256: Sha256, request: Request,
-                             team: Optional[TeamRef] = Query(None, description="the team it is for (required with an "
-                                                                                "admin token)"),
-                             who: Principal = Depends(principal)) -> PackageOut:
-        """Keep a code package (a zip, ``service/packages.py``) for the team's submits. The body
-        is its bytes (at most 64 MiB: the front door refuses more, 413); ``sha256`` must be
-        theirs. Sending one the team has is not an error."""
+    async def upload(sha256: str, request: Request, name: Optional[str], who: Principal) -> PackageOut:
         with audited(who, "upload", f"package {sha256[:12]}", record_ok=False):
-            team = package_team(who, team)
+            team = package_team(who, name)
             data = await request.body()
         info = await run_in_threadpool(requests.upload_package, store, team=team, sha256=sha256, data=data,
                                        by=who.name)
         return PackageOut(**info)
 
-    @app.get(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, tags=["packages"])
-    def get_package(sha256: Sha256,
-                    team: Optional[TeamRef] = Query(None, description="whose (required with an admin token)"),
-                    who: Principal = Depends(principal)) -> PackageOut:
-        """Whether the team holds a package (404 when not: upload it)."""
-        info = store.package_info(sha256, package_team(who, team))
+    def held(sha256: str, name: Optional[str], who: Principal) -> PackageOut:
+        team = package_team(who, name)
+        info = store.package_info(sha256, team)
         if info is None:
-            raise ApiError(404, f"no package {sha256} for this team: upload it", "sha256")
+            raise ApiError(404, f"no package {sha256} for team {team}: upload it", "sha256")
         return PackageOut(**info)
+
+    package_body = {"requestBody": {"required": True, "content": {"application/octet-stream": {"schema": {
+        "type": "string", "format": "binary", "maxLength": packages.MAX_BYTES}}}}}
+
+    @app.put(f"{API_PREFIX}/teams/{{name}}/packages/{{sha256}}", response_model=PackageOut, status_code=201,
+             tags=["packages"], openapi_extra=package_body)
+    async def upload_team_package(name: Annotated[TeamRef, PathParam()], sha256: Sha256, request: Request,
+                                  who: Principal = Depends(principal)) -> PackageOut:
+        """Keep a code package (a zip, ``service/packages.py``) for the team's submits. The body
+        is its bytes (at most 64 MiB: the front door refuses more, 413); ``sha256`` must be
+        theirs. Sending one the team has is not an error. A team's token for its own team only."""
+        return await upload(sha256, request, name, who)
+
+    @app.get(f"{API_PREFIX}/teams/{{name}}/packages/{{sha256}}", response_model=PackageOut, tags=["packages"])
+    def get_team_package(name: Annotated[TeamRef, PathParam()], sha256: Sha256,
+                         who: Principal = Depends(principal)) -> PackageOut:
+        """Whether the team holds a package (404 when not: upload it)."""
+        return held(sha256, name, who)
+
+    @app.put(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, status_code=201, tags=["packages"],
+             openapi_extra=package_body)
+    async def upload_package(sha256: Sha256, request: Request, who: Principal = Depends(principal)) -> PackageOut:
+        """``PUT /v1/teams/{name}/packages/{sha256}`` for the token's own team (a team token; the
+        admin token has none: 403)."""
+        return await upload(sha256, request, None, who)
+
+    @app.get(f"{API_PREFIX}/packages/{{sha256}}", response_model=PackageOut, tags=["packages"])
+    def get_package(sha256: Sha256, who: Principal = Depends(principal)) -> PackageOut:
+        """Whether the token's own team holds a package (404 when not: upload it; the admin
+        token has no team: 403)."""
+        return held(sha256, None, who)
 
     @app.get(f"{API_PREFIX}/jobs", response_model=list[JobOut], tags=["jobs"])
     def list_jobs(state: Optional[list[JobState]] = Query(None, max_length=len(JobState), description="repeatable"),
@@ -612,8 +683,10 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                                                                         "its own"),
                       who: Principal = Depends(principal)) -> list[ProgressOut]:
         """The jobs the token may list, each with its run's live numbers (the jobs page polls this)."""
-        return [ProgressOut(job=JobOut.of(job), progress=progress(job) if progress is not None else None)
-                for job in visible_jobs(who, team, None, "get_progress")]
+        jobs = visible_jobs(who, team, None, "get_progress")
+        seen = progress(jobs) if progress is not None else {}
+        return [ProgressOut(job=JobOut.of(job), progress=p.numbers, answering=p.answering, progress_at_s=p.at_s)
+                for job in jobs for p in [seen.get(job.id) or JobProgress()]]
 
     @app.get("/", include_in_schema=False)
     def jobs_page() -> FileResponse:
@@ -639,8 +712,8 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
                               "headers": {"X-Next-Offset": {"required": True,
                                                             "description": "the offset to ask from next",
                                                             "schema": {"type": "integer", "minimum": 0}}}}})
-    def logs(job_id: JobId, offset: int = Query(0, ge=0, le=MAX_LOG_OFFSET),
-             limit: int = Query(LOG_CHUNK_BYTES, ge=1, le=LOG_CHUNK_BYTES),
+    def logs(job_id: JobId, offset: Annotated[integer(0, MAX_LOG_OFFSET, _integral_text), Query()] = 0,
+             limit: Annotated[integer(1, LOG_CHUNK_BYTES, _integral_text), Query()] = LOG_CHUNK_BYTES,
              who: Principal = Depends(principal)) -> Response:
         """The job's log from byte ``offset`` (at most ``limit`` bytes). Empty, with
         X-Next-Offset equal to the offset, when nothing more was written (or the runner has not
@@ -876,7 +949,7 @@ def serve(store: Store, host: str = "127.0.0.1", port: int = 0, *,
           log_dir: Union[str, os.PathLike, None] = None,
           cluster_workers: Union[int, Callable[[], Optional[int]], None] = None,
           base_dir: Optional[str] = None,
-          progress: Optional[Callable[[JobRecord], Optional[dict]]] = None,
+          progress: Optional[Callable[[list[JobRecord]], dict[int, JobProgress]]] = None,
           capacity: Optional[Callable[[], dict[str, dict[str, float]]]] = None) -> ServiceHandle:
     """Run the API with uvicorn on a background thread (port 0: a free one) and return once it
     accepts connections. The socket is bound here, so a port in use fails in the caller."""

@@ -126,16 +126,17 @@ class Client:
     def upload_package(self, directory: Union[str, os.PathLike], team: Optional[str] = None,
                        excludes: Iterable[str] = ()) -> dict:
         """Pack ``directory`` (``service/packages.pack``) and upload it unless the service holds
-        it for the team already. Returns its info (``sha256``, ``size_bytes``, ``files``)."""
-        query = [("team", _team_ref(team))] if team else None
+        it for the team already (``team``: the token's own when not given; the admin names one).
+        Returns its info (``sha256``, ``size_bytes``, ``files``)."""
         data = packages.pack(directory, excludes)
         sha = packages.digest(data)
+        path = f"{_team_path(team) if team else '/v1'}/packages/{sha}"
         try:
-            return self._json("GET", f"/v1/packages/{sha}", query=query)
+            return self._json("GET", path)
         except ServiceRequestError as exc:
             if exc.status != 404:
                 raise
-        _, _, raw = self._request("PUT", f"/v1/packages/{sha}", query=query, raw=data)
+        _, _, raw = self._request("PUT", path, raw=data)
         return json.loads(raw)
 
     def jobs(self, states: Optional[Iterable[str]] = None, team: Optional[str] = None) -> list[dict]:

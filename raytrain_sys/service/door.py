@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import typing
 from typing import Any, Optional
 
@@ -50,7 +51,8 @@ log = logging.getLogger(__name__)
 # otherwise (a code package; the dataset's store).
 JSON_BODY_MAX_BYTES = 1 << 20
 JSON_MAX_DEPTH = 64  # a spec is 3 levels deep; a body nested deeper is not a request
-PACKAGES_PATH = "/v1/packages/"  # bodies under here are code packages (zip bytes)
+# Bodies under these are code packages (zip bytes): a team's (named), or the token's team's.
+PACKAGES_PATH = re.compile(r"/v1/(teams/[^/]+/)?packages/")
 ERROR_CAPTURE_BYTES = 1 << 16  # of a refusal's body, read back for its audit row
 MESSAGE_MAX_CHARS = 2000  # a refusal's line: a few sentences, whatever a message quoted
 FIELD_MAX_CHARS = 200  # a field's dotted name
@@ -59,7 +61,7 @@ FIELD_MAX_CHARS = 200  # a field's dotted name
 def body_limit(path: str) -> tuple[int, str, str]:
     """(bytes, what, field) a request to ``path`` may send: a package's limit under
     ``PACKAGES_PATH``, else a JSON body's; ``field`` is what a 413 names."""
-    if path.startswith(PACKAGES_PATH):
+    if PACKAGES_PATH.match(path):
         return packages.MAX_BYTES, "a code package", "package"
     return JSON_BODY_MAX_BYTES, "a JSON body", "body"
 

@@ -2,10 +2,10 @@
 
 Owns: ``JobState`` (with ``terminal`` and ``allowed``: a move the table does not list raises
 ``TransitionNotAllowed``), ``Team`` (a Kueue-style quota), the stored job as the service sees it
-(``JobRecord``, ``TransitionRecord``, ``AuditRecord``), the scheduler's input (``Snapshot`` of
-``Team`` and ``JobView``) and its output (``Admit``, ``Grow``, ``Shrink``, ``Pause``, ``Wait``),
-and ``WaitCause``: why a job that is not running yet waits (the scheduler's causes for a queued
-or paused job, the start's steps for a starting or resuming one).
+(``JobRecord``, ``TransitionRecord``, ``AuditRecord``; its live numbers, ``JobProgress``), the
+scheduler's input (``Snapshot`` of ``Team`` and ``JobView``) and its output (``Admit``, ``Grow``,
+``Shrink``, ``Pause``, ``Wait``), and ``WaitCause``: why a job that is not running yet waits (the
+scheduler's causes for a queued or paused job, the start's steps for a starting or resuming one).
 Also the rules every door holds a request to (the API's schema, the client and CLI before
 sending, the store before writing): what a team's name is (``team_name_problem``) and the bounds
 of every number a request can store (``MAX_WORKERS``, ``PRIORITY_LIMIT``, ...).
@@ -616,6 +616,20 @@ class JobRecord:
                        waiting_since_s=self.waiting_since_s, started_at_s=self.started_at_s,
                        last_checkpoint_at_s=self.last_checkpoint_at_s, held=self.held, shape=self.shape,
                        flavor=self.flavor or "", group=self.sweep_id, rung=self.rung)
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """A job's live numbers as ``GET /v1/progress`` shows them (``service/progress.py``).
+
+    ``numbers``: ``monitor.report.progress`` of its run (None before it started, or when its
+    runner never answered); ``answering``: whether its runner answered this poll within its
+    bound (None for a job that has no runner to ask: queued, paused, ended); ``at_s``: when
+    ``numbers`` were read (an older answer's time when the runner did not answer)."""
+
+    numbers: Optional[dict] = None
+    answering: Optional[bool] = None
+    at_s: Optional[float] = None
 
 
 @dataclass(frozen=True)

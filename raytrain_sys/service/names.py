@@ -35,14 +35,24 @@ def find_runner(job_id: int, spare_wait_s: float = SPARE_START_TIMEOUT_S):
     """The job's live runner (after a service restart too), or None: the one named after the
     job, else the spare runner that started it (``spare_runners``: asked for ``spare_wait_s``
     at most; a runner that runs a job answers in milliseconds, a spare still starting runs none)."""
-    try:
-        return ray.get_actor(runner_name(job_id), namespace=NAMESPACE)
-    except ValueError:
-        pass
-    for name, handle, job in spare_runners(spare_wait_s):
-        if job == job_id:
-            return handle
-    return None
+    return find_runners([job_id], spare_wait_s).get(job_id)
+
+
+def find_runners(job_ids: list[int], spare_wait_s: float = SPARE_START_TIMEOUT_S) -> dict[int, Any]:
+    """``find_runner`` for many jobs: job id -> its live runner, for those found; the spare
+    runners are asked once for all the jobs without a runner of their name."""
+    found = {}
+    for job_id in job_ids:
+        try:
+            found[job_id] = ray.get_actor(runner_name(job_id), namespace=NAMESPACE)
+        except ValueError:
+            pass
+    missing = set(job_ids) - set(found)
+    if missing:
+        for _, handle, job in spare_runners(spare_wait_s):
+            if job in missing:
+                found[job] = handle
+    return found
 
 
 def spare_runners(wait_s: float = SPARE_START_TIMEOUT_S) -> list[tuple[str, Any, Optional[int]]]:

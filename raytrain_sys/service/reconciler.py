@@ -770,6 +770,11 @@ class Reconciler:
             out.append(f"resources.start_timeout_s={self.config.provisioning_timeout_s!r}")
         return tuple(out)
 
+    def runner(self, job_id: int):
+        """The handle this service holds to the job's runner (started or re-attached), or None; no
+        Ray call: the jobs page's poll asks it from the API's threads."""
+        return self._handles.get(job_id)
+
     def _handle(self, job_id: int):
         handle = self._handles.get(job_id) or runners.find_runner(job_id)
         if handle is None:

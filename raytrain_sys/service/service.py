@@ -186,7 +186,7 @@ class ServiceActor:
             log.warning("%s", self.api)
             return
         offered = {"log_dir": self.log_dir, "base_dir": self.base_dir, "cluster_workers": self.admission_workers,
-                   "progress": ProgressSource(), "capacity": self.capacity}
+                   "progress": ProgressSource(runner_of=self.reconciler.runner), "capacity": self.capacity}
         accepted = inspect.signature(api.serve).parameters
         kwargs = {k: v for k, v in offered.items() if k in accepted}
         self._api = api.serve(self.store, self.host, self.port, **kwargs)

@@ -25,7 +25,7 @@ from raytrain_sys.service import requests as job_requests
 from raytrain_sys.service.model import JobState, SweepRecord, SweepState
 from raytrain_sys.service.store import Store
 from raytrain_sys.spec import parse_yaml
-from raytrain_sys.sweeps.spec import SweepSpec, parse_sweep
+from raytrain_sys.sweeps.spec import SweepSpec, parse_sweep, sweep_json_schema  # noqa: F401: the API's sweep schema
 
 SWEEPS_DIR = "raytrain-sys-sweeps"  # Tune's experiments, beside the store's log directory
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -50,11 +51,56 @@ FIXED_FIELDS = ("name", "output_dir", "train.stop_at_step", "checkpoint.uri", "c
                 "checkpoint.resume_changes", "tracking")
 SWEEP_FIELDS = ("name", "base", "space", "metric", "mode", "num_samples", "scheduler", "max_workers",
                 "keep_stopped")
+REQUIRED_FIELDS = ("base", "space", "metric")
+NAME_MAX_CHARS = 200
+MAX_SWEEP_WORKERS = 100_000  # the API's bound on any count of workers (service/model.MAX_WORKERS)
 SCHEDULER_FIELDS = {
     "asha": ("type", "grace_period_steps", "reduction_factor"),
     "fifo": ("type",),
     "pbt": ("type", "perturbation_interval_steps", "quantile_fraction", "resample_probability"),
 }
+
+
+def sweep_json_schema() -> dict:
+    """The sweep mapping as JSON Schema can say it (the API's OpenAPI document): its fields and
+    those required, each one's type and the bounds that do not depend on the base spec. What
+    only the base can decide (a space field's values, the metric a trial reports, a scheduler's
+    step counts) ``parse_sweep`` checks. Every rule here is one ``parse_sweep`` holds a sweep to."""
+    fixed = "|".join(re.escape(f) for f in FIXED_FIELDS)
+    values = {"type": "array", "minItems": 1, "maxItems": MAX_DOMAIN_VALUES}
+    def ends(kind: str) -> dict:
+        return {"type": "array", "minItems": 2, "maxItems": 2, "items": {"type": kind}}
+    domain = {"type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
+              "properties": {"grid": values, "choice": values, "uniform": ends("number"),
+                             "loguniform": ends("number"), "randint": ends("integer")},
+              "description": "one of {grid: [...]}, {choice: [...]}, {uniform: [low, high]}, "
+                             "{loguniform: [low, high]}, {randint: [low, high]}"}
+    scheduler = {"type": "object", "additionalProperties": False, "properties": {
+        "type": {"enum": list(SCHEDULERS)},
+        "grace_period_steps": {"type": "integer", "minimum": 1}, "reduction_factor": {"type": "integer", "minimum": 2,
+                                                                                       "maximum": 100},
+        "perturbation_interval_steps": {"type": "integer", "minimum": 1},
+        "quantile_fraction": {"type": "number", "minimum": 0, "maximum": 0.5},
+        "resample_probability": {"type": "number", "minimum": 0, "maximum": 1}},
+        "description": "asha's fields, fifo's, or pbt's (docs/SWEEPS.md)"}
+    return {
+        "type": "object", "required": list(REQUIRED_FIELDS), "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "maxLength": NAME_MAX_CHARS, "description": "default: the base spec's name"},
+            "base": {"type": "object", "description": "the job spec every trial runs (docs/spec_reference.md)"},
+            "space": {"type": "object", "minProperties": 1, "maxProperties": MAX_SPACE_KEYS,
+                      "propertyNames": {"pattern": r"^[^.]+(\.[^.]+)*$", "not": {"pattern": rf"^({fixed})(\..*)?$"}},
+                      "additionalProperties": domain,
+                      "description": "dotted job-spec fields of the base, each with its domain"},
+            "metric": {"type": "string", "description": "an evaluation metric the trials report (eval_loss, ...)"},
+            "mode": {"enum": list(MODES)},
+            "num_samples": {"type": "integer", "minimum": 1, "maximum": MAX_TRIALS},
+            "scheduler": {"anyOf": [{"enum": list(SCHEDULERS)}, scheduler]},
+            "max_workers": {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_SWEEP_WORKERS},
+                                      {"type": "null"}],
+                            "description": "the most workers its trials hold together; at least one trial's size"},
+            "keep_stopped": {"type": "boolean"}},
+        "description": "a sweep spec (docs/SWEEPS.md)"}
 
 
 @dataclass(frozen=True)
@@ -126,7 +172,7 @@ def parse_sweep(raw: Any, *, base_dir: Optional[str] = None) -> SweepSpec:
     for key in raw:
         if key not in SWEEP_FIELDS:
             raise ServiceInputError(str(key)[:64], f"unknown sweep field; allowed: {', '.join(SWEEP_FIELDS)}")
-    for required in ("base", "space", "metric"):
+    for required in REQUIRED_FIELDS:
         if required not in raw:
             raise ServiceInputError(required, "missing: a sweep names its base job spec, its space and its metric")
     base_raw = raw["base"]
@@ -144,13 +190,14 @@ def parse_sweep(raw: Any, *, base_dir: Optional[str] = None) -> SweepSpec:
     if max_workers is not None:
         min_trial = int(base["elastic"]["min_workers"] if base["elastic"]["max_workers"]
                         else base["resources"]["num_workers"])
-        _int("max_workers", max_workers, min_trial, 100_000,
-             low_name=f"one trial's size ({min_trial}: base.elastic.min_workers or base.resources.num_workers)")
+        max_workers = _int("max_workers", max_workers, min_trial, MAX_SWEEP_WORKERS,
+                           low_name=f"one trial's size ({min_trial}: base.elastic.min_workers or "
+                                    f"base.resources.num_workers)")
     keep_stopped = raw.get("keep_stopped", False)
     if not isinstance(keep_stopped, bool):
         raise ServiceInputError("keep_stopped", f"got {quote(keep_stopped)}; must be true or false")
     name = raw.get("name", base["name"])
-    if not isinstance(name, str) or not name.strip() or len(name) > 200 or "\n" in name:
+    if not isinstance(name, str) or not name.strip() or len(name) > NAME_MAX_CHARS or "\n" in name:
         raise ServiceInputError("name", f"got {quote(name)}; a sweep's name is one line of 1-200 characters")
     sweep = SweepSpec(name=name, base=base, space=space, metric=metric, mode=mode, num_samples=num_samples,
                       scheduler=scheduler, max_workers=max_workers, keep_stopped=keep_stopped)
@@ -231,9 +278,9 @@ def _domain(where: str, value: Any) -> Domain:
     if kind == "loguniform" and low <= 0:
         raise ServiceInputError(f"{where}.{kind}", f"got {quote(values)}; a log-uniform range is above 0")
     if kind == "randint":
-        if not all(isinstance(v, int) for v in values):
+        if not all(isinstance(v, int) or float(v).is_integer() for v in values):
             raise ServiceInputError(f"{where}.{kind}", f"got {quote(values)}; randint's ends are integers")
-        return Domain(kind, (low, high))  # Tune's randint excludes high: the largest value drawn is high - 1
+        return Domain(kind, (int(low), int(high)))  # Tune's randint excludes high: the largest value drawn is high - 1
     return Domain(kind, (float(low), float(high)))
 
 
@@ -269,6 +316,10 @@ def _metric(metric: Any, base: dict) -> str:
 
 
 def _int(where: str, value: Any, low: int, high: int, low_name: str = "") -> int:
+    """An integer field: an integral float (``4.0``) is its int, as JSON Schema's ``integer`` and
+    the API's other integer fields take it."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ServiceInputError(where, f"got {quote(value)}; must be an integer")
     if not low <= value <= high:

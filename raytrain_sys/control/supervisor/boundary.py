@@ -14,7 +14,9 @@ end at: items that need no boundary (``policy.AT_ONCE``) are carried out then an
 reason the boundary is needed, if any, is what the Supervisor cuts the lease short for. The
 reported steps' per-rank times go to ``stragglers`` as they come (``observe``), so that a slow
 rank is judged while a long lease runs; its verdict is a fact of the plan (``Redeal``,
-``ReplaceStraggler``).
+``ReplaceStraggler``). Between leases, a batch still being read is waited for here, a slice at
+a time, with the plan asked again between slices (``read_unless_due``): work that arrives while
+the data is late is carried out at once, not after the read.
 
 Also the saves a boundary makes (``checkpoint``; a background one is settled after a later
 commit, ``settle``), since the run's ending and an evaluation's keep_best ask for them too.
@@ -25,6 +27,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import Callable
+
+import ray
 
 from raytrain_sys.control import drain
 from raytrain_sys.control.supervisor import policy
@@ -85,6 +89,33 @@ class Boundary:
             if isinstance(item, policy.AT_ONCE):
                 self.carry_out(item)
         return next((i.reason for i in items if not isinstance(i, policy.AT_ONCE)), "")
+
+    def sends_ahead(self, step: int, last: int) -> bool:
+        """Whether the lease from ``step`` is sent while the one before it runs (run-ahead): the
+        plan for the boundary between them is empty (``policy.hold_reason``), and its first batch
+        is read (else the dispatch would wait for it, the running lease unfollowed)."""
+        return not policy.hold_reason(self.facts(step, last, just_committed=True), self.spec) \
+            and not self.reads_awaited(step)
+
+    def read_unless_due(self, step: int, last: int) -> bool:
+        """At the boundary of ``step``, its plan carried out: wait for the reads its global batch
+        needs, a slice at a time, and return False as soon as the boundary has work meanwhile (a
+        pause or cancel, a drain notice, a resize: ``policy.boundary_due``), to plan it first.
+        Sending the lease would wait for them inside the dispatch, deaf to that work: a new job's
+        first read is made in its runner while its reader processes start, the reads after it
+        wait for those (seconds on a busy node), and a pause one second into a job waited 7-8 s
+        (benchmarks/scheduler.py --sections pause, 2026-12-06)."""
+        while refs := self.reads_awaited(step):
+            if policy.boundary_due(self.facts(step, last, just_committed=False), self.spec):
+                return False
+            ray.wait(refs, num_returns=len(refs), timeout=policy.BOUNDARY_POLL_S, fetch_local=False)
+        return True
+
+    def reads_awaited(self, step: int) -> list:
+        """The reads in flight that step ``step``'s global batch waits for (``DataPlane.reads_awaited``)."""
+        gbs = self.spec.train.global_batch_size
+        at = self.steps.data_cursor + (step - self.steps.committed_step) * gbs
+        return self.steps.data.reads_awaited(at, at + gbs)
 
     def facts(self, step: int, last: int, just_committed: bool, tried: frozenset = frozenset()) -> policy.Facts:
         """What the plan of the boundary at ``step`` depends on, gathered once."""

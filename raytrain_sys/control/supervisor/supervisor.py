@@ -324,9 +324,10 @@ class Supervisor:
     # ------------------------------------------------------------------ the step loop
     def _loop(self) -> None:
         """Leases of steps, committed in order at each lease's end; at each boundary its plan is
-        carried out (``Boundary.run``); while the plan for the next one is empty the lease after
-        the running one is sent before it ends (run-ahead), and a running lease is cut short as
-        soon as the plan for the earliest boundary it can end at needs the members."""
+        carried out (``Boundary.run``); while the plan for the next one is empty and its batch
+        read (``Boundary.read_unless_due``), the lease after the running one is sent before it
+        ends (run-ahead), and a running lease is cut short as soon as the plan for the earliest
+        boundary it can end at needs the members."""
         t = self.spec.train
         last = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.steps.open(self.run_dir)
@@ -338,10 +339,12 @@ class Supervisor:
                 if ahead is None:
                     if self.boundary.run(last):
                         break  # the plan ends the step loop here (see ``_train``)
+                    if not self.boundary.read_unless_due(self.committed_step, last):
+                        continue  # work came while the batch was read: planned first
                     cur = self.steps.dispatch(self.committed_step, self.steps.lease_steps(self.committed_step, last))
                 else:
                     cur, ahead = ahead, None
-                if not policy.hold_reason(self.boundary.facts(cur.end, last, just_committed=True), self.spec):
+                if self.boundary.sends_ahead(cur.end, last):
                     try:
                         ahead = self.steps.dispatch(cur.end, self.steps.lease_steps(cur.end, last), after=cur)
                     except DataError:
