@@ -157,6 +157,8 @@ class Boundary:
     # ------------------------------------------------------------------ the items
     def carry_out(self, item: policy.Item) -> None:
         m, step, workers = self.membership, self.steps.committed_step, self.group.workers
+        if isinstance(item, (policy.Checkpoint, policy.Evaluate)):
+            self.steps.after_pause()  # the next lease is no sample of the step deadline
         if isinstance(item, policy.Checkpoint):
             self.checkpoint(final=False, background=item.background)
         elif isinstance(item, policy.Evaluate):
