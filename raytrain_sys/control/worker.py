@@ -209,6 +209,7 @@ class TrainWorker:
         # The state held before the layout was rebuilt: (step, pieces), until shared and loaded.
         self.stash: tuple[int, dict] | None = None
         self.collective_timeout_s = 0.0  # of the current process groups (see train_step)
+        self.abort_releases = False  # aborting the process group releases a waiting collective (NCCL)
         # The results of the steps of the two newest leases that ran here, by step: after a lease
         # fails part-way the Supervisor commits its finished steps from them (lease_results). The
         # one before the newest stays: under run-ahead this rank may have begun the next lease
@@ -352,6 +353,18 @@ class TrainWorker:
         return {**phases.stacks(marker.thread if marker is not None else 0), "pid": os.getpid()}
 
     @ray.method(concurrency_group="control")
+    def abort_group(self) -> bool:
+        """Release this rank from a collective that a peer found hung will never join: its
+        process groups aborted, where that releases a waiting collective (NCCL; with gloo the
+        hung peer's end does: parallel/backend.py). The training thread's collective raises; the
+        group is made again by the rebuild. Returns whether it aborted."""
+        if not getattr(self, "abort_releases", False) or not dist.is_initialized():
+            return False
+        dist.distributed_c10d._abort_process_group()
+        forget_meshes()
+        return True
+
+    @ray.method(concurrency_group="control")
     def end_now(self) -> None:
         """End this process at once (a rank found hung, its stacks taken): its sockets close, so
         its peers' collectives fail now, not at their timeout. Never answers."""
@@ -376,6 +389,9 @@ class TrainWorker:
             from torch.distributed.distributed_c10d import _set_pg_timeout
         except ImportError:  # a torch without it: one timeout for both
             _set_pg_timeout, rendezvous = None, collective
+        for name, value in choice.env.items():  # read as the group is made (parallel/backend.py)
+            os.environ.setdefault(name, value)
+        self.abort_releases = choice.abort_releases
         dist.init_process_group(choice.backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, timeout=rendezvous)
         if _set_pg_timeout is not None and rendezvous != collective:

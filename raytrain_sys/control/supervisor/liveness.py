@@ -178,6 +178,8 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
         for w in stuck:
             if w.slot in outcome.hangs:
                 w.actor.end_now.remote()  # at once (it answers); the reap below if it does not
+            elif outcome.hangs and w.slot in outcome.blocked:
+                w.actor.abort_group.remote()  # NCCL: a dead peer does not release it (parallel/backend.py)
         group.reap([w for w in stuck if w.slot in outcome.lost])
         still = [r for r in pending if by_ref[r].slot in outcome.blocked]
         if still:
