@@ -262,17 +262,28 @@ def name_hung(members: list[Worker], deadline_s: float) -> dict[int, dict]:
     return records
 
 
-def hang_record(worker: Worker, phase: dict, why: str, stacks: dict, deadline_s: float) -> dict:
+def hang_record(worker: Worker, phase: dict, why: str, stacks: dict, deadline_s: float, kind: str = "hung") -> dict:
     """What is kept of a member found hung (summary.json's recovery record, the log, the MLflow
-    run's ``hangs/`` artifact): its phase, why it was named, the top frame of its training
-    thread and every thread's stack."""
+    run's ``hangs/`` artifact), or of a straggler replaced (``kind``): its phase, why it was
+    named, the top frame of its training thread and every thread's stack."""
     top = stacks.get("top") or {}
     short = "/".join(top.get("file", "").split("/")[-2:])
     where = f"; top frame {short}:{top['line']} in {top['function']}" if top else ""
     return {"slot": worker.slot, "rank": phase.get("rank", -1), "node": worker.node_id, "pid": stacks.get("pid"),
             "phase": phase["phase"], "step": phase["step"] + 1, "deadline_s": round(deadline_s, 3),
-            "reason": f"hung: {why}{where}", "top_frame": top, "threads": stacks.get("threads", []),
+            "reason": f"{kind}: {why}{where}", "top_frame": top, "threads": stacks.get("threads", []),
             "stack": stacks.get("text", "")}
+
+
+def taken_stacks(worker: Worker, asked: tuple, why: str, kind: str) -> dict | None:
+    """``hang_record`` of ``worker`` from its (phase, stacks) asked earlier (``asked``: the two
+    calls' references, made while it trained: a straggler's stacks at its verdict, mid-step);
+    None when it did not answer."""
+    try:
+        phase, stacks = ray.get(list(asked), timeout=PING_TIMEOUT_S)
+    except Exception:  # (lost meanwhile, or slow to answer: the straggler leaves all the same)
+        return None
+    return hang_record(worker, phase, why, stacks, 0.0, kind)
 
 
 class LeaseWatch:
