@@ -9,7 +9,7 @@ deadline (``liveness.find_hung``).
 
 A marker is one tuple replaced whole (one attribute store, atomic under the GIL: no lock), so
 a reader on another thread sees the phase before or the phase after, never half of one; a
-write costs about half a microsecond (a dozen a step). The training thread writes the phases of
+write costs 0.13-0.18 us (timeit), about eight a step. The training thread writes the phases of
 ``train_step`` and of ``ParallelModel.forward_backward``; DDP's comm hook (``StepClock.timed``)
 writes the all-reduce once the last bucket is handed over (after that the rank only waits). Not
 marked: the collectives inside a layout's own forward and backward (FSDP's all-gathers and

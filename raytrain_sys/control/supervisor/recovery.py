@@ -93,7 +93,7 @@ class Recovery:
         returns the records for summary.json."""
         kept = []
         for record in records.values():
-            log.warning("%s worker %d (rank %d, pid %s) at step %d: %s\n%s", kind, record["slot"], record["rank"],
+            log.warning("worker %d (rank %d, pid %s) at step %d, %s\n%s", record["slot"], record["rank"],
                         record.get("pid"), record["step"], record["reason"], record["stack"])
             if self.steps.tracker is not None:
                 try:
