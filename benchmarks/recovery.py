@@ -462,8 +462,12 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str, hang_marker: str =
     t_kill = float(Path(hang_marker).read_text()) if hang_marker else fault_at["t"]
     steps = [e for e in ev if e["event"] == "step"]
     first_attempt = steps[0]["attempt"]
-    done_before = max(e["step"] for e in steps if e["t"] <= t_kill)
-    after = [e for e in steps if e["t"] > t_kill]
+    if hang_marker:  # rank 0 may still finish the step before the hung one after the hang began
+        done_before = max(e["step"] for e in steps if e["attempt"] == first_attempt)
+        after = [e for e in steps if e["t"] > t_kill and e["attempt"] != first_attempt]
+    else:
+        done_before = max(e["step"] for e in steps if e["t"] <= t_kill)
+        after = [e for e in steps if e["t"] > t_kill]
     nxt = after[0]
     resumed_from = nxt["step"] - 1
     restart = next(e for e in ev if e["event"] == "start" and e["t"] > t_kill)
