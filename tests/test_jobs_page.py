@@ -233,7 +233,11 @@ def test_page_and_cli_status_name_a_hung_worker_and_the_top_frame_of_its_stack(t
     live = {"job": "hung", "status": "running", "committed_steps": 24, "losses": [3.0] * 24,
             "recoveries": [{"step": 19, "lost": [1], "reason": "steps 16..20 failed: ...", "from": "survivors",
                             "steps_redone": 0, "hung": [hung]}]}
-    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", progress=lambda _job: progress(live, 40)) as handle:
+    def answered(jobs):
+        """Its runner's answer to this poll: the live numbers above."""
+        return {job: JobProgress(progress(live, 40), True, time.time())}
+
+    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", progress=answered) as handle:
         card = job_cards(chromium(f"{handle.url}/#token={token}"))[str(job)]
         assert cli_main(["jobs", "status", str(job), "--url", handle.url, "--token", token]) == 0
     shown = re.search(r'<div class="stack" data-kind="hung">(.*?)</div>', card, re.S)
