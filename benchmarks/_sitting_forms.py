@@ -157,11 +157,23 @@ def steps_redone(d: dict) -> float | None:
     return float(sum(r.get("steps_redone") or 0 for r in runs)) if runs else None
 
 
-def ray_train_over_ours(d: dict) -> float | None:
-    theirs, ours = recovery_run(d, "worker-kill", "ray-train"), recovery_run(d, "worker-kill")
+def ray_train_over_ours(d: dict, fault: str = "worker-kill") -> float | None:
+    theirs, ours = recovery_run(d, fault, "ray-train"), recovery_run(d, fault)
     if not theirs or not ours or not ours.get("recovery_s"):
         return None
     return theirs["recovery_s"] / ours["recovery_s"]
+
+
+def recovery_of(*faults: str, hang: bool = False) -> Callable[[str, dict], bool]:
+    """recovery.py's standard form (``from_benchmark``) that ran ``faults``: a result that names
+    its scenarios (``config.scenarios``) ran the hang's pair (``--sections hang``) or the four
+    others; one that names none (before the hang's pair existed) ran the four."""
+    base = from_benchmark("recovery", steps=30, fault_after_step=15, checkpoint_every=10, workers=2)
+
+    def accepts(file: str, data: dict) -> bool:
+        ran = dig(data, "config", "scenarios")
+        return base(file, data) and (set(faults) <= set(ran) if ran is not None else not hang)
+    return accepts
 
 
 def data_path_row(d: dict, field: str, workers: int = 4, kind: str = "image") -> float | None:
@@ -320,7 +332,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "a worker SIGKILLed, a node removed, a PREEMPTION drain after step 15 of 30: ours, and Ray Train's kill",
         # "2.5 to 4.5 min on 2 cores, depending on the load" (benchmarks/README.md)
         expected_min=3, timeout_min=15,
-        accepts=from_benchmark("recovery", steps=30, fault_after_step=15, checkpoint_every=10, workers=2),
+        accepts=recovery_of("worker-kill"),
         figures=(
             Figure("worker_kill_s", "worker SIGKILL to the next committed step", "s", "lower",
                    # three runs of 2026-11-25 (load 3-14): 2.6, 3.0, 4.0 step times, 47% of their median;
@@ -345,6 +357,25 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                    # 11.6x (2026-11-23), 11.9x (11-26), 7.3x at load 12-14: 40% of 11.6. Provisional:
                    # Ray Train's restart, and ours, moved between them
                    ray_train_over_ours, Noise(rel=0.40, provisional=True)),
+        )),
+    Benchmark(
+        "recovery_hang", "recovery.py", ("--sections", "hang"),
+        "rank 1's loss never returns after step 15 of 30: ours (the step deadline decides), and Ray Train's "
+        "(its TorchConfig(timeout_s=60))",
+        # 2.9 and 4.3 min at load 20-24 (2026-12-06/07): Ray Train waits out its 60 s timeout
+        expected_min=3, timeout_min=12,
+        accepts=recovery_of("hang", hang=True),
+        figures=(
+            Figure("hang_s", "a hung rank's loss to the next committed step (default deadline)", "s", "lower",
+                   # two runs of 2026-12-06/07 at load 15-24: 6.27 and 6.47 s. Provisional: one pair
+                   lambda d: recovery_point(d, "hang", "recovery_s"), Noise(rel=0.2, provisional=True),
+                   Goal("<=", None, "its deadline + 2 s + 2 step times, and 10 s", "issue 59")),
+            Figure("hang_steps_redone", "steps redone after the hang", "steps", "lower",
+                   lambda d: (lambda r: float(r["steps_redone"]) if r else None)(recovery_run(d, "hang")),
+                   Noise(abs=0), Goal("<=", 0, "0", "issue 59")),
+            Figure("ray_train_hang_ratio", "Ray Train's hang to its next step, over ours", "x", "higher",
+                   # one run, 11.2x (2026-12-07, load 20). Provisional
+                   lambda d: ray_train_over_ours(d, "hang"), Noise(rel=0.40, provisional=True)),
         )),
     Benchmark(
         "peer_copies", "peer_copies.py", ("--sections", "steady"),

@@ -12,15 +12,23 @@ checkpoint every K steps:
   drain         raytrain-sys   a PREEMPTION drain (deadline 60 s) of one worker's node after step N,
                                once per lease length of ``--drain-leases`` (train.steps_per_call;
                                0: automatic, as many steps as fit in 10 s)
+  hang          raytrain-sys   rank 1's loss (the task's loss_sum) never returns at step N+1, once: its
+                               process stays alive and answers, its peer waits in the all-reduce;
+                               the step deadline learned from the run's steps (elastic.hang_floor_s
+                               at its default) decides
+  hang          ray-train      the same hang in the same place of TorchTrainer's loop: its
+                               TorchConfig(timeout_s=--ray-train-timeout-s) and health check decide
 
 Per scenario:
 
   recovery s    seconds from the fault to the next step committed after it. raytrain-sys commits a
                 step when every rank finished its optimizer step; for a lost node or a drain, the
                 first step committed by the group that no longer holds the node (a node's worker
-                can outlive its raylet for a second and still commit steps, correct ones). For
-                Ray Train: the first optimizer step any attempt completes after the kill (Ray
-                Train commits nothing per step; this favours it).
+                can outlive its raylet for a second and still commit steps, correct ones); for a
+                hang, from the moment the loss stopped to the first step committed by the
+                re-formed group (the steps the survivor finished before it are committed, not
+                counted). For Ray Train: the first optimizer step any attempt completes after the
+                fault (Ray Train commits nothing per step; this favours it).
   steps redone  committed steps executed again (Ray Train: from its newest checkpoint on).
   regain s      seconds from the fault until the step that was running at the fault is done: the
                 progress lost, redone steps included.
@@ -29,10 +37,17 @@ and for raytrain-sys the split of the recovery from its own state transitions (d
 the rebuild decision; re-form: new process group and state sync among survivors; step: the next
 step, on the smaller world). Goals (issue 4, 2-core machine): worker kill <= 2 step times + 2 s,
 node loss <= 5 s, 0 steps redone; issue 26: a drain notice to the node left (the boundary that
-lets its workers go) <= one step + 1 s, 0 steps redone, at every lease length.
+lets its workers go) <= one step + 1 s, 0 steps redone, at every lease length; issue 59: a hang
+to the next committed step <= its deadline + 2 s + 2 step times, and <= 10 s at the default
+deadline, 0 steps redone.
+
+``--sections`` picks scenarios by kind, each with its Ray Train counterpart where there is one
+(kill, node, drain, hang); ``--scenarios`` names them one by one. By default the first four run
+(kill, Ray Train's kill, node, drain): the hang's pair adds about 3 minutes.
 
     .venv/bin/python benchmarks/recovery.py --quick      # the CI-sized model
     .venv/bin/python benchmarks/recovery.py              # jobs/tinygpt.yaml's model
+    .venv/bin/python benchmarks/recovery.py --sections hang   # the hang, both frameworks
     RAYTRAIN_SYS_CODE=/work/main PYTHONPATH=/work/main .venv/bin/python benchmarks/recovery.py
                                                          # the same, with another checkout's library
 
@@ -72,7 +87,7 @@ import _common as common  # noqa: E402
 import _torchrun_ddp as baseline  # noqa: E402  (model build, share reader and step seed)
 import yaml  # noqa: E402
 
-from raytrain_sys.spec import JobSpec, from_dict  # noqa: E402
+from raytrain_sys.spec import ElasticSpec, JobSpec, from_dict  # noqa: E402
 
 # Ray 2.60 defaults to Train v2 already; pin it so the figures always name the same controller.
 os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
@@ -82,15 +97,57 @@ QUICK_MODEL = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}  # tes
 QUICK_BATCH = 8
 WORKER_NODES = 3  # 2 workers + room for a replacement
 DRAIN_DEADLINE_S = 60.0
-SCENARIOS = ("worker-kill", "ray-train-worker-kill", "node-loss", "drain")
+SCENARIOS = ("worker-kill", "ray-train-worker-kill", "node-loss", "drain", "hang", "ray-train-hang")
+DEFAULT_SCENARIOS = SCENARIOS[:4]  # the hang's pair only when asked (--sections hang): 3 more minutes
+SECTIONS = {"kill": ("worker-kill", "ray-train-worker-kill"), "node": ("node-loss",), "drain": ("drain",),
+            "hang": ("hang", "ray-train-hang")}
+HANG_MARKER = "hang-began-{name}"  # in the work dir: when the hung loss began (unix s), written by the hung rank
+HUNG_RANK = 1
 
 log = logging.getLogger("recovery")
 
 
 # ----------------------------------------------------------------------------- setup
 
+class _StuckInLoss:
+    """The benchmark's hang (``train.task``, which travels to the workers by value from
+    ``__main__``): the model's next-token loss, except that on rank HUNG_RANK its ``at_call``-th
+    call never returns, once in the run (``_hang_once``)."""
+
+    def __init__(self, marker: str, at_call: int):
+        from raytrain_sys.train.tasks import NextToken
+
+        self.inner, self.marker, self.at_call, self.calls = NextToken(), marker, at_call, 0
+
+    def units(self, batch):
+        return self.inner.units(batch)
+
+    def row_units(self, batch):
+        return self.inner.row_units(batch)
+
+    def loss_sum(self, model, batch):
+        import torch.distributed as dist
+
+        self.calls += 1
+        if self.calls == self.at_call and dist.is_initialized() and dist.get_rank() == HUNG_RANK:
+            _hang_once(self.marker)
+        return self.inner.loss_sum(model, batch)
+
+
+def _hang_once(marker: str) -> None:
+    """Sleep far past any deadline, the first time any process of the run gets here; the marker
+    file, claimed atomically, says when."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.write(fd, repr(time.time()).encode())
+    os.close(fd)
+    time.sleep(3600)
+
+
 def make_spec(args: argparse.Namespace, data_dir: str, work_dir: str, name: str,
-              lease_steps: int = 0) -> JobSpec:
+              lease_steps: int = 0, hang_marker: str = "") -> JobSpec:
     with open(REPO / "jobs" / "tinygpt.yaml") as f:
         raw = yaml.safe_load(f)
     if args.quick:
@@ -111,6 +168,8 @@ def make_spec(args: argparse.Namespace, data_dir: str, work_dir: str, name: str,
     # How often draining nodes are looked up (the job default is 1 s): with the small model the
     # steps after the notice would otherwise end before the first look.
     raw["elastic"] = {"drain_poll_s": args.drain_poll_s}
+    if hang_marker:  # rank 1 hangs in its loss at step fault_step + 1; elastic.hang_floor_s stays the default
+        raw["train"]["task"] = _StuckInLoss(hang_marker, args.fault_step + 1)
     return from_dict(raw)
 
 
@@ -156,8 +215,9 @@ def restore_nodes(cluster) -> None:
 
 # ----------------------------------------------------------------------------- raytrain-sys
 
-def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
-    """One run with one fault injected right after step ``at_step`` is committed."""
+def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster, hang_marker: str = "") -> dict:
+    """One run with one fault injected right after step ``at_step`` is committed (a hang: the
+    run's own task hangs in step ``at_step + 1``; ``hang_marker`` says when)."""
     from raytrain_sys.control import drain
     from raytrain_sys.control.run_record import RunSummary
     from raytrain_sys.control.supervisor import Supervisor
@@ -205,14 +265,18 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
 
     sup = Supervisor(spec, on_step=on_step)
     watcher = threading.Thread(target=watch_progress, daemon=True)
-    watcher.start()
+    if fault != "hang":
+        watcher.start()
     t0 = time.perf_counter()
     result = sup.run()
     wall = time.perf_counter() - t0
-    watcher.join(timeout=10)
+    if fault != "hang":
+        watcher.join(timeout=10)
     if result.status != "finished":
         raise RuntimeError(f"raytrain-sys {fault} run ended {result.status}: {result.reason}")
     summary = RunSummary.read(result.run_dir)
+    if fault == "hang":
+        fault_at["t"] = float(Path(hang_marker).read_text())
     t_fault = fault_at["t"]
     trans = [t for t in summary.transitions if t["time"] >= t_fault]
     # The decision: the first rebuild (kill, node loss) or leave (drain) after the fault.
@@ -236,6 +300,7 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
     redone = len(steps_seen) - len(set(steps_seen))
     regain_t = next(t for s, t in commits if s >= in_flight and t > t_fault)
     before = [t for t in summary.step_times[:at_step] if t is not None]  # a lease's steps share its time
+    hung = [h for r in summary.recoveries for h in r.get("hung", [])]
     return {
         "framework": "raytrain-sys", "fault": fault, "fault_after_step": at_step,
         "lease_steps": spec.train.steps_per_call, "leases": summary.leases,
@@ -255,6 +320,10 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster) -> dict:
         "steps_committed_before_detection": sum(1 for _, t in commits if t_fault < t < decided["time"]),
         "step_time_median_s": statistics.median(before[2:] or before),
         "decision_reason": decided["reason"][:300],
+        # a hang: the deadline that found it, and whom it named, where
+        "deadline_s": hung[0]["deadline_s"] if hung else None,
+        "named_rank": hung[0]["rank"] if hung else None,
+        "top_frame": hung[0]["top_frame"] if hung else None,
         "world_sizes": summary.world_sizes, "failures": summary.failures,
         "wall_s": wall, "commit_times": commits, "fault_unix_s": t_fault,
         "transitions": summary.transitions,
@@ -307,6 +376,8 @@ def _ray_train_loop(config: dict) -> None:
         torch.manual_seed(baseline._step_seed(spec.train.seed, step, rank))
         rows = torch.from_numpy(tokens.astype(np.int64))
         x, y = rows[:, :-1], rows[:, 1:]
+        if config.get("hang_marker") and rank == HUNG_RANK and step + 1 == config["hang_step"]:
+            _hang_once(config["hang_marker"])  # the loss of step hang_step never returns (once)
         logits = ddp(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),
                                reduction="sum")
@@ -333,10 +404,14 @@ def _ray_train_loop(config: dict) -> None:
                                         "t": time.time()}) + "\n")
 
 
-def run_ray_train(spec: JobSpec, at_step: int, work_dir: str) -> dict:
+def run_ray_train(spec: JobSpec, at_step: int, work_dir: str, hang_marker: str = "",
+                  timeout_s: float = 1800.0) -> dict:
+    """Ray Train under the same fault: a kill of rank 1 a moment after rank 0 reports step
+    ``at_step``, or (``hang_marker``) rank 1's loss of step ``at_step + 1`` never returning, its
+    TorchConfig(timeout_s=``timeout_s``) deciding."""
     import ray.cloudpickle
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     # Workers cannot import benchmarks/_torchrun_ddp.py by name: ship it with the function.
     ray.cloudpickle.register_pickle_by_value(baseline)
@@ -354,7 +429,7 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str) -> dict:
 
     def killer() -> None:
         """Kill rank 1 a moment after rank 0 reports step ``at_step``, as for raytrain-sys."""
-        while not stop.is_set():
+        while not stop.is_set() and not hang_marker:
             if any(e["event"] == "step" and e["step"] == at_step for e in read_events()):
                 time.sleep(0.02)
                 pid = int(Path(pid_dir, "rank1.pid").read_text())
@@ -363,9 +438,13 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str) -> dict:
                 return
             time.sleep(0.005)
 
+    config = {"spec": spec.to_dict(), "events": events, "pid_dir": pid_dir}
+    if hang_marker:
+        config.update(hang_marker=hang_marker, hang_step=at_step + 1)
     trainer = TorchTrainer(
         _ray_train_loop,
-        train_loop_config={"spec": spec.to_dict(), "events": events, "pid_dir": pid_dir},
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="gloo", timeout_s=timeout_s),
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name="recovery", storage_path=os.path.join(run_dir, "storage"),
                              failure_config=FailureConfig(max_failures=3),
@@ -382,11 +461,15 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str) -> dict:
     if result.error:
         raise RuntimeError(f"Ray Train run failed: {result.error}")
     ev = read_events()
-    t_kill = fault_at["t"]
+    t_kill = float(Path(hang_marker).read_text()) if hang_marker else fault_at["t"]
     steps = [e for e in ev if e["event"] == "step"]
     first_attempt = steps[0]["attempt"]
-    done_before = max(e["step"] for e in steps if e["t"] <= t_kill)
-    after = [e for e in steps if e["t"] > t_kill]
+    if hang_marker:  # rank 0 may still finish the step before the hung one after the hang began
+        done_before = max(e["step"] for e in steps if e["attempt"] == first_attempt)
+        after = [e for e in steps if e["t"] > t_kill and e["attempt"] != first_attempt]
+    else:
+        done_before = max(e["step"] for e in steps if e["t"] <= t_kill)
+        after = [e for e in steps if e["t"] > t_kill]
     nxt = after[0]
     resumed_from = nxt["step"] - 1
     restart = next(e for e in ev if e["event"] == "start" and e["t"] > t_kill)
@@ -395,7 +478,8 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str) -> dict:
     gaps = [b - a for a, b in zip(step_ts, step_ts[1:])]
     reported = [e["step"] for e in ev if e["event"] == "reported" and e["t"] <= t_kill]
     return {
-        "framework": "ray-train", "fault": "worker-kill", "fault_after_step": at_step,
+        "framework": "ray-train", "fault": "hang" if hang_marker else "worker-kill", "fault_after_step": at_step,
+        "timeout_s": timeout_s,
         # Ray Train v2 registers a reported checkpoint asynchronously: a kill soon after the
         # report can restart from an older one (or from scratch).
         "newest_checkpoint_reported_before_kill": max(reported, default=0),
@@ -412,7 +496,7 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str) -> dict:
 # ----------------------------------------------------------------------------- report
 
 LABELS = {"worker-kill": "worker kill (SIGKILL)", "node-loss": "node loss (remove_node)",
-          "drain": "drain (PREEMPTION)"}
+          "drain": "drain (PREEMPTION)", "hang": "hang (stuck in the loss)"}
 
 
 def label(r: dict) -> str:
@@ -423,14 +507,17 @@ def label(r: dict) -> str:
 
 def detail(r: dict) -> str:
     if r["framework"] == "ray-train":
-        return (f"restart {r['restart_s']:.1f} + first step {r['first_step_s']:.1f}; resumed "
+        timeout = f"TorchConfig(timeout_s={r['timeout_s']:g}); " if r["fault"] == "hang" else ""
+        return (f"{timeout}restart {r['restart_s']:.1f} + first step {r['first_step_s']:.1f}; resumed "
                 f"from step {r['resumed_from_step']} (newest checkpoint reported: step "
                 f"{r['newest_checkpoint_reported_before_kill']})")
     joined = (f"; replacement in after {r['replacement_joined_after_s']:.1f}, join stall "
               f"{r['join_stall_s']:.2f}" if r.get("join_stall_s") is not None else "")
     left = (f"node left {r['node_left_s']:.2f} s (step {r['node_left_at_step']}, {r['leases']} leases); "
             if r.get("node_left_s") is not None else "")
-    return (f"{left}detect {r['detect_s']:.2f} + decide {r['decide_s']:.2f} + re-form "
+    hung = (f"deadline {r['deadline_s']:.1f}, named rank {r['named_rank']} at {r['top_frame']['function']}; "
+            if r.get("deadline_s") is not None else "")
+    return (f"{hung}{left}detect {r['detect_s']:.2f} + decide {r['decide_s']:.2f} + re-form "
             f"{r['reform_s']:.2f} + step {r['first_step_s']:.2f}{joined}")
 
 
@@ -456,6 +543,9 @@ def goals(rows: list[dict]) -> dict:
             continue
         if r["fault"] == "worker-kill":
             limit = 2 * r["step_time_median_s"] + 2.0
+        elif r["fault"] == "hang":  # issue 59: its deadline + 2 s + 2 steps, and 10 s at the default deadline
+            limit = r["deadline_s"] + 2.0 + 2 * r["step_time_median_s"] if r["deadline_s"] else 0.0
+            limit = min(limit, 10.0) if r["default_deadline"] else limit
         elif r["fault"] == "node-loss":
             limit = 5.0
         else:  # issue 26: the notice to the node left, at every lease length
@@ -484,13 +574,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drain-leases", default="0",
                    help="comma list of lease lengths (train.steps_per_call; 0: automatic) for the drain "
                         "scenario, one run each (default 0)")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
+    p.add_argument("--scenarios", default="", help=f"comma list of {', '.join(SCENARIOS)} (default: "
+                                                  f"{', '.join(DEFAULT_SCENARIOS)})")
+    p.add_argument("--sections", default="", help=f"comma list of {', '.join(SECTIONS)}: each kind's scenarios, "
+                                                 f"with Ray Train's where there is one (adds to --scenarios)")
+    p.add_argument("--ray-train-timeout-s", type=float, default=60.0,
+                   help="TorchConfig(timeout_s) of Ray Train's hang run: what finds the hang there (default 60; "
+                        "Ray's own default is 1800)")
     p.add_argument("--data", default="", help="an existing dataset dir (row_len = block_size + 1)")
     p.add_argument("--out", default=str(HERE / "results" / "recovery.json"))
     p.add_argument("--keep-temp", action="store_true", help="keep the temp dir (data, run dirs)")
     p.add_argument("--verbose", action="store_true", help="INFO logs and the workers' output")
     args = p.parse_args(argv)
-    args.scenarios = common.pick(p, args.scenarios, SCENARIOS, "--scenarios")
+    picked = common.pick(p, args.scenarios, SCENARIOS, "--scenarios")
+    for section in common.pick(p, args.sections, list(SECTIONS), "--sections"):
+        picked += [s for s in SECTIONS[section] if s not in picked]
+    args.scenarios = [s for s in SCENARIOS if s in picked] if picked else list(DEFAULT_SCENARIOS)
     try:
         args.drain_leases = [int(v) for v in args.drain_leases.split(",")]
     except ValueError:
@@ -520,13 +619,17 @@ def main(argv: list[str] | None = None) -> int:
         cluster = start_cluster(work_dir, args.verbose)
         runs = [(s, lease) for s in args.scenarios for lease in (args.drain_leases if s == "drain" else [0])]
         for scenario, lease in runs:
-            spec = make_spec(args, data_dir, work_dir, f"drain-{lease}" if scenario == "drain" else scenario, lease)
+            name = f"drain-{lease}" if scenario == "drain" else scenario
+            marker = os.path.join(work_dir, HANG_MARKER.format(name=name)) if scenario.endswith("hang") else ""
+            spec = make_spec(args, data_dir, work_dir, name, lease, hang_marker=marker if scenario == "hang" else "")
             log.info("%s: %d steps, fault after step %d, leases of %s", scenario, args.steps,
                      args.fault_step, lease or "auto")
-            if scenario == "ray-train-worker-kill":
-                rows.append(run_ray_train(spec, args.fault_step, work_dir))
+            if scenario.startswith("ray-train-"):
+                rows.append(run_ray_train(spec, args.fault_step, work_dir, marker, args.ray_train_timeout_s)
+                            if marker else run_ray_train(spec, args.fault_step, work_dir))
             else:
-                rows.append(run_raytrain_sys(spec, scenario, args.fault_step, cluster))
+                rows.append(run_raytrain_sys(spec, scenario, args.fault_step, cluster, marker))
+                rows[-1]["default_deadline"] = spec.elastic.hang_floor_s == ElasticSpec().hang_floor_s
             restore_nodes(cluster)
     finally:
         import ray
@@ -539,8 +642,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print_table(rows, spec)
     ours = next((r for r in rows if r["framework"] == "raytrain-sys" and r["fault"] == "worker-kill"), None)
-    theirs = next((r for r in rows if r["framework"] == "ray-train"), None)
+    theirs = next((r for r in rows if r["framework"] == "ray-train" and r["fault"] == "worker-kill"), None)
     ratio = theirs["recovery_s"] / ours["recovery_s"] if ours and theirs else None
+    ours_hang = next((r for r in rows if r["framework"] == "raytrain-sys" and r["fault"] == "hang"), None)
+    theirs_hang = next((r for r in rows if r["framework"] == "ray-train" and r["fault"] == "hang"), None)
+    hang_ratio = theirs_hang["recovery_s"] / ours_hang["recovery_s"] if ours_hang and theirs_hang else None
     met = goals(rows)
     import ray
     import torch
@@ -551,12 +657,13 @@ def main(argv: list[str] | None = None) -> int:
         "quick": args.quick,
         "versions": {"ray": ray.__version__, "torch": torch.__version__, "python": sys.version.split()[0]},
         "machine": {"cpu_count": os.cpu_count(), "loadavg_before": load0, "loadavg_at_end": os.getloadavg()},
-        "config": {"steps": args.steps, "fault_after_step": args.fault_step,
+        "config": {"steps": args.steps, "fault_after_step": args.fault_step, "scenarios": args.scenarios,
                    "checkpoint_every": args.checkpoint_every, "workers": 2, "cpus_per_worker": 1,
                    "worker_nodes": WORKER_NODES, "model": spec.to_dict()["model"],
                    "global_batch_size": spec.train.global_batch_size},
         "results": rows,
         "ratio_recovery_ray_train_over_raytrain_sys": ratio,
+        "ratio_hang_ray_train_over_raytrain_sys": hang_ratio,
         "goals": met,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -564,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(report, f, indent=1)
     if ratio:
         print(f"worker kill, seconds to the next committed step: ray-train / raytrain-sys = {ratio:.1f}x")
+    if hang_ratio:
+        print(f"hang, seconds to the next committed step: ray-train / raytrain-sys = {hang_ratio:.1f}x "
+              f"(Ray Train's TorchConfig(timeout_s={args.ray_train_timeout_s:g}))")
     for fault, g in met.items():
         limit = f"<= {g['limit_s']:.2f} s" if g["limit_s"] is not None else "no time goal"
         what = (f"notice to node left {g['node_left_s']:.2f} s" if "node_left_s" in g

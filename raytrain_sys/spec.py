@@ -104,7 +104,9 @@ class TrainSpec:
     precision: str = "fp32"  # fp32 | bf16 (autocast) | fp64 (numerics checks: no rounding noise)
     seed: int = 1234  # model init and dropout
     log_every_steps: int = 10  # progress lines and summary.json throughput refresh
-    step_timeout_s: float = 600.0  # a step slower than this is treated as a hung worker
+    # a step's deadline until one is learned from the job's steps (warm-up, compilation), and the
+    # most a learned one can be (elastic.hang_floor_s)
+    step_timeout_s: float = 600.0
     stop_at_step: int = 0  # pause: stop after this many committed steps, with a checkpoint; 0 = run on
     run_ahead: bool = True  # send step k+1 while step k runs (boundaries with work excepted); same results
     # Steps one call to each worker carries (a lease). 0 = auto: one step until step times are
@@ -276,7 +278,11 @@ class ElasticSpec:
     max_failures: int = 20  # membership failures tolerated per failure_window_s
     failure_window_s: float = 3600.0  # the sliding window elastic.max_failures counts in
     below_min_timeout_s: float = 300.0  # wait this long for workers when below min_workers
-    hang_floor_s: float = 30.0  # a step is "hung" after max(this, hang_factor x median step time)
+    # A step that makes no progress for its deadline is hung: the median of the job's steady step
+    # times plus hang_factor spreads (a robust sigma, at least a tenth of the median), never under
+    # hang_floor_s; raise the floor for a job whose ranks may legitimately stall apart for long
+    # (5 s: 9x the longest silence of a 3,000-step run at load 8 on 2 cores, 0.54 s)
+    hang_floor_s: float = 5.0
     hang_factor: float = 10.0  # see hang_floor_s
     drain_poll_s: float = 1.0  # how often draining (preempted) nodes are looked up
     # How long a run's node agents keep its ranks and slots once the process that drives it (a CLI

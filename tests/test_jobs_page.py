@@ -216,6 +216,38 @@ def test_page_draws_each_ranks_step_breakdown_and_refreshes_itself(tmp_path):
 
 
 @needs_chromium
+def test_page_and_cli_status_name_a_hung_worker_and_the_top_frame_of_its_stack(tmp_path, capsys):
+    """A worker found hung (summary.json's recovery record, as ``liveness.hang_record`` keeps it):
+    its job's card and ``raytrain-sys jobs status`` name its rank, its worker and where its
+    training thread was."""
+    from raytrain_sys.cli.main import main as cli_main
+
+    store = Store.open(f"sqlite:///{tmp_path}/svc.db")
+    store.add_team(Team("a", 2))
+    token = store.issue_token("a")
+    job = user_requests.submit(store, team="a", spec={"name": "hung", "resources": {"num_workers": 2},
+                                                      "train": {"max_steps": 40}}, by="a").id
+    top = {"file": "/home/u/mytask.py", "line": 41, "function": "loss_sum"}
+    hung = {"step": 20, "slot": 1, "rank": 1, "phase": "forward", "reason": "hung: stuck in the forward ...",
+            "top_frame": top, "stack": "Thread MainThread (training): ..."}
+    live = {"job": "hung", "status": "running", "committed_steps": 24, "losses": [3.0] * 24,
+            "recoveries": [{"step": 19, "lost": [1], "reason": "steps 16..20 failed: ...", "from": "survivors",
+                            "steps_redone": 0, "hung": [hung]}]}
+    def answered(jobs):
+        """Its runner's answer to this poll: the live numbers above."""
+        return {job: JobProgress(progress(live, 40), True, time.time())}
+
+    with serve(store, "127.0.0.1", 0, log_dir=tmp_path / "logs", progress=answered) as handle:
+        card = job_cards(chromium(f"{handle.url}/#token={token}"))[str(job)]
+        assert cli_main(["jobs", "status", str(job), "--url", handle.url, "--token", token]) == 0
+    shown = re.search(r'<div class="stack" data-kind="hung">(.*?)</div>', card, re.S)
+    assert shown, card
+    assert re.sub(r"<[^>]+>", "", shown.group(1)) == "step 20: rank 1 (worker 1) hung at /home/u/mytask.py:41 in loss_sum"
+    assert "stack       step 20: rank 1 hung at /home/u/mytask.py:41 in loss_sum\n" in capsys.readouterr().out
+    store.close()
+
+
+@needs_chromium
 def test_page_says_why_a_job_is_not_running_yet(tmp_path):
     """A queued job's card names the cause it waits on, for how long, and the sentence; a running
     job's shows its last transition's reason instead. The reconciler's part is played through the

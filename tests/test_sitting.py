@@ -164,6 +164,8 @@ EXTRACTED = [  # (form, committed file, figure, its value there, the limit its r
     ("recovery", "recovery_reread.json", "worker_kill_s", 1.0642, 2.5179),
     ("recovery", "recovery_finished_reads.json", "drain_left_s", 0.2949, 1.1771),
     ("recovery", "recovery.json", "ray_train_kill_ratio", 11.924, None),
+    ("recovery_hang", "recovery_hang.json", "hang_s", 6.4685, 7.9392),
+    ("recovery_hang", "recovery_hang.json", "ray_train_hang_ratio", 11.1574, None),
     ("peer_copies", "peer_copies_steady_dec05.json", "large_step", 1.131, None),
     ("peer_copies", "peer_copies.json", "extra_shards", 3.016, None),
     ("peer_copies_kill", "peer_copies.json", "regain", 0.2893, None),
@@ -207,6 +209,8 @@ def test_the_step_breakdown_figure_is_the_median_its_script_writes():
     ("sweep", "sweep_quick_tell_runner.json"),
     ("ddp_overhead", "ddp_overhead_1worker.json"),
     ("peer_copies_kill", "peer_copies_steady_dec05.json"),
+    ("recovery", "recovery_hang.json"),
+    ("recovery_hang", "recovery_reread.json"),
 ], ids=[
     "an 8-epoch read is neither the warm (40) nor the cold (1) form",
     "(the same)",
@@ -214,6 +218,8 @@ def test_the_step_breakdown_figure_is_the_median_its_script_writes():
     "a sweep of 400-step trials (--quick) is not the 1,000-step form",
     "one worker is not ddp_overhead's form of two",
     "a run without the kill section holds no kill figures",
+    "recovery.py's hang pair alone (--sections hang) holds no kill, node or drain figure",
+    "recovery.py's four default faults hold no hang figure",
 ])
 def test_a_result_of_another_form_is_not_a_last_figure(bench, file):
     data = json.loads((RESULTS / file).read_text())

@@ -28,22 +28,52 @@ class Member:
 
 
 # ------------------------------------------------------------------ step deadline
-@pytest.mark.parametrize("times, expected", [
-    ([], 600.0),
-    ([0.5, 0.5], 600.0),
-    ([0.5, 0.6, 0.7], 30.0),
-    ([5.0, 6.0, 7.0, 100.0], 70.0),
-    ([100.0, 100.0, 100.0], 600.0),
+REGULAR_3MS = [0.003] * 20
+
+
+@pytest.mark.parametrize("times, new_group, floor, expected", [
+    ([], False, 5.0, 600.0),
+    ([0.5, 0.5], False, 5.0, 600.0),
+    (REGULAR_3MS, False, 5.0, 5.0),
+    ([4.0] * 10, False, 5.0, 8.0),
+    ([2.0, 3.0, 4.0, 5.0, 6.0], False, 5.0, 4.0 + 10 * 1.4826),
+    ([4.0, 4.0, 4.0, 4.0, 100.0], False, 5.0, 8.0),
+    ([400.0] * 5, False, 5.0, 600.0),
+    (REGULAR_3MS, True, 5.0, 15.0),
+    ([4.0] * 10, True, 5.0, 24.0),
+    ([0.5] * 10, False, 120.0, 120.0),
 ], ids=[
-    "no step yet: the generous train.step_timeout_s",
-    "fewer than three steps (warm-up): still train.step_timeout_s",
-    "fast steps: the elastic.hang_floor_s floor",
-    "slow steps: hang_factor times the median, one outlier ignored",
+    "no steady step yet: the warm-up's train.step_timeout_s",
+    "fewer steady steps than DEADLINE_SAMPLES: still train.step_timeout_s",
+    "steps of 3 ms as regular as a clock: the elastic.hang_floor_s floor",
+    "regular steps of 4 s: the median plus ten spreads of a tenth of it, twice the median",
+    "noisy steps of 2-6 s: the median plus ten robust spreads (1.4826 median absolute deviations)",
+    "one outlier of 100 s among steps of 4 s moves neither the median nor the spread",
     "very slow steps: capped by train.step_timeout_s",
+    "a process group's first steps: three times the floor",
+    "a process group's first steps of 4 s: three times the learned deadline",
+    "a user's floor for jobs that stall for long legitimately wins over fast steps",
 ])
-def test_step_deadline(times, expected):
-    spec = job(train={"step_timeout_s": 600.0}, elastic={"hang_floor_s": 30.0, "hang_factor": 10.0})
-    assert policy.step_deadline_s(times, spec) == pytest.approx(expected)
+def test_step_deadline(times, new_group, floor, expected):
+    spec = job(train={"step_timeout_s": 600.0}, elastic={"hang_floor_s": floor, "hang_factor": 10.0})
+    assert policy.step_deadline_s(times, spec, new_group=new_group) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("group_steps, after_pause, steady", [
+    (1, False, False),
+    (2, False, False),
+    (3, False, True),
+    (40, True, False),
+    (40, False, True),
+], ids=[
+    "a process group's first step (DDP builds its buckets after it): not a sample",
+    "its second step: not a sample either",
+    "its third step: a sample",
+    "the lease after a checkpoint or an evaluation: not a sample",
+    "a step in the middle of a run: a sample",
+])
+def test_steady_steps_teach_the_deadline(group_steps, after_pause, steady):
+    assert policy.steady_step(group_steps, after_pause) is steady
 
 
 def test_collective_timeout_is_just_past_the_liveness_verdict():
@@ -85,15 +115,17 @@ def test_rank_metrics_due(now, last_sent, metrics, due):
 
 @pytest.mark.parametrize("times, steps, expected", [
     ([], 4, 2400.0),
-    ([0.5, 0.6, 0.7], 4, 30.0),
-    ([5.0, 6.0, 7.0], 4, 240.0),
+    ([0.5, 0.6, 0.7], 4, 4 * (0.6 + 10 * 1.4826 * 0.1)),
+    ([0.1, 0.1, 0.1], 4, 5.0),
+    ([5.0, 6.0, 7.0], 4, 4 * (6.0 + 10 * 1.4826)),
 ], ids=[
     "a lease before any step time: step_timeout_s for each of its steps",
-    "a lease of fast steps: still the elastic.hang_floor_s floor",
-    "a lease of slow steps: hang_factor times the median, for each of its steps",
+    "a lease of steps of 0.6 s: the learned deadline for each of its steps",
+    "a lease of fast steps: the elastic.hang_floor_s floor, once for the whole call",
+    "a lease of slow noisy steps: the learned deadline for each of its steps",
 ])
 def test_lease_deadline(times, steps, expected):
-    spec = job(train={"step_timeout_s": 600.0}, elastic={"hang_floor_s": 30.0, "hang_factor": 10.0})
+    spec = job(train={"step_timeout_s": 600.0}, elastic={"hang_floor_s": 5.0, "hang_factor": 10.0})
     assert policy.step_deadline_s(times, spec, steps) == pytest.approx(expected)
 
 

@@ -209,6 +209,7 @@ def _status(args: argparse.Namespace) -> int:
         fields.append(("code", f"package {job['package']} (its working directory)"))
     if job["delete_checkpoints"]:
         fields.append(("on end", "delete checkpoints"))
+    fields += [("stack", f"step {s['step']}: rank {s['rank']} {s['kind']} at {s['top']}") for s in _stacks(client, job)]
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         print(f"{key:<{width}}  {value}")
@@ -217,6 +218,16 @@ def _status(args: argparse.Namespace) -> int:
            [(_when(t["at_s"]), t["from_state"] or "-", t["to_state"], t["actor"], t["reason"])
             for t in client.transitions(args.job_id)])
     return 0
+
+
+def _stacks(client, job: dict) -> list[dict]:
+    """The job's newest workers found hung or stragglers replaced, with their stacks' top frames
+    (its run's progress: ``monitor.report.stack_tops``); none when its progress cannot be read."""
+    try:
+        found = [p for p in client.progress(job["team"]) if p["job"]["id"] == job["id"]]
+    except Exception:  # noqa: BLE001: the status shows without them
+        return []
+    return (found[0].get("progress") or {}).get("stacks", []) if found else []
 
 
 def _logs(args: argparse.Namespace) -> int:

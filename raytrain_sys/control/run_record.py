@@ -6,7 +6,10 @@ rows of the ranks that outlived the step's agreement, NaN with none), world_size
 checkpoints (step, uri, stall_s: training's wait at the step boundary; a background save,
 checkpoint.async_save, also durable_after_s, write_s and snapshot_bytes_per_rank), mlflow_run_id, tracking_uri, spec_hash, training_hash, git_commit, transitions, throughput,
 failures, steps_redone, recoveries (one record per recovery from lost members: step, lost,
-reason, from: survivors | peer copies | checkpoint, steps_redone), peer_copies
+reason, from: survivors | peer copies | checkpoint, steps_redone; and hung: one record per member
+found hung at the step's deadline, control/supervisor/liveness.hang_record: slot, rank, node, pid,
+phase, step, deadline_s, reason, top_frame {file, line, function} of its training thread, threads
+(every thread's frames) and stack, the whole as a traceback), peer_copies
 (checkpoint.peer_copies: peers, each rank's, and bytes_per_copy_estimate; or off: why; empty
 when the layout keeps none), steps_run_ahead, leases, agent_calls, evals (one record per evaluation: step and
 metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), step_times
@@ -33,7 +36,8 @@ collective_s, optimizer_s, step_s}}: per-rank means over the last train.log_ever
 refreshed at each of them), rank_times_history (list of {step, ranks: the same shape}, at most
 500, thinned by dropping every other one when full), stragglers (one event per flagged rank:
 step, rank, node, kind slow_rank | data_imbalance, ratio of its compute to its peers' median,
-action none | rebalance | replace, and with rebalance the rows per data index dealt from then on).
+action none | rebalance | replace, and with rebalance the rows per data index dealt from then on; with
+replace, top_frame and stack: where the rank was in its step at the verdict).
 """
 
 from __future__ import annotations
@@ -95,7 +99,7 @@ class RunSummary:
     # steps whose loss counts only some ranks' rows (theirs lost with them in the step's agreement)
     losses_partial: list[int] = field(default_factory=list)
     # one record a recovery from lost members: {"step", "lost", "reason", "from": survivors |
-    # peer copies | checkpoint, "steps_redone"}
+    # peer copies | checkpoint, "steps_redone"} and "hung": the members found hung, with their stacks
     recoveries: list[dict] = field(default_factory=list)
     # checkpoint.peer_copies at the start: {"peers": each rank's peer, "bytes_per_copy_estimate"}
     peer_copies: dict = field(default_factory=dict)

@@ -47,6 +47,7 @@ from raytrain_sys.data.batches import RankShare, lease_plans
 from raytrain_sys.extensions import resolve_task
 from raytrain_sys.niceness import process_niceness, set_niceness
 from raytrain_sys.parallel import mesh as meshlib
+from raytrain_sys.parallel import phases
 from raytrain_sys.parallel import reshard
 from raytrain_sys.parallel.backend import choose_backend
 from raytrain_sys.parallel.dtensor import forget_meshes
@@ -208,6 +209,7 @@ class TrainWorker:
         # The state held before the layout was rebuilt: (step, pieces), until shared and loaded.
         self.stash: tuple[int, dict] | None = None
         self.collective_timeout_s = 0.0  # of the current process groups (see train_step)
+        self.abort_releases = False  # aborting the process group releases a waiting collective (NCCL)
         # The results of the steps of the two newest leases that ran here, by step: after a lease
         # fails part-way the Supervisor commits its finished steps from them (lease_results). The
         # one before the newest stays: under run-ahead this rank may have begun the next lease
@@ -222,6 +224,9 @@ class TrainWorker:
         self.cut: tuple[int, int] | None = None  # (through lease, end step): the Supervisor's (rank 0)
         self.cut_through = -1  # leases up to this id are cut short (agreed by every rank: _agree)
         self.task = resolve_task(self.spec)
+        # Where this rank is in its step, for the Supervisor's verdict on a step past its
+        # deadline (``phase``, read on the control path): raytrain_sys.parallel.phases.
+        self.marker = phases.PhaseMarker()
         # Test only (elastic.fault_slow_rank): this process computes that many times slower,
         # decided when it joins its first process group (StepClock sleeps in proportion).
         self.slow_factor: float | None = None
@@ -332,6 +337,40 @@ class TrainWorker:
         """The step of the newest state this worker holds, in its current layout or as pieces."""
         return self.stash[0] if self.stash is not None else self.step_done
 
+    # A step past its deadline (raytrain_sys.control.supervisor.liveness.find_hung): where each
+    # rank is, read without its training thread; the hung one's stacks; then its end.
+    @ray.method(concurrency_group="control")
+    def phase(self) -> dict[str, Any]:
+        """This rank's phase (``PhaseMarker.read``: phase, step, index, since_unix_s, group),
+        its rank and the step of the state it holds."""
+        marker = getattr(self, "marker", None) or phases.PhaseMarker()
+        return {**marker.read(), "rank": getattr(self, "rank", -1), "held": self.ping()}
+
+    @ray.method(concurrency_group="control")
+    def stacks(self) -> dict[str, Any]:
+        """Every thread's Python stack here, the training thread's first (``phases.stacks``)."""
+        marker = getattr(self, "marker", None)
+        return {**phases.stacks(marker.thread if marker is not None else 0), "pid": os.getpid()}
+
+    @ray.method(concurrency_group="control")
+    def abort_group(self) -> bool:
+        """Release this rank from a collective that a peer found hung will never join: its
+        process groups aborted, where that releases a waiting collective (NCCL; with gloo the
+        hung peer's end does: parallel/backend.py). The training thread's collective raises; the
+        group is made again by the rebuild. Returns whether it aborted."""
+        if not getattr(self, "abort_releases", False) or not dist.is_initialized():
+            return False
+        dist.distributed_c10d._abort_process_group()
+        forget_meshes()
+        return True
+
+    @ray.method(concurrency_group="control")
+    def end_now(self) -> None:
+        """End this process at once (a rank found hung, its stacks taken): its sockets close, so
+        its peers' collectives fail now, not at their timeout. Never answers."""
+        log.warning("ending this worker process: found hung by the Supervisor")
+        os._exit(1)
+
     # ------------------------------------------------------------------ group lifecycle
     def setup_group(self, rank: int, world_size: int, master_addr: str, master_port: int,
                     generation: int) -> dict[str, Any]:
@@ -350,6 +389,9 @@ class TrainWorker:
             from torch.distributed.distributed_c10d import _set_pg_timeout
         except ImportError:  # a torch without it: one timeout for both
             _set_pg_timeout, rendezvous = None, collective
+        for name, value in choice.env.items():  # read as the group is made (parallel/backend.py)
+            os.environ.setdefault(name, value)
+        self.abort_releases = choice.abort_releases
         dist.init_process_group(choice.backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size, timeout=rendezvous)
         if _set_pg_timeout is not None and rendezvous != collective:
@@ -384,7 +426,7 @@ class TrainWorker:
         # wraps the same module again: DDP holds the group it was built with.
         self.pm = parallelize(self.model, self.mesh, self.spec.parallel, self.device, task=self.task,
                               precision=self.spec.train.precision, compile_model=self.spec.train.compile,
-                              clock=StepClock(self.slow_factor))
+                              clock=StepClock(self.slow_factor, self.marker))
         self.model = self.pm.local_model
         if not keep:
             self.optimizer = build_optimizer(self.pm.optimizer_module(), self.spec.optim)
@@ -470,6 +512,7 @@ class TrainWorker:
             self.results_from = first
             self.unconfirmed = None
             if self.peer_copies.on and self.peer_copies.sent_step != first:
+                self.marker.enter(phases.COPY, first)
                 self._copy_to_peer()  # a new group's first lease: the state it starts from
                 self.peer_copies.wait(self._copy_timeout_s())
         reports, sent_at, plans = [], time.monotonic(), lease_plans(plans)
@@ -485,6 +528,8 @@ class TrainWorker:
                     # (train_step), so that the steps confirmed here stay asked for.
                     self.unconfirmed_lease = lease
                     raise
+            if end:
+                self.marker.enter(phases.IDLE, self.step_done)
             if end or time.monotonic() - sent_at >= report_every_s:
                 yield reports
                 reports, sent_at = [], time.monotonic()
@@ -512,6 +557,7 @@ class TrainWorker:
         vote = cut[0] + 1 if cut is not None and lease <= cut[0] and cut[1] <= step + 1 else 0
         mine = torch.tensor([vote] + [float(result[k]) for k in AGREED], dtype=torch.float64, device=self.device)
         table = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self.marker.enter(phases.AGREEMENT)
         dist.all_gather(table, mine)
         table = torch.stack(table).cpu().numpy()
         through = int(table[:, 0].max()) - 1
@@ -564,6 +610,7 @@ class TrainWorker:
                                f"{self.step_done}, not {step}")
         if collective_timeout_s and abs(collective_timeout_s - self.collective_timeout_s) > 1.0:
             self._set_collective_timeout(collective_timeout_s)
+        self.marker.start_step(step)
         t0 = time.perf_counter()
         if isinstance(batch, RankShare):
             batch = batch.assemble(list(pieces))
@@ -580,6 +627,7 @@ class TrainWorker:
         try:
             loss_sum = self.pm.forward_backward(tensors, global_units, spec.train.micro_batch_size)
             compute_s, collective_s = self.pm.clock.split()
+            self.marker.enter(phases.OPTIMIZER)
             t1 = time.perf_counter()
             max_norm = spec.optim.grad_clip if spec.optim.grad_clip > 0 else float("inf")
             grad_norm = self.pm.clip_grad_norm_(max_norm)
@@ -607,6 +655,7 @@ class TrainWorker:
         # before is kept (for lease_results) and committed only then. The lease's last step
         # waits for its own copy (_confirm_copies).
         t0 = time.perf_counter()
+        self.marker.enter(phases.COPY)
         self.peer_copies.wait(self._copy_timeout_s())
         self.peer_copies.copy_s += time.perf_counter() - t0
         self._copy_to_peer()
@@ -665,6 +714,7 @@ class TrainWorker:
         """The lease's end: this rank's copy of the state it holds is whole at its peer, and
         (one more collective) every rank's is."""
         t0 = time.perf_counter()
+        self.marker.enter(phases.CONFIRM)
         self.peer_copies.wait(self._copy_timeout_s())
         dist.all_reduce(torch.zeros(1, device=self.device))
         self.peer_copies.copy_s += time.perf_counter() - t0
@@ -683,6 +733,7 @@ class TrainWorker:
         spare = ray.get(batch_refs[0]) if -1 in which else None
         out = {}
         model.eval()
+        self.marker.enter(phases.EVALUATION, self.step_done)
         try:
             with self.pm._autocast():
                 for i in which:
@@ -691,6 +742,7 @@ class TrainWorker:
                         out[i] = sums
         finally:
             model.train()
+            self.marker.enter(phases.IDLE)
         return out
 
     # ------------------------------------------------------------------ state

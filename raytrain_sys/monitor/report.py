@@ -114,6 +114,23 @@ def report(run: str, out_dir: str = "", tracking_uri: str = "") -> tuple[str, li
 
 
 PROGRESS_POINTS = 300  # loss points a live view gets: enough for a curve, small enough to poll
+STACK_TOPS = 3  # the newest workers found hung (or stragglers replaced) a live view names
+
+
+def stack_tops(recoveries: list, stragglers: list, newest: int = STACK_TOPS) -> list[dict]:
+    """The newest workers found hung (summary.json's recoveries' ``hung``) and stragglers
+    replaced with their stacks (``stragglers``' ``top_frame``), oldest first: step, slot, rank,
+    kind, why and the top frame of the training thread (``top``: "file:line in function")."""
+    found = [{"step": h["step"], "slot": h["slot"], "rank": h["rank"], "kind": "hung", "reason": h["reason"],
+              "top": _frame(h["top_frame"])} for r in recoveries for h in r.get("hung", [])]
+    found += [{"step": e["step"], "slot": None, "rank": e["rank"], "kind": "straggler",
+               "reason": f"straggler replaced: {e['ratio']}x its peers' compute", "top": _frame(e["top_frame"])}
+              for e in stragglers if "top_frame" in e]
+    return sorted(found, key=lambda f: f["step"])[-newest:]
+
+
+def _frame(top: dict) -> str:
+    return f"{top['file']}:{top['line']} in {top['function']}" if top else "(no stack)"
 
 
 def _thinned(values: list, points: int) -> list[list]:
@@ -139,4 +156,5 @@ def progress(summary, max_steps: int = 0) -> dict:
             "tokens_per_s": tp.get("tokens_per_s"), "step_time_s": tp.get("step_time_s"),
             "rank_times": dict(get("rank_times") or {}), "cost": dict(get("cost") or {}),
             "stragglers": len(get("stragglers") or []), "failures": int(get("failures", 0) or 0),
+            "stacks": stack_tops(get("recoveries") or [], get("stragglers") or []),
             "started_at": get("started_at"), "finished_at": get("finished_at") or None}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
@@ -84,7 +85,8 @@ def apply_ddp(module: nn.Module, dp_mesh: DeviceMesh, device: str, comm_hook: st
                                    min_compression_rate=1.0)  # compress every matrix, even small ones
         hook = psgd.powerSGD_hook
     if hook is not None:
-        ddp.register_comm_hook(state, clock.timed(hook) if clock is not None else hook)
+        ranks = tuple(dist.get_process_group_ranks(group)) if clock is not None else None
+        ddp.register_comm_hook(state, clock.timed(hook, ranks) if clock is not None else hook)
     return ddp
 
 

@@ -41,6 +41,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from raytrain_sys.parallel import mesh as meshlib
+from raytrain_sys.parallel import phases
 from raytrain_sys.parallel.dtensor import is_dtensor
 from raytrain_sys.parallel.fsdp import apply_ddp, apply_fsdp
 from raytrain_sys.parallel.timing import StepClock
@@ -135,12 +136,15 @@ class ParallelModel:
         for i, start in enumerate(starts):
             chunk = {k: v[start:start + micro] for k, v in batch.items()}
             # Gradients are reduced once per step, on the last micro-batch.
+            self.clock.mark(phases.FORWARD, i)
             with self._sync(i == len(starts) - 1), self._autocast():
                 loss = self.task.loss_sum(self._forward_module(), chunk)
+            self.clock.mark(phases.BACKWARD, i)
             (loss * scale).backward()
             total += loss.detach().double().cpu()
         if self.dp_allreduce_group is not None:
             self.clock.grads_ready()
+            self.clock.mark(phases.ALL_REDUCE, group=tuple(dist.get_process_group_ranks(self.dp_allreduce_group)))
             _allreduce_grads(self.parameters_for_optimizer(), self.dp_allreduce_group)
         return float(total)
 
@@ -159,6 +163,7 @@ class ParallelModel:
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.split.has_first else ()
         kwargs = {"target": targets, "losses": losses} if self.split.has_last else {}
+        self.clock.mark(phases.FORWARD)  # and the backward, sends and receives: the schedule's
         with self._autocast():
             self.schedule.step(*args, **kwargs)
         self.clock.grads_ready()  # then the replicas' all-reduce, tied weights' sum, loss broadcast

@@ -22,16 +22,24 @@ from __future__ import annotations
 
 import time
 
+from raytrain_sys.parallel.phases import ALL_REDUCE, PhaseMarker
+
 
 class StepClock:
     """One rank's forward/backward timer: ``start`` before the first micro-batch,
-    ``grads_ready`` each time gradients go to a collective, ``split`` at the end."""
+    ``grads_ready`` each time gradients go to a collective, ``split`` at the end. ``marker``:
+    the rank's phase (raytrain_sys.parallel.phases), which ``forward_backward`` and the comm hook
+    keep up to date through ``mark``."""
 
-    def __init__(self, slow_factor: float = 1.0):
+    def __init__(self, slow_factor: float = 1.0, marker: PhaseMarker | None = None):
         self.slow_factor = slow_factor  # test only: > 1 makes this rank's compute that much slower
         self.t0 = 0.0
         self.ready_at: float | None = None
         self.slept = 0.0
+        self.marker = marker or PhaseMarker()
+
+    def mark(self, phase: str, index: int = -1, group: tuple | None = None) -> None:
+        self.marker.enter(phase, index=index, group=group)
 
     def start(self) -> None:
         self.t0, self.ready_at, self.slept = time.perf_counter(), None, 0.0
@@ -56,11 +64,15 @@ class StepClock:
         end = time.perf_counter()
         return self.ready_at - self.t0, end - self.ready_at
 
-    def timed(self, hook):
-        """DDP comm hook ``hook`` that first marks its bucket's gradients ready."""
+    def timed(self, hook, group_ranks: tuple | None = None):
+        """DDP comm hook ``hook`` that first marks its bucket's gradients ready; at the last
+        bucket the rank's phase becomes the all-reduce (of the process group of ``group_ranks``,
+        global ranks; None: every rank): from there on it only waits for its peers."""
 
         def timed_hook(state, bucket):
             self.grads_ready()
+            if bucket.is_last():
+                self.mark(ALL_REDUCE, bucket.index(), group_ranks)
             return hook(state, bucket)
 
         return timed_hook

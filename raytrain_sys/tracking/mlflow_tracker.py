@@ -71,6 +71,7 @@ ORIGINAL_SPEC_ARTIFACT = "spec.original.json"  # the spec the run was started wi
 CHECKPOINTS_ARTIFACT = "checkpoints.json"
 EVENTS_ARTIFACT = "events.json"
 PLOTS_ARTIFACT_DIR = "plots"  # monitor/plots.py's PNGs
+STACKS_ARTIFACT_DIR = "hangs"  # a hung (or replaced straggler) worker's stacks: Tracker.log_stack
 # While a run trains, its plots are redrawn at its first checkpoint, then at a checkpoint at most
 # this often; the end of the run always redraws them (and its last checkpoint leaves it to the end).
 # A redraw costs about a CPU-second: a short run checkpointing every few steps paid one a checkpoint
@@ -876,6 +877,16 @@ class Tracker:
             ))
             text = json.dumps(self._checkpoints, indent=1, default=str)
             self._writer.submit(_Write("text", artifact=CHECKPOINTS_ARTIFACT, text=text))
+
+    def log_stack(self, record: dict, kind: str = "hung") -> None:
+        """A worker found hung (``kind`` "hung") or a straggler replaced ("straggler"): why, and
+        every thread's Python stack (``liveness.hang_record``), as the text artifact
+        ``hangs/step-<n>-worker-<slot>.txt`` (``hangs/step-<n>-straggler-<slot>.txt``)."""
+        who = "worker" if kind == "hung" else kind
+        name = f"{STACKS_ARTIFACT_DIR}/step-{record['step']}-{who}-{record['slot']}.txt"
+        text = (f"{kind} worker {record['slot']} (rank {record['rank']}, pid {record.get('pid')}, node "
+                f"{record.get('node', '')}) at step {record['step']}\n{record['reason']}\n\n{record['stack']}\n")
+        self._writer.submit(_Write("text", artifact=name, text=text))
 
     def plots_due(self, now: float | None = None) -> bool:
         """Whether a checkpoint should redraw the plots while the run trains: none yet, or

@@ -35,7 +35,7 @@ from raytrain_sys.control.supervisor import policy
 from raytrain_sys.control.supervisor.checkpoints import Checkpoints, WriterLost
 from raytrain_sys.control.supervisor.evaluation import Evaluation
 from raytrain_sys.control.supervisor.journal import State
-from raytrain_sys.control.supervisor.liveness import watch
+from raytrain_sys.control.supervisor.liveness import taken_stacks, watch
 from raytrain_sys.control.supervisor.membership import Membership, NeedsRestore
 from raytrain_sys.control.supervisor.recovery import Recovery
 from raytrain_sys.control.supervisor.requests import RunRequests
@@ -57,6 +57,7 @@ class Boundary:
         self.requests, self.recovery, self.group = requests, recovery, membership.group
         self.early_stop = ""  # the reason, once train.early_stop ended the run
         self.straggler: tuple[Worker, str] | None = None  # to replace (elastic.straggler_policy)
+        self._straggler_stacks: tuple = ()  # its (phase, stacks) asked at its verdict, mid-step
         self.redeal: tuple[int, tuple[int, ...]] | None = None  # (generation, rows): a rebalance asked
         self._old_split_through = 0  # leases sent before that rebalance: not observed after it
         self.drains: tuple = ()  # (node, deadline) of the draining nodes at the newest lookup
@@ -157,6 +158,8 @@ class Boundary:
     # ------------------------------------------------------------------ the items
     def carry_out(self, item: policy.Item) -> None:
         m, step, workers = self.membership, self.steps.committed_step, self.group.workers
+        if isinstance(item, (policy.Checkpoint, policy.Evaluate)):
+            self.steps.after_pause()  # the next lease is no sample of the step deadline
         if isinstance(item, policy.Checkpoint):
             self.checkpoint(final=False, background=item.background)
         elif isinstance(item, policy.Evaluate):
@@ -164,6 +167,7 @@ class Boundary:
         elif isinstance(item, policy.ReplaceStraggler):
             (worker, why), self.straggler = self.straggler, None
             if worker in workers and len(workers) >= 2:  # else gone meanwhile, or nobody to take its state
+                self._keep_straggler_stacks(worker, why)
                 self.transition(State.DRAINING, f"straggler: worker {worker.slot} on node {worker.node_id[:8]} "
                                 f"({why}) leaves at step {step}; a replacement is requested")
                 m.leave([worker], step)
@@ -231,8 +235,24 @@ class Boundary:
         elif isinstance(decision, Replace):
             f = decision.flagged
             self.straggler = (sent.members[f.rank], f"rank {f.rank} computes {f.ratio:.2f}x its peers' median")
+            actor = self.straggler[0].actor  # where it spends its steps: its stacks now, mid-step
+            self._straggler_stacks = (actor.phase.remote(), actor.stacks.remote())
         elif decision is not None:
             raise TypeError(f"unknown straggler decision {decision!r}")
+
+    def _keep_straggler_stacks(self, worker: Worker, why: str) -> None:
+        """A straggler replaced: the stacks taken at its verdict (mid-step) go to the log and the
+        MLflow run (``Recovery.keep_stacks``) and into its event in summary.json's stragglers."""
+        record = taken_stacks(worker, self._straggler_stacks, why, "straggler") if self._straggler_stacks else None
+        self._straggler_stacks = ()
+        if record is None:
+            return
+        self.recovery.keep_stacks({worker.slot: record}, "straggler")
+        events = self.steps.summary.stragglers
+        for i in range(len(events) - 1, -1, -1):  # its replace event, replaced whole (RunSummary.snapshot)
+            if events[i]["action"] == "replace":
+                events[i] = {**events[i], "top_frame": record["top_frame"], "stack": record["stack"]}
+                break
 
     def _evaluate(self) -> None:
         """Evaluate the committed state; a member lost meanwhile is rebuilt around, and the

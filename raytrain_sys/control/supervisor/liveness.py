@@ -13,10 +13,21 @@ agreement of every rank at a step's end, so while they come every member is aliv
 pinged (the driver's cost does not grow with the members per step). When they stop for
 LIVENESS_EVERY_S the members are pinged every LIVENESS_EVERY_S and one silent for
 PING_TIMEOUT_S is lost (a stopped process, a vanished machine that closes no socket); a step
-that outlives its deadline (a multiple of recent step times, elastic.hang_floor_s at least)
-is hung even when its members answer. Then, and at the lease's end, ``collect`` classifies
-every member's call: Ray reports a dead actor; survivors' collectives fail when a peer's
-socket closes.
+that outlives its deadline (learned from the job's step times, elastic.hang_floor_s at least:
+``policy.step_deadline_s``) is hung even when its members answer. Then, and at the lease's end,
+``collect`` classifies every member's call: Ray reports a dead actor; survivors' collectives
+fail when a peer's socket closes.
+
+A step past its deadline whose members all answer: a hung rank and the ranks waiting on it look
+alike from outside. Each rank's phase marker (raytrain_sys.parallel.phases, read on its control
+path) tells them apart: ``find_hung`` names the ranks that are not inside the collective their
+peers wait in (stuck computing, or waiting in another collective: one they skipped ahead to).
+Their Python stacks are taken (every thread's, on the control path) before they are ended
+(``TrainWorker.end_now``, with ``WorkerGroup.reap`` behind it): their sockets close, so the ranks
+waiting on them fail at once instead of waiting out their collective's timeout (measured with
+gloo: a killed peer's collectives fail within milliseconds on every other rank, where gloo's own
+abort of the process group leaves a pending collective waiting). ``StepOutcome.hangs`` keeps
+the findings, stacks included, for the recovery record.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from raytrain_sys.control.supervisor.policy import (BLOCKED_WITH_COPIES_S, LIVEN
                                                     collective_timeout_s)
 from raytrain_sys.control.supervisor.probe import ping_all
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
+from raytrain_sys.parallel.phases import IN_COLLECTIVE, ORDER, describe
 
 
 @dataclass
@@ -41,6 +53,9 @@ class StepOutcome:
     lost: dict[int, str] = field(default_factory=dict)  # dead, hung or unreachable: removed
     errored: dict[int, str] = field(default_factory=dict)  # alive; its collective failed
     blocked: dict[int, str] = field(default_factory=dict)
+    # members found hung at the step's deadline (``find_hung``), each one also in ``lost``: what
+    # they were doing, their stacks (``hang_record``)
+    hangs: dict[int, dict] = field(default_factory=dict)
     failed: bool = False
     detected_at_unix_s: float = 0.0  # when the first failure of the step was seen
 
@@ -151,9 +166,20 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
             outcome.lost[w.slot] = (f"hung: no answer within the {deadline_s:.1f} s step deadline"
                                     if not outcome.lost and not outcome.errored
                                     else "unreachable (node lost?)")
+        if outcome.blocked and not outcome.lost and not outcome.errored and time.monotonic() >= deadline:
+            # Past the deadline, every member still in the step answering: name the hung ones.
+            outcome.hangs = name_hung([w for w in stuck if w.slot in outcome.blocked], deadline_s)
+            for slot, record in outcome.hangs.items():
+                del outcome.blocked[slot]
+                outcome.lost[slot] = record["reason"]
         outcome.note_failures()
         stuck = [by_ref[r] for r in pending]
         # Kill what is lost so that blocked peers' collectives fail, then wait for them.
+        for w in stuck:
+            if w.slot in outcome.hangs:
+                w.actor.end_now.remote()  # at once (it answers); the reap below if it does not
+            elif outcome.hangs and w.slot in outcome.blocked:
+                w.actor.abort_group.remote()  # NCCL: a dead peer does not release it (parallel/backend.py)
         group.reap([w for w in stuck if w.slot in outcome.lost])
         still = [r for r in pending if by_ref[r].slot in outcome.blocked]
         if still:
@@ -173,12 +199,91 @@ def collect(group: WorkerGroup, members: list[Worker], refs: list, step: int,
                 except ray.exceptions.RayActorError:
                     outcome.lost[w.slot] = "died"
                 except ray.exceptions.RayTaskError as exc:
-                    outcome.errored[w.slot] = str(exc).strip().splitlines()[-1][:300]
+                    why = str(exc).strip().splitlines()[-1][:300]
+                    outcome.errored[w.slot] = f"released when the hung worker(s) ended ({why})" if outcome.hangs else why
             for ref in late:
                 outcome.lost[by_ref[ref].slot] = "blocked in a collective after its peers were lost"
             outcome.blocked.clear()
     outcome.note_failures()
     return outcome
+
+
+def find_hung(phases: dict[int, dict], now_unix_s: float) -> dict[int, str]:
+    """Which members of a step past its deadline are hung, from their phases (``{slot:
+    TrainWorker.phase()}``): slot -> why, for each one named; {} when none can be named.
+
+    The collective the peers wait in is the earliest one (by step, then by the phase's place in
+    the step, ``phases.ORDER``) that any member is inside. Hung are the members that are not in
+    it: every member outside any collective (stuck computing: the loss, a data phase, the
+    optimizer, or idle while its peers wait in the step), or, when every member is in some
+    collective, the members of that collective's process group that are in another one (they
+    skipped ahead). Nobody is named when no member is in a collective (all computing: a step
+    longer than its deadline) or all are in the same one (they wait on something outside the
+    group: a vanished peer is the pings' to find)."""
+    waiting = {s: p for s, p in phases.items() if p["phase"] in IN_COLLECTIVE}
+    if not waiting:
+        return {}
+    first = min(waiting.values(), key=lambda p: (p["step"], ORDER[p["phase"]]))
+    where = describe(first)
+    hung = {s: p for s, p in phases.items() if s not in waiting}
+    if not hung:
+        at, group = (first["step"], first["phase"]), first["group"]
+        hung = {s: p for s, p in phases.items()
+                if (p["step"], p["phase"]) != at and (group is None or p["rank"] in group)}
+    return {s: (f"skipped {where}, which its peers wait in: it waits in {describe(p)}"
+                if s in waiting else
+                f"stuck in {describe(p)} for {now_unix_s - p['since_unix_s']:.1f} s while its peers wait in {where}")
+            for s, p in hung.items()}
+
+
+def name_hung(members: list[Worker], deadline_s: float) -> dict[int, dict]:
+    """The members of a step past its deadline that are hung (``find_hung`` on their phases,
+    read on their control paths), each with its record (``hang_record``): its stacks taken
+    before it is ended. {} when a member does not answer or none can be named."""
+    asked = {w.slot: w.actor.phase.remote() for w in members}
+    done, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=PING_TIMEOUT_S)
+    if len(done) < len(asked):
+        return {}
+    try:
+        phases = dict(zip(asked, ray.get(list(asked.values()))))
+    except ray.exceptions.RayError:
+        return {}
+    hung = find_hung(phases, time.time())
+    by_slot = {w.slot: w for w in members}
+    asked = {slot: by_slot[slot].actor.stacks.remote() for slot in hung}
+    ray.wait(list(asked.values()), num_returns=len(asked), timeout=PING_TIMEOUT_S)
+    records = {}
+    for slot, why in hung.items():
+        try:
+            stacks = ray.get(asked[slot], timeout=0)
+        except Exception as exc:  # (a timeout or a death: named all the same, without its stacks)
+            stacks = {"threads": [], "top": {}, "text": f"(no stacks: {type(exc).__name__})"}
+        records[slot] = hang_record(by_slot[slot], phases[slot], why, stacks, deadline_s)
+    return records
+
+
+def hang_record(worker: Worker, phase: dict, why: str, stacks: dict, deadline_s: float, kind: str = "hung") -> dict:
+    """What is kept of a member found hung (summary.json's recovery record, the log, the MLflow
+    run's ``hangs/`` artifact), or of a straggler replaced (``kind``): its phase, why it was
+    named, the top frame of its training thread and every thread's stack."""
+    top = stacks.get("top") or {}
+    short = "/".join(top.get("file", "").split("/")[-2:])
+    where = f"; top frame {short}:{top['line']} in {top['function']}" if top else ""
+    return {"slot": worker.slot, "rank": phase.get("rank", -1), "node": worker.node_id, "pid": stacks.get("pid"),
+            "phase": phase["phase"], "step": phase["step"] + 1, "deadline_s": round(deadline_s, 3),
+            "reason": f"{kind}: {why}{where}", "top_frame": top, "threads": stacks.get("threads", []),
+            "stack": stacks.get("text", "")}
+
+
+def taken_stacks(worker: Worker, asked: tuple, why: str, kind: str) -> dict | None:
+    """``hang_record`` of ``worker`` from its (phase, stacks) asked earlier (``asked``: the two
+    calls' references, made while it trained: a straggler's stacks at its verdict, mid-step);
+    None when it did not answer."""
+    try:
+        phase, stacks = ray.get(list(asked), timeout=PING_TIMEOUT_S)
+    except Exception:  # (lost meanwhile, or slow to answer: the straggler leaves all the same)
+        return None
+    return hang_record(worker, phase, why, stacks, 0.0, kind)
 
 
 class LeaseWatch:

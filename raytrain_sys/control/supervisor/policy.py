@@ -12,6 +12,7 @@ in), so a table of named cases tests each one (tests/test_supervisor_policy.py).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
@@ -29,6 +30,17 @@ PING_TIMEOUT_S = 3.0
 # rescue): a pipeline neighbour of a rank whose collective broke waits on a socket that stays
 # open, up to the collective timeout. Members all blocked are waited for (liveness.collect).
 BLOCKED_WITH_COPIES_S = 5.0
+# The step deadline (``step_deadline_s``) is learned once this many steady steps are known; until
+# then a step has train.step_timeout_s (the run's first steps: warm-up, compilation).
+DEADLINE_SAMPLES = 3
+# A process group's first steps are longer (DDP's buckets are rebuilt after its first backward,
+# lazy initialisations): not samples of the deadline, and given NEW_GROUP_DEADLINE_FACTOR times it.
+GROUP_WARMUP_STEPS = 2
+NEW_GROUP_DEADLINE_FACTOR = 3.0
+# The spread of step times the deadline allows for is at least this share of their median: the
+# step times it learns from are a lease's mean (its steps' spread averaged away), and a single
+# step varies more.
+SPREAD_FLOOR = 0.1
 # Members still in a step after this long are pinged this often (see liveness.collect).
 LIVENESS_EVERY_S = 1.0
 # A running lease is looked at this often for a boundary come due (a pause, a resize, newcomers
@@ -98,15 +110,32 @@ def node_agents_on(mode: str, members: int, node_run: int) -> bool:
     return mode == "on" or (mode == "auto" and members >= NODE_AGENTS_FROM and node_run > 1)
 
 
-def step_deadline_s(step_times: Sequence[float], spec: JobSpec, steps: int = 1) -> float:
-    """A call of ``steps`` steps slower than this is hung: a multiple of recent step times,
-    with a floor."""
-    e = spec.elastic
-    if len(step_times) < 3:  # first steps include warm-up: use the generous limit
-        return spec.train.step_timeout_s * steps
-    times = sorted(step_times)
-    return min(spec.train.step_timeout_s * steps,
-               max(e.hang_floor_s, e.hang_factor * times[len(times) // 2] * steps))
+def step_deadline_s(step_times: Sequence[float], spec: JobSpec, steps: int = 1, new_group: bool = False) -> float:
+    """A call of ``steps`` steps that makes no progress for longer than this is hung: learned
+    from the job's own steady step times (``step_times``: ``steady_step``'s samples), the median
+    plus elastic.hang_factor spreads (a robust sigma: 1.4826 median absolute deviations, at
+    least SPREAD_FLOOR of the median, so steps as regular as a clock still get twice their
+    median at the default factor of 10), never under elastic.hang_floor_s (a machine's hiccups:
+    a stall of seconds under load is no hang; a job whose steps are legitimately long raises it)
+    and never over train.step_timeout_s. Until DEADLINE_SAMPLES steady steps are known (the
+    run's first steps: warm-up, compilation), train.step_timeout_s; ``new_group``: a process
+    group's first steps (GROUP_WARMUP_STEPS), known to be longer, get NEW_GROUP_DEADLINE_FACTOR
+    times the deadline."""
+    e, cap = spec.elastic, spec.train.step_timeout_s * steps
+    if len(step_times) < DEADLINE_SAMPLES:
+        return cap
+    median = statistics.median(step_times)
+    spread = max(SPREAD_FLOOR * median, 1.4826 * statistics.median(abs(t - median) for t in step_times))
+    deadline = max(e.hang_floor_s, steps * (median + e.hang_factor * spread))
+    return min(cap, deadline * (NEW_GROUP_DEADLINE_FACTOR if new_group else 1.0))
+
+
+def steady_step(group_steps: int, after_pause: bool) -> bool:
+    """Whether a committed step teaches the deadline (``step_deadline_s``) its job's step time:
+    not a process group's first GROUP_WARMUP_STEPS steps (DDP builds its buckets again, lazy
+    initialisations run), nor the steps of the lease right after a checkpoint or an evaluation
+    (``after_pause``: caches cold, a background write beside it), which are known to be longer."""
+    return group_steps > GROUP_WARMUP_STEPS and not after_pause
 
 
 def lease_steps(step: int, last: int, spec: JobSpec, step_times: Sequence[float],

@@ -53,11 +53,14 @@ class Recovery:
         self.had_copies = False  # the group that lost members kept peer copies
 
     def recover(self, lost: list[Worker], reason: str, before_reform: Callable[[dict[int, int]], None] | None = None,
-                detected_at_unix_s: float = 0.0) -> None:
+                detected_at_unix_s: float = 0.0, hangs: dict[int, dict] | None = None) -> None:
         """Drop ``lost`` members and re-form the group from the survivor holding the newest step;
         with no survivor, fall back to the newest durable checkpoint. ``before_reform(held)``:
         commits the steps that finished on a survivor; the failure is counted after it, so that
-        a budget that stops the run saves the newest state."""
+        a budget that stops the run saves the newest state. ``hangs``: the lost members found
+        hung (``liveness.hang_record``), whose stacks go to the log, the MLflow run and the
+        recovery's record."""
+        hung = self.keep_stacks(hangs or {}, "hung")
         self.transition(State.REBUILDING, reason, detected_at_unix_s)
         self.membership.rescue(lost)
         self.membership.remove(lost)
@@ -81,7 +84,24 @@ class Recovery:
         self.steps.summary.recoveries.append({
             "step": step, "lost": [w.slot for w in lost], "reason": reason,
             "from": "checkpoint" if self.restored else "peer copies" if "peer copies" in sources else "survivors",
-            "steps_redone": self.steps.summary.steps_redone - redone})
+            "steps_redone": self.steps.summary.steps_redone - redone, **({"hung": hung} if hung else {})})
+
+    def keep_stacks(self, records: dict[int, dict], kind: str) -> list[dict]:
+        """The stacks of members found hung (or, ``kind`` "straggler", a straggler replaced): each
+        one's whole stack in the job's log, and as the MLflow run's artifact
+        ``hangs/step-<n>-worker-<slot>.txt`` (the driver writes MLflow: the tracker's queue);
+        returns the records for summary.json."""
+        kept = []
+        for record in records.values():
+            log.warning("worker %d (rank %d, pid %s) at step %d, %s\n%s", record["slot"], record["rank"],
+                        record.get("pid"), record["step"], record["reason"], record["stack"])
+            if self.steps.tracker is not None:
+                try:
+                    self.steps.tracker.log_stack(record, kind)
+                except Exception as exc:  # MLflow trouble never stops a recovery
+                    log.warning("could not record the stack in MLflow: %s", exc)
+            kept.append(record)
+        return kept
 
     def reform(self, source_slot: int | None = None, reason: str = "") -> None:
         """New process group over the members and ready newcomers, every one holding the

@@ -45,8 +45,9 @@ import ray
 
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
-from raytrain_sys.control.supervisor.policy import (PING_TIMEOUT_S, collective_timeout_s, lease_steps,
-                                                    node_agents_on, step_deadline_s, summary_due)
+from raytrain_sys.control.supervisor.policy import (GROUP_WARMUP_STEPS, PING_TIMEOUT_S, collective_timeout_s,
+                                                    lease_steps, node_agents_on, steady_step, step_deadline_s,
+                                                    summary_due)
 from raytrain_sys.control.worker import AGREED, ranks_loss
 from raytrain_sys.control.worker_group import Worker, WorkerGroup
 from raytrain_sys.data.batches import GlobalBatch, rank_plans
@@ -181,6 +182,10 @@ class Steps:
         self._resend: dict[int, GlobalBatch] = {}  # batches of steps voided by a failure, by step
         self._members: list[Worker] = []  # of the newest lease sent: whose nodes a new group may have lost
         self._step_times: deque[float] = deque(maxlen=50)
+        # The steady ones among them, which the step deadline is learned from (policy.steady_step),
+        # and the first step of the lease after a checkpoint or an evaluation (``after_pause``).
+        self._steady_times: deque[float] = deque(maxlen=50)
+        self._pause_step = -1
         self._sample_log = None
         self._run_t0 = time.perf_counter()
         self._compute_s: list[float] = []  # train.compile: the first steps' compute times
@@ -197,7 +202,7 @@ class Steps:
         """The step loop begins: fresh step times, the sample log opened (data.log_sample_ids)."""
         self._sample_log = (open(os.path.join(run_dir, SAMPLE_LOG_FILE), "a")
                             if self.spec.data.log_sample_ids else None)
-        self._step_times = deque(maxlen=50)
+        self._step_times, self._steady_times = deque(maxlen=50), deque(maxlen=50)
         self._run_t0 = time.perf_counter()
 
     def close(self) -> None:
@@ -210,7 +215,14 @@ class Steps:
         self._resend = {d.step + i: b for d in sent if d is not None for i, b in enumerate(d.batches)}
 
     def _step_deadline_s(self, steps: int = 1) -> float:
-        return step_deadline_s(self._step_times, self.spec, steps)
+        generation, in_group = self._group_steps
+        new_group = generation != self.group.generation or in_group < GROUP_WARMUP_STEPS
+        return step_deadline_s(self._steady_times, self.spec, steps, new_group)
+
+    def after_pause(self) -> None:
+        """A checkpoint or an evaluation at this boundary: the lease after it is no sample of the
+        step deadline (``policy.steady_step``)."""
+        self._pause_step = self.committed_step
 
     def lease_steps(self, step: int, last: int) -> int:
         """How many steps the call sending ``step`` carries (``policy.lease_steps``; the steps
@@ -394,7 +406,7 @@ class Steps:
         step, every rank's parts as one array). The lease's time is shared evenly by its steps."""
         for i, (batch, result) in enumerate(zip(sent.batches, report_results(reports))):
             self.commit(sent.step + i, [result], batch.units, batch.ids, sent.shares,
-                        elapsed_s / sent.count, sent.data_wait if i == 0 else 0.0)
+                        elapsed_s / sent.count, sent.data_wait if i == 0 else 0.0, sample=sent.step != self._pause_step)
         self.metrics.ranks(rank_results(reports[-1:]), sent.members)  # the gauges show the last step
         self.summary.leases += 1
 
@@ -437,15 +449,18 @@ class Steps:
                 loss_units = sum(int(batch.row_units[sent.shares[i]].sum()) for i in done)
                 results = [known[i][j] for i in done] or [known[i][j] for i in list(known)[:1]]
             self.commit(sent.step + j, results, batch.units, batch.ids, sent.shares, elapsed_s / sent.count,
-                        sent.data_wait if j == 0 else 0.0, world_size=world, loss_units=loss_units)
+                        sent.data_wait if j == 0 else 0.0, world_size=world, loss_units=loss_units, sample=False)
         self.summary.leases += 1
         log.info("steps %d..%d had finished on a survivor: committed, not redone", sent.step + 1, finished)
 
     def commit(self, step: int, results: list[dict], units: int, ids, shares: list[slice],
-               dt: float, data_wait: float, world_size: int | None = None, loss_units: int | None = None) -> None:
+               dt: float, data_wait: float, world_size: int | None = None, loss_units: int | None = None,
+               sample: bool = True) -> None:
         """``units``: the step's loss units (its trained tokens). ``loss_units``: those that the
         ``results`` count, when some ranks' results were lost (``commit_finished``): the loss is
-        then theirs alone (NaN with none) and the step is in ``summary.losses_partial``."""
+        then theirs alone (NaN with none) and the step is in ``summary.losses_partial``.
+        ``sample``: its time may teach the step deadline (not a failed lease's, nor the lease's
+        after a checkpoint or an evaluation)."""
         spec = self.spec
         world = world_size or len(shares)
         self.committed_step = step + 1
@@ -454,6 +469,8 @@ class Steps:
         self._group_steps = (generation, in_group + 1) if generation == self.group.generation else \
             (self.group.generation, 1)
         self._step_times.append(dt)
+        if steady_step(self._group_steps[1], after_pause=not sample):
+            self._steady_times.append(dt)
         counted = units if loss_units is None else loss_units
         loss = sum(r["loss_sum"] for r in results) / counted if counted else float("nan")
         if loss_units is not None and loss_units < units:

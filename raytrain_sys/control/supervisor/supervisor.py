@@ -408,7 +408,7 @@ class Supervisor:
 
         where = f"step {sent.step + 1}" if sent.count == 1 else f"steps {sent.step + 1}..{sent.end}"
         self.recovery.recover(outcome.lost_among(sent.members), f"{where} failed: {outcome.describe(sent.members)}",
-                              commit_if_finished, outcome.detected_at_unix_s)
+                              commit_if_finished, outcome.detected_at_unix_s, outcome.hangs)
 
     def _tracking_opened(self, wait: bool = False) -> None:
         """A new run's MLflow run opens beside the start and its first steps (``Tracker.begin``):
