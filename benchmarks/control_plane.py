@@ -83,6 +83,8 @@ GOAL_FRACTION_AT_512 = 0.02  # from the fit, extrapolated no further than 2x pas
 # A lease sent ahead waits at most this long for the one before it to end on the same rank.
 TURN_WAIT_S = 60.0
 METHODS = ("_boundary", "_dispatch", "_meanwhile", "_follow", "_commit")
+# The ping timeout of the runs (policy.PING_TIMEOUT_S is 3 s): see measure.
+STAND_IN_PING_TIMEOUT_S = 60.0
 
 log = logging.getLogger("control_plane")
 
@@ -445,7 +447,17 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         teardown()
     sup._teardown = ping_then_teardown
 
+    from raytrain_sys.control.supervisor import liveness as liveness_mod
+    from raytrain_sys.control.supervisor import probe as probe_mod
     from raytrain_sys.control.supervisor.probe import ping_all
+
+    # The stand-ins never hang, and a ping that the 2 cores answer late must not end a run: at 512
+    # ranks (64 stand-in processes, 64 node agents) a stand-in process answered a ping later than
+    # PING_TIMEOUT_S (3 s) in the first step, liveness reaped it as hung, and with it its 8 ranks
+    # (one process: worker 0 "died (ActorDiedError)", worker 6 "hung: no answer on its control path
+    # for 3 s", 2026-12-07): the stand-in deaths seen at 64-128 ranks since 2026-11-27.
+    ping_timeouts = (liveness_mod.PING_TIMEOUT_S, probe_mod.PING_TIMEOUT_S)
+    liveness_mod.PING_TIMEOUT_S = probe_mod.PING_TIMEOUT_S = STAND_IN_PING_TIMEOUT_S
 
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -453,6 +465,7 @@ def measure(args: argparse.Namespace, n: int, data_dir: str, work_dir: str, step
         result = sup.run()
     finally:
         meter.close()
+        liveness_mod.PING_TIMEOUT_S, probe_mod.PING_TIMEOUT_S = ping_timeouts
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)
         steps_mod.Steps.node_agents = agents_default
