@@ -151,7 +151,13 @@ def wait_for_a_ready_newcomer(sup, timeout_s: float = 120.0, every: bool = False
         assert time.monotonic() < deadline, f"{want - len(started)} replacement slot(s) not placed within {timeout_s:g} s"
         time.sleep(0.05)
     ready, _ = ray.wait([w.ready_ref for w in started], num_returns=want, timeout=max(0.0, deadline - time.monotonic()))
-    assert len(ready) == want, f"{want - len(ready)} replacement worker(s) not started within {timeout_s:g} s"
+    if len(ready) != want:  # say what the ones not up are doing (pending creation: not placed)
+        from ray._private import state
+
+        states = {w.slot: state.actors(actor_id=w.actor._actor_id.hex()).get("State")
+                  for w in started if w.ready_ref not in ready}
+        raise AssertionError(f"{want - len(ready)} replacement worker(s) not started within {timeout_s:g} s "
+                             f"(slot: actor state {states})")
     return True
 
 

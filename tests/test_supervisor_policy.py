@@ -605,3 +605,34 @@ def test_a_kept_result_after_the_agreement_carries_every_ranks_loss():
     kept = agreed_result(mine, agreed)
     assert kept["loss_sum"] == 0.7  # this rank's part, as before
     assert kept["loss_all"] == report_results([agreed])[0]["loss_sum"] == (0.1 + 0.7) + 0.2
+
+
+class _SlotsOnly:
+    """The part of a WorkerGroup that asking for replacements reads: who is in, starting, waiting."""
+
+    def __init__(self, workers: int, pending: int, standby: int):
+        self.workers, self.pending, self.standby = [object()] * workers, [object()] * pending, [object()] * standby
+        self.asked = 0
+
+    def drop_stale_pending(self, timeout_s: float) -> None:
+        pass
+
+    def request(self) -> None:
+        self.asked += 1
+        self.pending.append(object())
+
+
+@pytest.mark.parametrize("workers, pending, standby, asked", [
+    (2, 0, 0, 2),  # two lost of four: two asked for
+    (2, 1, 1, 0),  # one up on standby (pp=2 needs two), one starting: none more (it asked for a third, never placed)
+    (2, 0, 2, 0),
+    (3, 0, 0, 1),
+])
+def test_replacements_count_the_newcomers_waiting_on_standby(workers, pending, standby, asked):
+    from raytrain_sys.control.supervisor.membership import Membership
+
+    spec = from_dict({"name": "t", "model": {"name": "gpt"}, "data": {"path": "/nowhere"},
+                      "resources": {"num_workers": 4}, "parallel": {"pp": 2}})
+    group = _SlotsOnly(workers, pending, standby)
+    Membership(spec, group).request_replacements()
+    assert group.asked == asked

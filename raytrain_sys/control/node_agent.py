@@ -222,6 +222,12 @@ class NodeAgents:
         self._slots[key].add(w.slot)
         self._to_hand.setdefault(key, []).append(w)
         self.hand_over()
+        if w.slot not in self._handed and self.owner_id and key in self.handles:
+            # Its agent is still starting: the rank answers to its driver *and* its agent from
+            # now on, ending only once both are gone, so that a driver lost before the agent is
+            # up no longer takes the rank with it (the agent, once up, ends it after the orphan
+            # timeout or a new Supervisor adopts it); hand_over makes it the agent's alone.
+            w.actor.hand_to.remote((self.owner_id, self.handles[key]._actor_id.hex()))
 
     def _start(self, node_id: str) -> tuple:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

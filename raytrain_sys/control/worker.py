@@ -113,18 +113,21 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 
 def _end_with(owner, poll_s: float, released) -> None:
     """End this process once its owner is dead (``owner()``, read at each look: an actor's id,
-    or a driver's Ray job as ``job:<id>``; the cluster's tables say whether it is gone,
-    ``owners.owner_gone``): a claimed worker outlives no job's agent (``hand_to``) or driver,
+    or a driver's Ray job as ``job:<id>``, or several of them, all of which must be gone; the
+    cluster's tables say whether one is gone, ``owners.owner_gone``): a claimed worker outlives
+    no job's agent (``hand_to``) or driver,
     and a spare of a driver's pool (its home) no driver. By id, not by handle: a handle passed
     on through the pool costs its receivers a first-contact delay (seconds under load), and a
     name can be taken again by a restarted runner. Returns once ``released`` (a
     threading.Event) is set: the spare was given back to the pool (``TrainWorker.recycle``); a
     home's watch is never released."""
     while not released.is_set():
-        owner_id = owner()
-        if owner_gone(owner_id):
-            log.warning("the %s of this worker is gone: ending its process",
-                        "driver" if owner_id.startswith(JOB_OWNER) else "actor that claimed it")
+        owner_ids = owner()
+        owner_ids = (owner_ids,) if isinstance(owner_ids, str) else tuple(owner_ids)
+        if all(owner_gone(owner_id) for owner_id in owner_ids):
+            log.warning("the %s of this worker %s gone: ending its process",
+                        " and ".join("driver" if o.startswith(JOB_OWNER) else "actor that claimed it" for o in owner_ids),
+                        "is" if len(owner_ids) == 1 else "are")
             os._exit(1)
         released.wait(poll_s)
 
@@ -251,10 +254,12 @@ class TrainWorker:
                          name="owner-watch", daemon=True).start()
 
     @ray.method(concurrency_group="control")
-    def hand_to(self, owner_id: str) -> bool:
+    def hand_to(self, owner_id: str | tuple[str, ...]) -> bool:
         """This claimed worker answers to ``owner_id`` from now on (its node's agent once it is
         up, ``node_agent``; its driver again before it goes back to the pool): it ends with that
-        one, not the one before. False when it holds no claim any more (given back already)."""
+        one, not the one before. Several ids (its driver and its agent while the agent starts):
+        it ends once every one of them is gone. False when it holds no claim any more (given
+        back already)."""
         if self.owner is None or self.released is None or self.released.is_set():
             return False
         self.owner = owner_id

@@ -461,7 +461,7 @@ class WorkerGroup:
         first (``TrainWorker.hand_to``, waited for: their agent may end next); the rest are
         killed, and every slot removed."""
         back = [w for w in workers if healthy and w.spare and w.node_id and self.spares is not None]
-        handed = [w.actor.hand_to.remote(self.owner_id) for w in back if self.agents.holds(w)]
+        handed = [w.actor.hand_to.remote(self.owner_id) for w in back if w.agent is not None]
         if handed:  # a control-path call: milliseconds
             ray.wait(handed, num_returns=len(handed), timeout=HAND_BACK_WAIT_S)
         if back and self.spares.give_back([(w.actor, w.node_id) for w in back]):

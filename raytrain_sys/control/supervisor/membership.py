@@ -139,9 +139,12 @@ class Membership:
 
     def request_replacements(self) -> None:
         """Replacements are requested at once; they start in the background. Newcomers not up
-        after resources.start_timeout_s are let go and asked for again."""
-        self.group.drop_stale_pending(self.spec.resources.start_timeout_s)
-        self.request(self.target_size() - len(self.group.workers) - len(self.group.pending))
+        after resources.start_timeout_s are let go and asked for again. Newcomers up and on
+        standby (too few for the next usable world) count as asked for: a slot more for them
+        would be one the world has no place for (an autoscaler would grow a node for it)."""
+        g = self.group
+        g.drop_stale_pending(self.spec.resources.start_timeout_s)
+        self.request(self.target_size() - len(g.workers) - len(g.pending) - len(g.standby))
 
     def request(self, count: int) -> None:
         for _ in range(max(0, count)):
