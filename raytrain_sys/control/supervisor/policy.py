@@ -79,9 +79,10 @@ SUMMARY_SHARE = 0.001
 # are refreshed at every one regardless.
 RANK_METRICS_PER_S = 100.0
 # Leases through the node agents (control/node_agent.py: a lease to a node's ranks in one call
-# from the driver; on by default) in automatic mode (RAYTRAIN_NODE_AGENTS=auto), from this many
+# from the driver) in automatic mode (RAYTRAIN_NODE_AGENTS=auto, the default), from this many
 # members on: at 16 and 32 paced stand-ins they saved nothing at the automatic lease
-# (benchmarks/control_plane.py, 2026-11-27).
+# (benchmarks/control_plane.py, 2026-11-27), at 64 a third of the driver's CPU (2026-12-07), and
+# on runs of 2-4 ranks the extra hop cost 25% of their wall time (2026-12-07).
 NODE_AGENTS_FROM = 32
 
 
