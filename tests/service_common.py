@@ -21,7 +21,8 @@ class StepGates:
     the commit of that step, writes ``at-<job>-<step>`` and waits for ``go-<job>-<step>``
     (a step redone after a restore passes once go exists); ``pids`` reads the run's worker
     processes at that hold. With ``newcomer-<job>`` present,
-    the loop waits (once) for every requested worker to be ready, so a grow lands whole before the end."""
+    the loop waits for every requested worker to be ready (at each step until the slots held
+    reach the run's target), so a grow lands whole before the end."""
 
     def __init__(self, root: str, timeout_s: float = 240.0):
         self.root = root
@@ -41,9 +42,12 @@ class StepGates:
                 time.sleep(0.05)
         newcomer = os.path.join(self.root, f"newcomer-{job_id}")
         if os.path.exists(newcomer) and sup.group.pending:
-            # all of them: a grow by 2 that takes one ends a worker short
+            # all of them: a grow by 2 that takes one ends a worker short; and until the slots
+            # held reach the run's target (a grow asked for in two passes, as the quota frees one
+            # worker and then the other, waits here again at the next step for the second)
             sup.group.await_pending(self.timeout_s)
-            os.remove(newcomer)
+            if sup.group.held >= sup._target_size():
+                os.remove(newcomer)
 
     def _path(self, kind, job_id, step) -> str:
         return os.path.join(self.root, f"{kind}-{job_id}-{step}")

@@ -12,6 +12,7 @@ Every test here starts the pool it needs.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -19,8 +20,16 @@ import psutil
 import pytest
 import ray
 
-from raytrain_sys.control.spares import (NAMESPACE, SPARE_PREFIX, SpareSource, end_spares_of, find_pool,
-                                         start_pool, stop_pool, takes_spares)
+from raytrain_sys.control.spares import (
+    NAMESPACE,
+    SPARE_PREFIX,
+    SpareSource,
+    end_spares_of,
+    find_pool,
+    start_pool,
+    stop_pool,
+    takes_spares,
+)
 from raytrain_sys.control.supervisor import Supervisor, run_job
 from raytrain_sys.spec import from_dict
 from tests.ft_common import ft_spec, wait_until
@@ -156,9 +165,9 @@ def test_spares_given_back_beyond_the_pools_count_are_kept_only_as_asked(ray_clu
         ray.get(pool.set_per_node.remote(0))  # the two idle spares left are ended at the next refill
         assert wait_until(lambda: not ray.get(pool.status.remote())["idle"], 30), ray.get(pool.status.remote())
         ray.get(pool.set_keep_extra.remote(1))
-        ray.get(job)
+        result = ray.get(job)
         assert wait_until(lambda: ray.get(pool.status.remote())["ended_after_use"] == 1, 60), \
-            ray.get(pool.status.remote())
+            json.dumps({"pool": ray.get(pool.status.remote()), "job": result}, default=str)
         status = ray.get(pool.status.remote())
         assert status["recycled"] == 1 and sum(status["idle"].values()) == 1, status
         ray.get(pool.set_keep_extra.remote(0))  # no more trials to start: the one kept goes

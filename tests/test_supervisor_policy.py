@@ -636,3 +636,26 @@ def test_replacements_count_the_newcomers_waiting_on_standby(workers, pending, s
     group = _SlotsOnly(workers, pending, standby)
     Membership(spec, group).request_replacements()
     assert group.asked == asked
+
+
+@pytest.mark.parametrize("reported, cut, failed", [
+    (3, False, False),  # every step reported: committed as it is
+    (1, True, False),  # cut short: the rest is sent again, as planned
+    (1, False, True),  # short, neither cut nor failed: rank 0's failure, never a step skipped
+    (0, False, True),
+])
+def test_a_lease_short_of_its_steps_is_a_failure_not_a_skip(reported, cut, failed):
+    from types import SimpleNamespace
+
+    from raytrain_sys.control.supervisor.liveness import StepOutcome
+    from raytrain_sys.control.supervisor.steps import _Dispatch
+    from raytrain_sys.control.supervisor.supervisor import Supervisor
+
+    lease = _Dispatch(step=6, members=[SimpleNamespace(slot=4), SimpleNamespace(slot=5)], refs=[], batches=[None] * 3,
+                      shares=[], deadline_s=1.0, t0=0.0, data_wait=0.0, sent_ahead=False, lease=9)
+    reports = [{"step": 6 + i, "cut": cut and i == reported - 1} for i in range(reported)]
+    outcome = StepOutcome()
+    Supervisor._check_reported(lease, outcome, reports)
+    assert outcome.failed is failed
+    if failed:
+        assert "lease 9 (steps 7..9) ended after" in outcome.errored[4]
