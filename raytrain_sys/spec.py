@@ -62,6 +62,11 @@ class DataSpec:
     # fail: a missing/truncated/corrupt shard stops the run, naming shard and cursor. skip: its
     # samples leave the stream from that point, recorded in <run_dir>/skipped_samples.jsonl.
     on_bad_shard: str = "fail"
+    # A read (a chunk of rows read, decoded and transformed in a read task) that the trainers wait
+    # for and that has run this long is hung (a data.transform in a loop, a stuck filesystem): its
+    # stack is kept (summary.json's read_hangs, the log), its task ended and the read made again;
+    # a second hang of the same read stops the run, naming where it was stuck
+    read_timeout_s: float = 60.0
     # How rows are made. rows: the dataset's own fixed-length rows. For a documents dataset
     # (prepare-data --format documents): pack = documents concatenated and cut into rows of
     # model.block_size + 1 tokens; pack_masked = pack, positions restarting and attention stopping
@@ -496,6 +501,7 @@ ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
 _POSITIVE = [
     "model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd",
     "data.shuffle_window", "data.shuffle_block_rows", "data.prefetch_steps", "data.num_readers",
+    "data.read_timeout_s",
     "train.max_steps", "train.global_batch_size", "train.log_every_steps", "train.step_timeout_s",
     "eval.batch_rows",
     "optim.lr", "optim.eps",

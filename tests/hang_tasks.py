@@ -6,7 +6,9 @@ again. The file holds when the hang began (unix seconds)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import time
 
 import torch.distributed as dist
@@ -61,3 +63,43 @@ class SkipsAllReduce(_OnceOnRank):
             with model.no_sync():
                 return super().loss_sum(model, batch)
         return super().loss_sum(model, batch)
+
+
+# A read that never returns: ``data.transform: "tests.hang_tasks:stuck_once_in_a_read_task"``,
+# armed by the test (``arm_read_hang``): the first row it sees in a read task (never in the
+# driver, which makes a job's first read itself) sleeps far longer than any test; once per arming,
+# claimed like the ranks' hang. A fixed place both processes know: a read task gets no argument.
+READ_HANG_DIR = os.path.join(tempfile.gettempdir(), "raytrain-sys-tests-read-hang")
+
+
+def arm_read_hang() -> str:
+    """Arm the read hang (its marker cleared); returns the directory ``began_at`` reads."""
+    os.makedirs(READ_HANG_DIR, exist_ok=True)
+    for name in (MARKER, "armed"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(READ_HANG_DIR, name))
+    open(os.path.join(READ_HANG_DIR, "armed"), "w").close()
+    return READ_HANG_DIR
+
+
+def disarm_read_hang() -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(READ_HANG_DIR, "armed"))
+
+
+def stuck_once_in_a_read_task(row: dict) -> dict:
+    if os.path.exists(os.path.join(READ_HANG_DIR, "armed")) and _in_a_ray_task():
+        try:
+            fd = os.open(os.path.join(READ_HANG_DIR, MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return row
+        os.write(fd, repr(time.time()).encode())
+        os.close(fd)
+        time.sleep(3600)
+    return row
+
+
+def _in_a_ray_task() -> bool:
+    from ray._private import worker
+
+    return worker.global_worker.mode == worker.WORKER_MODE

@@ -143,6 +143,13 @@ def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, m
     # Continued from the newest committed checkpoint the lost driver wrote (step 10 or later).
     resumed_step = int(os.path.basename(summary["resumed_from"][-1]).split("_")[-1])
     assert resumed_step >= 10 and resumed_step % 5 == 0
+    # The steps the lost driver committed past that checkpoint are trained again, and counted.
+    redone = at_stop["committed_steps"] - resumed_step
+    assert summary["steps_redone"] == redone, (summary["steps_redone"], at_stop["committed_steps"], resumed_step)
+    if redone:
+        assert summary["recoveries"][-1]["from"] == "checkpoint" and summary["recoveries"][-1]["steps_redone"] == redone
+        assert any(f"steps {resumed_step + 1}..{at_stop['committed_steps']} were committed by the lost driver"
+                   in t["reason"] for t in summary["transitions"]), summary["transitions"]
     result = type(ref)(summary["status"], run_dir, summary["committed_steps"], summary["losses"],
                        run_id, summary["newest_checkpoint"], os.path.join(run_dir, "summary.json"))
     assert_like_reference(result, [], reference, spec, tiny_dataset, STEPS, redone_ok=True)

@@ -142,3 +142,38 @@ def mlflow_text(spec, run_id: str, path: str) -> str:
     client = mlflow.tracking.MlflowClient(mt.default_tracking_uri(os.path.abspath(spec.output_dir)))
     with open(client.download_artifacts(run_id, path, dst_path=tempfile.mkdtemp())) as f:
         return f.read()
+
+
+def test_a_read_stuck_in_its_transform_is_found_its_process_ended_and_the_read_made_again(
+        ray_cluster, tiny_dataset, tmp_path, caplog, monkeypatch):
+    """A data.transform that never returns in a read task (not a rank: no rank is stuck, the
+    driver waits for the read): found data.read_timeout_s plus at most 2 s after the driver began
+    waiting for it, its stack's top frame (the transform) in summary.json and the log, its process
+    ended and the read made again by Ray; no step redone, the run equal to an uninterrupted one."""
+    from raytrain_sys.data import plane
+
+    # Chunks of a few global batches and windows of 64 rows, so that the reads after the first
+    # (one window, made in the driver) are read tasks' (the tiny corpus would be one chunk).
+    monkeypatch.setattr(plane, "CHUNK_BYTES", 1)
+    data = {"shuffle_window": 64, "shuffle_block_rows": 16}
+    undisturbed = run_job(ft_spec(tmp_path / "ref", tiny_dataset, STEPS, train={"steps_per_call": 0}, data=data))
+    reference = (final_params(undisturbed.newest_checkpoint), undisturbed)
+    spec = ft_spec(tmp_path, tiny_dataset, STEPS, train={"steps_per_call": 0},  # hang_spec's job
+                   data={**data, "read_timeout_s": 3.0, "transform": "tests.hang_tasks:stuck_once_in_a_read_task"})
+    marker_dir = hang_tasks.arm_read_hang()
+    try:
+        with caplog.at_level(logging.WARNING, logger="raytrain_sys"):
+            result, sup, seen = run_with_events(spec, {})
+    finally:
+        hang_tasks.disarm_read_hang()
+    assert hang_tasks.began_at(marker_dir), "no read task hung"
+    summary = assert_like_reference(result, seen, reference, spec, tiny_dataset, STEPS)  # 0 redone, same params
+    [hang] = summary["read_hangs"]
+    assert hang["hang"] == 1 and hang["waited_s"] <= spec.data.read_timeout_s + 2.0, hang
+    top = hang["top_frame"]
+    assert os.path.basename(top["file"]) == "hang_tasks.py" and top["function"] == "stuck_once_in_a_read_task", top
+    where = f'File "{top["file"]}", line {top["line"]}, in stuck_once_in_a_read_task'
+    assert where in hang["stack"] and where in caplog.text, caplog.text[-3000:]
+    assert any(hang["reason"] in t["reason"] for t in summary["transitions"]), summary["transitions"]
+    assert summary["failures"] == 0 and not summary["recoveries"]
+

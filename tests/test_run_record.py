@@ -56,3 +56,15 @@ def test_summary_json_is_the_record_after_appends_truncation_thinning_and_replac
     s.transitions.append({"state": "running", "why": "x"})
     assert _parsed(s) == {name: getattr(s, name) for name in fields}
     assert set(s.snapshot()) == set(fields)  # the kept texts are not part of the record
+
+
+def test_a_resume_from_the_checkpoint_counts_the_steps_the_lost_driver_had_committed(tmp_path):
+    """A driver lost at step 79 with its newest checkpoint at 50: the resumed run trains 51..79
+    again, and its record says so (the lost run's own record counted none of them)."""
+    lost = RunSummary(job="j", run_dir=str(tmp_path), committed_steps=79, losses=[1.0] * 79,
+                      world_sizes=[2] * 79, steps_redone=3)
+    assert lost.resumed_at(50) == (51, 79)
+    assert lost.steps_redone == 3 + 29 and len(lost.losses) == 50
+    assert lost.recoveries[-1]["from"] == "checkpoint" and lost.recoveries[-1]["steps_redone"] == 29
+    caught_up = RunSummary(job="j", run_dir=str(tmp_path), committed_steps=50, losses=[1.0] * 50)
+    assert caught_up.resumed_at(50) is None and caught_up.steps_redone == 0 and not caught_up.recoveries

@@ -9,7 +9,9 @@ failures, steps_redone, recoveries (one record per recovery from lost members: s
 reason, from: survivors | peer copies | checkpoint, steps_redone; and hung: one record per member
 found hung at the step's deadline, control/supervisor/liveness.hang_record: slot, rank, node, pid,
 phase, step, deadline_s, reason, top_frame {file, line, function} of its training thread, threads
-(every thread's frames) and stack, the whole as a traceback), peer_copies
+(every thread's frames) and stack, the whole as a traceback), read_hangs (one record per read
+found hung, data.read_timeout_s: position, window, waited_s, node_id, pid, hang, top_frame,
+stack, reason), peer_copies
 (checkpoint.peer_copies: peers, each rank's, and bytes_per_copy_estimate; or off: why; empty
 when the layout keeps none), steps_run_ahead, leases, agent_calls, evals (one record per evaluation: step and
 metrics), best_checkpoint (checkpoint.keep_best), compile_s (train.compile), step_times
@@ -101,6 +103,9 @@ class RunSummary:
     # one record a recovery from lost members: {"step", "lost", "reason", "from": survivors |
     # peer copies | checkpoint, "steps_redone"} and "hung": the members found hung, with their stacks
     recoveries: list[dict] = field(default_factory=list)
+    # one record a read found hung (data.read_timeout_s; data/plane.py): {"position", "window",
+    # "waited_s", "node_id", "pid", "hang" (1, or 2: the run stopped), "top_frame", "stack", "reason"}
+    read_hangs: list[dict] = field(default_factory=list)
     # checkpoint.peer_copies at the start: {"peers": each rank's peer, "bytes_per_copy_estimate"}
     peer_copies: dict = field(default_factory=dict)
     steps_run_ahead: int = 0  # committed steps sent while the step before them ran (train.run_ahead)
@@ -169,6 +174,22 @@ class RunSummary:
             data: dict[str, Any] = json.load(f)
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+    def resumed_at(self, step: int) -> tuple[int, int] | None:
+        """The run resumes from its checkpoint of ``step`` after its driver was lost: the steps
+        the lost driver committed past it (as far as its last record says: a lower bound) will
+        be trained again, and are counted (``steps_redone``, and a recovery from the checkpoint
+        in ``recoveries``) before the per-step records after ``step`` are dropped. Returns the
+        range of steps trained again (first, last; 1-based), or None when there are none."""
+        lost_run = self.committed_steps
+        self.truncate_to(step)
+        if lost_run <= step:
+            return None
+        self.steps_redone += lost_run - step
+        self.recoveries.append({"step": lost_run, "lost": [], "from": "checkpoint", "steps_redone": lost_run - step,
+                                "reason": f"the run's driver was lost at step {lost_run} (or later); resumed from "
+                                          f"its checkpoint of step {step}"})
+        return step + 1, lost_run
 
     def truncate_to(self, step: int) -> None:
         """Forget per-step records after ``step`` (a resume from an older checkpoint)."""

@@ -51,6 +51,7 @@ Bad shards (``data.on_bad_shard``):
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import logging
 import math
@@ -213,6 +214,7 @@ class ReadContext:
     bucket: bool = False  # keep each row's num_tokens in the metadata (a batch pads to its longest)
     stream_id: str = ""  # new at every seek: a reader process reopens shards for a new stream
     transform: object = None  # data.transform (an import path or a callable), run on every row
+    read_timeout_s: float = 0.0  # data.read_timeout_s: a read this slow posts its stack (0: never)
 
 
 def _read_row_chunk(dataset_uri: str, manifest: DatasetManifest, stream: order.RowStream,
@@ -366,6 +368,11 @@ def read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: i
     the windows delivered, and a bad shard's marker. A chunk cut short by a bad shard returns
     ``None`` for the pieces it did not fill.
     """
+    with _slow_read_watch(ctx, first):
+        return _read_chunk(ctx, item, first, piece_rows, num_pieces)
+
+
+def _read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: int, num_pieces: int) -> tuple:
     global _READER_STREAM
     if ctx.stream_id != _READER_STREAM:
         # A seek may follow a repaired or a vanished shard: handles opened for an earlier stream
@@ -398,6 +405,91 @@ def read_chunk(ctx: ReadContext, item: dict[str, int], first: int, piece_rows: i
     return (meta, *pieces, *([None] * (num_pieces - len(pieces))))
 
 
+# Where a read that has run for half of data.read_timeout_s posts its stack, every second until it
+# returns (Ray's internal KV, namespace raytrain-sys; the key is the stream's and the read's first
+# position): the driver that finds the read hung reads it there, and ends the read's process.
+READ_STACK_NAMESPACE = "raytrain-sys"
+READ_STACK_EVERY_S = 1.0
+
+
+def read_stack_key(stream_id: str, first: int) -> str:
+    return f"read-stack:{stream_id}:{first}"
+
+
+@contextlib.contextmanager
+def _slow_read_watch(ctx: ReadContext, first: int):
+    """Run a read with a watch: past half of ``ctx.read_timeout_s`` its stacks (``stacks``: the
+    reading thread's first) are posted for the driver (``read_stack_key``), again every
+    READ_STACK_EVERY_S, and taken back when the read returns. Outside Ray, or with no timeout,
+    nothing is watched."""
+    import threading
+
+    if not ctx.read_timeout_s or not _in_ray():
+        yield
+        return
+    from ray.experimental import internal_kv
+
+    from raytrain_sys.stacks import stacks
+
+    done, reader = threading.Event(), threading.get_ident()
+    key = read_stack_key(ctx.stream_id, first)
+
+    def watch() -> None:
+        if done.wait(ctx.read_timeout_s / 2):
+            return
+        posted = False
+        while not done.is_set():
+            found = stacks(reader)
+            post = {"pid": os.getpid(), "node_id": _node_id(), "top": found["top"], "stack": found["text"]}
+            try:
+                internal_kv._internal_kv_put(key, json.dumps(post), namespace=READ_STACK_NAMESPACE)
+                posted = True
+            except Exception:  # noqa: BLE001: the GCS briefly unreachable: post again
+                pass
+            done.wait(READ_STACK_EVERY_S)
+        if posted:
+            with contextlib.suppress(Exception):
+                internal_kv._internal_kv_del(key, namespace=READ_STACK_NAMESPACE)
+
+    threading.Thread(target=watch, name="slow-read-watch", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _in_ray() -> bool:
+    try:
+        import ray
+
+        return ray.is_initialized()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _end_read_process(pid: int, key: str) -> bool:
+    """Ray task, on the hung read's node: SIGKILL its process if the read still runs there (its
+    stack is still posted); Ray then runs the read again (``_reader``'s retries)."""
+    import signal
+
+    from ray.experimental import internal_kv
+
+    if internal_kv._internal_kv_get(key, namespace=READ_STACK_NAMESPACE) is None:
+        return False  # it returned meanwhile: the process may be reading something else now
+    os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def _posted_stack(key: str) -> dict | None:
+    from ray.experimental import internal_kv
+
+    try:
+        raw = internal_kv._internal_kv_get(key, namespace=READ_STACK_NAMESPACE)
+    except Exception:  # noqa: BLE001: the GCS briefly unreachable: not known yet
+        return None
+    return json.loads(raw) if raw else None
+
+
 def _node_id() -> str:
     """The Ray node this read ran on ("" outside Ray): where its pieces lie."""
     try:
@@ -418,6 +510,7 @@ class _Pending:
     piece_rows: int
     meta_ref: object
     piece_refs: list
+    hangs: int = 0  # times it was found hung (its process ended, Ray read it again)
 
 
 @dataclass
@@ -501,6 +594,10 @@ class DataPlane:
         self.prefetch_rows = prefetch_steps * global_batch_size
         self.task = task
         self.transform = None  # data.transform, set by for_job
+        self.read_timeout_s = 0.0  # data.read_timeout_s, set by for_job (0: a read is waited for as long as it takes)
+        self.read_hangs: list[dict] = []  # reads found hung: summary.json's read_hangs
+        self._waited_since: dict[int, float] = {}  # a read's first position -> since when it is waited for
+        self.on_read_hang: Callable[[dict], None] | None = None  # told of each (the Supervisor's record)
         self.num_readers = max(1, num_readers)
         self.read_resources = dict(read_resources or {})
         # Rows of a rank's share, which pieces line up with (the Supervisor sets it per world).
@@ -545,6 +642,7 @@ class DataPlane:
                     sequences=d.sequences, row_len=spec.model.block_size + 1, task=task,
                     num_readers=d.num_readers, read_resources=d.read_resources)
         plane.transform = d.transform or None
+        plane.read_timeout_s = d.read_timeout_s
         plane.read_next_here()
         return plane
 
@@ -660,7 +758,8 @@ class DataPlane:
         self._next_item, self._submit_pos = 0, position
         ctx = ReadContext(self.dataset_uri, self.manifest, self.stream, self.s3_endpoint_url,
                           self.sequences == "pack_masked", tuple(sorted(self.skips.items())),
-                          self.task, self.sequences == "bucket", uuid.uuid4().hex, self.transform)
+                          self.task, self.sequences == "bucket", uuid.uuid4().hex, self.transform,
+                          self.read_timeout_s)
         self._ctx, self._ctx_ref = ctx, ray.put(ctx)
         self._top_up()
         log.info("data plane: stream opened at window %d offset %d (epoch %d)", g, offset,
@@ -737,6 +836,7 @@ class DataPlane:
         assert p.first == want, f"stream out of order: read at {p.first}, {want} wanted"
         t0 = time.perf_counter()
         try:
+            self._await_read(p)
             meta = ray.get(p.meta_ref)
         except Exception as exc:  # a task's error, wrapped by Ray: surface ours as one line
             self._drop_stream()
@@ -778,6 +878,69 @@ class DataPlane:
                      "will read on from there", meta["bad_window"])
             self._drop_stream()
 
+    def _await_read(self, p: _Pending) -> None:
+        """Wait for read ``p``, finding it hung if it is (``_check_hung``)."""
+        import ray
+
+        if not self.read_timeout_s or self._ctx is None:
+            return
+        while not ray.wait([p.meta_ref], timeout=READ_STACK_EVERY_S, fetch_local=False)[0]:
+            self._check_hung(p)
+        self._waited_since.pop(p.first, None)
+
+    def _check_hung(self, p: _Pending) -> None:
+        """Read ``p`` is waited for and not finished. One the trainers have waited on for
+        data.read_timeout_s, and that has run that long (it posted its stack:
+        ``_slow_read_watch``), is hung: recorded (its stack's top frame and whole text,
+        ``read_hangs``, ``on_read_hang``, the log) and its process ended, and Ray reads it again;
+        found hung a second time, the run stops naming where it was stuck. A read that has not
+        begun (queued behind others) is waited for."""
+        if not self.read_timeout_s or self._ctx is None:
+            return
+        now = time.monotonic()
+        waited = now - self._waited_since.setdefault(p.first, now)
+        if waited < self.read_timeout_s:
+            return
+        key = read_stack_key(self._ctx.stream_id, p.first)
+        posted = _posted_stack(key)
+        if posted is None:
+            return  # not running for long (queued, or read again just now)
+        self._read_hung(p, posted, waited, key)
+        self._waited_since[p.first] = time.monotonic()
+
+    def _read_hung(self, p: _Pending, posted: dict, waited: float, key: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        p.hangs += 1
+        top = posted.get("top") or {}
+        where = f"{top.get('file', '?')}:{top.get('line', '?')} in {top.get('function', '?')}" if top else "(no stack)"
+        record = {"position": p.first, "window": int(p.item["g"]), "waited_s": round(waited, 2),
+                  "node_id": posted.get("node_id", ""), "pid": posted.get("pid"), "hang": p.hangs,
+                  "top_frame": top, "stack": posted.get("stack", ""),
+                  "reason": f"a read of window {int(p.item['g'])} (stream positions {p.first}..{p.stop}) made no "
+                            f"progress for {waited:.1f} s (data.read_timeout_s {self.read_timeout_s:g}): "
+                            f"stuck in {where}"}
+        self.read_hangs.append(record)
+        log.warning("data plane: %s; its stack:\n%s", record["reason"], record["stack"])
+        if self.on_read_hang is not None:
+            self.on_read_hang(record)
+        if p.hangs > 1:
+            self._drop_stream()
+            raise DataError(f"{record['reason']}, the second time this read hung: a data.transform that "
+                            f"never returns, or a stuck filesystem? (raise data.read_timeout_s if reads "
+                            f"are legitimately this long)")
+        where_it_runs = NodeAffinitySchedulingStrategy(posted["node_id"], soft=False) if posted.get("node_id") else None
+        end = ray.remote(num_cpus=0, max_retries=0)(_end_read_process)
+        try:
+            ended = ray.get(end.options(**({"scheduling_strategy": where_it_runs} if where_it_runs else {}))
+                            .remote(int(posted["pid"]), key), timeout=30)
+        except Exception as exc:  # noqa: BLE001: its node gone: Ray reads it again anyway
+            ended = False
+            log.warning("data plane: could not end the hung read's process: %s", exc)
+        if ended:
+            log.warning("data plane: the hung read's process (pid %s) was ended; Ray reads it again", posted["pid"])
+
     def rows_ahead(self, position: int, finished_reads: bool = False) -> int:
         """Rows read and ready from ``position`` on (the prefetch depth a consumer at it sees):
         the reads taken; with ``finished_reads``, also the submitted reads after them whose tasks
@@ -811,16 +974,20 @@ class DataPlane:
         pos = start
         while pos < stop and (i := self._span_index(pos)) >= 0:
             pos = self._spans[i].stop
-        refs = []
+        awaited = []
         for p in self._pending:
             if pos >= stop or p.first != pos:
                 break
-            refs.append(p.meta_ref)
+            awaited.append(p)
             pos = p.stop
-        if not refs:
+        if not awaited:
             return []
+        refs = [p.meta_ref for p in awaited]
         _, running = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-        return running
+        for p in awaited:  # waited for from now on: a read that does not return is found hung
+            if p.meta_ref in running:
+                self._check_hung(p)
+        return [p.meta_ref for p in awaited if p.meta_ref in running]
 
     def reread_lost(self, position: int, departed_nodes: set[str]) -> int:
         """After members left the group: when a read piece from ``position`` on has a copy on one
@@ -959,6 +1126,7 @@ class DataPlane:
         until they end, to count them against ``num_readers``."""
         self._abandoned += [p.meta_ref for p in self._pending]
         self._pending.clear()
+        self._waited_since.clear()
         self._items, self._next_item, self._submit_pos = [], 0, -1
 
     def close(self) -> None:

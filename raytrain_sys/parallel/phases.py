@@ -22,6 +22,8 @@ from __future__ import annotations
 import threading
 import time
 
+from raytrain_sys.stacks import stacks  # noqa: F401 (its callers read the stacks from here)
+
 IDLE = "idle"  # between leases (waiting for the next call, or its arguments)
 DATA = "data"  # its rows assembled from the pieces
 FORWARD = "forward"  # task.loss_sum on a micro-batch: the model's forward and the user's loss
@@ -80,27 +82,3 @@ def describe(phase: dict) -> str:
     elif name in (FORWARD, BACKWARD) and index > 0:
         what += f" (micro-batch {index + 1})"
     return what if name == IDLE else f"{what} of step {phase['step'] + 1}"
-
-
-def stacks(training_thread: int = 0) -> dict:
-    """Every thread's Python stack in this process, read from the calling thread
-    (``sys._current_frames``: the threads are not stopped): ``threads``, the training thread's
-    first, each {"name", "ident", "frames": [{"file", "line", "function"}, ... innermost last]};
-    ``top``: the innermost frame of the training thread (or of the first thread); ``text``:
-    the whole of it as a traceback."""
-    import sys
-    import traceback
-
-    names = {t.ident: t.name for t in threading.enumerate()}
-    me = threading.get_ident()
-    frames = {ident: f for ident, f in sys._current_frames().items() if ident != me}
-    order = sorted(frames, key=lambda ident: (ident != training_thread, names.get(ident, "")))
-    threads, text = [], []
-    for ident in order:
-        summary = traceback.extract_stack(frames[ident])
-        name = names.get(ident, f"thread {ident}") + (" (training)" if ident == training_thread else "")
-        threads.append({"name": name, "ident": ident,
-                        "frames": [{"file": f.filename, "line": f.lineno, "function": f.name} for f in summary]})
-        text.append(f"Thread {name}:\n" + "".join(traceback.format_list(summary)))
-    top = threads[0]["frames"][-1] if threads and threads[0]["frames"] else {}
-    return {"threads": threads, "top": top, "text": "\n".join(text)}

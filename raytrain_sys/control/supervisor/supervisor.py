@@ -94,6 +94,7 @@ class Supervisor:
         self.tracking_uri = spec.tracking.uri or mt.default_tracking_uri(self.output_dir)
         self.checkpoint_root = launch.resolve_dir(spec.checkpoint.uri or os.path.join(self.run_dir, "checkpoints"))
         self.summary = RunSummary(job=spec.name, run_dir=self.run_dir)
+        self._redone_on_resume: tuple[int, int] | None = None  # steps a lost driver committed, trained again
         self.tracker = None
         self.group: WorkerGroup | None = None
         self.data: DataPlane | None = None
@@ -182,7 +183,7 @@ class Supervisor:
                 check_compatible(spec, resume_info)
                 previous = RunSummary.read(self.run_dir)
                 if previous is not None:
-                    previous.truncate_to(resume_info.step)
+                    self._redone_on_resume = previous.resumed_at(resume_info.step)
                     self.summary = previous
                     self.summary.reason = ""
                     phase.record(self.summary)  # the newest start's, not the earlier run's
@@ -196,12 +197,18 @@ class Supervisor:
                 spec, found.manifest, end_position=spec.train.max_steps * spec.train.global_batch_size,
                 run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason),
                 task=found.task)
+            self.data.on_read_hang = self._read_hung
             warm = self._warm = launch.warm_data(spec, self.data,
                                     int(resume_info.manifest["data_cursor"]) if resume_info else 0)
             phase("data")
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
                                  f"left by the lost driver of run {self.previous_run_key}")
+            if self._redone_on_resume:
+                first, last = self._redone_on_resume
+                self._transition(State.STARTING, f"steps {first}..{last} were committed by the lost driver and are "
+                                 f"trained again from the checkpoint of step {first - 1} ({last - first + 1} "
+                                 f"steps redone)")
             # A resume reopens its run, which the start waits for; a new run opens in its
             # tracker's writer (Tracker.begin), beside the start and the first steps.
             store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled and self.resume_run_id else None
@@ -227,6 +234,12 @@ class Supervisor:
                 raise
             phase.add(self.group.start_phases)
             self.tracker = tracking.result()
+            if self._redone_on_resume and self.tracker is not None:
+                first, last = self._redone_on_resume
+                # The lost driver logged these steps' metrics already: the ones logged now come
+                # later in each metric's history (MLflow keeps both), and the run says which.
+                self.tracker.set_tags({"raytrain.steps_redone": f"{first}..{last}: trained again after the driver "
+                                       f"was lost; each of their metrics has two values, the later one current"})
             phase("tracking")
             if self.resume_run_id and tracking.span is not None:
                 phase.beside("mlflow_run", tracking.span, tracking.seconds)
@@ -374,6 +387,13 @@ class Supervisor:
                 self.boundary.settle(wait=False)
         finally:
             self.steps.close()
+
+    def _read_hung(self, record: dict) -> None:
+        """A read the trainers waited on was found hung (``DataPlane._await_read``): kept in
+        summary.json's read_hangs, and its reason in the run's transitions and the job's log."""
+        self.summary.read_hangs.append(record)
+        self._transition(None, record["reason"] + ("; its process was ended and the read is made again"
+                                                         if record["hang"] == 1 else ""))
 
     @staticmethod
     def _check_reported(cur: _Dispatch, outcome: StepOutcome, reports: list[dict]) -> None:
