@@ -156,3 +156,16 @@ def test_the_report_says_where_each_recovery_took_its_state_from_and_who_holds_w
     assert rows["peer copies"] == "rank -> peer 0->1, 1->2, 2->3, 3->0, about 5.0 MB a copy"
     off = "peer copies off: about 4 x 900 MB a rank would take more than 50% of the memory available on node ab"
     assert dict(summary_rows(run | {"peer_copies": {"off": off}}))["peer copies"] == off
+
+
+def test_the_live_page_lists_a_read_found_hung_beside_the_ranks_with_its_top_frame():
+    from raytrain_sys.monitor.report import progress
+
+    top = {"file": "/u/mypkg/data.py", "line": 12, "function": "clean"}
+    hung = {"step": 9, "slot": 3, "rank": 1, "reason": "hung: stuck", "top_frame": {"file": "t.py", "line": 1,
+                                                                                  "function": "loss_sum"}}
+    run = {"committed_steps": 20, "recoveries": [{"step": 9, "hung": [hung]}],
+           "read_hangs": [{"step": 14, "reason": "a read of window 3 ... stuck in clean", "top_frame": top}]}
+    stacks = progress(run)["stacks"]
+    assert [(s["step"], s["kind"], s["rank"], s["top"]) for s in stacks] == [
+        (9, "hung", 1, "t.py:1 in loss_sum"), (14, "read", None, "/u/mypkg/data.py:12 in clean")]

@@ -209,7 +209,9 @@ def _status(args: argparse.Namespace) -> int:
         fields.append(("code", f"package {job['package']} (its working directory)"))
     if job["delete_checkpoints"]:
         fields.append(("on end", "delete checkpoints"))
-    fields += [("stack", f"step {s['step']}: rank {s['rank']} {s['kind']} at {s['top']}") for s in _stacks(client, job)]
+    fields += [("stack", f"step {s['step']}: " + ("a read (data.transform, a shard) hung" if s["kind"] == "read" else
+                                                  f"rank {s['rank']} {s['kind']}") + f" at {s['top']}")
+               for s in _stacks(client, job)]
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         print(f"{key:<{width}}  {value}")

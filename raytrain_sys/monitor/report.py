@@ -117,15 +117,18 @@ PROGRESS_POINTS = 300  # loss points a live view gets: enough for a curve, small
 STACK_TOPS = 3  # the newest workers found hung (or stragglers replaced) a live view names
 
 
-def stack_tops(recoveries: list, stragglers: list, newest: int = STACK_TOPS) -> list[dict]:
-    """The newest workers found hung (summary.json's recoveries' ``hung``) and stragglers
-    replaced with their stacks (``stragglers``' ``top_frame``), oldest first: step, slot, rank,
-    kind, why and the top frame of the training thread (``top``: "file:line in function")."""
+def stack_tops(recoveries: list, stragglers: list, read_hangs: list = (), newest: int = STACK_TOPS) -> list[dict]:
+    """The newest workers found hung (summary.json's recoveries' ``hung``), stragglers replaced
+    with their stacks (``stragglers``' ``top_frame``) and reads found hung (``read_hangs``: kind
+    "read", no slot or rank), oldest first: step, slot, rank, kind, why and the top frame of the
+    training (or reading) thread (``top``: "file:line in function")."""
     found = [{"step": h["step"], "slot": h["slot"], "rank": h["rank"], "kind": "hung", "reason": h["reason"],
               "top": _frame(h["top_frame"])} for r in recoveries for h in r.get("hung", [])]
     found += [{"step": e["step"], "slot": None, "rank": e["rank"], "kind": "straggler",
                "reason": f"straggler replaced: {e['ratio']}x its peers' compute", "top": _frame(e["top_frame"])}
               for e in stragglers if "top_frame" in e]
+    found += [{"step": r.get("step", 0), "slot": None, "rank": None, "kind": "read", "reason": r["reason"],
+               "top": _frame(r.get("top_frame"))} for r in read_hangs]
     return sorted(found, key=lambda f: f["step"])[-newest:]
 
 
@@ -156,5 +159,5 @@ def progress(summary, max_steps: int = 0) -> dict:
             "tokens_per_s": tp.get("tokens_per_s"), "step_time_s": tp.get("step_time_s"),
             "rank_times": dict(get("rank_times") or {}), "cost": dict(get("cost") or {}),
             "stragglers": len(get("stragglers") or []), "failures": int(get("failures", 0) or 0),
-            "stacks": stack_tops(get("recoveries") or [], get("stragglers") or []),
+            "stacks": stack_tops(get("recoveries") or [], get("stragglers") or [], get("read_hangs") or []),
             "started_at": get("started_at"), "finished_at": get("finished_at") or None}

@@ -330,8 +330,8 @@ class ProgressOut(BaseModel):
     progress: Optional[dict[str, Any]] = Field(
         description="its run's live numbers (monitor.report.progress: status, step, max_steps, world_size, "
                     "losses [[step, loss]], tokens_per_s, step_time_s, rank_times, cost, stragglers, "
-                    "failures, stacks: the newest workers found hung or stragglers replaced, each with the "
-                    "top frame of its stack); null before its run starts or when the service cannot read them")
+                    "failures, stacks: the newest workers found hung, stragglers replaced or reads found hung, "
+                    "each with the top frame of its stack); null before its run starts or when the service cannot read them")
     answering: Optional[bool] = Field(
         description="a live job's runner answered this poll (true), or not within the poll's 2 s (false: busy, "
                     "starting or lost; progress is then its last answer, of progress_at_s); null for a job with "

@@ -391,6 +391,7 @@ class Supervisor:
     def _read_hung(self, record: dict) -> None:
         """A read the trainers waited on was found hung (``DataPlane._await_read``): kept in
         summary.json's read_hangs, and its reason in the run's transitions and the job's log."""
+        record["step"] = self.committed_step + 1  # the step it held up
         self.summary.read_hangs.append(record)
         self._transition(None, record["reason"] + ("; its process was ended and the read is made again"
                                                          if record["hang"] == 1 else ""))
