@@ -167,3 +167,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(long_ids):
             item.add_marker(pytest.mark.slow)
+
+
+# ------------------------------------------------------------------ where the suite's time goes
+# Each file's setup, call and teardown time, summed: the slowest files are printed after the
+# run (``--durations`` lists tests; the suite's budget is spent by files, each with its fixtures).
+_FILE_SECONDS: dict[str, float] = {}
+SLOWEST_FILES = 30
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section(f"slowest files (of {total / 60:.1f} min in tests, fixtures included)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
