@@ -1,4 +1,4 @@
-"""No driver abort on a seek: 300 random seeks with reads in flight, in fresh driver processes.
+"""No driver abort on a seek: 180 random seeks with reads in flight, in fresh driver processes.
 
 Before the data plane moved to its own read tasks, every seek closed a Ray Data stream, whose
 stock shutdown force-cancels the reads still running; in Ray 2.60 a cancel that meets a reply in
@@ -10,7 +10,9 @@ one driver in ten under them):
 the session cluster (a 0-CPU head and 1-CPU nodes: reads that ask for CPU land on the nodes),
 a CPU hog beside the drivers, and resizes and a bad shard among the seeks. Each driver replaces
 ``ray.cancel`` with a failure (tests/seek_stress.py), so a cancel brought back into the data path
-fails here loudly rather than aborting one run in many.
+fails here loudly rather than aborting one run in many: a cancel is caught at the first seek that
+makes one, so three drivers (one of each kind: a bad shard or not, reads asking CPU or not) are
+enough; five took 160 s of the suite's 52 min on a clean clone (2026-12-07).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from raytrain_sys.data.prepare import prepare_text_dataset
 from raytrain_sys.data.shards import read_manifest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVERS, SEEKS = 5, 60
+DRIVERS, SEEKS = 3, 60
 
 
 def _hog(seconds: float) -> subprocess.Popen:
@@ -35,7 +37,7 @@ def _hog(seconds: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def test_300_seeks_with_reads_in_flight_never_abort_the_driver(ray_cluster, tmp_path):
+def test_180_seeks_with_reads_in_flight_never_abort_the_driver(ray_cluster, tmp_path):
     dataset = str(tmp_path / "tokens")
     prepare_text_dataset(dataset, row_len=65, rows_per_shard=512, max_bytes=400_000)
     bad = str(tmp_path / "bad")
