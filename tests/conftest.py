@@ -131,11 +131,13 @@ def _wait_until_idle(after: str, timeout_s: float = 30.0) -> None:
 
     from tests.helpers import live_actors_and_groups
 
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
     while True:
         total = ray.cluster_resources().get("CPU", 0)
         free = ray.available_resources().get("CPU", 0)
         if free >= total:
+            _IDLE_WAIT[0] += time.monotonic() - t0
             return
         if time.monotonic() > deadline:
             break
@@ -173,6 +175,7 @@ def pytest_collection_modifyitems(config, items):
 # Each file's setup, call and teardown time, summed: the slowest files are printed after the
 # run (``--durations`` lists tests; the suite's budget is spent by files, each with its fixtures).
 _FILE_SECONDS: dict[str, float] = {}
+_IDLE_WAIT = [0.0]  # seconds the tests' teardowns waited for the session cluster's CPUs to be free
 SLOWEST_FILES = 30
 
 
@@ -185,6 +188,7 @@ def pytest_terminal_summary(terminalreporter):
     if not _FILE_SECONDS:
         return
     total = sum(_FILE_SECONDS.values())
-    terminalreporter.section(f"slowest files (of {total / 60:.1f} min in tests, fixtures included)")
+    terminalreporter.section(f"slowest files (of {total / 60:.1f} min in tests, fixtures included; "
+                             f"{_IDLE_WAIT[0]:.0f} s of it waiting for an idle cluster after a test)")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
         terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
