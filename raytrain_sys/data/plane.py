@@ -424,7 +424,7 @@ def _slow_read_watch(ctx: ReadContext, first: int):
     nothing is watched."""
     import threading
 
-    if not ctx.read_timeout_s or not _in_ray():
+    if not ctx.read_timeout_s or not _node_id():  # "": not in Ray
         yield
         return
     from ray.experimental import internal_kv
@@ -456,15 +456,6 @@ def _slow_read_watch(ctx: ReadContext, first: int):
         yield
     finally:
         done.set()
-
-
-def _in_ray() -> bool:
-    try:
-        import ray
-
-        return ray.is_initialized()
-    except Exception:  # noqa: BLE001
-        return False
 
 
 def _end_read_process(pid: int, key: str) -> bool:
