@@ -36,13 +36,19 @@ class _OnceOnRank(NextToken):
         self.calls += 1
         if self.calls < self.at_call or not dist.is_initialized() or dist.get_rank() != self.rank:
             return False
-        try:
-            fd = os.open(os.path.join(self.marker_dir, MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return False
-        os.write(fd, repr(time.time()).encode())
-        os.close(fd)
-        return True
+        return _claim(self.marker_dir)
+
+
+def _claim(marker_dir: str) -> bool:
+    """Claim the hang (the marker created atomically, holding when it began); False when a process
+    claimed it already."""
+    try:
+        fd = os.open(os.path.join(marker_dir, MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, repr(time.time()).encode())
+    os.close(fd)
+    return True
 
 
 class StuckInLoss(_OnceOnRank):
@@ -88,13 +94,7 @@ def disarm_read_hang() -> None:
 
 
 def stuck_once_in_a_read_task(row: dict) -> dict:
-    if os.path.exists(os.path.join(READ_HANG_DIR, "armed")) and _in_a_ray_task():
-        try:
-            fd = os.open(os.path.join(READ_HANG_DIR, MARKER), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return row
-        os.write(fd, repr(time.time()).encode())
-        os.close(fd)
+    if os.path.exists(os.path.join(READ_HANG_DIR, "armed")) and _in_a_ray_task() and _claim(READ_HANG_DIR):
         time.sleep(3600)
     return row
 

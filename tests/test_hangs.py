@@ -176,4 +176,3 @@ def test_a_read_stuck_in_its_transform_is_found_its_process_ended_and_the_read_m
     assert where in hang["stack"] and where in caplog.text, caplog.text[-3000:]
     assert any(hang["reason"] in t["reason"] for t in summary["transitions"]), summary["transitions"]
     assert summary["failures"] == 0 and not summary["recoveries"]
-
