@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from raytrain_sys.version import __version__
 
 # public name -> (module, attribute)
 _EXPORTS = {

@@ -34,3 +34,13 @@ def test_readme_commands_exist():
     for dotted in re.findall(r"\| `((?:train|resources|elastic|checkpoint|parallel|data|tracking)\.\w+)`", readme):
         section, name = dotted.split(".")
         assert f"| `{name}` |" in (ROOT / "docs" / "spec_reference.md").read_text(), dotted
+
+
+def test_the_package_says_the_version_pyproject_installs():
+    import tomllib
+
+    import raytrain_sys
+    from raytrain_sys.version import __version__
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == __version__ == raytrain_sys.__version__

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from raytrain_sys import __version__
+from raytrain_sys.version import __version__
 from raytrain_sys.errors import UserError
 
 

@@ -41,7 +41,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from raytrain_sys import __version__
+from raytrain_sys.version import __version__
 from raytrain_sys.errors import TrackingError
 from raytrain_sys.spec import JobSpec
 

@@ -26,7 +26,7 @@ from typing import Callable
 
 import ray
 
-from raytrain_sys import __version__
+from raytrain_sys.version import __version__
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo, split_checkpoint_uri
 from raytrain_sys.control.run_record import RunSummary
 from raytrain_sys.control.supervisor.liveness import WorkerLost
