@@ -15,7 +15,7 @@ import torch
 
 from raytrain_sys.control.supervisor import run_job
 from raytrain_sys.data import order
-from raytrain_sys.data.compat import check_spec_against_manifest
+from raytrain_sys.train.compat import check_spec_against_manifest
 from raytrain_sys.data.manifest import WEBDATASET_FORMAT
 from raytrain_sys.data.order import Segment
 from raytrain_sys.data.prepare import prepare_digits_dataset

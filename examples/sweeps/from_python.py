@@ -17,7 +17,7 @@ import os
 import time
 
 import raytrain_sys as rts
-from raytrain_sys.sweeps.spec import load_sweep_file
+from raytrain_sys.service.sweeps.spec import load_sweep_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

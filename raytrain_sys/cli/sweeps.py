@@ -95,8 +95,8 @@ def _local(args: argparse.Namespace) -> int:
     from raytrain_sys.service import requests as job_requests
     from raytrain_sys.service.service import cluster_capacity_workers, start_service, stop_service
     from raytrain_sys.service.store import Store
-    from raytrain_sys.sweeps import requests as sweep_requests
-    from raytrain_sys.sweeps.spec import load_sweep_file
+    from raytrain_sys.service.sweeps import requests as sweep_requests
+    from raytrain_sys.service.sweeps.spec import load_sweep_file
 
     raw = load_sweep_file(args.sweep)
     spec = sweep_requests.parse(raw, os.getcwd())  # refused here, before anything starts

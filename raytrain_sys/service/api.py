@@ -72,7 +72,7 @@ from raytrain_sys.service.model import (ACCELERATOR_PATTERN, DEFAULT_FLAVOR, JOB
                                         JobState, ResourceFlavor, SweepRecord, SweepState, Team, WaitCause, name_problem,
                                         team_ref_problem)
 from raytrain_sys.service.store import Principal, Store
-from raytrain_sys.sweeps import requests as sweep_requests
+from raytrain_sys.service.sweeps import requests as sweep_requests
 
 log = logging.getLogger(__name__)
 

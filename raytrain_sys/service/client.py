@@ -97,7 +97,7 @@ class Client:
                      priority: Optional[int] = None) -> dict:
         """Queue a sweep (docs/SWEEPS.md): ``sweep_or_path`` is a sweep mapping or a sweep file
         (its ``base`` may name a job spec file, read here). Returns the sweep (state ``queued``)."""
-        from raytrain_sys.sweeps.spec import load_sweep_file
+        from raytrain_sys.service.sweeps.spec import load_sweep_file
 
         sweep = sweep_or_path if isinstance(sweep_or_path, dict) else load_sweep_file(os.fspath(sweep_or_path))
         body: dict[str, Any] = {"sweep": sweep}

@@ -634,7 +634,7 @@ class JobProgress:
 
 @dataclass(frozen=True)
 class SweepRecord:
-    """One row of the sweeps table: a sweep's spec (``raytrain_sys.sweeps.spec``, stored as
+    """One row of the sweeps table: a sweep's spec (``raytrain_sys.service.sweeps.spec``, stored as
     JSON), where Tune keeps its experiment, its MLflow parent run, and its lifecycle."""
 
     id: int

@@ -150,7 +150,7 @@ class ReconcilerConfig:
     # Ask Ray's autoscaler for the queue's demand after each pass (service/autoscale.py); the
     # scheduler then admits against the ceiling (service/capacity.py). Off: a fixed cluster.
     autoscaling: bool = False
-    # Sweeps (raytrain_sys/sweeps): the store's URL and the base directory their runners and trial
+    # Sweeps (raytrain_sys/service/sweeps): the store's URL and the base directory their runners and trial
     # proxies open and resolve paths against; "" drives no sweep (a reconciler of jobs only).
     db_url: str = ""
     base_dir: str = ""
@@ -265,7 +265,7 @@ class Reconciler:
         parts.end("runners' requests and ends")
         trials_coming = 0
         if self.config.db_url:
-            from raytrain_sys.sweeps.runner import ensure_runners
+            from raytrain_sys.service.sweeps.runner import ensure_runners
 
             trials_coming = ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
                                            self.config.sweep_runner_restarts, self.config.status_timeout_s,

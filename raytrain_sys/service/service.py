@@ -62,7 +62,7 @@ from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
 from raytrain_sys.service.runner import NAMESPACE, log_to_file
 from raytrain_sys.service.store import DEFAULT_URL, Store, mask_url
-from raytrain_sys.sweeps import requests as sweep_requests
+from raytrain_sys.service.sweeps import requests as sweep_requests
 
 log = logging.getLogger(__name__)
 

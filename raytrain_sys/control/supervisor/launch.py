@@ -26,7 +26,7 @@ from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.control.run_record import RunSummary
 from raytrain_sys.control.launches import clean_up_leftovers
 from raytrain_sys.control.worker_group import connect_ray
-from raytrain_sys.data.compat import check_spec_against_manifest
+from raytrain_sys.train.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
 from raytrain_sys.errors import CheckpointError, SpecError, UserError

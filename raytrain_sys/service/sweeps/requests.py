@@ -25,7 +25,7 @@ from raytrain_sys.service import requests as job_requests
 from raytrain_sys.service.model import JobState, SweepRecord, SweepState
 from raytrain_sys.service.store import Store
 from raytrain_sys.spec import parse_yaml
-from raytrain_sys.sweeps.spec import SweepSpec, parse_sweep, sweep_json_schema  # noqa: F401: the API's sweep schema
+from raytrain_sys.service.sweeps.spec import SweepSpec, parse_sweep, sweep_json_schema  # noqa: F401: the API's sweep schema
 
 SWEEPS_DIR = "raytrain-sys-sweeps"  # Tune's experiments, beside the store's log directory
 
@@ -99,7 +99,7 @@ def resume(store: Store, sweep_id: int, *, by: str, reason: str = "") -> SweepRe
 
 def cancel(store: Store, sweep_id: int, *, by: str, reason: str = "") -> SweepRecord:
     why = f"sweep {sweep_id} cancelled by {by}" + (f": {reason}" if reason else "")
-    from raytrain_sys.sweeps.runner import stop_runner
+    from raytrain_sys.service.sweeps.runner import stop_runner
 
     def stop(store: Store, job_id: int, *, by: str, reason: str) -> Any:
         return job_requests.cancel(store, job_id, by=by, reason=reason)

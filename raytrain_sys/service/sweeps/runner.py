@@ -53,7 +53,7 @@ from raytrain_sys.niceness import set_niceness
 from raytrain_sys.service import requests
 from raytrain_sys.service.model import JobRecord, JobState, SweepRecord, SweepState
 from raytrain_sys.service.store import Store
-from raytrain_sys.sweeps.spec import SweepSpec, pbt_mutations, sweep_from_dict, trial_spec, tune_space
+from raytrain_sys.service.sweeps.spec import SweepSpec, pbt_mutations, sweep_from_dict, trial_spec, tune_space
 
 log = logging.getLogger(__name__)
 
@@ -438,7 +438,7 @@ class Reporter:
 def mark_segment(job: JobRecord, spec: SweepSpec, plan: SegmentPlan, config: dict) -> bool:
     """Tag a segment's MLflow run with its donor (trial, step, checkpoint) and log its mutated
     values as metrics at its start step; False when it has no run yet or was marked before."""
-    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.service.sweeps.spec import tracking_uri
     from raytrain_sys.tracking import mlflow_tracker as mt
 
     donor = plan.donor
@@ -770,7 +770,7 @@ def parent_run(store: Store, sweep: SweepRecord) -> SweepRecord:
     its child; a restored runner finds it recorded."""
     if sweep.mlflow_parent_run_id:
         return sweep
-    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.service.sweeps.spec import tracking_uri
     from raytrain_sys.tracking.mlflow_tracker import TAG_SWEEP, start_parent_run
 
     spec = spec_of(sweep)
@@ -847,7 +847,7 @@ def record_outcome(sweep: SweepRecord, spec: SweepSpec, table: list[dict], best_
     """The parent run's end: the best trial and value, the trials' table (``trial_table``) and
     the plot of their curves (``sweep_curves.png``)."""
     from raytrain_sys.monitor.plots import sweep_curves_figure
-    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.service.sweeps.spec import tracking_uri
     from raytrain_sys.tracking.mlflow_tracker import end_parent_run
 
     best = next((row for row in table if row["trial"] == best_trial), None)
@@ -1018,7 +1018,7 @@ def prepare_tracking(sweep: SweepRecord) -> threading.Thread:
     thread of the caller's process while its runner's process starts: the runner's parent run
     then opens a finished store (``mlflow_tracker.ensure_store`` makes it once, under a lock). A
     failure is only logged: the parent run meets it again and fails the sweep with it."""
-    from raytrain_sys.sweeps.spec import tracking_uri
+    from raytrain_sys.service.sweeps.spec import tracking_uri
     from raytrain_sys.tracking.mlflow_tracker import ensure_store
 
     def make() -> None:
