@@ -14,17 +14,19 @@ if [ -n "$extra" ] && ! command -v initdb >/dev/null && ! ls /usr/lib/postgresql
         echo "warning: PostgreSQL's initdb not found; install postgresql for tests/test_service_store.py" >&2
     fi
 fi
-# The observability tests run a real Prometheus and load the jobs page in headless Chromium.
+# The observability tests run a real Prometheus and load the jobs page in headless Chromium; the
+# GCS restart test keeps the cluster's tables in a real Redis (Ray's GCS fault tolerance).
 want=()
 if [ -n "$extra" ]; then
     command -v prometheus >/dev/null || want+=(prometheus)
     command -v chromium >/dev/null || want+=(chromium)
+    command -v redis-server >/dev/null || want+=(redis-server)
 fi
 if [ "${#want[@]}" -gt 0 ]; then
     if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${want[@]}" >/dev/null
     else
-        echo "warning: ${want[*]} not found; the Prometheus and jobs-page tests will be skipped" >&2
+        echo "warning: ${want[*]} not found; the Prometheus, jobs-page or GCS restart tests will be skipped" >&2
     fi
 fi
 if [ ! -x .venv/bin/python ]; then

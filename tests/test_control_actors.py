@@ -22,24 +22,33 @@ from tests.service_common import StepGates, running_service
 from tests.test_service_runner import job_spec, wait_state
 
 
-@pytest.mark.parametrize("nodes, safe, selects", [
-    ([({"CPU": 1}, {}), ({"CPU": 1}, {})], 0, False),
-    ([({"CPU": 0, "raytrain_control": 1000}, {"ray.io/market-type": "on-demand"}), ({"CPU": 4}, {})], 1, True),
-    ([({"raytrain_control": 1000}, {"ray.io/market-type": "spot"}), ({"CPU": 4}, {})], 0, False),
-    ([({"raytrain_control": 1000}, {}), ({"raytrain_control": 1000}, {"ray.io/market-type": "on-demand"})], 2, True),
+HEAD = ({"raytrain_control": 1000, "node:__internal_head__": 1}, {"ray.io/node-id": "h" * 56})
+ONLY_SAFE = {"resources": {"raytrain_control": 1}, "label_selector": {"ray.io/market-type": "!spot"}}
+OFF_HEAD = {"resources": {"raytrain_control": 1},
+            "label_selector": {"ray.io/market-type": "!spot", "ray.io/node-id": "!" + "h" * 56}}
+
+
+@pytest.mark.parametrize("nodes, safe, options", [
+    ([({"CPU": 1}, {}), ({"CPU": 1}, {})], 0, {}),
+    ([({"CPU": 0, "raytrain_control": 1000}, {"ray.io/market-type": "on-demand"}), ({"CPU": 4}, {})], 1, ONLY_SAFE),
+    ([({"raytrain_control": 1000}, {"ray.io/market-type": "spot"}), ({"CPU": 4}, {})], 0, {}),
+    ([HEAD, ({"raytrain_control": 1000}, {"ray.io/market-type": "on-demand"}), ({"CPU": 4}, {})], 2, OFF_HEAD),
+    ([HEAD, ({"CPU": 4}, {})], 1, ONLY_SAFE),
+    ([HEAD, ({"raytrain_control": 1000}, {"ray.io/market-type": "spot"})], 1, ONLY_SAFE),
 ], ids=["a test cluster: no safe node, control actors anywhere",
         "a control group: control actors ask its resource and select no spot node",
         "a spot node offering the resource is not a safe node",
-        "the head and a control group: two safe nodes"])
-def test_control_placement(nodes, safe, selects):
+        "the head and a control group: control actors off the head, which a restart would take them with",
+        "the head the only safe node: control actors on the head",
+        "the head and a spot node offering the resource: the head, the only safe node"])
+def test_control_placement(nodes, safe, options):
     placement = roles.control_placement(nodes)
-    assert placement.safe_nodes == safe
-    if selects:
-        assert placement.options == {"resources": {"raytrain_control": 1},
-                                     "label_selector": {"ray.io/market-type": "!spot"}}
+    assert placement.safe_nodes == safe and placement.options == options
+    if options:
         assert placement.where.startswith("safe nodes only")
+        assert ("off the head" in placement.where) == ("ray.io/node-id" in options["label_selector"])
     else:
-        assert placement.options == {} and placement.where.startswith("any node: none offers raytrain_control")
+        assert placement.where.startswith("any node: none offers raytrain_control")
 
 
 def _node_of_actor(name: str) -> str:

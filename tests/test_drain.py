@@ -14,49 +14,27 @@ instead of Ray's default of up to about 20 s); nothing else is tuned.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 
 from raytrain_sys.control import drain
+from tests.child_cluster import REPO, child_env, parse_result, print_result
 from tests.ft_common import wait_until
 
 pytestmark = pytest.mark.warm_workers  # passes on warm spares too: RTS_TESTS_WARM_WORKERS=1 (conftest.py)
 
-REPO = Path(__file__).resolve().parents[1]
-SCRUBBED_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
-                "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR")
 FAST_HEALTH_CHECKS = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
                       "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
 
 
 # --------------------------------------------------------------------------- helpers
-def child_env() -> tuple[dict, str]:
-    """Environment for a child that starts its own Cluster, and its private RAY_TMPDIR."""
-    env = {k: v for k, v in os.environ.items() if k not in SCRUBBED_ENV}
-    ray_tmp = tempfile.mkdtemp(prefix="rtsx-", dir="/tmp")
-    os.makedirs(os.path.join(ray_tmp, "ray"))
-    env["RAY_TMPDIR"] = ray_tmp
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.setdefault("RAY_DEDUP_LOGS", "0")
-    return env, ray_tmp
-
-
-def parse_result(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise AssertionError(f"child printed no RESULT line; stdout tail:\n{stdout[-3000:]}")
-
-
 def wait_for(pred, timeout_s: float, interval_s: float = 0.02):
     return wait_until(pred, timeout_s, interval_s) or None
 
@@ -363,11 +341,5 @@ def _child() -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["child"]:
-        try:
-            result = _child()
-        except Exception:
-            traceback.print_exc()
-            sys.exit(1)
-        print("RESULT " + json.dumps(result), flush=True)
-        sys.exit(0)
+        print_result(_child)
     sys.exit(f"usage: python -m tests.test_drain child (got {sys.argv[1:]})")

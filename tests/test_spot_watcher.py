@@ -25,15 +25,12 @@ import tempfile
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import pytest
 
 from raytrain_sys.control import spot_watcher as sw
+from tests.child_cluster import REPO, SCRUBBED_ENV
 
-REPO = Path(__file__).resolve().parents[1]
-SCRUBBED_ENV = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
-                "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR")
 
 
 class FakeDrain:

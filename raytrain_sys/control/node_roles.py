@@ -49,6 +49,8 @@ READ_RESOURCE = "data_reader"
 MARKET_LABEL = "ray.io/market-type"
 ACCELERATOR_LABEL = "ray.io/accelerator-type"
 NODE_GROUP_LABEL = "ray.io/node-group"
+NODE_ID_LABEL = "ray.io/node-id"  # every node has it (Ray's default label)
+HEAD_RESOURCE = "node:__internal_head__"  # the resource only the head node offers
 # What Ray reads to set MARKET_LABEL on a node it starts (KubeRay pods, launcher nodes).
 MARKET_ENV = "RAY_NODE_MARKET_TYPE"
 
@@ -117,13 +119,23 @@ def control_placement(nodes: Iterable[tuple[Mapping[str, float], Mapping[str, st
     on safe nodes (``is_safe``) when the cluster has any, asking ``CONTROL_ASK`` of
     ``CONTROL_RESOURCE`` and selecting no spot node (so that a config that gives a spot node the
     resource by mistake still gets no control actor there); anywhere when it has none (a
-    laptop, a test cluster, a config that predates node roles), which works as before."""
-    safe = sum(1 for resources, labels in nodes if is_safe(resources, labels))
-    if safe:
-        return ControlPlacement({"resources": {CONTROL_RESOURCE: CONTROL_ASK},
-                                 "label_selector": {MARKET_LABEL: f"!{SPOT}"}}, safe,
-                                f"safe nodes only: {safe} node{'' if safe == 1 else 's'} "
-                                f"offer{'s' if safe == 1 else ''} {CONTROL_RESOURCE}")
-    return ControlPlacement({}, 0, f"any node: none offers {CONTROL_RESOURCE} (a laptop or a test cluster; "
-                                   f"on a cluster with spot nodes, give the head or a control group "
-                                   f"{CONTROL_RESOURCE}, see cluster_configs/README.md)")
+    laptop, a test cluster, a config that predates node roles), which works as before.
+
+    Off the head when another safe node is up: a restarted head pod (KubeRay; GCS fault
+    tolerance keeps the cluster's tables, not the head's processes) takes every actor that ran
+    on it, and a runner lost is a job restarted. A head that is the only safe node still takes
+    them."""
+    nodes = list(nodes)
+    safe = [(resources, labels) for resources, labels in nodes if is_safe(resources, labels)]
+    if not safe:
+        return ControlPlacement({}, 0, f"any node: none offers {CONTROL_RESOURCE} (a laptop or a test cluster; "
+                                       f"on a cluster with spot nodes, give the head or a control group "
+                                       f"{CONTROL_RESOURCE}, see cluster_configs/README.md)")
+    selector = {MARKET_LABEL: f"!{SPOT}"}
+    n = len(safe)
+    where = f"safe nodes only: {n} node{'' if n == 1 else 's'} offer{'s' if n == 1 else ''} {CONTROL_RESOURCE}"
+    heads = [labels.get(NODE_ID_LABEL) for resources, labels in safe if resources.get(HEAD_RESOURCE)]
+    if heads and heads[0] and n > len(heads):
+        selector[NODE_ID_LABEL] = f"!{heads[0]}"
+        where += ", off the head (a head restart would take them)"
+    return ControlPlacement({"resources": {CONTROL_RESOURCE: CONTROL_ASK}, "label_selector": selector}, n, where)
