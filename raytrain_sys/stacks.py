@@ -1,6 +1,6 @@
 """A process's Python stacks, read from one of its threads while the others run: what is kept
 of a rank found hung, a straggler replaced (``parallel/phases.py``) and a read that does not
-return (``data/plane.py``). No torch, no Ray: read tasks and ranks both call it."""
+return (``data/reads.py``). No torch, no Ray: read tasks and ranks both call it."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def run_raydata(args, manifest) -> int:
     import ray.data
 
     from raytrain_sys.data import order
-    from raytrain_sys.data.plane import ReadContext, read_chunk_columns
+    from raytrain_sys.data.reads import ReadContext, read_chunk_columns
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
@@ -131,7 +131,7 @@ def main() -> None:
     from raytrain_sys.data.shards import read_manifest
 
     logging.basicConfig(level=logging.WARNING)
-    from raytrain_sys.data.plane import READ_JITTER_ENV
+    from raytrain_sys.data.reads import READ_JITTER_ENV
 
     # The reads of this driver's job sleep a random while (plane mode; raydata mode sleeps in
     # its own read function): reads end around the seeks, where the race lies.

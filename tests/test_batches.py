@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from raytrain_sys.data.batches import GlobalBatch, Piece
-from raytrain_sys.data.plane import piece_bounds
+from raytrain_sys.data.reads import piece_bounds
 
 
 def _stream(n: int) -> dict[str, np.ndarray]:
@@ -112,14 +112,14 @@ def test_pieces_grow_only_where_every_node_pulls_every_piece_anyway(row_bytes, b
     """Against pieces of the least size (the rule before PIECE_BATCHES): each rank is passed
     ``fewer_refs`` times fewer references where a piece held a global batch already, and no node
     pulls more rows."""
-    from raytrain_sys.data import plane
+    from raytrain_sys.data import reads
 
     share = batch_rows // ranks
-    least = share * -(-max(1, plane.MIN_PIECE_BYTES // row_bytes) // share)
-    rows = plane.rows_per_piece(share, row_bytes, batch_rows)
-    assert rows % share == 0 and rows * row_bytes >= min(plane.MIN_PIECE_BYTES, share * row_bytes)
-    assert rows * row_bytes <= max(plane.MAX_PIECE_BYTES, share * row_bytes)
-    steps = 4 * plane.PIECE_BATCHES
+    least = share * -(-max(1, reads.MIN_PIECE_BYTES // row_bytes) // share)
+    rows = reads.rows_per_piece(share, row_bytes, batch_rows)
+    assert rows % share == 0 and rows * row_bytes >= min(reads.MIN_PIECE_BYTES, share * row_bytes)
+    assert rows * row_bytes <= max(reads.MAX_PIECE_BYTES, share * row_bytes)
+    steps = 4 * reads.PIECE_BATCHES
     node_before, refs_before = _pulled(least, batch_rows, ranks, min(8, ranks), steps)
     node_after, refs_after = _pulled(rows, batch_rows, ranks, min(8, ranks), steps)
     assert node_after <= node_before

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from raytrain_sys.data import order
 from raytrain_sys.train.compat import check_spec_against_manifest
-from raytrain_sys.data.plane import DataPlane, read_document_window
+from raytrain_sys.data.plane import DataPlane
+from raytrain_sys.data.reads import read_document_window
 from raytrain_sys.data.prepare import FILE_SEPARATOR, prepare_documents_dataset
 from raytrain_sys.data.shards import read_document_index, read_manifest
 from raytrain_sys.errors import DataError, SpecError

@@ -150,7 +150,7 @@ def test_a_file_whose_schema_changed_is_named(tmp_path, table, user_code):
 
 
 def test_transform_and_columns_reach_the_task(tmp_path, table, user_code):
-    from raytrain_sys.data.plane import sample_rows
+    from raytrain_sys.data.reads import sample_rows
     from raytrain_sys.data.shards import read_manifest
 
     spec = run_spec(tmp_path, table, data={"transform": "usercode:double_x"})

@@ -150,11 +150,12 @@ def test_a_read_stuck_in_its_transform_is_found_its_process_ended_and_the_read_m
     driver waits for the read): found data.read_timeout_s plus at most 2 s after the driver began
     waiting for it, its stack's top frame (the transform) in summary.json and the log, its process
     ended and the read made again by Ray; no step redone, the run equal to an uninterrupted one."""
-    from raytrain_sys.data import plane
+    from raytrain_sys.data import reads
 
     # Chunks of a few global batches and windows of 64 rows, so that the reads after the first
     # (one window, made in the driver) are read tasks' (the tiny corpus would be one chunk).
-    monkeypatch.setattr(plane, "CHUNK_BYTES", 1)
+    # DataPlane reads reads.CHUNK_BYTES when it is made, in this process.
+    monkeypatch.setattr(reads, "CHUNK_BYTES", 1)
     data = {"shuffle_window": 64, "shuffle_block_rows": 16}
     undisturbed = run_job(ft_spec(tmp_path / "ref", tiny_dataset, STEPS, train={"steps_per_call": 0}, data=data))
     reference = (final_params(undisturbed.newest_checkpoint), undisturbed)

@@ -1,6 +1,6 @@
 """What the driver hands a rank instead of rows: object references and row ranges.
 
-Read tasks (``raytrain_sys.data.plane``) put their rows in Ray's object store as *pieces*: each
+Read tasks (``raytrain_sys.data.reads``) put their rows in Ray's object store as *pieces*: each
 piece holds the rows of delivered-stream positions ``[first, stop)``, columns as numpy arrays.
 The driver keeps only the references and the small per-row metadata (sample ids, loss units),
 so a step's global batch is a list of ``(piece, row range)``; ``GlobalBatch.share`` deals a

@@ -38,7 +38,7 @@ def plan(manifest: DatasetManifest, max_rows: int, batch_rows: int) -> tuple[int
 def read_batches(dataset_uri: str, manifest: DatasetManifest, rows: int, batch_rows: int,
                  s3_endpoint_url: str, transform) -> tuple:
     """The evaluation batches' columns, one dict per batch (a Ray task with num_returns=batches)."""
-    from raytrain_sys.data.plane import transform_rows
+    from raytrain_sys.data.reads import transform_rows
     from raytrain_sys.data.shards import read_columns
 
     parts, left, first_id = [], rows, 0

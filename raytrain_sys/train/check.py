@@ -66,7 +66,7 @@ def check_task(task, model: torch.nn.Module, batch: dict[str, np.ndarray],
     per case; raises ``TaskCheckFailed`` naming the case and the parameter when one differs, or
     when ``units`` is not a sum over rows."""
     from raytrain_sys.data.order import deal
-    from raytrain_sys.data.plane import row_units
+    from raytrain_sys.data.reads import row_units
 
     rows = _rows(batch)
     model = copy.deepcopy(model).double()
@@ -159,7 +159,7 @@ def check_job_inputs(spec, manifest, task) -> None:
         model = model.double()
     if spec.data.sequences != "rows":
         return  # rows are made of documents by the read tasks: NextToken reads them
-    from raytrain_sys.data.plane import sample_rows
+    from raytrain_sys.data.reads import sample_rows
     from raytrain_sys.data.shards import BadShardError
 
     try:
@@ -172,7 +172,7 @@ def check_job_inputs(spec, manifest, task) -> None:
 
 
 def check_task_on_rows(task, model: torch.nn.Module, rows: dict[str, np.ndarray], spec) -> None:
-    from raytrain_sys.data.plane import row_units
+    from raytrain_sys.data.reads import row_units
 
     label = spec.train.task or f"the task of model.name {spec.model.name}"
     where = "train.task" if spec.train.task else "model.name"
