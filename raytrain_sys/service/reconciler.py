@@ -81,7 +81,8 @@ from raytrain_sys.service import autoscale, packages
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service import starts
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState, Grow, JobRecord, JobState, Pause,
-                                        ResourceFlavor, Shrink, TransitionNotAllowed, Wait, WaitCause)
+                                        ResourceFlavor, RunnerResult, RunOutcome, Shrink, TransitionNotAllowed, Wait,
+                                        WaitCause)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
 from raytrain_sys.tracking import mlflow_tracker as mt
@@ -191,7 +192,7 @@ def spare_workers_kept(trials_coming: int, cap: int) -> int:
 class _Seen:
     """One runner's answer this pass: its status, or that it is gone, or that it did not answer."""
 
-    status: Optional[dict] = None
+    status: Optional[runners.RunnerStatus] = None
     gone: bool = False
     error: str = ""
     pending: bool = False  # asked, no answer yet (within status_timeout_s): read by a later pass
@@ -472,7 +473,7 @@ class Reconciler:
             del self._asked[job_id]
             try:
                 seen[job_id] = _Seen(status=ray.get(ref))
-                self._runner_ids[job_id] = seen[job_id].status.get("actor_id", "")
+                self._runner_ids[job_id] = seen[job_id].status.actor_id
             except ray.exceptions.RayActorError as exc:
                 seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
                 self._handles.pop(job_id, None)
@@ -493,45 +494,45 @@ class Reconciler:
             self._runner_gone(job, seen)
             return
         status = seen.status
-        if status["checkpoint_step"] is not None and status["checkpoint_step"] != job.last_checkpoint_step:
-            self.store.record_checkpoint(job.id, status["checkpoint_step"], status["checkpoint_at_s"])
+        if status.checkpoint_step is not None and status.checkpoint_step != job.last_checkpoint_step:
+            self.store.record_checkpoint(job.id, status.checkpoint_step, status.checkpoint_at_s)
             job = self.store.job(job.id)
-        if status["done"]:
+        if status.done:
             self._finish(job, status)
             return
-        if status.get("released") and job.id not in self._released:
+        if status.released and job.id not in self._released:
             self._released.add(job.id)
             log.info("pass %d: job %d (%s): its run is ending and has let its %d workers go",
                      self.passes, job.id, job.state.value, job.workers)
-        trains = status["state"] not in runners.STARTING_STATES | runners.ENDED_STATES
+        trains = status.state.trains
         if job.state in (JobState.STARTING, JobState.RESUMING) and trains:
             job = self.store.transition(
                 job.id, job.state, JobState.RUNNING, actor=ACTOR,
-                reason=f"training at step {status['committed_step']} on {status['world_size']} workers "
-                       f"(MLflow run {status['mlflow_run_id']}, {status['run_dir']})",
-                workers=status["world_size"], mlflow_run_id=status["mlflow_run_id"] or None, started_at_s=now,
+                reason=f"training at step {status.committed_step} on {status.world_size} workers "
+                       f"(MLflow run {status.mlflow_run_id}, {status.run_dir})",
+                workers=status.world_size, mlflow_run_id=status.mlflow_run_id or None, started_at_s=now,
                 start_returns=0)
-        elif job.state in STARTS and status["start_step"]:
-            self._watch_start(job, status["start_step"], now)
+        elif job.state in STARTS and status.start_step:
+            self._watch_start(job, status.start_step, now)
         if job.state is JobState.RUNNING:
-            if trains and status["world_size"] != job.workers:
+            if trains and status.world_size != job.workers:
                 job = self.store.transition(
                     job.id, JobState.RUNNING, JobState.RUNNING, actor=ACTOR,
-                    reason=f"world size {job.workers} -> {status['world_size']} at step {status['committed_step']}",
-                    workers=status["world_size"],
-                    **({"mlflow_run_id": status["mlflow_run_id"]}
-                       if status["mlflow_run_id"] and status["mlflow_run_id"] != job.mlflow_run_id else {}))
+                    reason=f"world size {job.workers} -> {status.world_size} at step {status.committed_step}",
+                    workers=status.world_size,
+                    **({"mlflow_run_id": status.mlflow_run_id}
+                       if status.mlflow_run_id and status.mlflow_run_id != job.mlflow_run_id else {}))
             if job.held:  # a user's pause that arrived while the job was starting
                 job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=ACTOR,
                                             reason=f"paused by {self._held_by(job)} while it started, held "
                                                    f"until resumed: pausing now that it runs")
-            elif status["max_workers"] != job.target_workers and job.target_workers > 0:
+            elif status.max_workers != job.target_workers and job.target_workers > 0:
                 # A resize written (the intent) but not yet heard by the runner.
                 self._handle(job.id).resize.remote(job.target_workers, job.message, SCHEDULER)
         if job.state in (JobState.PAUSING, JobState.CANCELLING):
             self._stop(job, status, now)
 
-    def _stop(self, job: JobRecord, status: dict, now: float) -> None:
+    def _stop(self, job: JobRecord, status: runners.RunnerStatus, now: float) -> None:
         """Ask the runner to stop (again: the request is idempotent), and make the stop hard
         once its deadline has passed."""
         runners.ask_to_stop(self._handle(job.id), job, self._last_actor(job))
@@ -552,12 +553,12 @@ class Reconciler:
             self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; {waited}: runner killed", workers=0, target_workers=0)
 
-    def _finish(self, job: JobRecord, status: dict) -> None:
+    def _finish(self, job: JobRecord, status: runners.RunnerStatus) -> None:
         """The Supervisor returned: record its outcome, then end the runner."""
-        result = status["result"] or {"status": "failed", "reason": "the runner ended without a result"}
-        outcome, why = result["status"], result["reason"]
-        at = f"at step {status['committed_step']}"
-        ids = {"mlflow_run_id": status["mlflow_run_id"]} if status["mlflow_run_id"] else {}
+        result = status.result or RunnerResult(RunOutcome.FAILED, "the runner ended without a result")
+        outcome, why = result.outcome.value, result.reason
+        at = f"at step {status.committed_step}"
+        ids = {"mlflow_run_id": status.mlflow_run_id} if status.mlflow_run_id else {}
         if outcome == "finished":  # also from pausing or cancelling: the end came before the stop
             job = self._to_running(job, status, ids)
             self.store.transition(job.id, job.state, JobState.FINISHED, actor=ACTOR,
@@ -578,7 +579,7 @@ class Reconciler:
                                             reason=f"the run was cancelled: {why}")
             self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; stopped {at}", workers=0, target_workers=0, **ids)
-        elif result.get("error_type") == "ClusterCapacityError" and job.state in STARTS:
+        elif result.error_type == "ClusterCapacityError" and job.state in STARTS:
             cause = WaitCause.PROVISIONING if job.wait_cause is WaitCause.PROVISIONING else WaitCause.PLACEMENT
             self._give_up(job, starts.give_up(self._start_view(job, self.clock()), cause,
                                               f"could not be placed: {why}", self.config.max_start_returns))
@@ -590,11 +591,11 @@ class Reconciler:
                                   workers=0, target_workers=0, **ids)
         self._kill(job.id, f"its run ended {outcome}")
 
-    def _to_running(self, job: JobRecord, status: dict, ids: dict) -> JobRecord:
+    def _to_running(self, job: JobRecord, status: runners.RunnerStatus, ids: dict) -> JobRecord:
         if job.state in (JobState.STARTING, JobState.RESUMING):
             return self.store.transition(job.id, job.state, JobState.RUNNING, actor=ACTOR,
                                          reason="its run trained to its end before it was seen running",
-                                         started_at_s=status["started_at_s"], **ids)
+                                         started_at_s=status.started_at_s, **ids)
         return job
 
     def _to_paused(self, job: JobRecord, reason: str, **ids: Any) -> None:

@@ -2,7 +2,7 @@
 start up.
 
 Owns: the wait reason of a job in starting or resuming (its ``WaitCause`` and sentence, from the
-step its runner reports: ``JobRunner.status()["start_step"]``), and the decision to give a start
+step its runner reports: ``JobRunner.status().start_step``), and the decision to give a start
 up: ``watch_start`` returns ``Starting`` (still going: here is why it is not running) or
 ``GiveUp`` (back to the queue, or failed once ``max_start_returns`` starts in a row were given
 up); ``give_up`` is the same decision for a start the run itself abandoned (its workers could
