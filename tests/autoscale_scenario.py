@@ -102,7 +102,7 @@ def slots_on(job_id: int) -> list[str]:
     import ray
 
     runner = find_runner(job_id)
-    run_key = ray.get(runner.status.remote())["run_dir"].rstrip("/").rsplit("/", 1)[-1] if runner else ""
+    run_key = ray.get(runner.status.remote()).run_dir.rstrip("/").rsplit("/", 1)[-1] if runner else ""
     nodes = {n["NodeID"]: n.get("Labels", {}).get("ray.io/market-type", "") for n in ray.nodes()}
     return [nodes.get(g["bundles_to_node_id"][0], "?") for g in state.placement_group_table().values()
             if g["state"] == "CREATED" and run_key and run_key in g["name"]]

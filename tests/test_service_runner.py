@@ -184,7 +184,7 @@ def test_cancel_a_queued_and_a_running_job(ray_cluster, tiny_dataset, tmp_path, 
         queued = ray.get(svc.submit.remote("a", spec | {"output_dir": str(tmp_path / "c2")}))["id"]
         assert wait_until(lambda: gates.reached(running, 3), WAIT_S)
         # Its runner runs it at nice 0 (RUN_NICENESS), not at Ray's 15 beside training workers at 0.
-        nice = ray.get(find_runner(running).status.remote())["nice"]
+        nice = ray.get(find_runner(running).status.remote()).nice
         assert (nice == 0) if os.geteuid() == 0 else (nice > 0), nice  # without root: Ray's, said once
         assert state_of(svc, queued)["state"] == "queued"
         assert ray.get(svc.cancel.remote(queued, "a"))["state"] == "cancelled"  # at once: it holds nothing
@@ -523,6 +523,17 @@ def test_cli_starts_reports_and_stops_the_service(ray_cluster, tmp_path, capsys,
     "an ended run is reported as it is",
 ])
 def test_reported_state(state, tracking, run_id, reported):
+    from raytrain_sys.service.model import RunnerState
     from raytrain_sys.service.runner import reported_state
 
-    assert reported_state(state, tracking, run_id) == reported
+    assert reported_state(RunnerState(state), tracking, run_id) is RunnerState(reported)
+
+
+def test_every_supervisor_state_is_a_state_the_runner_can_report():
+    """The runner reports the Supervisor's state as a ``RunnerState``: a state the Supervisor gains
+    without one here would make every ``status`` of such a run raise."""
+    from raytrain_sys.control.supervisor import State
+    from raytrain_sys.service.model import RunnerState
+
+    assert {s.value for s in State} <= {s.value for s in RunnerState}
+    assert {s.value for s in State if s.terminal} == {s.value for s in RunnerState if s.ended}

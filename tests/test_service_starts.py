@@ -77,11 +77,11 @@ def test_a_start_given_up(start, step, to, cause, returns):
 
 
 def test_a_start_the_run_abandoned_counts_the_same_way():
-    """The run's own placement bound (resources.start_timeout_s): the reconciler's give_up."""
+    """The run's own placement bound (resources.start_timeout_s): finish_decision's give_up."""
     why = "could not be placed: the cluster could not hold 2 workers within 3 s"
-    first = give_up(view(WaitCause.PLACEMENT, NOW), WaitCause.PLACEMENT, why, MAX_RETURNS)
+    first = give_up(JobState.STARTING, 0, WaitCause.PLACEMENT, why, MAX_RETURNS)
     assert (first.to, first.start_returns) == (JobState.QUEUED, 1) and first.reason.startswith(why)
-    last = give_up(view(WaitCause.PLACEMENT, NOW, returns=MAX_RETURNS), WaitCause.PLACEMENT, why, MAX_RETURNS)
+    last = give_up(JobState.STARTING, MAX_RETURNS, WaitCause.PLACEMENT, why, MAX_RETURNS)
     assert last.to is JobState.FAILED and last.reason.startswith(f"could not start: {why}")
 
 

@@ -202,6 +202,63 @@ def test_a_slow_pass_logs_the_seconds_of_each_of_its_parts(store, monkeypatch, c
         assert f"{part} 0." in line, line
 
 
+# (sentence, the job's state, the run's end, the moves the store records, the MLflow run id it keeps)
+ENDS = [
+    ("a run that finished while running is finished", JobState.RUNNING, "finished", ["finished"], "run-1"),
+    ("a start whose run finished unseen is recorded running, then finished", JobState.STARTING, "finished",
+     ["running", "finished"], "run-1"),
+    ("a run that stopped while running is recorded pausing (held), then paused", JobState.RUNNING, "stopped",
+     ["pausing", "paused"], "run-1"),
+    ("a pause that landed is paused", JobState.PAUSING, "stopped", ["paused"], "run-1"),
+    ("a cancel after the pause landed is cancelled", JobState.CANCELLING, "stopped", ["cancelled"], None),
+    ("a run that cancelled itself is recorded cancelling, then cancelled", JobState.RUNNING, "cancelled",
+     ["cancelling", "cancelled"], "run-1"),
+    ("a start not placed goes back to the queue", JobState.STARTING, "failed:ClusterCapacityError", ["queued"], None),
+    ("a run that failed while cancelling is cancelled", JobState.CANCELLING, "failed", ["cancelled"], None),
+    ("a run that failed is failed", JobState.RUNNING, "failed", ["failed"], "run-1"),
+]
+
+
+@pytest.mark.parametrize("state, end, moves, run_id", [c[1:] for c in ENDS], ids=[c[0] for c in ENDS])
+def test_the_reconciler_records_a_runs_end_as_finish_decision_says(tmp_path, state, end, moves, run_id):
+    """``Reconciler._finish`` carries each case of ``finish_decision`` out as guarded moves the
+    state table allows, the last with the decision's reason, the run's MLflow run id kept where
+    the run itself is recorded (its end, running, paused; not a stop's or a cancel's note, nor a
+    give-up); then it ends the runner (the one Ray call, watched here)."""
+    from raytrain_sys.service.finish import finish_decision
+    from raytrain_sys.service.model import RunnerResult, RunOutcome
+    from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
+    from raytrain_sys.service.runner import Launch, RunnerState, RunnerStatus
+
+    store = Store.open(f"sqlite:///{tmp_path}/service.db")
+    store.add_team(Team("a", 2))
+    job = store.submit(team="a", name="j", spec="{}", min_workers=1, actor="a")
+    path = {JobState.STARTING: [JobState.STARTING], JobState.RUNNING: [JobState.STARTING, JobState.RUNNING]}.get(
+        state, [JobState.STARTING, JobState.RUNNING, state])
+    for to in path:
+        job = store.transition(job.id, job.state, to, actor="a", reason=f"asked: {to.value}")
+    outcome, _, error_type = end.partition(":")
+    result = RunnerResult(RunOutcome(outcome), "why", error_type)
+    status = RunnerStatus(job_id=job.id, state=RunnerState(outcome), start_step="", committed_step=12, world_size=0,
+                          released=True, max_workers=2, mlflow_run_id="run-1", run_dir="", checkpoint_step=None,
+                          checkpoint_at_s=None, done=True, result=result, pid=1, nice=0, actor_id="", started_at_s=7.0,
+                          launch=Launch(job.id, {}, 2, str(tmp_path)))
+    reconciler = Reconciler(store, ReconcilerConfig(log_dir=str(tmp_path), spare_runners=0), cluster_workers=lambda: 0)
+    ended = []
+    reconciler._kill = lambda job_id, why: ended.append((job_id, why))
+    before = len(store.history(job.id))
+    reconciler._finish(job, status)
+    recorded = store.history(job.id)[before:]
+    assert [t.to_state.value for t in recorded] == moves
+    decision = finish_decision(state, result, committed_step=12, message=job.message, wait_cause=job.wait_cause,
+                               start_returns=0, max_start_returns=reconciler.config.max_start_returns)
+    after = store.job(job.id)
+    assert recorded[-1].reason == decision.reason and (after.workers, after.target_workers) == (0, 0)
+    assert after.mlflow_run_id == run_id
+    assert ended == [(job.id, f"its run ended {outcome}")]
+    store.close()
+
+
 def test_submit_and_read_back(store):
     job = store.submit(team="a", name="tiny", spec="model: {name: gpt}\n", min_workers=1, max_workers=3,
                        priority=2, actor="a", now_s=100.0)

@@ -239,7 +239,7 @@ class WorkerGroup:
         self._slots = itertools.count()
         # Set once ``shutdown`` has returned: every actor and placement group of this launch is
         # gone (or given up on), so a job service may hand the slots to the next job while the
-        # run still closes its MLflow run (``JobRunner.status()["released"]``).
+        # run still closes its MLflow run (``JobRunner.status().released``).
         self.released = False
         # The process that drives this launch (``owners.this_process``), recorded in the GCS before
         # the first slot is asked for (``launches.record``): the agents end the launch once it is gone.

@@ -5,7 +5,8 @@ Owns: ``JobState`` (with ``terminal`` and ``allowed``: a move the table does not
 (``JobRecord``, ``TransitionRecord``, ``AuditRecord``; its live numbers, ``JobProgress``), the
 scheduler's input (``Snapshot`` of ``Team`` and ``JobView``) and its output (``Admit``, ``Grow``,
 ``Shrink``, ``Pause``, ``Wait``), and ``WaitCause``: why a job that is not running yet waits (the
-scheduler's causes for a queued or paused job, the start's steps for a starting or resuming one).
+scheduler's causes for a queued or paused job, the start's steps for a starting or resuming one),
+and the words of what a job's runner reports (``RunnerState``, ``RunOutcome``, ``RunnerResult``).
 Also the rules every door holds a request to (the API's schema, the client and CLI before
 sending, the store before writing): what a team's name is (``team_name_problem``) and the bounds
 of every number a request can store (``MAX_WORKERS``, ``PRIORITY_LIMIT``, ...).
@@ -160,6 +161,64 @@ class WaitCause(str, Enum):
     # autoscaler was asked for, within the service's provisioning timeout, not start_stall_s
     PROVISIONING = "provisioning"
     SWEEP_CAP = "sweep_cap"  # its sweep's trials hold the sweep's max_workers already
+
+
+# ----------------------------------------------------------------------------- what a runner reports
+
+
+class RunnerState(str, Enum):
+    """A job's run as its runner reports it (``JobRunner.status``): the Supervisor's state
+    (``control/supervisor/journal.py``), or ``launching`` while the Supervisor is being built. A
+    ``str`` Enum: it pickles and prints as the Supervisor's word."""
+
+    LAUNCHING = "launching"  # the runner builds the Supervisor (a resume first reads its run's record)
+    STARTING = "starting"  # also a new run that trains while its MLflow run opens (runner.reported_state)
+    RESTORING = "restoring"
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"
+    REBUILDING = "rebuilding"
+    RESIZING = "resizing"
+    DRAINING = "draining"
+    WAITING = "waiting"
+    STOPPED = "stopped"
+    CANCELLED = "cancelled"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+    @property
+    def starting(self) -> bool:
+        """Before the run's first step: the job is still starting (or resuming)."""
+        return self in (RunnerState.LAUNCHING, RunnerState.STARTING, RunnerState.RESTORING)
+
+    @property
+    def ended(self) -> bool:
+        """The run has ended: its workers are being released, the runner's ``done`` follows."""
+        return self in (RunnerState.STOPPED, RunnerState.CANCELLED, RunnerState.FINISHED, RunnerState.FAILED)
+
+    @property
+    def trains(self) -> bool:
+        """Past its start and not ended: what the store records as running."""
+        return not (self.starting or self.ended)
+
+
+class RunOutcome(str, Enum):
+    """How a runner's Supervisor returned (``RunnerResult.outcome``)."""
+
+    FINISHED = "finished"  # trained to its end
+    STOPPED = "stopped"  # paused at a step boundary with a checkpoint: resumable
+    CANCELLED = "cancelled"  # stopped at a step boundary on request, no checkpoint added
+    FAILED = "failed"  # the Supervisor gave up, or the run raised
+
+
+@dataclass(frozen=True)
+class RunnerResult:
+    """A run's end as its runner saw it: the reconciler records it (``service/finish.py``)."""
+
+    outcome: RunOutcome
+    reason: str  # the Supervisor's (or its last transition's), or the error a failed run raised
+    # The class name of what a failed run raised (the user error found in it, if any), "" otherwise:
+    # "ClusterCapacityError" is a start whose workers could not be placed, given up rather than failed.
+    error_type: str = ""
 
 
 # ----------------------------------------------------------------------------- names and bounds
@@ -773,7 +832,7 @@ class Snapshot:
 
     def released(self, job_ids: Collection[int]) -> "Snapshot":
         """This snapshot without the jobs of ``job_ids``: their runs have let their workers go
-        (``JobRunner.status()["released"]``: the group shut down, which only a run's end does),
+        (``JobRunner.status().released``: the group shut down, which only a run's end does),
         and what is left of their ends (closing the MLflow run: seconds under load) holds
         nothing that another job needs, nor will they ask for anything again. The scheduler
         then hands their workers and their quota on in the same pass (an ASHA stop's
@@ -894,7 +953,8 @@ DEFAULT_POLICY = Policy()
 __all__ = ["NAME_PATTERN", "NAME_RULE", "RESERVED_TEAM_NAMES", "TEAM_REF_PATTERN", "MAX_WORKERS", "PRIORITY_LIMIT",
            "MAX_WEIGHT", "MAX_JOB_ID", "JOB_NAME_MAX_CHARS", "JOB_NAME_PATTERN", "job_name_problem",
            "name_problem", "team_ref_problem", "check_team_name", "check_count", "JobState",
-           "TransitionNotAllowed", "LIVE_STATES", "SweepState", "SweepRecord", "SweepTransitionRecord", "WaitCause", "RESOURCES", "DEFAULT_FLAVOR", "ANY_MARKET",
+           "TransitionNotAllowed", "LIVE_STATES", "SweepState", "SweepRecord", "SweepTransitionRecord", "WaitCause", "RunnerState",
+           "RunOutcome", "RunnerResult", "RESOURCES", "DEFAULT_FLAVOR", "ANY_MARKET",
            "MARKETS", "MAX_AMOUNT", "ACCELERATOR_PATTERN", "WorkerShape", "DEFAULT_SHAPE", "ResourceFlavor",
            "check_flavor_table", "flavor_from_dict", "no_flavor_reason", "shape_refusal", "FlavorQuota",
            "FlavorState", "Team", "JobRecord", "TransitionRecord", "AuditRecord", "JobView", "Snapshot", "Admit",

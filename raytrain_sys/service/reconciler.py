@@ -4,8 +4,9 @@ Owns: every job state change that follows from what runs (starting, running, pau
 resuming, finished, failed, cancelled, and the same-state notes: world size, resize targets,
 restarts), the runners' lifecycle (create, re-attach, kill), and carrying out the scheduler's
 actions. It decides nothing itself: which job starts, grows, shrinks or pauses is
-``scheduler.decide``'s; who may ask for what is the API's; the requests the API writes
-(``service/requests.py``: pausing, cancelling, held) are read here and carried out.
+``scheduler.decide``'s; how a start is going is ``starts.watch_start``'s; how a run's end is
+recorded is ``finish.finish_decision``'s; who may ask for what is the API's; the requests the
+API writes (``service/requests.py``: pausing, cancelling, held) are read here and carried out.
 
 One pass (``run_once``), in order:
 
@@ -14,8 +15,9 @@ One pass (``run_once``), in order:
    and asked for its ``status``.
 2. **Record**: checkpoints (``store.record_checkpoint``, so the scheduler's work-at-risk is
    right), world sizes (a same-state note), starting/resuming -> running once the Supervisor
-   trains, and outcomes: finished, failed, paused, cancelled (then the runner is killed: it is
-   detached and would otherwise outlive its job).
+   trains, and a run's end (the runner's ``RunnerResult``) as ``finish.finish_decision``'s case
+   says: finished, failed, paused, cancelled, or a start not placed given up (then the runner is
+   killed: it is detached and would otherwise outlive its job).
 3. **Requests**: pausing -> ``runner.pause``; cancelling -> ``runner.cancel``; a running job a
    user holds -> pausing. A stop that does not land within ``stop_deadline_s`` is made hard by
    killing the runner (its workers and placement groups die with it), but a pause never kills
@@ -80,6 +82,8 @@ from raytrain_sys.monitor.metrics import ServiceMetrics
 from raytrain_sys.service import autoscale, packages
 from raytrain_sys.service import runner as runners
 from raytrain_sys.service import starts
+from raytrain_sys.service.finish import (NO_RESULT, RAN_UNSEEN, Cancelled, EndedWhileCancelling, Failed, Finished,
+                                         Paused, PausedThenCancelled, finish_decision)
 from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState, Grow, JobRecord, JobState, Pause,
                                         ResourceFlavor, Shrink, TransitionNotAllowed, Wait, WaitCause)
 from raytrain_sys.service.scheduler import decide
@@ -191,7 +195,7 @@ def spare_workers_kept(trials_coming: int, cap: int) -> int:
 class _Seen:
     """One runner's answer this pass: its status, or that it is gone, or that it did not answer."""
 
-    status: Optional[dict] = None
+    status: Optional[runners.RunnerStatus] = None
     gone: bool = False
     error: str = ""
     pending: bool = False  # asked, no answer yet (within status_timeout_s): read by a later pass
@@ -472,7 +476,7 @@ class Reconciler:
             del self._asked[job_id]
             try:
                 seen[job_id] = _Seen(status=ray.get(ref))
-                self._runner_ids[job_id] = seen[job_id].status.get("actor_id", "")
+                self._runner_ids[job_id] = seen[job_id].status.actor_id
             except ray.exceptions.RayActorError as exc:
                 seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
                 self._handles.pop(job_id, None)
@@ -493,45 +497,45 @@ class Reconciler:
             self._runner_gone(job, seen)
             return
         status = seen.status
-        if status["checkpoint_step"] is not None and status["checkpoint_step"] != job.last_checkpoint_step:
-            self.store.record_checkpoint(job.id, status["checkpoint_step"], status["checkpoint_at_s"])
+        if status.checkpoint_step is not None and status.checkpoint_step != job.last_checkpoint_step:
+            self.store.record_checkpoint(job.id, status.checkpoint_step, status.checkpoint_at_s)
             job = self.store.job(job.id)
-        if status["done"]:
+        if status.done:
             self._finish(job, status)
             return
-        if status.get("released") and job.id not in self._released:
+        if status.released and job.id not in self._released:
             self._released.add(job.id)
             log.info("pass %d: job %d (%s): its run is ending and has let its %d workers go",
                      self.passes, job.id, job.state.value, job.workers)
-        trains = status["state"] not in runners.STARTING_STATES | runners.ENDED_STATES
+        trains = status.state.trains
         if job.state in (JobState.STARTING, JobState.RESUMING) and trains:
             job = self.store.transition(
                 job.id, job.state, JobState.RUNNING, actor=ACTOR,
-                reason=f"training at step {status['committed_step']} on {status['world_size']} workers "
-                       f"(MLflow run {status['mlflow_run_id']}, {status['run_dir']})",
-                workers=status["world_size"], mlflow_run_id=status["mlflow_run_id"] or None, started_at_s=now,
+                reason=f"training at step {status.committed_step} on {status.world_size} workers "
+                       f"(MLflow run {status.mlflow_run_id}, {status.run_dir})",
+                workers=status.world_size, mlflow_run_id=status.mlflow_run_id or None, started_at_s=now,
                 start_returns=0)
-        elif job.state in STARTS and status["start_step"]:
-            self._watch_start(job, status["start_step"], now)
+        elif job.state in STARTS and status.start_step:
+            self._watch_start(job, status.start_step, now)
         if job.state is JobState.RUNNING:
-            if trains and status["world_size"] != job.workers:
+            if trains and status.world_size != job.workers:
                 job = self.store.transition(
                     job.id, JobState.RUNNING, JobState.RUNNING, actor=ACTOR,
-                    reason=f"world size {job.workers} -> {status['world_size']} at step {status['committed_step']}",
-                    workers=status["world_size"],
-                    **({"mlflow_run_id": status["mlflow_run_id"]}
-                       if status["mlflow_run_id"] and status["mlflow_run_id"] != job.mlflow_run_id else {}))
+                    reason=f"world size {job.workers} -> {status.world_size} at step {status.committed_step}",
+                    workers=status.world_size,
+                    **({"mlflow_run_id": status.mlflow_run_id}
+                       if status.mlflow_run_id and status.mlflow_run_id != job.mlflow_run_id else {}))
             if job.held:  # a user's pause that arrived while the job was starting
                 job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=ACTOR,
                                             reason=f"paused by {self._held_by(job)} while it started, held "
                                                    f"until resumed: pausing now that it runs")
-            elif status["max_workers"] != job.target_workers and job.target_workers > 0:
+            elif status.max_workers != job.target_workers and job.target_workers > 0:
                 # A resize written (the intent) but not yet heard by the runner.
                 self._handle(job.id).resize.remote(job.target_workers, job.message, SCHEDULER)
         if job.state in (JobState.PAUSING, JobState.CANCELLING):
             self._stop(job, status, now)
 
-    def _stop(self, job: JobRecord, status: dict, now: float) -> None:
+    def _stop(self, job: JobRecord, status: runners.RunnerStatus, now: float) -> None:
         """Ask the runner to stop (again: the request is idempotent), and make the stop hard
         once its deadline has passed."""
         runners.ask_to_stop(self._handle(job.id), job, self._last_actor(job))
@@ -552,50 +556,49 @@ class Reconciler:
             self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
                                   reason=f"{job.message}; {waited}: runner killed", workers=0, target_workers=0)
 
-    def _finish(self, job: JobRecord, status: dict) -> None:
-        """The Supervisor returned: record its outcome, then end the runner."""
-        result = status["result"] or {"status": "failed", "reason": "the runner ended without a result"}
-        outcome, why = result["status"], result["reason"]
-        at = f"at step {status['committed_step']}"
-        ids = {"mlflow_run_id": status["mlflow_run_id"]} if status["mlflow_run_id"] else {}
-        if outcome == "finished":  # also from pausing or cancelling: the end came before the stop
-            job = self._to_running(job, status, ids)
-            self.store.transition(job.id, job.state, JobState.FINISHED, actor=ACTOR,
-                                  reason=f"finished {at}: {why}", workers=0, target_workers=0, **ids)
-        elif outcome == "stopped":
-            job = self._to_running(job, status, ids)
-            if job.state is JobState.RUNNING:
-                job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=ACTOR,
-                                            reason=f"stopped {at}: {why}", held=True)
-            if job.state is JobState.CANCELLING:  # a cancel that came after the pause had landed
-                self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
-                                      reason=f"{job.message} (paused {at} first)", workers=0, target_workers=0)
-            else:
-                self._to_paused(job, f"{job.message}; stopped {at} with a checkpoint", **ids)
-        elif outcome == "cancelled":
-            if job.state is not JobState.CANCELLING:
-                job = self.store.transition(job.id, job.state, JobState.CANCELLING, actor=ACTOR,
-                                            reason=f"the run was cancelled: {why}")
-            self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR,
-                                  reason=f"{job.message}; stopped {at}", workers=0, target_workers=0, **ids)
-        elif result.get("error_type") == "ClusterCapacityError" and job.state in STARTS:
-            cause = WaitCause.PROVISIONING if job.wait_cause is WaitCause.PROVISIONING else WaitCause.PLACEMENT
-            self._give_up(job, starts.give_up(self._start_view(job, self.clock()), cause,
-                                              f"could not be placed: {why}", self.config.max_start_returns))
-        elif job.state is JobState.CANCELLING:
-            self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR,
-                                  reason=f"{job.message}; the run ended {outcome}: {why}", workers=0, target_workers=0)
-        else:
-            self.store.transition(job.id, job.state, JobState.FAILED, actor=ACTOR, reason=f"failed {at}: {why}",
+    def _finish(self, job: JobRecord, status: runners.RunnerStatus) -> None:
+        """The Supervisor returned: record its end as ``finish.finish_decision`` says, then end the
+        runner."""
+        decision = finish_decision(job.state, status.result, committed_step=status.committed_step,
+                                   message=job.message, wait_cause=job.wait_cause, start_returns=job.start_returns,
+                                   max_start_returns=self.config.max_start_returns)
+        # The run's MLflow run id goes with the moves that record the run itself (running, its end,
+        # paused), not with the notes of a stop or a cancel nor a give-up.
+        ids = {"mlflow_run_id": status.mlflow_run_id} if status.mlflow_run_id else {}
+        if isinstance(decision, Finished):
+            if decision.run_unseen:
+                job = self._ran_unseen(job, status, ids)
+            self.store.transition(job.id, job.state, JobState.FINISHED, actor=ACTOR, reason=decision.reason,
                                   workers=0, target_workers=0, **ids)
-        self._kill(job.id, f"its run ended {outcome}")
+        elif isinstance(decision, Paused):
+            if decision.run_unseen:
+                job = self._ran_unseen(job, status, ids)
+            if decision.pausing_reason:
+                job = self.store.transition(job.id, JobState.RUNNING, JobState.PAUSING, actor=ACTOR,
+                                            reason=decision.pausing_reason, held=True)
+            self._to_paused(job, decision.reason, **ids)
+        elif isinstance(decision, (PausedThenCancelled, EndedWhileCancelling)):
+            self.store.transition(job.id, job.state, JobState.CANCELLED, actor=ACTOR, reason=decision.reason,
+                                  workers=0, target_workers=0)
+        elif isinstance(decision, Cancelled):
+            if decision.cancelling_reason:
+                job = self.store.transition(job.id, job.state, JobState.CANCELLING, actor=ACTOR,
+                                            reason=decision.cancelling_reason)
+            self.store.transition(job.id, JobState.CANCELLING, JobState.CANCELLED, actor=ACTOR, reason=decision.reason,
+                                  workers=0, target_workers=0, **ids)
+        elif isinstance(decision, starts.GiveUp):
+            self._give_up(job, decision)
+        elif isinstance(decision, Failed):
+            self.store.transition(job.id, job.state, JobState.FAILED, actor=ACTOR, reason=decision.reason,
+                                  workers=0, target_workers=0, **ids)
+        else:
+            raise TypeError(f"unknown finish decision {decision!r}")
+        self._kill(job.id, f"its run ended {(status.result or NO_RESULT).outcome.value}")
 
-    def _to_running(self, job: JobRecord, status: dict, ids: dict) -> JobRecord:
-        if job.state in (JobState.STARTING, JobState.RESUMING):
-            return self.store.transition(job.id, job.state, JobState.RUNNING, actor=ACTOR,
-                                         reason="its run trained to its end before it was seen running",
-                                         started_at_s=status["started_at_s"], **ids)
-        return job
+    def _ran_unseen(self, job: JobRecord, status: runners.RunnerStatus, ids: dict) -> JobRecord:
+        """A start whose run ended before a pass saw it train: recorded running first (it ran)."""
+        return self.store.transition(job.id, job.state, JobState.RUNNING, actor=ACTOR, reason=RAN_UNSEEN,
+                                     started_at_s=status.started_at_s, **ids)
 
     def _to_paused(self, job: JobRecord, reason: str, **ids: Any) -> None:
         self.store.transition(job.id, JobState.PAUSING, JobState.PAUSED, actor=ACTOR, reason=reason,

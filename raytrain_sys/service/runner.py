@@ -4,8 +4,9 @@ Owns: one Supervisor (run in a thread of the actor, so that ``status`` and the r
 answered while it trains), its ``RunRequests`` (pause, cancel, resize at the next step
 boundary), and the job's log file ``<log_dir>/job-<id>.log`` (the ``raytrain_sys`` loggers of
 this process: the Supervisor's transitions with their reasons; the API serves the file).
-Writes nothing of the service's store: the reconciler reads ``status()`` and is the one writer
-of the job's transitions.
+Writes nothing of the service's store: the reconciler reads ``status()`` (a ``RunnerStatus``, with
+the run's end as a ``RunnerResult`` once the Supervisor has returned) and is the one writer of
+the job's transitions.
 
 Why an actor of its own, and why so configured:
 
@@ -47,7 +48,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import ray
@@ -59,7 +60,7 @@ from raytrain_sys.monitor.report import progress
 from raytrain_sys.service.names import (RUNNER_PREFIX, SPARE_RUNNER_PREFIX,  # noqa: F401 (their home was here)
                                         SPARE_START_TIMEOUT_S, find_runner, runner_name, spare_runners)
 from raytrain_sys.niceness import process_niceness, set_niceness
-from raytrain_sys.service.model import JobRecord, JobState
+from raytrain_sys.service.model import JobRecord, JobState, RunnerResult, RunnerState, RunOutcome
 from raytrain_sys.spec import apply_overrides, from_dict
 
 if TYPE_CHECKING:  # imported in the runner's __init__, at RUN_NICENESS (torch: most of a start's CPU)
@@ -78,8 +79,6 @@ def ask_to_stop(handle, job: JobRecord, by: str) -> None:
 # nothing; an evaluation is seconds apart at best.
 EVALUATIONS_POLL_S = 0.05
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# Supervisor states before its first step: the job is still starting (or resuming).
-STARTING_STATES = frozenset({"launching", "starting", "restoring"})
 # The nice value a runner runs its job at, from its process's imports (torch, MLflow: 2-4 s of
 # CPU) to its run's end; a spare runner's warm-up too, then it idles at Ray's 15. At Ray's 15
 # beside training workers at 0 (raytrain_sys/niceness.py) a runner is starved of what little
@@ -88,18 +87,16 @@ STARTING_STATES = frozenset({"launching", "starting", "restoring"})
 # decision to its first step (1.1-1.2 s at 0), a stopped job's end 12-31 s (2.5-8.6 s)
 # (benchmarks/sweep.py, 4 training workers on 2 cores). None: Ray's throughout.
 RUN_NICENESS: Optional[int] = 0
-# Supervisor states of a run that has ended (its workers are being released; done follows).
-ENDED_STATES = frozenset({"finished", "stopped", "cancelled", "failed"})
 
 
-def reported_state(state: str, tracking: bool, run_id: str) -> str:
+def reported_state(state: RunnerState, tracking: bool, run_id: str) -> RunnerState:
     """The Supervisor's state as the runner reports it. A new run trains while its MLflow run is
     still opening (``Tracker.begin``); until its run id is known the runner reports it starting
     (start step ``workers``: "the MLflow run, ..."), so that a job the store records running
     always carries its MLflow run id, which its resume after a lost runner or a hard pause
     needs. A run that ended, or tracks nothing, is reported as it is."""
-    if tracking and not run_id and state not in STARTING_STATES | ENDED_STATES:
-        return "starting"
+    if tracking and not run_id and state.trains:
+        return RunnerState.STARTING
     return state
 
 
@@ -140,6 +137,31 @@ def start_spec(spec: dict, workers: int, overrides: tuple[str, ...] = ()) -> dic
     return apply_overrides(spec, run_overrides(workers, overrides))
 
 
+@dataclass(frozen=True)
+class RunnerStatus:
+    """The run as its runner sees it now (``JobRunner.status``): what the reconciler records. It
+    crosses the actor boundary pickled, every pass, for every live job."""
+
+    job_id: int
+    state: RunnerState  # the Supervisor's (reported_state: starting until a new run's MLflow run id is known)
+    start_step: str  # where its start is (JobRunner._start_step, service/starts.py); "" once it trains or ended
+    committed_step: int
+    world_size: int  # its workers now; 0 once done
+    released: bool  # the run has let its workers go (its group shut down): it is ending, closing its MLflow run
+    max_workers: Optional[int]  # the ceiling its requests hold: the last resize it heard
+    mlflow_run_id: str  # "" until its MLflow run is open
+    run_dir: str
+    checkpoint_step: Optional[int]  # its newest committed checkpoint
+    checkpoint_at_s: Optional[float]  # when this runner first saw that checkpoint committed (unix s)
+    done: bool  # the Supervisor has returned: ``result`` says how
+    result: Optional[RunnerResult]  # None while it runs (a done run without one is read as failed)
+    pid: int
+    nice: int  # the runner process's nice value now (RUN_NICENESS while it runs its job)
+    actor_id: str  # the owner of its warm spares and its launch: the reconciler ends them with it
+    started_at_s: float  # when this runner started the run (unix s)
+    launch: Launch  # what it was asked, its spec left out (large; the store has it)
+
+
 class JobRunner:
     """One Supervisor in a thread; see the module docstring. Create with ``launch_runner``;
     with no launch, a spare that ``start`` gives one later (``new_spare_runner``)."""
@@ -150,7 +172,7 @@ class JobRunner:
         self.job_id: Optional[int] = None
         self._lock = threading.Lock()
         self._sup: Optional[Supervisor] = None
-        self._result: Optional[dict] = None
+        self._result: Optional[RunnerResult] = None
         self._done = threading.Event()
         self._born_nice = process_niceness()  # Ray's: a spare idles at it
         set_niceness(RUN_NICENESS, why="a job's runner")
@@ -183,7 +205,7 @@ class JobRunner:
                              by="scheduler")
         self._step_hook = step_hook  # tests and notebooks: called at each committed step, in this process
         self._sup: Optional[Supervisor] = None
-        self._result: Optional[dict] = None
+        self._result: Optional[RunnerResult] = None
         self._done = threading.Event()
         self._checkpoint_seen_at: dict[int, float] = {}  # step -> when this runner first saw it committed
         self._started_at_s = time.time()
@@ -225,16 +247,16 @@ class JobRunner:
                                        on_step=self._on_step, requests=self.requests,
                                        spares=self._spares(), team=launch.team)
             result = self._sup.run()
-            reason = result.reason or self._last_reason()
-            self._result = {"status": result.status, "reason": reason, "error_type": ""}
+            # A status the Supervisor ends in that is not an outcome raises here: a failed run, saying so.
+            self._result = RunnerResult(RunOutcome(result.status), result.reason or self._last_reason())
         except BaseException as exc:  # the run failed: the reconciler records why
             user = find_user_error(exc)
             reason = str(user) if user is not None else f"{type(exc).__name__}: {exc}"
-            self._result = {"status": "failed", "reason": reason,
-                            "error_type": type(user if user is not None else exc).__name__}
+            self._result = RunnerResult(RunOutcome.FAILED, reason, type(user if user is not None else exc).__name__)
             log.error("job %d failed: %s", launch.job_id, reason, exc_info=user is None)
         finally:
-            log.info("job %d: runner done: %s", launch.job_id, json.dumps(self._result))
+            log.info("job %d: runner done: %s", launch.job_id,
+                     json.dumps(None if self._result is None else asdict(self._result)))
             self._log_handler.flush()
             self._done.set()
 
@@ -253,12 +275,11 @@ class JobRunner:
         return sup.summary.transitions[-1]["reason"]
 
     # ------------------------------------------------------------------ what the reconciler calls
-    def status(self) -> dict:
-        """The run as it is now: the Supervisor's state (``reported_state``: starting until a new
-        run's MLflow run id is known), the step of its start (``start_step``),
-        committed step, world size, MLflow run id, newest checkpoint (step and when this runner saw it committed), run dir;
-        ``released`` once the run has let its workers go (its group shut down: the run is ending,
-        still closing its MLflow run); ``done`` and ``result`` once the Supervisor has returned."""
+    def status(self) -> RunnerStatus:
+        """The run as it is now (``RunnerStatus``): the Supervisor's state, the step of its
+        start, committed step, world size, MLflow run id, newest checkpoint, run dir; ``released``
+        once the run has let its workers go; ``done`` and ``result`` once the Supervisor has
+        returned."""
         sup = self._sup
         state = self._state()
         checkpoint_step, checkpoint_at_s = None, None
@@ -275,20 +296,19 @@ class JobRunner:
                 checkpoint_step = int(checkpoints[-1]["step"])
                 checkpoint_at_s = self._checkpoint_seen_at.setdefault(checkpoint_step, time.time())
         ceiling, _ = self.requests.max_workers()
-        return {"job_id": self.job_id, "state": state, "start_step": self._start_step(), "committed_step": committed,
-                "world_size": world_size, "released": released,
-                "max_workers": ceiling, "mlflow_run_id": run_id, "run_dir": run_dir,
-                "checkpoint_step": checkpoint_step, "checkpoint_at_s": checkpoint_at_s,
-                "done": self._done.is_set(), "result": self._result, "pid": os.getpid(),
-                "nice": process_niceness(),
-                "actor_id": ray.get_runtime_context().get_actor_id(),
-                "started_at_s": self._started_at_s, "launch": asdict(self.launch) | {"spec": None}}
+        return RunnerStatus(
+            job_id=self.job_id, state=state, start_step=self._start_step(), committed_step=committed,
+            world_size=world_size, released=released, max_workers=ceiling, mlflow_run_id=run_id, run_dir=run_dir,
+            checkpoint_step=checkpoint_step, checkpoint_at_s=checkpoint_at_s, done=self._done.is_set(),
+            result=self._result, pid=os.getpid(), nice=process_niceness(),
+            actor_id=ray.get_runtime_context().get_actor_id(), started_at_s=self._started_at_s,
+            launch=replace(self.launch, spec={}))
 
-    def _state(self) -> str:
+    def _state(self) -> RunnerState:
         sup = self._sup
         if sup is None:
-            return "launching"
-        return reported_state(sup.state.value, sup.spec.tracking.enabled, sup.summary.mlflow_run_id)
+            return RunnerState.LAUNCHING
+        return reported_state(RunnerState(sup.state.value), sup.spec.tracking.enabled, sup.summary.mlflow_run_id)
 
     def evaluations(self, key: str, after_step: int, wait_s: float = 0.0) -> dict:
         """The run's evaluations of ``key`` (a summary key: ``loss``, as MLflow's ``eval_loss``)
@@ -320,9 +340,9 @@ class JobRunner:
         if sup is None:
             return "supervisor"
         state = self._state()
-        if state not in STARTING_STATES:
+        if not state.starting:
             return ""
-        if state == "restoring":
+        if state is RunnerState.RESTORING:
             return "restore"
         group = sup.group  # made once the data plane is set up (Supervisor.run)
         if group is None:
@@ -339,13 +359,13 @@ class JobRunner:
         return progress(sup.summary, sup.spec.train.max_steps)
 
     def pause(self, reason: str, by: str = "") -> None:
-        """Stop at the next step boundary with a checkpoint (result status ``stopped``)."""
+        """Stop at the next step boundary with a checkpoint (result outcome ``stopped``)."""
         if self.requests.stop() is None:
             log.info("job %d: pause asked by %s: %s", self.job_id, by or "?", reason)
         self.requests.pause(reason, by)
 
     def cancel(self, reason: str, by: str = "") -> None:
-        """Stop at the next step boundary, no checkpoint added (result status ``cancelled``)."""
+        """Stop at the next step boundary, no checkpoint added (result outcome ``cancelled``)."""
         stop = self.requests.stop()
         if stop is None or stop.how != "cancel":
             log.info("job %d: cancel asked by %s: %s", self.job_id, by or "?", reason)
@@ -358,9 +378,9 @@ class JobRunner:
             log.info("job %d: resize to %d asked by %s: %s", self.job_id, workers, by or "?", reason)
         self.requests.resize(workers, reason, by)
 
-    def result(self, timeout_s: Optional[float] = None) -> Optional[dict]:
-        """The run's outcome ({status, reason, error_type}), waiting up to ``timeout_s``; None
-        while it runs."""
+    def result(self, timeout_s: Optional[float] = None) -> Optional[RunnerResult]:
+        """The run's end (``RunnerResult``: outcome, reason, error_type), waiting up to
+        ``timeout_s``; None while it runs."""
         self._done.wait(timeout_s)
         return self._result
 

@@ -2,12 +2,13 @@
 start up.
 
 Owns: the wait reason of a job in starting or resuming (its ``WaitCause`` and sentence, from the
-step its runner reports: ``JobRunner.status()["start_step"]``), and the decision to give a start
+step its runner reports: ``JobRunner.status().start_step``), and the decision to give a start
 up: ``watch_start`` returns ``Starting`` (still going: here is why it is not running) or
 ``GiveUp`` (back to the queue, or failed once ``max_start_returns`` starts in a row were given
 up); ``give_up`` is the same decision for a start the run itself abandoned (its workers could
-not be placed within ``resources.start_timeout_s``). The reconciler carries them out (kill the
-runner, then one guarded transition) and writes the reasons. Pure: no Ray, no store, no clock.
+not be placed within ``resources.start_timeout_s``: ``service/finish.py`` asks it). The reconciler
+carries them out (kill the runner, then one guarded transition) and writes the reasons. Pure: no
+Ray, no store, no clock.
 
 A start's steps, as the runner reports them, and the cause each one shows:
 
@@ -139,17 +140,19 @@ def watch_start(view: StartView, step: Optional[str], now_s: float, start_stall_
     if not stalled:
         return now
     what = "its nodes did not come" if now.cause is WaitCause.PROVISIONING else "no progress"
-    return give_up(view, now.cause, f"{now.reason}: {what} for {bound:g} s ({name})", max_start_returns)
+    return give_up(view.state, view.start_returns, now.cause, f"{now.reason}: {what} for {bound:g} s ({name})",
+                   max_start_returns)
 
 
-def give_up(view: StartView, cause: WaitCause, why: str, max_start_returns: int) -> GiveUp:
-    """End a start: back to the queue (a resume: to paused) while fewer than
-    ``max_start_returns`` starts in a row were given up, else failed. Never a bounce forever."""
-    returns = view.start_returns + 1
-    if view.start_returns >= max_start_returns:
+def give_up(state: JobState, start_returns: int, cause: WaitCause, why: str, max_start_returns: int) -> GiveUp:
+    """End a start of a job in ``state`` (starting or resuming) after ``start_returns`` starts in
+    a row given up: back to the queue (a resume: to paused) while fewer than
+    ``max_start_returns`` were, else failed. Never a bounce forever."""
+    returns = start_returns + 1
+    if start_returns >= max_start_returns:
         return GiveUp(JobState.FAILED, cause, f"could not start: {why}; {returns} starts in a row given up "
                                               f"(max_start_returns {max_start_returns})", returns)
-    back = JobState.PAUSED if view.state is JobState.RESUMING else JobState.QUEUED
+    back = JobState.PAUSED if state is JobState.RESUMING else JobState.QUEUED
     return GiveUp(back, cause, f"{why}; back in the queue ({returns} of {max_start_returns} returns before "
                                f"it fails)", returns)
 
