@@ -68,3 +68,14 @@ def test_a_resume_from_the_checkpoint_counts_the_steps_the_lost_driver_had_commi
     assert lost.recoveries[-1]["from"] == "checkpoint" and lost.recoveries[-1]["steps_redone"] == 29
     caught_up = RunSummary(job="j", run_dir=str(tmp_path), committed_steps=50, losses=[1.0] * 50)
     assert caught_up.resumed_at(50) is None and caught_up.steps_redone == 0 and not caught_up.recoveries
+
+
+def test_a_resume_counts_the_steps_its_watcher_saw_committed_past_the_lost_runs_last_record(tmp_path):
+    """The lost run's summary.json was last written at step 60 (its writes are seconds apart),
+    the job service saw its runner commit step 79: 29 steps are trained again, not 10; a watcher
+    that saw less than the record (or nothing: 0) leaves the record's count."""
+    lagging = RunSummary(job="j", run_dir=str(tmp_path), committed_steps=60, losses=[1.0] * 60)
+    assert lagging.resumed_at(50, seen=79) == (51, 79) and lagging.steps_redone == 29
+    for seen in (0, 55):
+        behind = RunSummary(job="j", run_dir=str(tmp_path), committed_steps=60, losses=[1.0] * 60)
+        assert behind.resumed_at(50, seen=seen) == (51, 60) and behind.steps_redone == 10

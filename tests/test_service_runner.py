@@ -340,7 +340,10 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
 def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
         ray_cluster, tiny_dataset, tmp_path, gates, reference):
     """Budget 1: one job's runner is killed once (restarted from step 5's checkpoint, finishes
-    equal to an uninterrupted run); another's twice (fails, saying the budget is used up)."""
+    equal to an uninterrupted run); another's twice (fails, saying the budget is used up). Each
+    restart counts the steps trained again, from the step the service saw the lost runner commit
+    (not from the lost run's summary.json, written seconds apart), in the job's record, its
+    transition's reason and the resumed run's summary.json."""
     spec = job_spec(tmp_path, tiny_dataset, "r1", resources={"num_workers": 1})
     spec2 = job_spec(tmp_path, tiny_dataset, "r2", resources={"num_workers": 1})
     with running_service(tmp_path / "svc.db", gates, max_restarts=1) as svc:
@@ -354,7 +357,11 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
         def kill_runner_at(job_id, step):
             assert wait_until(lambda: gates.reached(job_id, step), WAIT_S), state_of(svc, job_id)
             wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
-            pid = ray.get(find_runner(job_id).ping.remote())  # named after the job, or a spare
+            runner = find_runner(job_id)  # named after the job, or a spare
+            assert wait_until(lambda: ray.get(runner.status.remote()).committed_step == step, 30)
+            passes = ray.get(svc.info.remote())["passes"]  # two passes see the runner at this step
+            assert wait_until(lambda: ray.get(svc.info.remote())["passes"] >= passes + 2, 30)
+            pid = ray.get(runner.ping.remote())
             os.kill(pid, signal.SIGKILL)
             assert wait_until(lambda: not pid_alive(pid), 30)
             gates.go(job_id, step)  # for the restarted run, which passes this step again
@@ -363,12 +370,17 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
         kill_runner_at(doomed, 7)
         job = wait_state(svc, survivor, "finished")
         assert job["restarts"] == 1
+        assert job["steps_redone"] == 3, job  # committed 6..8 past the checkpoint of step 5, trained again
+        restart = [t["reason"] for t in ray.get(svc.history.remote(survivor)) if "restarting" in t["reason"]]
+        assert len(restart) == 1 and "steps 6..8 are trained again (3 steps)" in restart[0], restart
         kill_runner_at(doomed, 12)
         failed = wait_state(svc, doomed, "failed")
         assert "restart budget used up (1 of 1 restarts)" in failed["message"], failed
+        assert failed["steps_redone"] == 2, failed  # 6..7 after its first loss; the second ended it
     summary = read_summary(run_dir_of(tmp_path / "r1"))  # the restart resumed the same run
     assert summary["mlflow_run_id"] == job["mlflow_run_id"] and summary["committed_steps"] == STEPS
     assert summary["resumed_from"][-1].rstrip("/").endswith("00000005"), summary["resumed_from"]
+    assert summary["steps_redone"] == 3 and summary["recoveries"][-1]["from"] == "checkpoint", summary["recoveries"]
     assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
     assert_no_leftovers(ray_cluster, os.path.basename(run_dir_of(tmp_path / "r2")))
     assert_cluster_idle()

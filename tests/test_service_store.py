@@ -55,7 +55,7 @@ def test_a_fresh_database_is_made_by_alembic_and_matches_the_tables(store_url):
 
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0007"
+        assert store.schema_revision() == migrations.head() == "0008"
         with store.engine.connect() as conn:
             diff = compare_metadata(MigrationContext.configure(conn), metadata)
         assert diff == [], f"tables.py and the migrations differ: {diff}"
@@ -113,7 +113,7 @@ def test_a_database_at_0003_is_upgraded_and_its_jobs_wait_without_a_reason_until
     engine.dispose()
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0007"
+        assert store.schema_revision() == migrations.head() == "0008"
         waits, starts = store.jobs()
         assert [(j.name, j.state, j.wait_cause, j.wait_reason, j.start_returns) for j in (waits, starts)] == [
             ("waits", JobState.QUEUED, None, None, 0), ("starts", JobState.STARTING, None, None, 0)]
@@ -659,7 +659,7 @@ def test_a_database_at_0004_is_upgraded_keeping_its_teams_jobs_and_decisions(sto
     engine.dispose()
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0007"
+        assert store.schema_revision() == migrations.head() == "0008"
         waits, runs, odd = store.jobs()
         assert (waits.shape.cpu, waits.shape.market, waits.flavor) == (2.0, "spot", None)
         assert (runs.shape.cpu, runs.shape.market, runs.state, runs.workers) == (1.0, "any", JobState.RUNNING, 2)
@@ -749,7 +749,7 @@ def test_a_database_at_0006_is_upgraded_its_trials_jobs_segment_0_and_a_trial_ta
     engine.dispose()
     store = Store.open(store_url)
     try:
-        assert store.schema_revision() == migrations.head() == "0007"
+        assert store.schema_revision() == migrations.head() == "0008"
         [old] = store.trials(sweep_id)
         assert (old.trial_id, old.segment, old.state) == ("t1", 0, JobState.RUNNING)
 

@@ -192,7 +192,8 @@ def _status(args: argparse.Namespace) -> int:
               ("priority", job["priority"]), ("workers", f"{job['workers']} (target {job['target_workers']}, "
                                                          f"range {_workers(job)})"),
               ("worker", _shape(job) + (f", on flavor {job['flavor']}" if job.get("flavor") else "")),
-              ("restarts", job["restarts"]), ("checkpoint", "none" if job["last_checkpoint_step"] is None
+              ("restarts", job["restarts"] if not job.get("steps_redone") else
+               f"{job['restarts']} ({job['steps_redone']} steps trained again)"), ("checkpoint", "none" if job["last_checkpoint_step"] is None
                                               else f"step {job['last_checkpoint_step']}"),
               ("mlflow run", job["mlflow_run_id"] or "-"), ("message", job["message"])]
     if job.get("wait_cause"):

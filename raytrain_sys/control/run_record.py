@@ -175,13 +175,14 @@ class RunSummary:
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         return cls(**known)
 
-    def resumed_at(self, step: int) -> tuple[int, int] | None:
+    def resumed_at(self, step: int, seen: int = 0) -> tuple[int, int] | None:
         """The run resumes from its checkpoint of ``step`` after its driver was lost: the steps
-        the lost driver committed past it (as far as its last record says: a lower bound) will
-        be trained again, and are counted (``steps_redone``, and a recovery from the checkpoint
-        in ``recoveries``) before the per-step records after ``step`` are dropped. Returns the
+        the lost driver committed past it (as far as its last record says, or ``seen``, the step
+        whoever watched it saw it commit last, the job service: lower bounds both) will be
+        trained again, and are counted (``steps_redone``, and a recovery from the checkpoint in
+        ``recoveries``) before the per-step records after ``step`` are dropped. Returns the
         range of steps trained again (first, last; 1-based), or None when there are none."""
-        lost_run = self.committed_steps
+        lost_run = max(self.committed_steps, seen)
         self.truncate_to(step)
         if lost_run <= step:
             return None

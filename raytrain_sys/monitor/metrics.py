@@ -189,6 +189,12 @@ class RunMetrics(_Emitter):
         self._safely(lambda: _metric("Counter", "raytrain_failures_total", "Membership failures, by kind",
                                      RUN_TAGS + ("kind",)).inc(1, tags={**self.tags, "kind": kind}))
 
+    def redone(self, steps: int) -> None:
+        """``steps`` committed steps are to be trained again (a checkpoint restored, or a resume
+        after a lost driver): summary.json's ``steps_redone`` as a counter."""
+        self._safely(lambda: _metric("Counter", "raytrain_steps_redone_total",
+                                     "Committed steps trained again after a restore", RUN_TAGS).inc(steps, tags=self.tags))
+
     def recovered(self, seconds: float) -> None:
         """A rebuild ended (back to running) after ``seconds``."""
         self._timed("recovery", "recoveries", "From a failure's rebuild to running again", seconds)

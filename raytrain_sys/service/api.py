@@ -241,6 +241,8 @@ class JobOut(BaseModel):
     workers: int = Field(description="workers it holds now")
     target_workers: int = Field(description="workers the runner was last told to have")
     restarts: int
+    steps_redone: int = Field(0, description="steps its runs committed and then trained again (a runner lost and "
+                                             "the job restarted from its checkpoint, or a run that restored one)")
     mlflow_run_id: Optional[str]
     last_checkpoint_step: Optional[int]
     last_checkpoint_at_s: Optional[float]

@@ -660,6 +660,7 @@ class JobRecord:
     trial_id: Optional[str] = None
     rung: int = 0  # the sweep scheduler's rungs the trial passed (its sweep runner writes it): growth order
     segment: int = 0  # the trial's PBT segment (migration 0007): 0, and one more each time it was exploited
+    steps_redone: int = 0  # steps its runs committed and then trained again (migration 0008)
 
     @property
     def shape(self) -> WorkerShape:

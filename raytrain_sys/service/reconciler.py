@@ -231,6 +231,9 @@ class Reconciler:
         # Jobs whose runs are ending and have let their workers go (still closing their MLflow
         # runs): the scheduler leaves them out (``Snapshot.released``).
         self._released: set[int] = set()
+        # job id -> the step its live runner reported committed last: a restart counts the steps
+        # the lost runner committed past its checkpoint from it (trained again).
+        self._committed_seen: dict[int, int] = {}
         self._asked: dict[int, tuple[Any, float]] = {}  # job id -> its runner's status question, asked when (monotonic)
         self._spares: list[tuple[Any, Any]] = []  # spare runners and their ready refs
         # The MLflow stores of the newest launches, newest last: spare runners open them ahead.
@@ -497,8 +500,12 @@ class Reconciler:
             self._runner_gone(job, seen)
             return
         status = seen.status
+        self._committed_seen[job.id] = status.committed_step
         if status.checkpoint_step is not None and status.checkpoint_step != job.last_checkpoint_step:
             self.store.record_checkpoint(job.id, status.checkpoint_step, status.checkpoint_at_s)
+            job = self.store.job(job.id)
+        if status.steps_redone > job.steps_redone:  # the run's record counted steps trained again
+            self.store.record_steps_redone(job.id, status.steps_redone)
             job = self.store.job(job.id)
         if status.done:
             self._finish(job, status)
@@ -607,6 +614,7 @@ class Reconciler:
     def _runner_gone(self, job: JobRecord, seen: _Seen) -> None:
         """No live runner for a job that should have one."""
         created = job.id in self._created
+        lost_at = self._committed_seen.get(job.id, 0)
         self._forget(job.id)
         if job.state is JobState.PAUSING:
             where = (f"resumes from its checkpoint at step {job.last_checkpoint_step}"
@@ -635,15 +643,24 @@ class Reconciler:
         workers = max(job.target_workers, job.min_workers)
         where = (f"from its checkpoint at step {job.last_checkpoint_step}" if job.last_checkpoint_step is not None
                  else "from the start (no checkpoint)")
+        resumes = job.last_checkpoint_step is not None and bool(job.mlflow_run_id)  # as _launch decides
+        from_step = job.last_checkpoint_step if resumes else 0
+        redone = max(0, lost_at - from_step)
+        again = (f": it was seen at step {lost_at}, so steps {from_step + 1}..{lost_at} are trained again "
+                 f"({redone} steps)" if redone else "")
+        if redone and not resumes:
+            # A new run: its record starts at 0 and will never count them. (A resumed run's record
+            # does, from lost_at_step, and its runner reports it.)
+            self.store.record_steps_redone(job.id, job.steps_redone + redone)
         job = self.store.transition(job.id, job.state, job.state, actor=ACTOR, restarts=job.restarts + 1,
                                     workers=0, target_workers=workers,
                                     reason=f"{lost}; restarting {where} on {workers} workers (restart "
-                                           f"{job.restarts + 1} of {self.config.max_restarts})",
+                                           f"{job.restarts + 1} of {self.config.max_restarts}){again}",
                                     **(self._admitted(workers, job.wait_cause is WaitCause.PROVISIONING)
                                        if job.state.pending else {}))
         self._watching.pop(job.id, None)
         log.warning("job %d: %s", job.id, job.message)
-        self._launch(job, workers, job.message, resume=True)
+        self._launch(job, workers, job.message, resume=True, lost_at_step=lost_at)
 
     # ------------------------------------------------------------------ the scheduler's actions
     def _carry_out(self, action: Action) -> None:
@@ -714,7 +731,7 @@ class Reconciler:
         (log.error if outcome.to is JobState.FAILED else log.warning)("job %d: %s", job.id, outcome.reason)
 
     # ------------------------------------------------------------------ runners
-    def _launch(self, job: JobRecord, workers: int, reason: str, resume: bool) -> None:
+    def _launch(self, job: JobRecord, workers: int, reason: str, resume: bool, lost_at_step: int = 0) -> None:
         """Create the job's runner (or adopt the live one under its name); a job with a code
         package gets a new runner with the package as its working directory (``packages.py``),
         or fails, saying why, when the package cannot be put in the cluster."""
@@ -722,7 +739,8 @@ class Reconciler:
         run_id = job.mlflow_run_id if resume and job.last_checkpoint_step is not None else None
         launch = runners.Launch(job_id=job.id, spec=spec, workers=workers, log_dir=self.config.log_dir,
                                 resume_run_id=run_id or "", tracking_uri=mt.spec_tracking_uri(spec), reason=reason,
-                                team=job.team, package=job.package or "", overrides=self.launch_overrides(job))
+                                team=job.team, package=job.package or "", overrides=self.launch_overrides(job),
+                                lost_at_step=lost_at_step if run_id else 0)
         tracked = self._make_tracking_store(job.id, spec, launch.tracking_uri)
         runtime_env = None
         if job.package:
@@ -801,6 +819,7 @@ class Reconciler:
         self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
         self._released.discard(job_id)
+        self._committed_seen.pop(job_id, None)
         runner_id = self._runner_ids.pop(job_id, "")
         end_spares_of(runner_id, wait=False)  # asked; the pass goes on
         if runner_id:

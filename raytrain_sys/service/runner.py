@@ -122,6 +122,10 @@ class Launch:
     # market and accelerator type: the workers' label selector), the flavor's price per worker
     # hour, and a provisioning start's placement bound (the reconciler's launch_overrides).
     overrides: tuple[str, ...] = ()
+    # A restart's: the step its lost runner was last seen to commit (the service's passes saw it),
+    # so that the resumed run counts the steps it trains again from what was seen, not only from
+    # the lost run's last summary.json (written at most every few seconds): 0 when not known.
+    lost_at_step: int = 0
 
     def run_overrides(self) -> list[str]:
         return run_overrides(self.workers, self.overrides)
@@ -160,6 +164,7 @@ class RunnerStatus:
     actor_id: str  # the owner of its warm spares and its launch: the reconciler ends them with it
     started_at_s: float  # when this runner started the run (unix s)
     launch: Launch  # what it was asked, its spec left out (large; the store has it)
+    steps_redone: int = 0  # its run's record's (summary.json): steps committed, then trained again
 
 
 class JobRunner:
@@ -241,7 +246,7 @@ class JobRunner:
                     launch.resume_run_id, tracking_uri=launch.tracking_uri,
                     overrides=launch.run_overrides(),
                     on_step=self._on_step, requests=self.requests, spares=self._spares(),
-                    team=launch.team)
+                    team=launch.team, lost_at_step=launch.lost_at_step)
             else:
                 self._sup = Supervisor(from_dict(start_spec(launch.spec, launch.workers, launch.overrides)),
                                        on_step=self._on_step, requests=self.requests,
@@ -283,9 +288,10 @@ class JobRunner:
         sup = self._sup
         state = self._state()
         checkpoint_step, checkpoint_at_s = None, None
-        world_size, committed, run_dir, run_id, released = 0, 0, "", "", False
+        world_size, committed, run_dir, run_id, released, redone = 0, 0, "", "", False, 0
         if sup is not None:
             committed = sup.committed_step
+            redone = sup.summary.steps_redone
             run_dir = sup.run_dir
             run_id = sup.summary.mlflow_run_id
             group = sup.group
@@ -302,7 +308,7 @@ class JobRunner:
             checkpoint_step=checkpoint_step, checkpoint_at_s=checkpoint_at_s, done=self._done.is_set(),
             result=self._result, pid=os.getpid(), nice=process_niceness(),
             actor_id=ray.get_runtime_context().get_actor_id(), started_at_s=self._started_at_s,
-            launch=replace(self.launch, spec={}))
+            launch=replace(self.launch, spec={}), steps_redone=redone)
 
     def _state(self) -> RunnerState:
         sup = self._sup

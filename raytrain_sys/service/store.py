@@ -616,6 +616,13 @@ class Store:
         if changed != 1:
             raise JobStateConflict(f"job {job_id} does not exist or has ended: checkpoint not recorded")
 
+    def record_steps_redone(self, job_id: int, steps: int) -> None:
+        """The steps a live job has trained twice so far (no state change: no transitions row);
+        never lowered: a count the runner reports below the recorded one leaves it."""
+        with self._tx() as conn:
+            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.steps_redone < steps)
+                         .values(steps_redone=steps, updated_at_s=_now(None)))
+
     def history(self, job_id: int) -> list[TransitionRecord]:
         """Every transition of a job, oldest first."""
         with self._tx() as conn:
@@ -936,4 +943,4 @@ def _job(row) -> JobRecord:
                      cpus_per_worker=row.cpus_per_worker, gpus_per_worker=row.gpus_per_worker,
                      memory_per_worker_gb=row.memory_per_worker_gb, accelerator=row.accelerator, market=row.market,
                      flavor=row.flavor, sweep_id=row.sweep_id, trial_id=row.trial_id, rung=row.rung,
-                     segment=row.segment)
+                     segment=row.segment, steps_redone=row.steps_redone)

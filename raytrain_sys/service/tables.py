@@ -89,6 +89,9 @@ jobs = Table(
     # job ended, the next started from the donor's checkpoint); (sweep_id, trial_id, segment)
     # unique, so that a proxy driven again re-attaches to its segment's job.
     Column("segment", Integer, nullable=False, server_default="0"),
+    # Steps its runs committed and then trained again (migration 0008): a runner lost and the job
+    # restarted from its checkpoint, or a run that restored one; never less than its run's record.
+    Column("steps_redone", Integer, nullable=False, server_default="0"),
     UniqueConstraint("team", "idempotency_key"),
     UniqueConstraint("sweep_id", "trial_id", "segment"),
     Index(None, "state"),

@@ -244,6 +244,7 @@ class Steps:
         if redone > 0:
             log.warning("restored step %d: %d committed steps will be redone", step, redone)
             self.summary.steps_redone += redone
+            self.metrics.redone(redone)
         self.committed_step = step
         self.data_cursor = data_cursor
         self.cost.rewind(step)

@@ -72,8 +72,10 @@ class RunResult:
 class Supervisor:
     def __init__(self, spec: JobSpec, *, resume_run_id: str = "", run_dir: str = "",
                  previous_run_key: str = "", on_step: Callable[[StepReport], None] | None = None,
-                 requests: RunRequests | None = None, spares: SpareSource | None | str = "here", team: str = "-"):
+                 requests: RunRequests | None = None, spares: SpareSource | None | str = "here", team: str = "-",
+                 lost_at_step: int = 0):
         self.spec = spec
+        self.lost_at_step = lost_at_step  # a resume's: the step its lost driver was seen to commit (0: unknown)
         # Prometheus series (tracking.metrics) labelled with the job and its service team ("-": none).
         self.metrics = RunMetrics(spec.name, team, enabled=spec.tracking.metrics)
         self.cost = CostMeter(spec.resources.cost_per_worker_hour)  # paid worker-time, summary.json's cost
@@ -183,7 +185,7 @@ class Supervisor:
                 check_compatible(spec, resume_info)
                 previous = RunSummary.read(self.run_dir)
                 if previous is not None:
-                    self._redone_on_resume = previous.resumed_at(resume_info.step)
+                    self._redone_on_resume = previous.resumed_at(resume_info.step, seen=self.lost_at_step)
                     self.summary = previous
                     self.summary.reason = ""
                     phase.record(self.summary)  # the newest start's, not the earlier run's
@@ -206,6 +208,7 @@ class Supervisor:
                                  f"left by the lost driver of run {self.previous_run_key}")
             if self._redone_on_resume:
                 first, last = self._redone_on_resume
+                self.metrics.redone(last - first + 1)
                 self._transition(State.STARTING, f"steps {first}..{last} were committed by the lost driver and are "
                                  f"trained again from the checkpoint of step {first - 1} ({last - first + 1} "
                                  f"steps redone)")
@@ -526,12 +529,15 @@ def resume_job(run_id: str, *, tracking_uri: str = "", overrides: list[str] | No
 def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[str] | None = None,
                       output_dir: str = "runs", on_step: Callable[[StepReport], None] | None = None,
                       requests: RunRequests | None = None, objects: dict | None = None,
-                      spares: SpareSource | None | str = "here", team: str = "-") -> Supervisor:
+                      spares: SpareSource | None | str = "here", team: str = "-",
+                      lost_at_step: int = 0) -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
     state while it runs (the job service's runner). The run's record is read by
-    ``launch.resumed_run``; raises ``CheckpointError`` when the run has no complete checkpoint."""
+    ``launch.resumed_run``; raises ``CheckpointError`` when the run has no complete checkpoint.
+    ``lost_at_step``: the step its lost driver was last seen to commit, by whoever watched it
+    (the job service), counted with the run's own record (``RunSummary.resumed_at``)."""
     found = launch.resumed_run(run_id, tracking_uri, overrides, output_dir, objects)
     sup = Supervisor(found.spec, resume_run_id=run_id, run_dir=found.run_dir, previous_run_key=found.previous_key,
-                     on_step=on_step, requests=requests, spares=spares, team=team)
+                     on_step=on_step, requests=requests, spares=spares, team=team, lost_at_step=lost_at_step)
     launch.check_resumable(found.spec, sup.checkpoint_root, run_id)
     return sup
