@@ -265,7 +265,7 @@ class Reconciler:
         parts.end("runners' requests and ends")
         trials_coming = 0
         if self.config.db_url:
-            from raytrain_sys.service.sweeps.runner import ensure_runners
+            from raytrain_sys.service.sweeps.reconcile import ensure_runners
 
             trials_coming = ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
                                            self.config.sweep_runner_restarts, self.config.status_timeout_s,

@@ -71,7 +71,7 @@ log = logging.getLogger(__name__)
 def ask_to_stop(handle, job: JobRecord, by: str) -> None:
     """Ask a job's runner to stop as the store says: a pausing job with a checkpoint, a
     cancelling one without. Idempotent on the runner, so every reconciler pass may ask again
-    and a sweep's stop may ask before the pass (``sweeps.runner.tell_runner``)."""
+    and a sweep's stop may ask before the pass (``sweeps.stops.tell_runner``)."""
     (handle.pause if job.state is JobState.PAUSING else handle.cancel).remote(job.message, by)
 
 # How often ``evaluations`` looks at the run's evaluations while it waits: in this process, for
