@@ -196,14 +196,14 @@ class JobRunner:
         return self.job_id
 
     def warm_tracking(self, uris: list[str]) -> None:
-        """A spare: open these MLflow stores ahead (``mlflow_tracker.warm``), those the service's
+        """A spare: open these MLflow stores ahead (``mlflow_store.warm``), those the service's
         newest jobs track to, so that the next job's run opens on a warm client; a runner that
         runs a job already has its own."""
-        from raytrain_sys.tracking import mlflow_tracker as mt
+        from raytrain_sys.tracking import mlflow_store as ms
 
         for uri in uris:
             if self.launch is None:
-                mt.warm(uri)
+                ms.warm(uri)
 
     # ------------------------------------------------------------------ the run
     def _run(self) -> None:

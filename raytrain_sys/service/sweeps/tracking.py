@@ -100,9 +100,9 @@ def record_outcome(sweep: SweepRecord, spec: SweepSpec, table: list[dict], best_
 def prepare_tracking(sweep: SweepRecord) -> threading.Thread:
     """Make the sweep's MLflow store (a new SQLite store's tables: 5.8 s at a load of 49) in a
     thread of the caller's process while its runner's process starts: the runner's parent run
-    then opens a finished store (``mlflow_tracker.ensure_store`` makes it once, under a lock). A
+    then opens a finished store (``mlflow_store.ensure_store`` makes it once, under a lock). A
     failure is only logged: the parent run meets it again and fails the sweep with it."""
-    from raytrain_sys.tracking.mlflow_tracker import ensure_store
+    from raytrain_sys.tracking.mlflow_store import ensure_store
 
     def make() -> None:
         try:
