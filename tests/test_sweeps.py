@@ -474,7 +474,7 @@ def test_the_parent_run_holds_a_plot_of_every_trials_curve_with_the_best_drawn_b
     import mlflow
 
     from raytrain_sys.monitor.plots import sweep_curves_figure
-    from raytrain_sys.tracking import mlflow_tracker as mt
+    from raytrain_sys.service.sweeps import tracking as st
 
     table = [{"trial": "t1", "state": "finished", "curve": [(3, 4.2), (6, 3.9), (12, 3.7)]},
              {"trial": "t2", "state": "cancelled", "curve": [(3, 4.6), (6, 4.4)]},
@@ -489,8 +489,8 @@ def test_the_parent_run_holds_a_plot_of_every_trials_curve_with_the_best_drawn_b
     assert sweep_curves_figure(table[2:], "eval_loss") is None  # nothing logged: no empty plot
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_id = mt.start_parent_run(uri, "sweeps", "sweep-1", {"metric": "eval_loss"}, {})
-    mt.end_parent_run(uri, run_id, {"best_eval_loss": 3.7}, {"best_trial": "t1"}, {"trials.json": table},
+    run_id = st.start_parent_run(uri, "sweeps", "sweep-1", {"metric": "eval_loss"}, {})
+    st.end_parent_run(uri, run_id, {"best_eval_loss": 3.7}, {"best_trial": "t1"}, {"trials.json": table},
                       figures={"sweep_curves.png": fig})
     client = mlflow.MlflowClient(tracking_uri=uri)
     assert {a.path for a in client.list_artifacts(run_id)} == {"trials.json", "sweep_curves.png"}
@@ -605,7 +605,7 @@ def test_a_segments_run_is_marked_with_its_donor_once_the_store_has_its_id(tmp_p
     import mlflow
 
     from raytrain_sys.service.sweeps.segments import Reporter, SegmentPlan
-    from raytrain_sys.tracking import mlflow_tracker as mt
+    from raytrain_sys.service.sweeps import tracking as st
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     sweep = parse_sweep(with_(base=base_with("tracking", uri=uri), scheduler={"type": "pbt"},
@@ -616,10 +616,10 @@ def test_a_segments_run_is_marked_with_its_donor_once_the_store_has_its_id(tmp_p
     report = Reporter(None, sweep, "a", SegmentPlan(1, donor=donor, end_job=4, new=True), {"optim.lr": 0.005})
     job = dataclasses.replace(_job(5, 1, resume_from=donor.uri), spec=json.dumps({"optim": {"lr": 0.005}}))
     report.mark(job)  # no run id recorded yet
-    assert mt.TAG_DONOR_STEP not in client.get_run(run_id).data.tags
+    assert st.TAG_DONOR_STEP not in client.get_run(run_id).data.tags
     for _ in range(2):
         report.mark(dataclasses.replace(job, mlflow_run_id=run_id))
     tags = client.get_run(run_id).data.tags
-    assert (tags[mt.TAG_SEGMENT], tags[mt.TAG_DONOR_TRIAL], tags[mt.TAG_DONOR_STEP], tags[mt.TAG_DONOR_CHECKPOINT]) == \
+    assert (tags[st.TAG_SEGMENT], tags[st.TAG_DONOR_TRIAL], tags[st.TAG_DONOR_STEP], tags[st.TAG_DONOR_CHECKPOINT]) == \
         ("1", "b", "6", donor.uri)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "optim.lr")] == [(6, 0.005)]

@@ -547,7 +547,8 @@ def test_a_pbt_exploit_starts_the_next_segment_from_the_donors_committed_checkpo
     from raytrain_sys.service.sweeps.outcome import checkpoint_step_of, trial_table
     from raytrain_sys.service.sweeps.segments import resumed_from
     from raytrain_sys.service.sweeps.spec import spec_of, tracking_uri
-    from raytrain_sys.tracking import mlflow_tracker as mt
+    from raytrain_sys.service.sweeps.tracking import TAG_DONOR_CHECKPOINT, TAG_DONOR_STEP, TAG_DONOR_TRIAL
+    from raytrain_sys.tracking.mlflow_tracker import TAG_PARENT_RUN
 
     client = MlflowClient(tracking_uri(spec_of(done)))
     gbs = base["train"]["global_batch_size"]
@@ -561,9 +562,9 @@ def test_a_pbt_exploit_starts_the_next_segment_from_the_donors_committed_checkpo
         assert os.path.dirname(own["uri"].rstrip("/")) != os.path.dirname(donor_uri.rstrip("/"))
         assert_params_equal(final_params(own["uri"]), final_params(donor_uri))
         run = client.get_run(seg.mlflow_run_id)
-        assert run.data.tags[mt.TAG_PARENT_RUN] == done.mlflow_parent_run_id
-        assert run.data.tags[mt.TAG_DONOR_STEP] == str(start) and run.data.tags[mt.TAG_DONOR_CHECKPOINT] == donor_uri
-        donor_trial = run.data.tags[mt.TAG_DONOR_TRIAL]
+        assert run.data.tags[TAG_PARENT_RUN] == done.mlflow_parent_run_id
+        assert run.data.tags[TAG_DONOR_STEP] == str(start) and run.data.tags[TAG_DONOR_CHECKPOINT] == donor_uri
+        donor_trial = run.data.tags[TAG_DONOR_TRIAL]
         assert donor_trial != seg.trial_id and donor_uri.split("/sweep-")[1].split("/")[1] == donor_trial
         lr = json.loads(seg.spec)["optim"]["lr"]
         assert [(m.step, m.value) for m in client.get_metric_history(seg.mlflow_run_id, "optim.lr")] == [(start, lr)]

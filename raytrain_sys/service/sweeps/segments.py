@@ -29,6 +29,8 @@ from raytrain_sys.service import requests
 from raytrain_sys.service.model import JobRecord
 from raytrain_sys.service.store import Store
 from raytrain_sys.service.sweeps.spec import SweepSpec, get_field, tracking_uri
+from raytrain_sys.service.sweeps.tracking import (TAG_DONOR_CHECKPOINT, TAG_DONOR_STEP, TAG_DONOR_TRIAL, TAG_SEGMENT,
+                                                  mark_segment_run)
 
 log = logging.getLogger(__name__)
 
@@ -220,15 +222,13 @@ class Reporter:
 def mark_segment(job: JobRecord, spec: SweepSpec, plan: SegmentPlan, config: dict) -> bool:
     """Tag a segment's MLflow run with its donor (trial, step, checkpoint) and log its mutated
     values as metrics at its start step; False when it has no run yet or was marked before."""
-    from raytrain_sys.tracking import mlflow_tracker as mt
-
     donor = plan.donor
     if donor is None or not job.mlflow_run_id:
         return False
     raw = json.loads(job.spec)  # the values the segment's job runs with
     mutated = {key: float(value) for key, d in spec.space.items() if d.kind != "grid"
                for value in [get_field(raw, key)] if isinstance(value, (int, float)) and not isinstance(value, bool)}
-    return mt.mark_segment(tracking_uri(spec), job.mlflow_run_id,
-                           {mt.TAG_SEGMENT: str(plan.segment), mt.TAG_DONOR_TRIAL: donor.trial_id,
-                            mt.TAG_DONOR_STEP: str(donor.step), mt.TAG_DONOR_CHECKPOINT: donor.uri},
-                           mutated, donor.step)
+    return mark_segment_run(tracking_uri(spec), job.mlflow_run_id,
+                            {TAG_SEGMENT: str(plan.segment), TAG_DONOR_TRIAL: donor.trial_id,
+                             TAG_DONOR_STEP: str(donor.step), TAG_DONOR_CHECKPOINT: donor.uri},
+                            mutated, donor.step)
