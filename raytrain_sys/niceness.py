@@ -12,7 +12,7 @@ The rest stays at Ray's 15: read tasks, spares, idle spare runners; except the j
 imports, its job's start and run; at 15 beside four training workers at 0 a runner process took
 57-88 s to its job's first step, and a growth's newcomer 7-9 s from the decision to its first
 step, against 1.1-1.2 s at 0), and a sweep's Tune driver and its trial proxies, at 0
-(``sweeps.runner.CONTROL_NICENESS``): little CPU, but at 15 beside training workers at 0 a proxy's report waited up to 30 s for Tune to take it, and ASHA
+(``sweeps.process.CONTROL_NICENESS``): little CPU, but at 15 beside training workers at 0 a proxy's report waited up to 30 s for Tune to take it, and ASHA
 stopped trials after they had ended; at 0, the stops came 0.04-0.06 s after the evaluations they
 ranked (benchmarks/sweep.py, 4 training workers on 2 cores). Moving a job's runner *and its read
 tasks* to 0 with its workers was measured (benchmarks/scheduler.py, reclaim, 2 cores): a

@@ -115,7 +115,7 @@ def running_service(db, gates: StepGates, **config):
         yield handle
     finally:
         stop_service()
-        from raytrain_sys.service.sweeps.runner import SWEEP_RUNNER_PREFIX
+        from raytrain_sys.service.sweeps.names import SWEEP_RUNNER_PREFIX
 
         sweep_runners = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                          if a["namespace"] == NAMESPACE and a["name"].startswith(SWEEP_RUNNER_PREFIX)]

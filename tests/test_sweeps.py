@@ -191,7 +191,7 @@ def test_the_sweeps_mlflow_store_is_made_while_its_runner_starts(store, tmp_path
     thread: the runner's parent run opens a store whose tables are made."""
     import sqlite3
 
-    from raytrain_sys.service.sweeps.runner import prepare_tracking
+    from raytrain_sys.service.sweeps.tracking import prepare_tracking
 
     spec = parse_sweep(SWEEP, base_dir=str(tmp_path))
     sweep = store.submit_sweep(team="a", name="lr-wd", spec=json.dumps(spec.to_dict()), priority=0, max_workers=None,
@@ -278,7 +278,8 @@ def test_the_example_sweep_is_valid():
 
 
 def test_a_trial_reports_each_evaluation_of_its_job_once_in_step_order(tmp_path):
-    from raytrain_sys.service.sweeps.runner import TrialJobFailed, follow, rungs_passed
+    from raytrain_sys.service.sweeps.proxy import TrialJobFailed, follow
+    from raytrain_sys.service.sweeps.scheduler import rungs_passed
 
     store = Store.open(f"sqlite:///{tmp_path}/service.db")
     store.add_team(Team("a", 4))
@@ -311,7 +312,7 @@ def test_a_trial_rides_out_a_store_it_cannot_read_and_gives_up_after_the_outage_
     """A SQLite store busy past its timeout (a sweep on a loaded machine: "database is locked")
     failed the trial's proxy, and Tune saw a trial error; now the proxy reads again."""
     from raytrain_sys.errors import ServiceStoreError
-    from raytrain_sys.service.sweeps.runner import follow
+    from raytrain_sys.service.sweeps.proxy import follow
 
     class Unreadable(Store):  # the real store, unreadable while ``down`` says so
         down = 0
@@ -348,7 +349,7 @@ def test_a_trial_rides_out_a_store_it_cannot_read_and_gives_up_after_the_outage_
 
 
 def test_a_trial_hears_its_jobs_evaluations_from_its_runner_and_reads_mlflow_when_none_answers(tmp_path):
-    from raytrain_sys.service.sweeps.runner import follow
+    from raytrain_sys.service.sweeps.proxy import follow
 
     store = Store.open(f"sqlite:///{tmp_path}/service.db")
     store.add_team(Team("a", 4))
@@ -397,7 +398,7 @@ def test_a_trial_hears_its_jobs_evaluations_from_its_runner_and_reads_mlflow_whe
         "a job that ended is left alone",
         "a trial at max_t is finishing on its own: no cancel skips its last checkpoint"])
 def test_what_tunes_end_of_a_trial_does_to_its_job(state, step, keep_stopped, action):
-    from raytrain_sys.service.sweeps.runner import stop_action
+    from raytrain_sys.service.sweeps.stops import stop_action
 
     assert stop_action(state, step, 12, keep_stopped) == action
 
@@ -434,7 +435,7 @@ def test_how_many_given_back_spare_workers_the_pool_keeps_while_a_sweeps_trials_
 def test_a_sweeps_trials_still_to_start_are_those_with_no_job_or_a_queued_one():
     from types import SimpleNamespace
 
-    from raytrain_sys.service.sweeps.runner import trials_to_start
+    from raytrain_sys.service.sweeps.reconcile import trials_to_start
 
     def job(trial, state):
         return SimpleNamespace(trial_id=trial, state=state)
@@ -447,7 +448,7 @@ def test_a_sweeps_trials_still_to_start_are_those_with_no_job_or_a_queued_one():
 
 
 def test_only_pbt_waits_for_the_checkpoint_of_the_step_a_trial_reports():
-    from raytrain_sys.service.sweeps.runner import CHECKPOINT_WAIT_S, checkpoint_wait_s
+    from raytrain_sys.service.sweeps.segments import CHECKPOINT_WAIT_S, checkpoint_wait_s
 
     # PBT's exploit starts from the checkpoint of the step it ranked; ASHA decides at once.
     assert (checkpoint_wait_s("pbt"), checkpoint_wait_s("asha"), checkpoint_wait_s("fifo")) == (CHECKPOINT_WAIT_S, 0, 0)
@@ -461,7 +462,7 @@ def test_only_pbt_waits_for_the_checkpoint_of_the_step_a_trial_reports():
     ("min", {"a": [], "b": []}, (None, None)),  # nothing logged: no best (the sweep fails)
 ])
 def test_the_best_trial_is_the_one_whose_job_logged_the_best_value(mode, curves, best):
-    from raytrain_sys.service.sweeps.runner import best_of
+    from raytrain_sys.service.sweeps.outcome import best_of
 
     assert best_of([{"trial": t, "curve": c} for t, c in curves.items()], mode) == best
 
@@ -473,7 +474,7 @@ def test_the_parent_run_holds_a_plot_of_every_trials_curve_with_the_best_drawn_b
     import mlflow
 
     from raytrain_sys.monitor.plots import sweep_curves_figure
-    from raytrain_sys.tracking import mlflow_tracker as mt
+    from raytrain_sys.service.sweeps import tracking as st
 
     table = [{"trial": "t1", "state": "finished", "curve": [(3, 4.2), (6, 3.9), (12, 3.7)]},
              {"trial": "t2", "state": "cancelled", "curve": [(3, 4.6), (6, 4.4)]},
@@ -488,8 +489,8 @@ def test_the_parent_run_holds_a_plot_of_every_trials_curve_with_the_best_drawn_b
     assert sweep_curves_figure(table[2:], "eval_loss") is None  # nothing logged: no empty plot
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    run_id = mt.start_parent_run(uri, "sweeps", "sweep-1", {"metric": "eval_loss"}, {})
-    mt.end_parent_run(uri, run_id, {"best_eval_loss": 3.7}, {"best_trial": "t1"}, {"trials.json": table},
+    run_id = st.start_parent_run(uri, "sweeps", "sweep-1", {"metric": "eval_loss"}, {})
+    st.end_parent_run(uri, run_id, {"best_eval_loss": 3.7}, {"best_trial": "t1"}, {"trials.json": table},
                       figures={"sweep_curves.png": fig})
     client = mlflow.MlflowClient(tracking_uri=uri)
     assert {a.path for a in client.list_artifacts(run_id)} == {"trials.json", "sweep_curves.png"}
@@ -546,7 +547,7 @@ def _job(job_id: int, segment: int, state: JobState = JobState.RUNNING, resume_f
 
 
 def _pointer(trial: str, step: int):
-    from raytrain_sys.service.sweeps.runner import Pointer
+    from raytrain_sys.service.sweeps.segments import Pointer
 
     return Pointer(trial, 0, 9, step, f"/runs/{trial}/checkpoints/step_{step:08d}")
 
@@ -571,7 +572,7 @@ SEGMENT_PLANS = [
 
 @pytest.mark.parametrize("pointer, newest, expected", [c[1:] for c in SEGMENT_PLANS], ids=[c[0] for c in SEGMENT_PLANS])
 def test_the_segment_a_trials_proxy_follows(pointer, newest, expected):
-    from raytrain_sys.service.sweeps.runner import segment_plan
+    from raytrain_sys.service.sweeps.segments import segment_plan
 
     plan = segment_plan("a", pointer, newest, max_steps=20)
     assert (plan.segment, plan.donor.trial_id if plan.donor else None, plan.end_job, plan.new) == expected
@@ -588,7 +589,7 @@ CURVES = [
 
 @pytest.mark.parametrize("segments, curve", [c[1:] for c in CURVES], ids=[c[0] for c in CURVES])
 def test_a_trials_curve_across_its_segments(segments, curve):
-    from raytrain_sys.service.sweeps.runner import checkpoint_step_of, trial_curve
+    from raytrain_sys.service.sweeps.outcome import checkpoint_step_of, trial_curve
 
     assert trial_curve(segments) == curve
     assert [checkpoint_step_of(u) for u in ("", "/c/step_00000012", "s3://b/c/step_00000003/")] == [0, 12, 3]
@@ -603,8 +604,8 @@ def test_a_segments_run_is_marked_with_its_donor_once_the_store_has_its_id(tmp_p
 
     import mlflow
 
-    from raytrain_sys.service.sweeps.runner import Reporter, SegmentPlan
-    from raytrain_sys.tracking import mlflow_tracker as mt
+    from raytrain_sys.service.sweeps.segments import Reporter, SegmentPlan
+    from raytrain_sys.service.sweeps import tracking as st
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     sweep = parse_sweep(with_(base=base_with("tracking", uri=uri), scheduler={"type": "pbt"},
@@ -615,10 +616,10 @@ def test_a_segments_run_is_marked_with_its_donor_once_the_store_has_its_id(tmp_p
     report = Reporter(None, sweep, "a", SegmentPlan(1, donor=donor, end_job=4, new=True), {"optim.lr": 0.005})
     job = dataclasses.replace(_job(5, 1, resume_from=donor.uri), spec=json.dumps({"optim": {"lr": 0.005}}))
     report.mark(job)  # no run id recorded yet
-    assert mt.TAG_DONOR_STEP not in client.get_run(run_id).data.tags
+    assert st.TAG_DONOR_STEP not in client.get_run(run_id).data.tags
     for _ in range(2):
         report.mark(dataclasses.replace(job, mlflow_run_id=run_id))
     tags = client.get_run(run_id).data.tags
-    assert (tags[mt.TAG_SEGMENT], tags[mt.TAG_DONOR_TRIAL], tags[mt.TAG_DONOR_STEP], tags[mt.TAG_DONOR_CHECKPOINT]) == \
+    assert (tags[st.TAG_SEGMENT], tags[st.TAG_DONOR_TRIAL], tags[st.TAG_DONOR_STEP], tags[st.TAG_DONOR_CHECKPOINT]) == \
         ("1", "b", "6", donor.uri)
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "optim.lr")] == [(6, 0.005)]

@@ -21,7 +21,7 @@ import torch
 
 from raytrain_sys.service.model import JobState, SweepState
 from raytrain_sys.service.store import Store
-from raytrain_sys.service.sweeps.runner import mlflow_history
+from raytrain_sys.service.sweeps.tracking import mlflow_history
 from tests.helpers import read_summary, tiny_spec
 from tests.service_common import StepGates, runner_heard, running_service
 
@@ -75,7 +75,7 @@ def test_a_lost_sweep_runner_comes_back_through_restore_and_reruns_nothing(ray_c
     job keeps committing steps while no runner is up; the reconciler starts another, which
     restores Tune's experiment: the finished trial is not run again, no trial's job is submitted
     twice or restarted, and MLflow holds one child run per trial."""
-    from raytrain_sys.service.sweeps.runner import experiment_name, find_runner
+    from raytrain_sys.service.sweeps.names import experiment_name, find_runner
 
     db = tmp_path / "service.db"
     base = base_spec(tmp_path, tiny_dataset)
@@ -125,8 +125,7 @@ def test_a_lost_sweep_runner_comes_back_through_restore_and_reruns_nothing(ray_c
     assert sorted(submits) == [("job 1 (team a)", "ok"), ("job 2 (team a)", "ok"), ("job 2 (team a)", "ok")], submits
     from mlflow import MlflowClient
 
-    from raytrain_sys.service.sweeps.runner import spec_of
-    from raytrain_sys.service.sweeps.spec import tracking_uri
+    from raytrain_sys.service.sweeps.spec import spec_of, tracking_uri
 
     client = MlflowClient(tracking_uri(spec_of(done)))
     parent = client.get_run(done.mlflow_parent_run_id)
@@ -185,8 +184,7 @@ def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_work
 
     from raytrain_sys.service.client import Client
     from raytrain_sys.service.model import Team
-    from raytrain_sys.service.sweeps.runner import spec_of
-    from raytrain_sys.service.sweeps.spec import tracking_uri
+    from raytrain_sys.service.sweeps.spec import spec_of, tracking_uri
     from tests.test_jobs_page import free_port
 
     db = tmp_path / "service.db"
@@ -321,7 +319,7 @@ def test_a_trial_loses_a_worker_and_is_shrunk_by_a_higher_priority_job_and_train
     no step redone, each with the losses of the same trial run alone undisturbed (rtol 1e-6), and
     the killed trial's samples each seen once."""
     from raytrain_sys.spec import from_dict
-    from raytrain_sys.service.sweeps.runner import experiment_name
+    from raytrain_sys.service.sweeps.names import experiment_name
     from tests.ft_common import expected_sample_ids
 
     db = tmp_path / "service.db"
@@ -439,8 +437,7 @@ def test_raytrain_sys_sweep_runs_a_sweep_on_a_cluster_without_a_service_and_reco
 
     from mlflow import MlflowClient
 
-    from raytrain_sys.service.sweeps.runner import spec_of
-    from raytrain_sys.service.sweeps.spec import tracking_uri
+    from raytrain_sys.service.sweeps.spec import spec_of, tracking_uri
 
     path = local_sweep_files(tmp_path, tiny_dataset)
     env = {**os.environ, "RAY_ADDRESS": ray_cluster}
@@ -547,9 +544,11 @@ def test_a_pbt_exploit_starts_the_next_segment_from_the_donors_committed_checkpo
         sorted(t.trial_id for t in trials if t.id in exploited_ids), [(t.id, t.trial_id, t.segment) for t in trials]
     from mlflow import MlflowClient
 
-    from raytrain_sys.service.sweeps.runner import checkpoint_step_of, resumed_from, spec_of, trial_table
-    from raytrain_sys.service.sweeps.spec import tracking_uri
-    from raytrain_sys.tracking import mlflow_tracker as mt
+    from raytrain_sys.service.sweeps.outcome import checkpoint_step_of, trial_table
+    from raytrain_sys.service.sweeps.segments import resumed_from
+    from raytrain_sys.service.sweeps.spec import spec_of, tracking_uri
+    from raytrain_sys.service.sweeps.tracking import TAG_DONOR_CHECKPOINT, TAG_DONOR_STEP, TAG_DONOR_TRIAL
+    from raytrain_sys.tracking.mlflow_tracker import TAG_PARENT_RUN
 
     client = MlflowClient(tracking_uri(spec_of(done)))
     gbs = base["train"]["global_batch_size"]
@@ -563,9 +562,9 @@ def test_a_pbt_exploit_starts_the_next_segment_from_the_donors_committed_checkpo
         assert os.path.dirname(own["uri"].rstrip("/")) != os.path.dirname(donor_uri.rstrip("/"))
         assert_params_equal(final_params(own["uri"]), final_params(donor_uri))
         run = client.get_run(seg.mlflow_run_id)
-        assert run.data.tags[mt.TAG_PARENT_RUN] == done.mlflow_parent_run_id
-        assert run.data.tags[mt.TAG_DONOR_STEP] == str(start) and run.data.tags[mt.TAG_DONOR_CHECKPOINT] == donor_uri
-        donor_trial = run.data.tags[mt.TAG_DONOR_TRIAL]
+        assert run.data.tags[TAG_PARENT_RUN] == done.mlflow_parent_run_id
+        assert run.data.tags[TAG_DONOR_STEP] == str(start) and run.data.tags[TAG_DONOR_CHECKPOINT] == donor_uri
+        donor_trial = run.data.tags[TAG_DONOR_TRIAL]
         assert donor_trial != seg.trial_id and donor_uri.split("/sweep-")[1].split("/")[1] == donor_trial
         lr = json.loads(seg.spec)["optim"]["lr"]
         assert [(m.step, m.value) for m in client.get_metric_history(seg.mlflow_run_id, "optim.lr")] == [(start, lr)]

@@ -18,6 +18,7 @@ from mlflow import MlflowClient
 from raytrain_sys.errors import TrackingError
 from tests.fixtures.mlflow_server import running_mlflow_server
 from raytrain_sys.spec import JobSpec, from_dict
+from raytrain_sys.tracking.mlflow_store import TRUNCATION_MARKER, check_reachable
 from raytrain_sys.tracking.mlflow_tracker import (
     CHECKPOINT_STEP_METRIC,
     PLOTS_EVERY_S,
@@ -29,9 +30,7 @@ from raytrain_sys.tracking.mlflow_tracker import (
     TAG_SPEC_HASH,
     TAG_STATE,
     TAG_TRAINING_HASH,
-    TRUNCATION_MARKER,
     Tracker,
-    check_reachable,
     default_tracking_uri,
     resume_override_tag,
 )

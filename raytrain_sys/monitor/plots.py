@@ -201,7 +201,7 @@ LEGEND_TRIALS = 12  # a sweep's figure names its trials in a legend up to this m
 
 def sweep_curves_figure(table: list[dict], metric: str, best_trial: str | None = None):
     """A sweep's trials on one figure: each trial's curve of ``metric`` as its job logged it
-    (``sweeps.runner.trial_table`` rows: ``trial``, ``state``, ``curve`` as (step, value)
+    (``sweeps.outcome.trial_table`` rows: ``trial``, ``state``, ``curve`` as (step, value)
     pairs), the best trial drawn bold, trials that did not finish dashed (stopped early by
     the scheduler, cancelled, failed). None when no trial logged a value."""
     rows = [r for r in table if r.get("curve")]

@@ -32,7 +32,7 @@ One pass (``run_once``), in order:
    it: a starting job with no runner gets one (only when ``find_runner`` finds none; a named
    create uses ``get_if_exists``: an existing runner is adopted, never a second), a target the
    runner has not heard of is sent again. Before a runner is created, the job's SQLite MLflow
-   store is made here, once (``mlflow_tracker.ensure_store``): jobs admitted together never
+   store is made here, once (``mlflow_store.ensure_store``): jobs admitted together never
    make one at the same moment. After the actions, spare runners are started ahead
    up to ``spare_runners`` (``_keep_spare_runners``), more while a sweep's trials are to start
    (``spare_runners_wanted``): a launch takes one instead of a process start.
@@ -88,6 +88,7 @@ from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState,
                                         ResourceFlavor, Shrink, TransitionNotAllowed, Wait, WaitCause)
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
+from raytrain_sys.tracking import mlflow_store as ms
 from raytrain_sys.tracking import mlflow_tracker as mt
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ class Reconciler:
         parts.end("runners' requests and ends")
         trials_coming = 0
         if self.config.db_url:
-            from raytrain_sys.service.sweeps.runner import ensure_runners
+            from raytrain_sys.service.sweeps.reconcile import ensure_runners
 
             trials_coming = ensure_runners(self.store, self.config.db_url, self.config.base_dir, self.config.log_dir,
                                            self.config.sweep_runner_restarts, self.config.status_timeout_s,
@@ -761,14 +762,14 @@ class Reconciler:
                  f"resume of MLflow run {run_id}" if run_id else "start", workers)
 
     def _make_tracking_store(self, job_id: int, spec: dict, tracking_uri: str) -> bool:
-        """The job's MLflow store made here, once (``mlflow_tracker.ensure_store``; a second job on it
+        """The job's MLflow store made here, once (``mlflow_store.ensure_store``; a second job on it
         costs nothing), before its runner starts: the runners of jobs admitted together never
         make a new store at the same moment. A store that cannot be made is left to the runner,
         whose start fails saying why. True: made, the job tracks to it."""
         if not (spec.get("tracking") or {}).get("enabled", True):
             return False
         try:
-            mt.ensure_store(tracking_uri)
+            ms.ensure_store(tracking_uri)
         except UserError as exc:
             log.warning("job %d: its MLflow store is not ready (its start will say why): %s", job_id, exc)
             return False

@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 def ask_to_stop(handle, job: JobRecord, by: str) -> None:
     """Ask a job's runner to stop as the store says: a pausing job with a checkpoint, a
     cancelling one without. Idempotent on the runner, so every reconciler pass may ask again
-    and a sweep's stop may ask before the pass (``sweeps.runner.tell_runner``)."""
+    and a sweep's stop may ask before the pass (``sweeps.stops.tell_runner``)."""
     (handle.pause if job.state is JobState.PAUSING else handle.cancel).remote(job.message, by)
 
 # How often ``evaluations`` looks at the run's evaluations while it waits: in this process, for
@@ -223,14 +223,14 @@ class JobRunner:
         return self.job_id
 
     def warm_tracking(self, uris: list[str]) -> None:
-        """A spare: open these MLflow stores ahead (``mlflow_tracker.warm``), those the service's
+        """A spare: open these MLflow stores ahead (``mlflow_store.warm``), those the service's
         newest jobs track to, so that the next job's run opens on a warm client; a runner that
         runs a job already has its own."""
-        from raytrain_sys.tracking import mlflow_tracker as mt
+        from raytrain_sys.tracking import mlflow_store as ms
 
         for uri in uris:
             if self.launch is None:
-                mt.warm(uri)
+                ms.warm(uri)
 
     # ------------------------------------------------------------------ the run
     def _run(self) -> None:

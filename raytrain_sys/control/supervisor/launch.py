@@ -31,6 +31,7 @@ from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
 from raytrain_sys.errors import CheckpointError, SpecError, UserError
 from raytrain_sys.spec import JobSpec, apply_overrides, from_dict
+from raytrain_sys.tracking import mlflow_store as ms
 from raytrain_sys.tracking import mlflow_tracker as mt
 from raytrain_sys.extensions import resolve_task
 
@@ -69,7 +70,7 @@ def resumed_run(run_id: str, tracking_uri: str = "", overrides: list[str] | None
     directory. A pause point belongs to the invocation that paused: the resumed run trains on
     unless ``train.stop_at_step`` is given again."""
     uri = tracking_uri or mt.default_tracking_uri(os.path.abspath(output_dir))
-    mt.check_reachable(uri)
+    ms.check_reachable(uri)
     record = mt.Tracker.lookup(uri, run_id)
     raw = apply_overrides(record.spec_dict, overrides or [])
     for dotted, obj in (objects or {}).items():
@@ -125,7 +126,7 @@ def preflight(spec: JobSpec, output_dir: str, run_dir: str, checkpoint_root: str
 
         eval_set = open_eval_set(spec)
     if spec.tracking.enabled:
-        mt.check_reachable(tracking_uri)
+        ms.check_reachable(tracking_uri)
     found = Preflight(manifest, store, checkpointer, task, flops_per_token, None, eval_set=eval_set)
     resume = spec.checkpoint.resume_from
     if not resume:

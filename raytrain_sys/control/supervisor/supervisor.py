@@ -52,6 +52,7 @@ from raytrain_sys.monitor.cost import CostMeter
 from raytrain_sys.monitor.metrics import RunMetrics
 from raytrain_sys.parallel.mesh import is_data_leader_rank
 from raytrain_sys.spec import JobSpec
+from raytrain_sys.tracking import mlflow_store as ms
 from raytrain_sys.tracking import mlflow_tracker as mt
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ class Supervisor:
                                  f"steps redone)")
             # A resume reopens its run, which the start waits for; a new run opens in its
             # tracker's writer (Tracker.begin), beside the start and the first steps.
-            store = mt.prepare_store(self.tracking_uri) if spec.tracking.enabled and self.resume_run_id else None
+            store = ms.prepare_store(self.tracking_uri) if spec.tracking.enabled and self.resume_run_id else None
 
             def start_tracking():
                 if store is not None:

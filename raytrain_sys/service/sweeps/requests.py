@@ -99,7 +99,7 @@ def resume(store: Store, sweep_id: int, *, by: str, reason: str = "") -> SweepRe
 
 def cancel(store: Store, sweep_id: int, *, by: str, reason: str = "") -> SweepRecord:
     why = f"sweep {sweep_id} cancelled by {by}" + (f": {reason}" if reason else "")
-    from raytrain_sys.service.sweeps.runner import stop_runner
+    from raytrain_sys.service.sweeps.reconcile import stop_runner
 
     def stop(store: Store, job_id: int, *, by: str, reason: str) -> Any:
         return job_requests.cancel(store, job_id, by=by, reason=reason)

@@ -3,9 +3,9 @@ many trials and which Tune scheduler decides. Validated whole before any trial s
 
 Owns: the sweep spec's fields and their checks (``parse_sweep``: every refusal a
 ``ServiceInputError`` naming the field, as the API's 400 and the CLI's exit 2 show it), the
-space's translation into Ray Tune's search space (``tune_space``) and a trial's job spec from
-Tune's config (``trial_spec``). Pure: no Ray, no store, no clock (Ray Tune's ``tune`` module is
-imported only by ``tune_space``).
+space's translation into Ray Tune's search space (``tune_space``), a trial's job spec from
+Tune's config (``trial_spec``) and the spec a sweep's record stores (``spec_of``). Pure: no Ray,
+no store, no clock (Ray Tune's ``tune`` module is imported only by ``tune_space``).
 
 The spec (YAML or a mapping)::
 
@@ -31,13 +31,17 @@ trial's committed ``step``, so ASHA's rungs and PBT's intervals count optimizer 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from raytrain_sys.errors import ServiceInputError, quote
 from raytrain_sys.spec import RESUME_CHANGEABLE
+
+if TYPE_CHECKING:
+    from raytrain_sys.service.model import SweepRecord
 
 DOMAINS = ("grid", "choice", "uniform", "loguniform", "randint")
 SCHEDULERS = ("asha", "fifo", "pbt")
@@ -231,6 +235,14 @@ def set_field(raw: dict, dotted: str, value: Any) -> dict:
         node = child
     node[parts[-1]] = value
     return out
+
+
+def get_field(raw: dict, dotted: str) -> Any:
+    """The value of ``dotted`` in the spec mapping ``raw``; None where a section or the field is missing."""
+    node = raw
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _space(raw: Any, base_raw: dict, base_dir: Optional[str], parse_spec) -> dict:
@@ -468,6 +480,11 @@ def sweep_from_dict(data: dict) -> SweepSpec:
                      metric=data["metric"], mode=data["mode"], num_samples=data["num_samples"],
                      scheduler=SchedulerSpec(**sched), max_workers=data["max_workers"],
                      keep_stopped=data["keep_stopped"])
+
+
+def spec_of(sweep: SweepRecord) -> SweepSpec:
+    """The spec a sweep's record stores (``SweepSpec.to_dict``'s JSON)."""
+    return sweep_from_dict(json.loads(sweep.spec))
 
 
 def _stored_domain(value: dict) -> Domain:
