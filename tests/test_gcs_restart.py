@@ -6,7 +6,7 @@ Ray's GCS fault tolerance keeps the cluster's tables in an external Redis (KubeR
 go on; what needs the GCS (naming actors, listing nodes, the KV) waits or fails, and the
 service's passes must ride that out. Asserted, as a user would see it:
 
-* the job commits steps through the outage (or at the latest right after it), nothing redone;
+* the job commits steps through the outage, nothing redone;
 * no job is started twice: the same runner process, the same workers, no restart counted;
 * the service's HTTP API answers again once the GCS is back;
 * the service and the job's runner run off the head, on the control node (the cluster is the
@@ -61,9 +61,12 @@ def test_a_gcs_restart_under_redis_costs_a_training_service_job_nothing(tmp_path
     # what runs there; with a control group up, nothing of ours does).
     assert r["runner_node"] == r["service_node"] == r["control_node"] != r["head_node"], r
     assert r["worker_pids_after"] == r["worker_pids_before"], "the job's workers were replaced"
-    # Steps committed while the GCS was down, or within seconds of its return.
-    assert r["committed_at_restart"] > r["committed_at_kill"] or r["next_commit_after_restart_s"] < 10.0, r
+    # Steps committed while the GCS was down: the step loop waits on no GCS call (its lookup of
+    # the draining nodes waited out the outage and committed 3 steps in these 5 s).
+    assert r["committed_at_restart"] >= r["committed_at_kill"] + 5, r
+    assert r["api_during_outage"], r  # the service's HTTP API answered while the GCS was down
     assert r["api_after_restart_s"] is not None and r["api_after_restart_s"] < 30.0, r
+    assert r["names_after_restart_s"] is not None and r["names_after_restart_s"] < 30.0, r
 
     summary = json.loads(Path(r["run_dir"], "summary.json").read_text())
     assert summary["committed_steps"] == STEPS and summary["steps_redone"] == 0
@@ -152,10 +155,13 @@ def _child(root: Path) -> dict:
         out["service_node"] = actors[svc._actor_id.hex()]["Address"]["NodeID"]
         out["worker_pids_before"] = json.loads((gates_dir / f"at-{job_id}-{KILL_AT}").read_text())["pids"]
 
+        errors = out["status_errors"] = []
+
         def committed() -> int | None:
             try:  # a call to a live actor through its handle: it needs no GCS
-                return ray.get(runner.status.remote(), timeout=5)["committed_step"]
-            except Exception:
+                return ray.get(runner.status.remote(), timeout=5).committed_step
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
                 return None
 
         (gates_dir / f"go-{job_id}-{KILL_AT}").touch()
@@ -166,11 +172,17 @@ def _child(root: Path) -> dict:
         out["api_during_outage"] = _healthz(api_port)
         cluster.head_node.start_gcs_server()
         restarted = time.monotonic()
-        before = committed() or 0
-        out["next_commit_after_restart_s"] = (
-            time.monotonic() - restarted if wait_until(lambda: (committed() or 0) > before, 60, 0.1) else None)
         out["api_after_restart_s"] = (time.monotonic() - restarted
                                       if wait_until(lambda: _healthz(api_port), 60, 0.2) else None)
+
+        def named_runner() -> bool:  # a lookup by name: the GCS's
+            try:
+                return find_runner(job_id) is not None
+            except Exception:
+                return False
+
+        out["names_after_restart_s"] = (time.monotonic() - restarted
+                                        if wait_until(named_runner, 60, 0.2) else None)
         assert wait_until(lambda: gates.reached(job_id, HOLD_AT), 180), ray.get(svc.job.remote(job_id))
         out["runner_pid_after"] = ray.get(find_runner(job_id).ping.remote(), timeout=30)
         out["worker_pids_after"] = json.loads((gates_dir / f"at-{job_id}-{HOLD_AT}").read_text())["pids"]

@@ -35,6 +35,7 @@ from raytrain_sys.control.supervisor import policy
 from raytrain_sys.control.supervisor.checkpoints import Checkpoints, WriterLost
 from raytrain_sys.control.supervisor.evaluation import Evaluation
 from raytrain_sys.control.supervisor.journal import State
+from raytrain_sys.control.supervisor.launch import InBackground
 from raytrain_sys.control.supervisor.liveness import taken_stacks, watch
 from raytrain_sys.control.supervisor.membership import Membership, NeedsRestore
 from raytrain_sys.control.supervisor.recovery import Recovery
@@ -46,6 +47,11 @@ from raytrain_sys.errors import StorageError, TrainingFailed, find_user_error
 from raytrain_sys.spec import JobSpec
 
 log = logging.getLogger(__name__)
+
+# How long a boundary waits for its lookup of the draining nodes before it goes on with the
+# newest answer it has (the lookup goes on in its thread: see Boundary._draining).
+DRAIN_WAIT_S = 0.5
+
 
 
 class Boundary:
@@ -62,6 +68,7 @@ class Boundary:
         self._old_split_through = 0  # leases sent before that rebalance: not observed after it
         self.drains: tuple = ()  # (node, deadline) of the draining nodes at the newest lookup
         self._last_drain_poll = -float("inf")
+        self._drain_lookup: InBackground | None = None  # a lookup still running in its thread
         self.training_on: set[str] = set()  # draining nodes whose members await successors
         self.step = steps.committed_step  # the committed step at the newest boundary
         self._members_seen: tuple = (None, ())  # (key, members as the plan sees them): see _members
@@ -145,14 +152,25 @@ class Boundary:
 
     def _draining(self) -> tuple:
         """Draining nodes and their deadlines, looked up every elastic.drain_poll_s (the newest
-        answer in between; a failed lookup keeps it: a GCS hiccup must not stop training)."""
-        now = time.monotonic()
-        if now - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
-            self._last_drain_poll = now
+        answer in between; a failed lookup keeps it: a GCS hiccup must not stop training).
+
+        The lookup runs in a thread of its own, waited for at most ``DRAIN_WAIT_S`` (a few
+        milliseconds as a rule): one that takes longer is left running and its answer taken at a
+        later boundary, and no other is started meanwhile. While the GCS is down (a head
+        restart) a lookup waits for it, and the step loop, waiting in it, trained a step every
+        1.7 s instead of every 0.15; no node can be drained meanwhile anyway (a drain is a GCS
+        call)."""
+        lookup = self._drain_lookup
+        if lookup is None and time.monotonic() - self._last_drain_poll >= self.spec.elastic.drain_poll_s:
+            self._last_drain_poll = time.monotonic()
+            lookup = self._drain_lookup = InBackground(drain.draining_nodes, "drain-lookup").start()
+            lookup.join(DRAIN_WAIT_S)
+        if lookup is not None and lookup.done:
+            self._drain_lookup = None
             try:
-                self.drains = tuple((node, d.deadline_unix_s) for node, d in drain.draining_nodes().items())
+                self.drains = tuple((node, d.deadline_unix_s) for node, d in lookup.result().items())
             except Exception as exc:
-                log.debug("could not read draining nodes: %s", exc)
+                log.warning("could not read draining nodes: %s", exc)
         return self.drains
 
     # ------------------------------------------------------------------ the items

@@ -246,6 +246,11 @@ class InBackground:
     def started(self) -> bool:
         return self._thread is not None
 
+    @property
+    def done(self) -> bool:
+        """``fn`` has returned (or raised): ``result`` does not wait."""
+        return self.span is not None
+
     def start(self) -> "InBackground":
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
