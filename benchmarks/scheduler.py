@@ -70,7 +70,9 @@ log = logging.getLogger("scheduler")
 
 def busy_snapshot(queued: int, teams: int, seed: int, now_s: float):
     """A service under load: ``queued`` waiting jobs, a cluster mostly taken by running ones."""
-    from raytrain_sys.service.model import JobState, JobView, Snapshot, Team
+    from raytrain_sys.service.model import JobState
+    from raytrain_sys.service.scheduler.snapshot import JobView, Snapshot
+    from raytrain_sys.service.teams import Team
 
     rng = random.Random(seed)
     team_list = []
@@ -619,7 +621,8 @@ def section_progress(args: argparse.Namespace) -> dict:
     from raytrain_sys.service import requests as user_requests
     from raytrain_sys.service.api import serve
     from raytrain_sys.service.client import Client
-    from raytrain_sys.service.model import JobState, Team
+    from raytrain_sys.service.model import JobState
+    from raytrain_sys.service.teams import Team
     from raytrain_sys.service.names import runner_name
     from raytrain_sys.service.progress import ProgressSource
     from raytrain_sys.service.store import Store

@@ -23,7 +23,7 @@ def test_a_flavors_price_makes_spot_and_on_demand_tokens_cost_apart():
     """The job service prices a run as the flavor it runs on (ResourceFlavor.usd_per_worker_hour,
     set as resources.cost_per_worker_hour at launch): the same worker and the same tokens cost a
     fifth on spot of what they cost on demand here."""
-    from raytrain_sys.service.model import ResourceFlavor, WorkerShape
+    from raytrain_sys.service.flavors import ResourceFlavor, WorkerShape
 
     shape = WorkerShape(cpu=4.0, gpu=1.0, memory_gb=16.0, accelerator="A10G")
     spot = ResourceFlavor("spot-a10g", "spot", "A10G", usd_per_cpu_hour=0.01, usd_per_gpu_hour=0.2,

@@ -8,7 +8,7 @@ import pytest
 
 from raytrain_sys.service.finish import (NO_RESULT, Cancelled, EndedWhileCancelling, Failed, Finished, Paused,
                                          PausedThenCancelled, finish_decision)
-from raytrain_sys.service.model import JobState, RunnerResult, RunOutcome, WaitCause
+from raytrain_sys.service.model import JobState, RunOutcome, RunnerResult, WaitCause
 from raytrain_sys.service.starts import GiveUp
 
 STEP, MAX_RETURNS = 12, 2

@@ -36,7 +36,8 @@ from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
 from raytrain_sys.service.client import Client
-from raytrain_sys.service.model import JobProgress, JobState, Team
+from raytrain_sys.service.model import JobProgress, JobState
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.store import Store
 from tests.ft_common import ft_spec, wait_until

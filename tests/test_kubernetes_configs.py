@@ -419,7 +419,7 @@ def test_the_flavor_table_is_the_clusters_worker_groups():
     RayCluster's training groups: each flavor a group of its market and accelerator, its ceilings
     the group's maxReplicas times what one pod gives Ray; service start takes it with
     --autoscaling."""
-    from raytrain_sys.service.model import check_flavor_table, flavor_from_dict
+    from raytrain_sys.service.flavors import check_flavor_table, flavor_from_dict
 
     config = next(doc for name, doc in DOCS if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] ==
                   "raytrain-flavors")

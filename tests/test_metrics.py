@@ -4,7 +4,9 @@ series are checked against a real Prometheus in tests/test_prometheus.py."""
 from __future__ import annotations
 
 from raytrain_sys.monitor.metrics import team_usage
-from raytrain_sys.service.model import JobState, JobView, Snapshot, Team
+from raytrain_sys.service.model import JobState
+from raytrain_sys.service.scheduler.snapshot import JobView, Snapshot
+from raytrain_sys.service.teams import Team
 
 
 def view(id, team, state, workers=0, target=None, held=False):
@@ -79,7 +81,9 @@ def test_one_teams_name_cannot_turn_the_services_metrics_off():
     script = f"""
 from ray.util import metrics
 from raytrain_sys.monitor.metrics import ServiceMetrics, label_value
-from raytrain_sys.service.model import JobState, JobView, Snapshot, Team
+from raytrain_sys.service.model import JobState
+from raytrain_sys.service.scheduler.snapshot import JobView, Snapshot
+from raytrain_sys.service.teams import Team
 gauge = metrics.Gauge("raytrain_test_label", "test", tag_keys=("team",))
 try:
     gauge.set(1, tags={{"team": "équipe"}})

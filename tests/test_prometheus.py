@@ -39,7 +39,7 @@ KILL_AT = 10  # a worker is killed after this step is committed
 DRIVER = textwrap.dedent("""
     import json, os, signal, sys, time
     from raytrain_sys.control.supervisor import Supervisor
-    from raytrain_sys.service.model import Team
+    from raytrain_sys.service.teams import Team
     from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
     from raytrain_sys.service.store import Store
     from raytrain_sys.spec import from_dict

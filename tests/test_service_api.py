@@ -29,7 +29,9 @@ from raytrain_sys.service import packages
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
 from raytrain_sys.service.client import Client
-from raytrain_sys.service.model import ResourceFlavor, JobState, Team, WaitCause
+from raytrain_sys.service.flavors import ResourceFlavor
+from raytrain_sys.service.model import JobState, WaitCause
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.store import Store
 from raytrain_sys.service.tables import metadata
 
@@ -1117,9 +1119,9 @@ BAD_NAMES = ["bad/name", "Upper", "équipe", "two\nlines", "admin", "-edge", "ed
                                                   "a leading dash", "a trailing dash", "64 characters", "empty",
                                                   "a space", "an underscore"])
 def test_a_team_name_is_held_to_one_rule_by_the_api_the_store_and_the_client(door_service, name):
-    """model.NAME_RULE (a DNS label, not a reserved principal) is the API's schema, the store's
+    """bounds.NAME_RULE (a DNS label, not a reserved principal) is the API's schema, the store's
     check and the client's, with one message; nothing is written, the API's refusal is audited."""
-    from raytrain_sys.service.model import NAME_PATTERN, NAME_RULE
+    from raytrain_sys.service.bounds import NAME_PATTERN, NAME_RULE
 
     svc = door_service
     before = svc.store.teams()

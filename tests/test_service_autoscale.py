@@ -8,8 +8,10 @@ import dataclasses
 import pytest
 
 from raytrain_sys.service.autoscale import demand
-from raytrain_sys.service.model import FlavorQuota, FlavorState, JobState, JobView, ResourceFlavor, Snapshot, Team, \
-    WorkerShape
+from raytrain_sys.service.flavors import FlavorState, ResourceFlavor, WorkerShape
+from raytrain_sys.service.model import JobState
+from raytrain_sys.service.scheduler.snapshot import JobView, Snapshot
+from raytrain_sys.service.teams import FlavorQuota, Team
 from raytrain_sys.service.scheduler import decide
 
 NOW = 10_000.0

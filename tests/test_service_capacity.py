@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_sys.service.capacity import GB, flavor_states
-from raytrain_sys.service.model import ResourceFlavor
+from raytrain_sys.service.flavors import ResourceFlavor
 
 SPOT = ResourceFlavor("spot-cpu", "spot", resources=("cpu",), max_cpu=32.0)
 A10G = ResourceFlavor("spot-a10g", "spot", "A10G", resources=("gpu",), max_gpu=8.0)

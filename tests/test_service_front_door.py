@@ -165,7 +165,7 @@ def test_two_jobs_start_at_once_on_a_fresh_service_and_serve_shows_their_logs(ra
     Then `service serve` on the same store from another directory, with no --log-dir: `jobs
     logs` shows the lines their runners wrote."""
     from raytrain_sys.service.auth import init_admin
-    from raytrain_sys.service.model import Team
+    from raytrain_sys.service.teams import Team
     from tests.helpers import tiny_spec
     from tests.service_common import StepGates, running_service
 
@@ -220,7 +220,7 @@ def api(tmp_path):
     """The HTTP API over a fresh SQLite store (no Ray), an admin token and a team token."""
     from raytrain_sys.service.api import serve
     from raytrain_sys.service.auth import init_admin
-    from raytrain_sys.service.model import Team
+    from raytrain_sys.service.teams import Team
 
     store = Store.open(f"sqlite:///{tmp_path}/api.db")
     store.add_team(Team("a", 2))

@@ -26,7 +26,8 @@ import pytest
 from raytrain_sys.service import requests
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.auth import init_admin
-from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.model import JobState
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.store import Store
 
 MAX_EXAMPLES = 25  # fuzzing-phase examples per operation; coverage adds its own (each bound, type, pattern)

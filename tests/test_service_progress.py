@@ -18,7 +18,8 @@ from raytrain_sys.control.spares import NAMESPACE
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.api import serve
 from raytrain_sys.service.client import Client
-from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.model import JobState
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.names import runner_name
 from raytrain_sys.service.progress import RUNNER_ANSWER_S, ProgressSource
 from raytrain_sys.service.store import Store

@@ -14,9 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from raytrain_sys.errors import ServiceInputError
-from raytrain_sys.service.model import (Admit, FlavorQuota, FlavorState, Grow, JobState, JobView, Pause, Policy,
-                                        ResourceFlavor, Shrink, Snapshot, Team, TransitionNotAllowed, Wait, WaitCause,
-                                        WorkerShape)
+from raytrain_sys.service.flavors import FlavorState, ResourceFlavor, WorkerShape
+from raytrain_sys.service.model import JobState, TransitionNotAllowed, WaitCause
+from raytrain_sys.service.scheduler.actions import Admit, Grow, Pause, Shrink, Wait
+from raytrain_sys.service.scheduler.snapshot import JobView, Policy, Snapshot
+from raytrain_sys.service.teams import FlavorQuota, Team
 from raytrain_sys.service.scheduler import (FlavorQuotas, Quotas, admission_order, decide, never_fits_reason,
                                             team_ceiling_workers)
 

@@ -18,8 +18,10 @@ from sqlalchemy import create_engine, select, update
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import (Admit, FlavorQuota, FlavorState, JobState, ResourceFlavor, Team,
-                                        TransitionNotAllowed, WaitCause, WorkerShape)
+from raytrain_sys.service.flavors import FlavorState, ResourceFlavor, WorkerShape
+from raytrain_sys.service.model import JobState, TransitionNotAllowed, WaitCause
+from raytrain_sys.service.scheduler.actions import Admit
+from raytrain_sys.service.teams import FlavorQuota, Team
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store, mask_url
 from raytrain_sys.service.tables import jobs, metadata, teams
@@ -226,7 +228,7 @@ def test_the_reconciler_records_a_runs_end_as_finish_decision_says(tmp_path, sta
     the run itself is recorded (its end, running, paused; not a stop's or a cancel's note, nor a
     give-up); then it ends the runner (the one Ray call, watched here)."""
     from raytrain_sys.service.finish import finish_decision
-    from raytrain_sys.service.model import RunnerResult, RunOutcome
+    from raytrain_sys.service.model import RunOutcome, RunnerResult
     from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig
     from raytrain_sys.service.runner import Launch, RunnerState, RunnerStatus
 
@@ -439,7 +441,8 @@ def test_idempotent_submit(store):
 _WRITER = r"""
 import json, sys, time
 from sqlalchemy import insert, update
-from raytrain_sys.service.model import JobState, Team
+from raytrain_sys.service.model import JobState
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.store import Store
 from raytrain_sys.service.tables import jobs, transitions
 

@@ -12,7 +12,8 @@ import os
 import pytest
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError
-from raytrain_sys.service.model import JobState, SweepState, Team, TransitionNotAllowed
+from raytrain_sys.service.model import JobState, SweepState, TransitionNotAllowed
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.store import Store
 from raytrain_sys.service.sweeps.spec import (REQUIRED_FIELDS, parse_sweep, sweep_from_dict, sweep_json_schema, trial_spec,
                                       tune_space)

@@ -183,7 +183,7 @@ def test_a_six_trial_asha_sweep_over_the_http_api_hands_each_stopped_trials_work
     from mlflow import MlflowClient
 
     from raytrain_sys.service.client import Client
-    from raytrain_sys.service.model import Team
+    from raytrain_sys.service.teams import Team
     from raytrain_sys.service.sweeps.spec import spec_of, tracking_uri
     from tests.test_jobs_page import free_port
 

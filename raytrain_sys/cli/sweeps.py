@@ -106,7 +106,7 @@ def _local(args: argparse.Namespace) -> int:
     _connect()
     store = Store.open(url)
     try:
-        from raytrain_sys.service.model import Team
+        from raytrain_sys.service.teams import Team
 
         workers = max(1, cluster_capacity_workers(job_requests.shape_of(_job_spec(spec)).cpu))
         if LOCAL_TEAM not in {t.name for t in store.teams()}:

@@ -13,7 +13,7 @@ state transition), which is where it changes.
 
 The price is the spec's ``resources.cost_per_worker_hour``. A job service job is priced as the
 flavor it was admitted on: its launch sets that field to the flavor's price for the job's worker
-(``service.model.ResourceFlavor.usd_per_worker_hour``: CPUs, GPUs and GB at the flavor's hourly
+(``service.flavors.ResourceFlavor.usd_per_worker_hour``: CPUs, GPUs and GB at the flavor's hourly
 rates), so spot and on-demand runs of the same job cost apart.
 
 Two prices per token: the plain one divides by every token trained (steps redone after a

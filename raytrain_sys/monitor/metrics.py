@@ -23,7 +23,7 @@ metrics error is logged once and the metrics go quiet: they must never stop a ru
 
 Every label value goes through ``label_value``: Ray's exporter encodes tag values as ASCII and
 raises on anything else, so one team or job name outside ASCII would otherwise turn a run's (or
-the service's) metrics off. The service's names follow ``service.model.NAME_RULE`` already; this
+the service's) metrics off. The service's names follow ``service.bounds.NAME_RULE`` already; this
 is the net under it (a team made before the rule, a spec's name). And the service's gauges are
 set team by team: one team's failure is logged and skips that team, never the others.
 """

@@ -39,7 +39,9 @@ from starlette.concurrency import run_in_threadpool
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, UserError, quote
 from raytrain_sys.service import auth, door, packages, requests
-from raytrain_sys.service.model import FlavorQuota, JobProgress, JobRecord, JobState, ResourceFlavor, SweepRecord, Team
+from raytrain_sys.service.flavors import ResourceFlavor
+from raytrain_sys.service.model import JobProgress, JobRecord, JobState, SweepRecord
+from raytrain_sys.service.teams import FlavorQuota, Team
 from raytrain_sys.service.schema import (LOG_CHUNK_BYTES, ActionIn, CancelIn, ErrorOut, FlavorName, FlavorOut,
                                          FlavorsIn, HealthOut, JobId, JobOut, LogLimit, LogOffset, PackageOut,
                                          ProgressOut, QuotasIn, RevokedOut, Sha256, SubmitIn, SweepId, SweepOut,
@@ -72,8 +74,8 @@ it shows exactly what that token may list.
 
 Every request is held to one declared schema (the pydantic models below, which are also the
 published OpenAPI document, ``/openapi.json``): each body field, query and path parameter has its
-type, bounds (``model``'s: worker counts, priorities, weights, job ids), lengths and patterns (a
-team's name: ``model.NAME_RULE``), and a body has exactly its fields (an unknown one is refused).
+type, bounds (``bounds.py``: worker counts, priorities, weights, job ids), lengths and patterns (a
+team's name: ``bounds.NAME_RULE``), and a body has exactly its fields (an unknown one is refused).
 What the schema cannot say (a spec's own rules, a lending limit above the nominal quota, an
 unknown team) is checked by the code behind it and refused the same way. The front door
 (``service/door.py``) bounds every body (413), refuses a body that is not UTF-8 JSON, answers
@@ -446,7 +448,7 @@ def create_app(store: Store, *, log_dir: Union[str, os.PathLike, None] = None,
 
     @app.post(f"{API_PREFIX}/teams", response_model=TeamOut, status_code=201, tags=["teams"])
     def add_team(body: TeamAddIn, who: Principal = Depends(principal)) -> TeamOut:
-        """A new team and its quota (its name: ``model.NAME_RULE``; the store checks it again)."""
+        """A new team and its quota (its name: ``bounds.NAME_RULE``; the store checks it again)."""
         with audited(who, "add_team", f"team {body.name}"):
             auth.check_admin(who, "adding a team")
             team = store.add_team(Team(**body.model_dump()))

@@ -29,8 +29,10 @@ from typing import Optional
 
 from raytrain_sys.control import slot_bundle
 from raytrain_sys.control.node_roles import Flavor
-from raytrain_sys.service.model import (Action, Admit, Grow, JobState, Pause, ResourceFlavor, Shrink,
-                                        Snapshot, Wait, WaitCause, WorkerShape)
+from raytrain_sys.service.flavors import ResourceFlavor, WorkerShape
+from raytrain_sys.service.model import JobState, WaitCause
+from raytrain_sys.service.scheduler.actions import Action, Admit, Grow, Pause, Shrink, Wait
+from raytrain_sys.service.scheduler.snapshot import Snapshot
 
 @dataclass(frozen=True)
 class Request:

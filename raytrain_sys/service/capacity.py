@@ -26,7 +26,7 @@ from typing import Optional
 
 from raytrain_sys.control import GB  # Ray counts memory in bytes, flavors in GB
 from raytrain_sys.control.node_roles import flavor_of
-from raytrain_sys.service.model import FlavorState, ResourceFlavor
+from raytrain_sys.service.flavors import FlavorState, ResourceFlavor
 
 RAY_RESOURCES = {"cpu": "CPU", "gpu": "GPU", "memory_gb": "memory"}
 

@@ -12,7 +12,7 @@ text). Errors say what happened and never carry the token: a refused request rai
 a ``ServiceInputError`` with ``.field``, for a 400; ``ServiceRequestConflict``, a
 ``JobStateConflict``, for a 409); a service that cannot be reached raises one
 ``ServiceRequestError`` naming the URL. A team's (or cohort's) name is checked before anything
-is sent, by the rule the service holds it to (``service/model.py``): a name the service would
+is sent, by the rule the service holds it to (``service/bounds.py``): a name the service would
 refuse raises the service's own answer (``ServiceRequestInvalid``, its field and message), so a
 caller handles one error wherever it came from, and a name no URL could carry is never sent.
 """
@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 
 from raytrain_sys.errors import ServiceRequestConflict, ServiceRequestError, ServiceRequestInvalid, UserError
 from raytrain_sys.service import packages
-from raytrain_sys.service.model import name_problem, team_ref_problem
+from raytrain_sys.service.bounds import name_problem, team_ref_problem
 from raytrain_sys.spec import read_spec_file
 
 URL_ENV = "RAYTRAIN_SYS_SERVICE_URL"

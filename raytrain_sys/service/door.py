@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from raytrain_sys.errors import quote
 from raytrain_sys.service import auth, packages
-from raytrain_sys.service.model import MAX_JOB_ID
+from raytrain_sys.service.bounds import MAX_JOB_ID
 from raytrain_sys.service.store import Store
 
 log = logging.getLogger(__name__)
@@ -291,7 +291,7 @@ def validation_refusal(request: Request, errors: typing.Sequence[dict]) -> JSONR
 def _reason(error: dict) -> str:
     """What was wrong with the value, after ``got <its quote>``."""
     kind, value, msg = error.get("type", ""), error.get("input"), str(error.get("msg", "invalid"))
-    if kind == "value_error":  # our own rules (model.name_problem, ...) say "got ..." themselves
+    if kind == "value_error":  # our own rules (bounds.name_problem, ...) say "got ..." themselves
         return msg.removeprefix("Value error, ")
     if kind == "extra_forbidden":
         return "unknown field"

@@ -34,7 +34,7 @@ from typing import Optional, Union
 
 from raytrain_sys.errors import ClusterCapacityError
 from raytrain_sys.service import starts
-from raytrain_sys.service.model import JobState, RunnerResult, RunOutcome, WaitCause
+from raytrain_sys.service.model import JobState, RunOutcome, RunnerResult, WaitCause
 
 # A runner done without a result (its thread ended without setting one) is a failed run.
 NO_RESULT = RunnerResult(RunOutcome.FAILED, "the runner ended without a result")

@@ -84,8 +84,9 @@ from raytrain_sys.service import runner as runners
 from raytrain_sys.service import starts
 from raytrain_sys.service.finish import (NO_RESULT, RAN_UNSEEN, Cancelled, EndedWhileCancelling, Failed, Finished,
                                          Paused, PausedThenCancelled, finish_decision)
-from raytrain_sys.service.model import (LIVE_STATES, Action, Admit, FlavorState, Grow, JobRecord, JobState, Pause,
-                                        ResourceFlavor, Shrink, TransitionNotAllowed, Wait, WaitCause)
+from raytrain_sys.service.flavors import FlavorState, ResourceFlavor
+from raytrain_sys.service.model import LIVE_STATES, JobRecord, JobState, TransitionNotAllowed, WaitCause
+from raytrain_sys.service.scheduler.actions import Action, Admit, Grow, Pause, Shrink, Wait
 from raytrain_sys.service.scheduler import decide
 from raytrain_sys.service.store import Store
 from raytrain_sys.tracking import mlflow_store as ms

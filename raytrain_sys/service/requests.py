@@ -60,7 +60,8 @@ from typing import Any, Callable, Optional, Union
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, SpecError
 from raytrain_sys.service import auth, packages
-from raytrain_sys.service.model import JobRecord, JobState, WorkerShape
+from raytrain_sys.service.flavors import WorkerShape
+from raytrain_sys.service.model import JobRecord, JobState
 from raytrain_sys.service.store import Store
 from raytrain_sys.spec import JobSpec, apply_overrides, describe_object, from_dict, parse_yaml
 

@@ -60,7 +60,7 @@ from raytrain_sys.monitor.report import progress
 from raytrain_sys.service.names import (RUNNER_PREFIX, SPARE_RUNNER_PREFIX,  # noqa: F401 (their home was here)
                                         SPARE_START_TIMEOUT_S, find_runner, runner_name, spare_runners)
 from raytrain_sys.niceness import process_niceness, set_niceness
-from raytrain_sys.service.model import JobRecord, JobState, RunnerResult, RunnerState, RunOutcome
+from raytrain_sys.service.model import JobRecord, JobState, RunOutcome, RunnerResult, RunnerState
 from raytrain_sys.spec import apply_overrides, from_dict
 
 if TYPE_CHECKING:  # imported in the runner's __init__, at RUN_NICENESS (torch: most of a start's CPU)

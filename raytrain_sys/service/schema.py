@@ -3,8 +3,8 @@ and the annotated types of its path and query parameters. Together they are the 
 OpenAPI document (``/openapi.json``): a class's name is a schema's name there, so renaming one
 changes the API.
 
-Owns: each body field's, query's and path parameter's type, bounds (``model``'s: worker counts,
-priorities, weights, job ids), lengths and patterns (a team's name: ``model.NAME_RULE``); that a
+Owns: each body field's, query's and path parameter's type, bounds (``bounds.py``: worker counts,
+priorities, weights, job ids), lengths and patterns (a team's name: ``bounds.NAME_RULE``); that a
 body has exactly its fields, each of exactly its JSON type (``_Body``), and how the API's errors
 name them (``field_prefix``); an integral number taken as its int; the responses' forms of the
 store's records (``JobOut.of``, ``TeamOut.of``, ``FlavorOut.of``). A value the schema refuses is
@@ -30,11 +30,13 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from raytrain_sys.errors import quote
 from raytrain_sys.service import door
-from raytrain_sys.service.model import (ACCELERATOR_PATTERN, DEFAULT_FLAVOR, JOB_NAME_MAX_CHARS, JOB_NAME_PATTERN,
-                                        MARKETS, MAX_AMOUNT, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS, NAME_MAX_CHARS,
-                                        NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES, RESOURCES,
-                                        TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, JobRecord, JobState, ResourceFlavor,
-                                        SweepState, Team, WaitCause, name_problem, team_ref_problem)
+from raytrain_sys.control.node_roles import MARKETS
+from raytrain_sys.service.bounds import (JOB_NAME_MAX_CHARS, JOB_NAME_PATTERN, MAX_JOB_ID, MAX_WEIGHT, MAX_WORKERS,
+                                         NAME_MAX_CHARS, NAME_PATTERN, NAME_RULE, PRIORITY_LIMIT, RESERVED_TEAM_NAMES,
+                                         TEAM_REF_MAX_CHARS, TEAM_REF_PATTERN, name_problem, team_ref_problem)
+from raytrain_sys.service.flavors import ACCELERATOR_PATTERN, DEFAULT_FLAVOR, MAX_AMOUNT, RESOURCES, ResourceFlavor
+from raytrain_sys.service.model import JobRecord, JobState, SweepState, WaitCause
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.sweeps import requests as sweep_requests
 
 LOG_CHUNK_BYTES = 1 << 20  # one logs answer at most (1 MiB); a follower asks again from next_offset

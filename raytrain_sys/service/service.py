@@ -56,7 +56,8 @@ from raytrain_sys.errors import ServiceInputError, UserError, find_user_error
 from raytrain_sys.niceness import set_niceness
 from raytrain_sys.service import requests as user_requests
 from raytrain_sys.service.capacity import autoscaler_max_resources, ceilings, flavor_states
-from raytrain_sys.service.model import FlavorQuota, Team, flavor_from_dict
+from raytrain_sys.service.flavors import flavor_from_dict
+from raytrain_sys.service.teams import FlavorQuota, Team
 from raytrain_sys.service.names import SERVICE_NAME
 from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.reconciler import Reconciler, ReconcilerConfig

@@ -31,7 +31,7 @@ and upgraded only by the Alembic migrations, run when the store opens). Rules it
   unique together: ``submit`` of a trial that has a job returns that job (a re-driven trial
   re-attaches), and a sweep that has ended takes no new trial.
 * **Nothing out of bounds is written**, whoever asks (the API, the service actor, a script): a
-  new team's name and a cohort follow ``model.NAME_RULE``, every count and priority is within
+  new team's name and a cohort follow ``bounds.NAME_RULE``, every count and priority is within
   ``model``'s bounds (well inside the 32-bit columns). A team made before the name rule is read,
   listed and scheduled as it is.
 
@@ -57,10 +57,14 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, IntegrityError, InterfaceE
 
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, ServiceStoreError, quote
 from raytrain_sys.service import migrations
-from raytrain_sys.service.model import (DEFAULT_SHAPE, LIVE_STATES, MAX_WEIGHT, PRIORITY_LIMIT, AuditRecord,
-                                        FlavorQuota, FlavorState, JobRecord, JobState, ResourceFlavor, Snapshot,
-                                        SweepRecord, SweepState, SweepTransitionRecord, Team, TransitionRecord, WaitCause, WorkerShape, check_count, check_flavor_table,
-                                        check_team_name, job_name_problem, name_problem, shape_refusal)
+from raytrain_sys.service.bounds import (MAX_WEIGHT, PRIORITY_LIMIT, check_count, check_team_name, job_name_problem,
+                                         name_problem)
+from raytrain_sys.service.flavors import (DEFAULT_SHAPE, FlavorState, ResourceFlavor, WorkerShape, check_flavor_table,
+                                          shape_refusal)
+from raytrain_sys.service.model import (LIVE_STATES, AuditRecord, JobRecord, JobState, SweepRecord, SweepState,
+                                        SweepTransitionRecord, TransitionRecord, WaitCause)
+from raytrain_sys.service.scheduler.snapshot import JobView, Snapshot
+from raytrain_sys.service.teams import FlavorQuota, Team
 from raytrain_sys.service.scheduler.quota import never_fits_reason
 from raytrain_sys.service.tables import (audit, flavors, jobs, packages, store_meta, sweep_transitions, sweeps,
                                          team_quotas, teams, tokens, transitions)
@@ -226,7 +230,7 @@ class Store:
     # ------------------------------------------------------------------ teams
 
     def add_team(self, team: Team, *, now_s: Optional[float] = None) -> Team:
-        """Create a team (its quota); a name taken or not following ``model.NAME_RULE``, or a
+        """Create a team (its quota); a name taken or not following ``bounds.NAME_RULE``, or a
         count out of bounds, raises ``ServiceInputError`` on the field."""
         check_team_name(team.name)
         _check_team_write(team)
@@ -298,7 +302,7 @@ class Store:
             return _flavors(conn)
 
     def set_flavors(self, table: Sequence[ResourceFlavor]) -> tuple[ResourceFlavor, ...]:
-        """Replace the flavor table (``model.check_flavor_table``). A flavor that admitted live jobs
+        """Replace the flavor table (``flavors.check_flavor_table``). A flavor that admitted live jobs
         run on cannot be removed (``ServiceInputError`` on ``flavors`` naming them); quotas of a
         removed flavor stay, and count again if it comes back."""
         table = check_flavor_table(list(table))
@@ -638,7 +642,7 @@ class Store:
         their capacity) or, with none, ``cluster_workers``."""
         with self._tx() as conn:
             all_teams = _teams(conn)
-            live = [_job(r).view() for r in conn.execute(
+            live = [JobView.of(_job(r)) for r in conn.execute(
                 select(jobs).where(jobs.c.state.in_([s.value for s in LIVE_STATES])).order_by(jobs.c.id))]
             caps = tuple((r.id, r.max_workers) for r in conn.execute(
                 select(sweeps.c.id, sweeps.c.max_workers).where(

@@ -165,7 +165,7 @@ packages = Table(
     Column("created_at_s", Double, nullable=False),
 )
 
-# The service's flavor table (Kueue's ResourceFlavors; model.ResourceFlavor), in its order of
+# The service's flavor table (Kueue's ResourceFlavors; flavors.ResourceFlavor), in its order of
 # preference; empty: the implicit flavor counting workers (migration 0005).
 flavors = Table(
     "flavors", metadata,
@@ -182,12 +182,12 @@ flavors = Table(
     Column("max_memory_gb", Double, nullable=True),
 )
 
-# A team's quota of one resource on one flavor (model.FlavorQuota; migration 0005).
+# A team's quota of one resource on one flavor (teams.FlavorQuota; migration 0005).
 team_quotas = Table(
     "team_quotas", metadata,
     Column("team", String(64), ForeignKey("teams.name"), primary_key=True),
     Column("flavor", String(64), primary_key=True),
-    Column("resource", String(16), primary_key=True),  # model.RESOURCES
+    Column("resource", String(16), primary_key=True),  # flavors.RESOURCES
     Column("nominal", Double, nullable=False),
     Column("borrowing_limit", Double, nullable=True),  # NULL: as much as the cohort lends
     Column("lending_limit", Double, nullable=True),  # NULL: lends all of its nominal quota

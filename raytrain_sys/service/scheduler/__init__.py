@@ -1,8 +1,9 @@
 """The service's scheduler: a pure function from (snapshot, time) to actions.
 
 No Ray, no database, no clock of its own: ``decide(snapshot, now_s)`` returns ``Admit``,
-``Grow``, ``Shrink``, ``Pause`` and ``Wait`` values (``raytrain_sys.service.model``), each with a
-human-readable reason, and the reconciler carries them out. ``quota`` holds the Kueue-style
+``Grow``, ``Shrink``, ``Pause`` and ``Wait`` values (``actions``), each with a human-readable
+reason, and the reconciler carries them out; ``snapshot`` holds its input (``Snapshot``,
+``JobView``, ``Policy``). ``quota`` holds the Kueue-style
 arithmetic of teams and cohorts (per flavor and resource), ``ordering`` the named orderings, ``decide`` the pass itself.
 """
 

@@ -54,8 +54,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
-from raytrain_sys.service.model import (DEFAULT_POLICY, Action, Admit, FlavorState, Grow, JobState, JobView, Pause,
-                                        Policy, Shrink, Snapshot, Team, Wait, WaitCause, WorkerShape, no_flavor_reason)
+from raytrain_sys.service.flavors import FlavorState, WorkerShape, no_flavor_reason
+from raytrain_sys.service.model import JobState, WaitCause
+from raytrain_sys.service.scheduler.actions import Action, Admit, Grow, Pause, Shrink, Wait
+from raytrain_sys.service.scheduler.snapshot import DEFAULT_POLICY, JobView, Policy, Snapshot
+from raytrain_sys.service.teams import Team
 from raytrain_sys.service.scheduler.ordering import (admission_order, effective_priority, growth_order,
                                                      pause_order, shrink_order)
 from raytrain_sys.service.scheduler.quota import EPS, FlavorQuotas, fitting, never_fits_reason

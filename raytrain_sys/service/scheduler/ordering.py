@@ -8,7 +8,7 @@ the job id, so every ordering is total and a pass is deterministic. Pure: no Ray
 
 from __future__ import annotations
 
-from raytrain_sys.service.model import JobView, Policy
+from raytrain_sys.service.scheduler.snapshot import JobView, Policy
 
 
 def effective_priority(job: JobView, now_s: float, policy: Policy) -> int:

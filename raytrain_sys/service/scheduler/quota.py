@@ -25,8 +25,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from raytrain_sys.errors import quote
-from raytrain_sys.service.model import (DEFAULT_FLAVOR, DEFAULT_SHAPE, FlavorState, ResourceFlavor, Team, WorkerShape,
-                                        no_flavor_reason)
+from raytrain_sys.service.flavors import (DEFAULT_FLAVOR, DEFAULT_SHAPE, FlavorState, ResourceFlavor, WorkerShape,
+                                          no_flavor_reason)
+from raytrain_sys.service.teams import Team
 
 UNLIMITED = math.inf
 EPS = 1e-9  # amounts are sums of fractional CPUs and GBs: a worker that fits to rounding fits

@@ -57,7 +57,7 @@ SWEEP_FIELDS = ("name", "base", "space", "metric", "mode", "num_samples", "sched
                 "keep_stopped")
 REQUIRED_FIELDS = ("base", "space", "metric")
 NAME_MAX_CHARS = 200
-MAX_SWEEP_WORKERS = 100_000  # the API's bound on any count of workers (service/model.MAX_WORKERS)
+MAX_SWEEP_WORKERS = 100_000  # the API's bound on any count of workers (service/bounds.MAX_WORKERS)
 SCHEDULER_FIELDS = {
     "asha": ("type", "grace_period_steps", "reduction_factor"),
     "fifo": ("type",),
