@@ -1,12 +1,14 @@
 """Shared by the job service tests: step gates that hold a runner's step loop at a chosen step
 until the test says go (so that an event lands mid-run whatever the machine's speed), and the
-service's start and clean-up on the session cluster."""
+service's start and clean-up on the session cluster; a free port for its HTTP API, and whether
+that API answers."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import socket
 import time
 
 import ray
@@ -85,6 +87,23 @@ def runner_heard(test_dir, job_id: int, what: str, timeout_s: float = 120.0) -> 
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id}'s runner was not asked to {what} within {timeout_s:g} s")
         time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the service's API is bound to it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def api_answers(url: str) -> bool:
+    """The service's HTTP API at ``url`` answers ``GET /healthz`` (False while it is not up)."""
+    from raytrain_sys.service.client import Client
+
+    try:
+        return Client(url, None).health()["ok"]
+    except Exception:  # noqa: BLE001: not up (yet, or any more)
+        return False
 
 
 def runner_actors() -> list[str]:

@@ -23,12 +23,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,6 +34,7 @@ import pytest
 from tests.child_cluster import print_result, run_child
 from tests.ft_common import assert_losses_like, expected_sample_ids, ft_spec
 from tests.helpers import assert_params_close, final_params
+from tests.service_common import StepGates, api_answers, free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="redis-server not installed (scripts/install.sh dev installs it)")
@@ -85,23 +84,9 @@ def test_a_gcs_restart_under_redis_costs_a_training_service_job_nothing(tmp_path
 
 
 # --------------------------------------------------------------------------- child
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthz(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
-            return resp.status == 200
-    except Exception:
-        return False
-
-
 def _child(root: Path) -> dict:
     redis_dir = tempfile.mkdtemp(prefix="rtsr-", dir="/tmp")
-    redis_port = _free_port()
+    redis_port = free_port()
     redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                               "--appendonly", "no", "--dir", redis_dir],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -115,7 +100,6 @@ def _child(root: Path) -> dict:
     from raytrain_sys.service.runner import find_runner
     from raytrain_sys.service.service import start_service, stop_service
     from tests.ft_common import wait_until
-    from tests.service_common import StepGates
 
     dataset = str(root / "data")
     prepare_text_dataset(dataset, row_len=33, rows_per_shard=512, max_bytes=400_000)
@@ -139,7 +123,8 @@ def _child(root: Path) -> dict:
         gates_dir = root / "gates"
         gates_dir.mkdir()
         gates = StepGates(str(gates_dir))
-        api_port = _free_port()
+        api_port = free_port()
+        api_url = f"http://127.0.0.1:{api_port}"
         svc = start_service(f"sqlite:///{root / 'svc.db'}", port=api_port, poll_s=0.2, warm_workers_per_node=0,
                             log_dir=str(root / "logs"), serve_api=True, step_hook=gates)
         ray.get(svc.add_team.remote("a", 2))
@@ -169,11 +154,11 @@ def _child(root: Path) -> dict:
         out["committed_at_kill"] = KILL_AT
         time.sleep(OUTAGE_S)
         out["committed_at_restart"] = committed()
-        out["api_during_outage"] = _healthz(api_port)
+        out["api_during_outage"] = api_answers(api_url)
         cluster.head_node.start_gcs_server()
         restarted = time.monotonic()
         out["api_after_restart_s"] = (time.monotonic() - restarted
-                                      if wait_until(lambda: _healthz(api_port), 60, 0.2) else None)
+                                      if wait_until(lambda: api_answers(api_url), 60, 0.2) else None)
 
         def named_runner() -> bool:  # a lookup by name: the GCS's
             try:

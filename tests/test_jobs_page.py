@@ -18,7 +18,6 @@ import glob
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,18 +41,12 @@ from raytrain_sys.service.progress import ProgressSource
 from raytrain_sys.service.store import Store
 from tests.ft_common import ft_spec, wait_until
 from tests.helpers import read_summary
-from tests.service_common import StepGates, running_service
+from tests.service_common import StepGates, api_answers, free_port, running_service
 
 CHROMIUM = shutil.which("chromium")
 STEPS, HELD_AT = 12, 6
 WAIT_S = 180.0
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs the Debian chromium package (scripts/install.sh dev)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def chromium(url: str, *, screenshot: str = "") -> str:
@@ -88,7 +81,7 @@ def test_jobs_page_shows_a_running_job_to_its_team_only(ray_cluster, tiny_datase
         store = Store.open(f"sqlite:///{db}")
         tokens = {"a": store.issue_token("a"), "b": store.issue_token("b"), "admin": init_admin(store)}
         url = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _healthy(url), 30), f"the service's API did not answer on {url}"
+        assert wait_until(lambda: api_answers(url), 30), f"the service's API did not answer on {url}"
         gates.hold(1, HELD_AT)
         job = ray.get(svc.submit.remote("a", spec))["id"]
         assert wait_until(lambda: gates.reached(job, HELD_AT), WAIT_S), ray.get(svc.job.remote(job))
@@ -126,14 +119,6 @@ def test_jobs_page_shows_a_running_job_to_its_team_only(ray_cluster, tiny_datase
     plots = {os.path.basename(a.path) for a in MlflowClient(summary["tracking_uri"]).list_artifacts(
         summary["mlflow_run_id"], "plots")}
     assert plots == {"loss.png", "throughput.png", "world_size.png", "rank_breakdown.png"}
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/healthz", timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def test_progress_is_scoped_by_token_and_read_from_an_ended_jobs_summary(tmp_path):

@@ -19,14 +19,9 @@ import ray
 from raytrain_sys.service.runner import NAMESPACE
 from raytrain_sys.service.service import get_service, stop_service
 from raytrain_sys.service.store import LOG_DIR_NAME, Store
+from tests.service_common import free_port
 
 CLI = [sys.executable, "-m", "raytrain_sys.cli.main"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_error_line(stderr: str) -> str:

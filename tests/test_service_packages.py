@@ -20,17 +20,10 @@ from raytrain_sys.service.store import Store
 from tests.fixtures.ray_head import _free_ports
 from tests.ft_common import wait_until
 from tests.helpers import read_summary
-from tests.service_common import StepGates, runner_heard, running_service
+from tests.service_common import StepGates, api_answers, runner_heard, running_service
 
 STEPS, HELD_AT = 40, 25
 WAIT_S = 240.0
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return Client(url, None).health()["ok"]
-    except Exception:  # noqa: BLE001: not up yet
-        return False
 
 
 @pytest.mark.slow  # about 70 s: the service, a failed start, a start, a pause and a resume
@@ -48,7 +41,7 @@ def test_a_job_runs_the_code_its_team_sent_with_it_through_a_pause_and_a_resume(
         ray.get(svc.add_team.remote("a", 4))
         store = Store.open(f"sqlite:///{db}")
         url = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _healthy(url), 30), f"the service's API did not answer on {url}"
+        assert wait_until(lambda: api_answers(url), 30), f"the service's API did not answer on {url}"
         client = Client(url, store.issue_token("a"))
 
         # Without its code: the runner cannot import the factory; the job fails before training.
