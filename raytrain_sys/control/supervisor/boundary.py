@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 DRAIN_WAIT_S = 0.5
 
 
-
 class Boundary:
     def __init__(self, spec: JobSpec, transition: Callable, membership: Membership, steps: Steps,
                  checkpoints: Checkpoints, evaluation: Evaluation | None, stragglers: Stragglers,
