@@ -1,5 +1,9 @@
 """Driver loss: the supervisor process itself dies mid-run, and `raytrain-sys resume` carries on.
 
+Resumed within elastic.orphan_timeout_s, the new driver adopts the live workers (the same
+processes, no step trained again: control/adoption.py); resumed after it, the agents have ended
+them and the resume restores the newest checkpoint.
+
 The driver runs as `raytrain-sys run` in a subprocess attached to the session cluster
 (RAY_ADDRESS), tracked on a real `mlflow server` (a driver stopped in the middle of a SQLite
 write would lock the store for the resume). What Ray does with a SIGKILLed driver's actors and
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from raytrain_sys.control.supervisor import run_job
@@ -43,9 +49,34 @@ RAYTRAIN_SYS = str(Path(sys.executable).parent / "raytrain-sys")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def driver_spec(tmp_path, dataset, mlflow_uri):
-    return ft_spec(tmp_path, dataset, STEPS, train={"log_every_steps": 1}, elastic={"orphan_timeout_s": ORPHAN_S},
-                   tracking={"uri": mlflow_uri, "experiment": "driver-loss"})
+def driver_spec(tmp_path, dataset, mlflow_uri, orphan_s: float = ORPHAN_S, **train):
+    return ft_spec(tmp_path, dataset, STEPS, train={"log_every_steps": 1, **train},
+                   elastic={"orphan_timeout_s": orphan_s}, tracking={"uri": mlflow_uri, "experiment": "driver-loss"})
+
+
+@pytest.fixture(scope="module")
+def reference(ray_nodes, tiny_dataset, tmp_path_factory, mlflow_server):
+    """The uninterrupted run (final parameters, result) both driver losses must end equal to."""
+    ref = run_job(driver_spec(tmp_path_factory.mktemp("ref"), tiny_dataset, mlflow_server))
+    return final_params(ref.newest_checkpoint), ref
+
+
+def start_driver(spec, tmp_path, address: str):
+    """``raytrain-sys run`` of ``spec`` in a subprocess attached to the session cluster: (process,
+    its log's path, the environment for the resume)."""
+    job_yaml = tmp_path / "job.yaml"
+    job_yaml.write_text(yaml.safe_dump(spec.to_dict()))
+    env = {**os.environ, "RAY_ADDRESS": address,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    log_path = tmp_path / "driver.log"
+    with open(log_path, "w") as log_file:
+        driver = subprocess.Popen([RAYTRAIN_SYS, "run", str(job_yaml)], cwd=tmp_path, env=env,
+                                  stdout=log_file, stderr=subprocess.STDOUT)
+    return driver, log_path, env
+
+
+def resume_command(run_id: str, mlflow_uri: str, output_dir: str) -> list[str]:
+    return [RAYTRAIN_SYS, "resume", "--mlflow-run", run_id, "--tracking-uri", mlflow_uri, "--output-dir", output_dir]
 
 
 def run_workers(run_key: str) -> list[tuple[str, int]]:
@@ -76,19 +107,10 @@ def committed(run_dir: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, mlflow_server):
-    ref = run_job(driver_spec(tmp_path / "ref", tiny_dataset, mlflow_server))
-    reference = (final_params(ref.newest_checkpoint), ref)
-
+def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, mlflow_server, reference):
+    ref = reference[1]
     spec = driver_spec(tmp_path / "job", tiny_dataset, mlflow_server)
-    job_yaml = tmp_path / "job.yaml"
-    job_yaml.write_text(yaml.safe_dump(spec.to_dict()))
-    env = {**os.environ, "RAY_ADDRESS": ray_nodes.address,
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    log_path = tmp_path / "driver.log"
-    with open(log_path, "w") as log_file:
-        driver = subprocess.Popen([RAYTRAIN_SYS, "run", str(job_yaml)], cwd=tmp_path, env=env,
-                                  stdout=log_file, stderr=subprocess.STDOUT)
+    driver, log_path, env = start_driver(spec, tmp_path, ray_nodes.address)
     try:
         latest = os.path.join(spec.output_dir, "latest")
         assert wait_until(lambda: os.path.exists(os.path.join(latest, "summary.json")), 180), \
@@ -107,8 +129,7 @@ def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, m
         assert find_leftovers(run_key), "the running driver's workers should be visible"
         summary_before = Path(run_dir, "summary.json").read_text()
 
-        resume = [RAYTRAIN_SYS, "resume", "--mlflow-run", run_id, "--tracking-uri", mlflow_server,
-                  "--output-dir", spec.output_dir]
+        resume = resume_command(run_id, mlflow_server, spec.output_dir)
         refused = subprocess.run(resume, cwd=tmp_path, env=env, capture_output=True, text=True,
                                  timeout=300)
         assert refused.returncode == 2, refused.stderr[-3000:]
@@ -143,6 +164,8 @@ def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, m
     # Continued from the newest committed checkpoint the lost driver wrote (step 10 or later).
     resumed_step = int(os.path.basename(summary["resumed_from"][-1]).split("_")[-1])
     assert resumed_step >= 10 and resumed_step % 5 == 0
+    assert any("could not adopt the lost driver's workers: no launch of the run was left running" in t["reason"]
+               for t in summary["transitions"]), summary["transitions"]
     # The steps the lost driver committed past that checkpoint are trained again, and counted.
     redone = at_stop["committed_steps"] - resumed_step
     assert summary["steps_redone"] == redone, (summary["steps_redone"], at_stop["committed_steps"], resumed_step)
@@ -161,6 +184,80 @@ def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, m
     assert run.info.status == "FINISHED"
     print(json.dumps({"killed_after_step": at_stop["committed_steps"],
                       "resumed_from_step": resumed_step}))
+
+
+def loss_history(mlflow_uri: str, run_id: str) -> list[tuple[int, float]]:
+    import mlflow
+
+    history = mlflow.MlflowClient(tracking_uri=mlflow_uri).get_metric_history(run_id, "loss")
+    return sorted((m.step, m.value) for m in history)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_dataset, tmp_path, mlflow_server,
+                                                          reference):
+    """SIGKILL the driver in the middle of a lease of 6 steps, then `raytrain-sys resume` at once:
+    the new driver adopts the same worker processes where their lease ended, restores nothing,
+    commits the steps trained while no driver was up from the workers' record, and ends equal to
+    the uninterrupted run, every sample once, with each step's loss logged once in MLflow."""
+    spec = driver_spec(tmp_path / "job", tiny_dataset, mlflow_server, orphan_s=120.0, steps_per_call=6)
+    # Slower steps (timing only: not a training setting), so that the kill lands in a lease.
+    spec.elastic.fault_slow_rank, spec.elastic.fault_slow_factor = 0, 8.0
+    driver, log_path, env = start_driver(spec, tmp_path, ray_nodes.address)
+    try:
+        latest = os.path.join(spec.output_dir, "latest")
+        assert wait_until(lambda: os.path.exists(os.path.join(latest, "summary.json")), 180), \
+            log_path.read_text()[-3000:]
+        run_dir = os.path.realpath(latest)
+        assert wait_until(lambda: committed(run_dir) >= KILL_AFTER_STEP, 180, interval_s=0.01), \
+            log_path.read_text()[-3000:]
+        at_kill = read_summary(run_dir)
+        run_id, run_key = at_kill["mlflow_run_id"], os.path.basename(run_dir)
+        workers = run_workers(run_key)
+        assert len(workers) == 2, workers
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+        killed_at = time.time()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=60)
+    resume = subprocess.Popen(resume_command(run_id, mlflow_server, spec.output_dir), cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The same processes train on under the new driver.
+        assert wait_until(lambda: committed(run_dir) > at_kill["committed_steps"] + 6 or resume.poll() is not None,
+                          300, interval_s=0.05)
+        during = run_workers(run_key)
+        out, err = resume.communicate(timeout=300)
+    finally:
+        if resume.poll() is None:
+            resume.kill()
+    assert resume.returncode == 0, err[-5000:]
+    assert "finished: 40 steps" in out
+    assert during == workers, (during, workers, [t["reason"] for t in read_summary(run_dir)["transitions"]][-14:])
+
+    summary = read_summary(run_dir)
+    assert summary["mlflow_run_id"] == run_id
+    assert summary["steps_redone"] == 0 and summary["recoveries"] == [] and summary["failures"] == 0
+    adopted = [t for t in summary["transitions"] if "adopted the 2 live workers of the lost driver" in t["reason"]]
+    assert len(adopted) == 1, summary["transitions"]
+    adopted_at = int(re.search(r"at step (\d+)", adopted[0]["reason"]).group(1))
+    assert adopted_at >= at_kill["committed_steps"]
+    assert len(summary["resumed_from"]) == len(at_kill["resumed_from"])  # nothing restored
+    result = type(reference[1])(summary["status"], run_dir, summary["committed_steps"], summary["losses"],
+                                run_id, summary["newest_checkpoint"], os.path.join(run_dir, "summary.json"))
+    assert_like_reference(result, [], reference, spec, tiny_dataset, STEPS, redone_ok=True)
+    # One value a step in the MLflow run: the lost driver's steps are not logged again.
+    history = loss_history(mlflow_server, run_id)
+    assert [step for step, _ in history] == list(range(1, STEPS + 1)), history
+    torch.testing.assert_close(torch.tensor([v for _, v in history], dtype=torch.float64),
+                               torch.tensor(summary["losses"], dtype=torch.float64), rtol=1e-6, atol=0)
+    assert_no_leftovers(ray_nodes.address, run_key)
+    first = next(t for t in summary["transitions"] if t["time"] > killed_at and t["state"] == "running")
+    print(json.dumps({"killed_after_step": at_kill["committed_steps"], "adopted_at_step": adopted_at,
+                      "kill_to_training_s": round(first["time"] - killed_at, 2)}))
 
 
 ORPHAN_MAKER = """

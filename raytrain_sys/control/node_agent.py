@@ -102,6 +102,13 @@ class NodeAgent:
                     "pid": os.getpid(), "cpu_s": times.user + times.system}
 
     @ray.method(concurrency_group="control")
+    def ranks(self) -> dict[int, tuple]:
+        """The ranks this agent holds: slot -> (actor, placement group), for a Supervisor that
+        adopts the launch (``control.adoption``)."""
+        with self._lock:
+            return {slot: (actor, self._groups.get(slot)) for slot, actor in self._ranks.items()}
+
+    @ray.method(concurrency_group="control")
     def end(self) -> int:
         """End this agent's ranks, remove their placement groups, then the agent itself
         (the launch ended, or its owner is gone). Returns how many ranks it ended."""
@@ -207,6 +214,16 @@ class NodeAgents:
         self._made: dict[str, int] = {}  # node id -> agents started there (a name is never reused)
         self._to_hand: dict[tuple, list] = {}  # ... -> ranks up, waiting for it to be up
         self._handed: set[int] = set()  # slots that answer to their agent
+
+    def take(self, owner_id: str, agents: dict[tuple, object], slots: dict[tuple, list[int]]) -> None:
+        """The agents of an adopted launch (``control.adoption``; key: (node id, index)) and the
+        slots each holds: they answer to ``owner_id`` (which set itself their owner) from now on."""
+        self.owner_id = owner_id
+        for key, agent in agents.items():
+            self.handles[key], self._slots[key] = agent, set(slots.get(key, ()))
+            self._ready[key] = agent.ping.remote()  # up: a rank assigned to it is handed over at once
+            self._handed |= self._slots[key]
+            self._made[key[0]] = max(self._made.get(key[0], 0), key[1] + 1)
 
     def ensure(self, node_id: str) -> None:
         """``node_id`` has an agent (started now if not): called as a slot there is placed, so

@@ -226,6 +226,7 @@ class TrainWorker:
         self.unconfirmed_lease: int | None = None
         self.cut: tuple[int, int] | None = None  # (through lease, end step): the Supervisor's (rank 0)
         self.cut_through = -1  # leases up to this id are cut short (agreed by every rank: _agree)
+        self.newest_lease = -1  # the id of the newest lease that began here (adoption_state)
         self.task = resolve_task(self.spec)
         # Where this rank is in its step, for the Supervisor's verdict on a step past its
         # deadline (``phase``, read on the control path): raytrain_sys.parallel.phases.
@@ -341,6 +342,23 @@ class TrainWorker:
     def ping(self) -> int:
         """The step of the newest state this worker holds, in its current layout or as pieces."""
         return self.stash[0] if self.stash is not None else self.step_done
+
+    @ray.method(concurrency_group="control")
+    def adoption_state(self) -> dict[str, Any]:
+        """What a Supervisor that adopts this rank needs (``control.adoption``): its place in the
+        process group (rank, world size, generation), the step of the state it holds, whether it
+        is between leases (``idle``) with that state in its layout, the newest lease id it began
+        and the newest cut it agreed (a new Supervisor numbers its leases after both), and its
+        node and process."""
+        marker = getattr(self, "marker", None) or phases.PhaseMarker()
+        configured = self.spec is not None
+        return {"rank": getattr(self, "rank", -1), "world_size": getattr(self, "world_size", 0),
+                "generation": getattr(self, "generation", -1), "step": self.step_done,
+                "idle": marker.read()["phase"] == phases.IDLE and self.stash is None and configured
+                and getattr(self, "pm", None) is not None,
+                "lease": max(getattr(self, "newest_lease", -1), getattr(self, "cut_through", -1)),
+                "replicated": getattr(self, "replicated", True),
+                "training_hash": self.spec.training_hash() if configured else "", **self.node_info()}
 
     # A step past its deadline (raytrain_sys.control.supervisor.liveness.find_hung): where each
     # rank is, read without its training thread; the hung one's stacks; then its end.
@@ -508,6 +526,7 @@ class TrainWorker:
                report_every_s: float):
         if lease <= self.cut_through:
             return  # sent ahead of a lease that was cut short: it never starts
+        self.newest_lease = max(self.newest_lease, lease)
         if self.unconfirmed_lease is not None and lease > self.unconfirmed_lease:
             raise RuntimeError(f"lease {lease} refused: the lease before it ended without its copies confirmed")
         if self.step_done == first:  # (a lease sent ahead of one that failed here is refused:
@@ -584,6 +603,11 @@ class TrainWorker:
         """The results this worker kept of steps ``first`` .. ``stop - 1`` (all of them, or none)."""
         kept = [self.recent_results.get(s) for s in range(first, stop)]
         return kept if all(r is not None for r in kept) else []
+
+    @ray.method(concurrency_group="control")
+    def kept_results(self, first: int, stop: int) -> dict[int, dict[str, float]]:
+        """The results this worker kept of steps ``first`` .. ``stop - 1``, by step (those it has)."""
+        return {s: self.recent_results[s] for s in range(first, stop) if s in self.recent_results}
 
     def train_step(self, step: int, batch: "RankShare | dict[str, np.ndarray]", global_units: int,
                    collective_timeout_s: float = 0.0, *pieces, lease: int | None = None) -> dict[str, Any]:

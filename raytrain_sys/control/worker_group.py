@@ -343,6 +343,26 @@ class WorkerGroup:
         ).remote(self.spec.to_dict(), self.owner_id)
         w.ready_ref = w.actor.prepare.remote()
 
+    def adopt(self, adoption) -> None:
+        """Drive the ranks of an adopted launch (``control.adoption.Adoption``) as this group's
+        members: the same processes, placement groups, agents and process group (its
+        generation), in rank order. This process owns the launch already (``adoption.find``)."""
+        self.name_prefix = adoption.prefix
+        self.owner_id = this_process()
+        self.agents = NodeAgents(adoption.prefix, self.spec.elastic.orphan_timeout_s)
+        slots: dict[tuple, list[int]] = {}
+        for r in adoption.ranks:
+            info = {k: r.state[k] for k in ("ip", "node_id", "pid", "create_time", "nice")}
+            self.workers.append(Worker(r.slot, r.actor, r.pg, info=info, agent=r.agent))
+            if r.agent is not None:
+                slots.setdefault(r.agent, []).append(r.slot)
+        self.agents.take(self.owner_id, adoption.agents, slots)
+        for w in self.workers:
+            if w.agent is None:  # its agent was still starting when the driver was lost
+                self.agents.assign(w)
+        self.generation = adoption.generation
+        self._slots = itertools.count(max(r.slot for r in adoption.ranks) + 1)
+
     # ------------------------------------------------------------------ node agents
     def _record_launch(self) -> None:
         """This process drives the launch: written once, before its first slot is asked for."""

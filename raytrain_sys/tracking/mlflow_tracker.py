@@ -323,6 +323,13 @@ class Tracker:
         tracker._events = list(artifacts.get(EVENTS_ARTIFACT, []))
         return tracker
 
+    def newest_step(self, key: str = "loss") -> int:
+        """The newest step of metric ``key`` this run has (0: none): a Supervisor that adopts a
+        lost driver's ranks logs only the steps after it (that driver logged the ones before)."""
+        history = ms.call(self.tracking_uri, f"read the {key} history of run {self.run_id}",
+                          lambda: self._client.get_metric_history(self.run_id, key))
+        return max((int(m.step) for m in history), default=0)
+
     # --- writes while training (queued; never raise for MLflow trouble)
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric

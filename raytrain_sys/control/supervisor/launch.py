@@ -24,6 +24,8 @@ import ray
 from raytrain_sys.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from raytrain_sys.checkpoint.store import open_store
 from raytrain_sys.control.run_record import RunSummary
+from raytrain_sys.control import adoption
+from raytrain_sys.control.adoption import Adoption
 from raytrain_sys.control.launches import clean_up_leftovers
 from raytrain_sys.control.worker_group import connect_ray
 from raytrain_sys.train.compat import check_spec_against_manifest
@@ -200,6 +202,21 @@ def clean_up_previous_launch(spec: JobSpec, previous_run_key: str) -> list:
     except Exception as exc:  # cannot read the cluster's tables: Ray's own clean-up remains
         log.warning("could not look for leftovers of run %s: %s", previous_run_key, exc)
         return []
+
+
+def adopt_previous_launch(spec: JobSpec, previous_run_key: str) -> Adoption | None:
+    """A resumed run first tries to take over the live ranks its lost driver left (``adoption``):
+    None when it resumes no run on a running cluster (nothing can be left), else the
+    ``Adoption``, adopted or with the reason it is not."""
+    if not previous_run_key or not (ray.is_initialized() or spec.resources.ray_address
+                                    or os.environ.get("RAY_ADDRESS")):
+        return None
+    connect_ray(spec)
+    try:
+        return adoption.find(previous_run_key, spec.elastic.orphan_timeout_s, spec.training_hash())
+    except Exception as exc:  # noqa: BLE001: the cluster's tables unreadable: the checkpoint remains
+        log.warning("could not look for a launch of run %s to adopt: %s", previous_run_key, exc)
+        return Adoption(why=f"could not look for its launch ({type(exc).__name__}: {exc})")
 
 
 def start_tracking(spec: JobSpec, summary: RunSummary, tracking_uri: str, resume_run_id: str,

@@ -258,6 +258,12 @@ class Membership:
         self._name_peers(timeout_s)
         return results
 
+    def adopt(self, replicated: bool, timeout_s: float = 120.0) -> None:
+        """The group of an adopted launch (``control.adoption``) is formed already: its layout is
+        the one its members hold, and each member's peer (peer copies) is named again."""
+        self.layout_replicated = replicated
+        self._name_peers(timeout_s)
+
     def _name_peers(self, timeout_s: float) -> None:
         """Peer copies (``checkpoint.peer_copies``) in a sharded layout: each member's peer, on
         another node when there is one (``peer_copies.peer_ring``); in auto mode, only where

@@ -198,18 +198,22 @@ class Steps:
         self._group_steps = (0, 0)  # (generation, steps committed by that process group)
         self.cut_through = -1  # the newest lease a cut was asked for (``cut``)
         self._summary_written = (0.0, 0.0)  # the step loop's last summary.json write: (end, seconds)
+        # Steps whose metrics the run's MLflow run has already (an adopted launch's lost driver
+        # logged them): not logged twice (``adopt``).
+        self.logged_through = 0
 
     # ------------------------------------------------------------------ the run's step loop
     def open(self, run_dir: str) -> None:
         """The step loop begins: fresh step times, the sample log opened (data.log_sample_ids)."""
-        self._sample_log = (open(os.path.join(run_dir, SAMPLE_LOG_FILE), "a")
-                            if self.spec.data.log_sample_ids else None)
+        if self._sample_log is None and self.spec.data.log_sample_ids:  # (open already: an adoption's)
+            self._sample_log = open(os.path.join(run_dir, SAMPLE_LOG_FILE), "a")
         self._step_times, self._steady_times = deque(maxlen=50), deque(maxlen=50)
         self._run_t0 = time.perf_counter()
 
     def close(self) -> None:
         if self._sample_log is not None:
             self._sample_log.close()
+            self._sample_log = None
 
     def keep_for_resend(self, *sent: "_Dispatch | None") -> None:
         """Steps voided by a failure are sent again after the rebuild: their global batches are
@@ -254,6 +258,52 @@ class Steps:
         self.summary.losses += [None] * missing
         self.summary.world_sizes += [None] * missing
         self.summary.step_times += [None] * (step - len(self.summary.step_times))
+
+    def adopt(self, run_dir: str, recorded: int, data_cursor: int, step: int, newest_lease: int) -> int:
+        """The ranks of an adopted launch hold step ``step`` (``control.adoption``); the run's record
+        ends at ``recorded`` (data cursor ``data_cursor``), its MLflow run at ``logged_through``.
+        The steps between ``recorded`` and ``step`` were committed by the lost driver after its
+        last record, or trained while no Supervisor was up: they are committed here from what the
+        ranks kept of them (``TrainWorker.kept_results``, the two newest leases: every rank's loss
+        as agreed), in order, each step's batch read again for its units and sample ids; a step
+        no rank kept is committed with its loss unknown (NaN, in ``losses_partial``). Recorded
+        steps whose metrics the lost driver had not yet sent to MLflow are logged now, from the
+        ranks' results or the record. Leases are numbered on after ``newest_lease``. Returns how
+        many steps had no kept result."""
+        self.rewind(recorded, data_cursor)
+        self.leases = max(self.leases, newest_lease)
+        self.open(run_dir)
+        first = min(recorded, self.logged_through)
+        members = self.group.workers
+        kept: dict[int, dict] = {}
+        for w in members:  # any rank's kept results carry the whole step's loss (loss_all)
+            kept = _answers([w.actor.kept_results.remote(first, step)])[0] or {}
+            if len(kept) == step - first:
+                break
+        kept = {s: k for s, k in kept.items() if "loss_all" in k}
+        gbs = self.spec.train.global_batch_size
+        for s in range(first, recorded):  # recorded, not yet in MLflow: logged late
+            k, dt = kept.get(s), self.summary.step_times[s]
+            loss = self.summary.losses[s]
+            world = self.summary.world_sizes[s] or len(members)
+            metrics = self._step_metrics(loss if loss is not None else float("nan"),
+                                         k or {"lr": float("nan"), "grad_norm": float("nan")},
+                                         self.data.global_batch_refs(data_cursor - (recorded - s) * gbs).units,
+                                         dt or float("nan"), 0.0, world)
+            if self.tracker is not None:
+                self.tracker.log_metrics(s + 1, metrics)
+        shares = rank_data_slices(self.spec.parallel, len(members), gbs, None)
+        for j, s in enumerate(range(recorded, step)):
+            batch = self.data.global_batch_refs(data_cursor + j * gbs)
+            k = kept.get(s)
+            if k is not None:
+                dt = k["data_wait_s"] + k["compute_s"] + k["collective_s"] + k["optimizer_s"]
+                self.commit(s, [{**k, "loss_sum": k["loss_all"]}], batch.units, batch.ids, shares, dt, 0.0,
+                            sample=False)
+            else:
+                self.commit(s, [], batch.units, batch.ids, shares, float("nan"), 0.0, world_size=len(members),
+                            loss_units=0, sample=False)
+        return sum(1 for s in range(recorded, step) if s not in kept)
 
     # ------------------------------------------------------------------ dispatch, settle, commit
     def dispatch(self, step: int, count: int = 1, after: "_Dispatch | None" = None) -> "_Dispatch":
@@ -505,18 +555,8 @@ class Steps:
         # The step's lr and grad norm (the same on every rank); unknown only when a failed lease's
         # step finished on ranks all lost since (commit_finished).
         first = results[0] if results else {"lr": float("nan"), "grad_norm": float("nan")}
-        metrics = {"loss": loss, "lr": first["lr"], "grad_norm": first["grad_norm"],
-                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                   "data_wait_s": data_wait, "world_size": float(world)}
-        if self._flops_per_token:
-            # Model FLOPs utilization (PaLM, appendix B): achieved model FLOP/s over the peak of
-            # the devices used; recomputation (activation checkpointing) does not count.
-            achieved = tokens_per_step / dt * self._flops_per_token
-            metrics["model_tflops_per_s"] = achieved / 1e12
-            peak = spec.resources.peak_tflops_per_worker
-            if peak:
-                metrics["mfu"] = achieved / (world * peak * 1e12)
-        if self.tracker is not None:  # queued: the step loop never waits on MLflow
+        metrics = self._step_metrics(loss, first, tokens_per_step, dt, data_wait, world)
+        if self.tracker is not None and self.committed_step > self.logged_through:  # queued: never waited on
             self.tracker.log_metrics(self.committed_step, metrics)
         self.cost.committed(self.committed_step, tokens_per_step)
         self.metrics.committed({**metrics, "samples_per_s": spec.train.global_batch_size / dt,
@@ -534,6 +574,22 @@ class Steps:
             if summary_due(now, *self._summary_written):
                 self.summary.write()
                 self._summary_written = (time.perf_counter(), time.perf_counter() - now)
+
+    def _step_metrics(self, loss: float, result: dict, tokens: int, dt: float, data_wait: float,
+                      world: int) -> dict[str, float]:
+        """A committed step's metrics (MLflow's, Prometheus'): ``result`` gives its lr and grad norm."""
+        metrics = {"loss": loss, "lr": result["lr"], "grad_norm": result["grad_norm"],
+                   "tokens_per_s": tokens / dt, "step_time_s": dt,
+                   "data_wait_s": data_wait, "world_size": float(world)}
+        if self._flops_per_token:
+            # Model FLOPs utilization (PaLM, appendix B): achieved model FLOP/s over the peak of
+            # the devices used; recomputation (activation checkpointing) does not count.
+            achieved = tokens / dt * self._flops_per_token
+            metrics["model_tflops_per_s"] = achieved / 1e12
+            peak = self.spec.resources.peak_tflops_per_worker
+            if peak:
+                metrics["mfu"] = achieved / (world * peak * 1e12)
+        return metrics
 
     def end(self) -> None:
         """The run ends: its cost refreshed."""

@@ -167,8 +167,11 @@ class Supervisor:
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
         spec = self.spec
-        # First, before anything of the run is written: a resume must not touch the record of a
-        # run whose earlier driver is still alive.
+        # First, before anything of the run is written: a resume takes over the live workers its
+        # lost driver left (``control.adoption``), and removes whatever else that driver left; it
+        # must not touch the record of a run whose earlier driver is still alive.
+        adoption = self._adoption = launch.adopt_previous_launch(spec, self.previous_run_key)
+        adopted = adoption is not None and adoption.adopted
         removed = launch.clean_up_previous_launch(spec, self.previous_run_key)
         phase = self._phase = launch.Phases()
         phase.record(self.summary)  # filled as the start goes (a failed one keeps its part)
@@ -186,7 +189,8 @@ class Supervisor:
                 check_compatible(spec, resume_info)
                 previous = RunSummary.read(self.run_dir)
                 if previous is not None:
-                    self._redone_on_resume = previous.resumed_at(resume_info.step, seen=self.lost_at_step)
+                    if not adopted:  # the workers and their state are gone: back to the checkpoint
+                        self._redone_on_resume = previous.resumed_at(resume_info.step, seen=self.lost_at_step)
                     self.summary = previous
                     self.summary.reason = ""
                     phase.record(self.summary)  # the newest start's, not the earlier run's
@@ -201,12 +205,18 @@ class Supervisor:
                 run_dir=self.run_dir, on_skip=lambda reason: self._transition(self.state, reason),
                 task=found.task)
             self.data.on_read_hang = self._read_hung
-            warm = self._warm = launch.warm_data(spec, self.data,
-                                    int(resume_info.manifest["data_cursor"]) if resume_info else 0)
+            cursor = int(resume_info.manifest["data_cursor"]) if resume_info else 0
+            if adopted:  # the adopted workers' step, on from the lost driver's record
+                cursor = self.summary.data_cursor + (adoption.step - self.summary.committed_steps) * \
+                    spec.train.global_batch_size
+            warm = self._warm = launch.warm_data(spec, self.data, cursor)
             phase("data")
             if removed:
                 self._transition(State.STARTING, f"removed {len(removed)} actors/placement groups "
                                  f"left by the lost driver of run {self.previous_run_key}")
+            if adoption is not None and not adopted:
+                self._transition(State.STARTING, f"could not adopt the lost driver's workers: {adoption.why}; "
+                                                 f"resuming from the newest checkpoint")
             if self._redone_on_resume:
                 first, last = self._redone_on_resume
                 self.metrics.redone(last - first + 1)
@@ -230,7 +240,11 @@ class Supervisor:
                 self.spares = SpareSource.here()
             self.group = WorkerGroup(spec, self._local_cluster, run_key=self.run_key, spares=self.spares)
             try:
-                self.group.start(spec.resources.num_workers, on_placed=tracking.start)
+                if adopted:
+                    self.group.adopt(adoption)
+                    tracking.start()
+                else:
+                    self.group.start(spec.resources.num_workers, on_placed=tracking.start)
             except BaseException:
                 if tracking.started:  # teardown ends the run that was opened, as failed
                     with contextlib.suppress(Exception):
@@ -260,11 +274,20 @@ class Supervisor:
                 self.evaluation.start_reading()  # while the group forms
                 if self.summary.best_checkpoint:
                     found.checkpointer.keep_steps = {self.summary.best_checkpoint["step"]}
-            spares = f" ({self.group.spares_used} warm spares)" if self.group.spares_used else ""
-            self._transition(State.STARTING, f"{self.group.world_size} workers placed{spares}")
-            self.membership.form_group()
-            phase("group")
-            if resume_info is not None:
+            if adopted:
+                self._transition(State.STARTING, f"adopted the {self.group.world_size} live workers of the lost "
+                                 f"driver at step {adoption.step} (their lease ended {adoption.waited_s:g} s after "
+                                 f"the look began): the same processes and process group, nothing restored")
+                self.membership.adopt(all(r.state["replicated"] for r in adoption.ranks))
+                phase("group")
+                self._continue_adopted(adoption)
+                phase("adopt")
+            else:
+                spares = f" ({self.group.spares_used} warm spares)" if self.group.spares_used else ""
+                self._transition(State.STARTING, f"{self.group.world_size} workers placed{spares}")
+                self.membership.form_group()
+                phase("group")
+            if resume_info is not None and not adopted:
                 self._restore_at_start(resume_info, found.checkpointer)
                 if started_from_another_root(resume_info.uri, self.checkpoint_root):
                     # Resumed from another run's checkpoint (a PBT segment from its donor's):
@@ -333,6 +356,24 @@ class Supervisor:
                     raise
                 info, note = launch.fall_back(self.spec, checkpointer, info, str(corrupt))
                 self._transition(State.RESTORING, note)  # recorded in summary.json and as an MLflow event
+
+    def _continue_adopted(self, adoption) -> None:
+        """The ledger of an adopted launch: from the lost driver's record on to the step its
+        workers hold (``Steps.adopt``: the steps between committed from what the workers kept,
+        their metrics logged once: the MLflow run's newest step is where its driver stopped)."""
+        recorded = min(self.summary.committed_steps, adoption.step)
+        cursor = self.summary.data_cursor - (self.summary.committed_steps - recorded) * \
+            self.spec.train.global_batch_size
+        if self.tracker is not None:
+            try:
+                self.steps.logged_through = self.tracker.newest_step()
+            except Exception as exc:  # noqa: BLE001: unreadable: its steps may be logged twice, said so
+                log.warning("could not read the MLflow run's newest step: %s", exc)
+        unknown = self.steps.adopt(self.run_dir, recorded, cursor, adoption.step, adoption.lease)
+        if adoption.step > recorded:
+            self._transition(State.STARTING, f"steps {recorded + 1}..{adoption.step} were trained while no driver "
+                             f"was up: committed from the workers' record"
+                             + (f" ({unknown} with their loss unknown)" if unknown else ""))
 
     def _target_size(self) -> int:
         """The world the run grows back to: the spec's, under a ceiling asked for from outside."""
