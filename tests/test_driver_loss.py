@@ -202,8 +202,11 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
     commits the steps trained while no driver was up from the workers' record, and ends equal to
     the uninterrupted run, every sample once, with each step's loss logged once in MLflow."""
     spec = driver_spec(tmp_path / "job", tiny_dataset, mlflow_server, orphan_s=120.0, steps_per_call=6)
-    # Slower steps (timing only: not a training setting), so that the kill lands in a lease.
+    # Slower steps (timing only: not a training setting), and leases of 6 steps that no checkpoint
+    # cuts short before step 20, so that the kill lands in a lease (13..18: the one after step 12's
+    # commit, sent ahead).
     spec.elastic.fault_slow_rank, spec.elastic.fault_slow_factor = 0, 8.0
+    spec.checkpoint.every_steps = 20
     driver, log_path, env = start_driver(spec, tmp_path, ray_nodes.address)
     try:
         latest = os.path.join(spec.output_dir, "latest")

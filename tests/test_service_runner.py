@@ -16,8 +16,10 @@ runner's step loop holds at a chosen step until the test says go.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -337,13 +339,27 @@ def test_service_killed_mid_run_comes_back_and_finishes_the_job_once(
     assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
 
 
+def kill_agents(output_dir) -> int:
+    """Kill the node agents of the job whose output dir is ``output_dir`` (its workers end with
+    them): what a runner's loss leaves of the job is then nothing a new runner can adopt."""
+    from raytrain_sys.control.adoption import agents_of
+    from raytrain_sys.control.launches import launches, run_name_prefix
+
+    prefix = run_name_prefix(os.path.basename(run_dir_of(output_dir)))
+    agents = [a for launch in launches() if launch.startswith(prefix) for a in agents_of(launch).values()]
+    for agent in agents:
+        ray.kill(agent, no_restart=True)
+    return len(agents)
+
+
 def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
         ray_cluster, tiny_dataset, tmp_path, gates, reference):
-    """Budget 1: one job's runner is killed once (restarted from step 5's checkpoint, finishes
-    equal to an uninterrupted run); another's twice (fails, saying the budget is used up). Each
-    restart counts the steps trained again, from the step the service saw the lost runner commit
-    (not from the lost run's summary.json, written seconds apart), in the job's record, its
-    transition's reason and the resumed run's summary.json."""
+    """Budget 1: one job's runner is killed once, with its node agents (and so its workers: nothing
+    is left to adopt), and restarts from step 5's checkpoint, finishing equal to an uninterrupted
+    run; another's twice (fails, saying the budget is used up). Each restart counts the steps
+    trained again, from the step the service saw the lost runner commit (not from the lost run's
+    summary.json, written seconds apart), in the job's record, its transition's reason and the
+    resumed run's summary.json."""
     spec = job_spec(tmp_path, tiny_dataset, "r1", resources={"num_workers": 1})
     spec2 = job_spec(tmp_path, tiny_dataset, "r2", resources={"num_workers": 1})
     with running_service(tmp_path / "svc.db", gates, max_restarts=1) as svc:
@@ -363,6 +379,7 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
             assert wait_until(lambda: ray.get(svc.info.remote())["passes"] >= passes + 2, 30)
             pid = ray.get(runner.ping.remote())
             os.kill(pid, signal.SIGKILL)
+            assert kill_agents(tmp_path / ("r1" if job_id == survivor else "r2")) >= 1
             assert wait_until(lambda: not pid_alive(pid), 30)
             gates.go(job_id, step)  # for the restarted run, which passes this step again
 
@@ -372,7 +389,8 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
         assert job["restarts"] == 1
         assert job["steps_redone"] == 3, job  # committed 6..8 past the checkpoint of step 5, trained again
         restart = [t["reason"] for t in ray.get(svc.history.remote(survivor)) if "restarting" in t["reason"]]
-        assert len(restart) == 1 and "steps 6..8 are trained again (3 steps)" in restart[0], restart
+        assert len(restart) == 1 and "adopting its live workers, or if they are gone from its checkpoint at " \
+            "step 5" in restart[0] and "steps 6..8 would be trained again (3 steps)" in restart[0], restart
         kill_runner_at(doomed, 12)
         failed = wait_state(svc, doomed, "failed")
         assert "restart budget used up (1 of 1 restarts)" in failed["message"], failed
@@ -381,8 +399,54 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
     assert summary["mlflow_run_id"] == job["mlflow_run_id"] and summary["committed_steps"] == STEPS
     assert summary["resumed_from"][-1].rstrip("/").endswith("00000005"), summary["resumed_from"]
     assert summary["steps_redone"] == 3 and summary["recoveries"][-1]["from"] == "checkpoint", summary["recoveries"]
+    assert any("could not adopt the lost driver's workers" in t["reason"] for t in summary["transitions"])
     assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
     assert_no_leftovers(ray_cluster, os.path.basename(run_dir_of(tmp_path / "r2")))
+    assert_cluster_idle()
+
+
+def test_runner_killed_its_workers_adopted_by_the_next_runner(ray_cluster, tiny_dataset, tmp_path, gates,
+                                                              reference):
+    """A running job's runner SIGKILLed: the next runner adopts the job's live workers (the same
+    processes), restores nothing, trains no step twice, and the job finishes equal to an
+    uninterrupted run, every sample once, each step's loss once in its MLflow run."""
+    spec = job_spec(tmp_path, tiny_dataset, "a1", resources={"num_workers": 2})
+    with running_service(tmp_path / "svc.db", gates, max_restarts=1) as svc:
+        ray.get(svc.add_team.remote("a", 2))
+        gates.hold(1, 8)
+        gates.hold(1, 14)
+        job_id = ray.get(svc.submit.remote("a", spec))["id"]
+        assert wait_until(lambda: gates.reached(job_id, 8), WAIT_S), state_of(svc, job_id)
+        wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
+        runner = find_runner(job_id)
+        pid = ray.get(runner.ping.remote())
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert wait_until(lambda: not pid_alive(pid), 30)
+        gates.go(job_id, 8)
+        # The next runner trains on from where the workers' lease ended.
+        assert wait_until(lambda: gates.reached(job_id, 14), WAIT_S), state_of(svc, job_id)
+        to_step_14_s = time.monotonic() - killed_at
+        gates.go(job_id, 14)
+        job = wait_state(svc, job_id, "finished")
+    assert gates.pids(job_id, 14) == gates.pids(job_id, 8)  # the same worker processes
+    assert job["restarts"] == 1 and job["steps_redone"] == 0, job
+    summary = read_summary(run_dir_of(tmp_path / "a1"))
+    assert summary["steps_redone"] == 0 and summary["recoveries"] == [] and summary["failures"] == 0
+    assert summary["committed_steps"] == STEPS and summary["mlflow_run_id"] == job["mlflow_run_id"]
+    assert [t for t in summary["transitions"] if "adopted the 2 live workers" in t["reason"]], summary["transitions"]
+    assert not any("could not adopt" in t["reason"] for t in summary["transitions"])
+    assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
+    import mlflow
+
+    history = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"]).get_metric_history(job["mlflow_run_id"],
+                                                                                          "loss")
+    assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+    with open(os.path.join(run_dir_of(tmp_path / "a1"), "sample_ids.jsonl")) as f:
+        by_step = {line["step"]: line for line in map(json.loads, f)}
+    ids = [i for step in sorted(by_step) for rank in by_step[step]["ranks"] for i in rank]
+    assert sorted(by_step) == list(range(1, STEPS + 1)) and len(ids) == len(set(ids))
+    print(json.dumps({"kill_to_step_14_s": round(to_step_14_s, 2)}))
     assert_cluster_idle()
 
 

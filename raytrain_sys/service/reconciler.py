@@ -617,7 +617,15 @@ class Reconciler:
         """No live runner for a job that should have one."""
         created = job.id in self._created
         lost_at = self._committed_seen.get(job.id, 0)
-        self._forget(job.id)
+        # Its launch (node agents and workers, which outlive a runner) stays while a new runner
+        # may adopt it (a restart that resumes the run): ended in every other case.
+        runner_id = self._forget(job.id, end_workers=False)
+        resumes = job.last_checkpoint_step is not None and bool(job.mlflow_run_id)  # as _launch decides
+        restarts = job.state not in (JobState.PAUSING, JobState.CANCELLING) and \
+            not (job.state in (JobState.STARTING, JobState.RESUMING) and not created) and \
+            job.restarts < self.config.max_restarts
+        if not (restarts and resumes):
+            self._end_workers_of(runner_id)
         if job.state is JobState.PAUSING:
             where = (f"resumes from its checkpoint at step {job.last_checkpoint_step}"
                      if job.last_checkpoint_step is not None else "no checkpoint: it starts over when resumed")
@@ -645,11 +653,13 @@ class Reconciler:
         workers = max(job.target_workers, job.min_workers)
         where = (f"from its checkpoint at step {job.last_checkpoint_step}" if job.last_checkpoint_step is not None
                  else "from the start (no checkpoint)")
-        resumes = job.last_checkpoint_step is not None and bool(job.mlflow_run_id)  # as _launch decides
         from_step = job.last_checkpoint_step if resumes else 0
         redone = max(0, lost_at - from_step)
         again = (f": it was seen at step {lost_at}, so steps {from_step + 1}..{lost_at} are trained again "
                  f"({redone} steps)" if redone else "")
+        if resumes:  # the new runner adopts the live workers when they are all left (control.adoption)
+            where = f"adopting its live workers, or if they are gone {where}"
+            again = again.replace("are trained again", "would be trained again")
         if redone and not resumes:
             # A new run: its record starts at 0 and will never count them. (A resumed run's record
             # does, from lost_at_step, and its runner reports it.)
@@ -812,17 +822,24 @@ class Reconciler:
             ray.kill(handle, no_restart=True)
         self._forget(job_id)  # after the kill: its spares are ended once, with no runner left to adopt more
 
-    def _forget(self, job_id: int) -> None:
-        """The job's runner is gone or being ended: its warm spares and its launch (node agents,
-        their ranks and slots, which outlive a runner: ``launches``) are ended now rather than
-        when they notice (the spares asked of the pool, which may be slow; the launch killed
-        through the GCS, milliseconds)."""
+    def _forget(self, job_id: int, end_workers: bool = True) -> str:
+        """The job's runner is gone or being ended: with ``end_workers``, the warm spares it
+        claimed and its launch (node agents, their ranks and slots, which outlive a runner:
+        ``launches``) are ended now rather than when they notice (the spares asked of the pool,
+        which may be slow; the launch killed through the GCS, milliseconds). Returns the
+        runner's owner id (for ``_end_workers_of``)."""
         self._handles.pop(job_id, None)
         self._asked.pop(job_id, None)  # a question to the runner that is gone (or a new one's predecessor)
         self._created.discard(job_id)
         self._released.discard(job_id)
         self._committed_seen.pop(job_id, None)
         runner_id = self._runner_ids.pop(job_id, "")
+        if end_workers:
+            self._end_workers_of(runner_id)
+        return runner_id
+
+    @staticmethod
+    def _end_workers_of(runner_id: str) -> None:
         end_spares_of(runner_id, wait=False)  # asked; the pass goes on
         if runner_id:
             end_launches_of(runner_id)

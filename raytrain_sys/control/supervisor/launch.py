@@ -90,10 +90,14 @@ def resumed_run(run_id: str, tracking_uri: str = "", overrides: list[str] | None
     return Resumed(from_dict(raw), run_dir, previous_key)
 
 
-def check_resumable(spec: JobSpec, checkpoint_root: str, run_id: str) -> None:
-    """A resume needs a complete checkpoint: ``CheckpointError`` naming the run otherwise."""
+def check_resumable(spec: JobSpec, checkpoint_root: str, run_id: str, adoption: Adoption | None = None) -> None:
+    """A resume that adopts no live workers (``adoption``) needs a complete checkpoint:
+    ``CheckpointError`` naming the run otherwise (and why nothing was adopted)."""
+    if adoption is not None and adoption.adopted:
+        return
     if Checkpointer(open_store(checkpoint_root, spec.checkpoint.s3_endpoint_url), 1).latest() is None:
-        raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {checkpoint_root}: "
+        why = f" (and {adoption.why})" if adoption is not None else ""
+        raise CheckpointError(f"MLflow run {run_id} has no complete checkpoint in {checkpoint_root}{why}: "
                               f"nothing to resume; start it again with `raytrain-sys run`")
 
 

@@ -172,6 +172,8 @@ class Supervisor:
         # must not touch the record of a run whose earlier driver is still alive.
         adoption = self._adoption = launch.adopt_previous_launch(spec, self.previous_run_key)
         adopted = adoption is not None and adoption.adopted
+        if self.resume_run_id:  # nothing adopted: a checkpoint to resume from, or an error (record untouched)
+            launch.check_resumable(spec, self.checkpoint_root, self.resume_run_id, adoption)
         removed = launch.clean_up_previous_launch(spec, self.previous_run_key)
         phase = self._phase = launch.Phases()
         phase.record(self.summary)  # filled as the start goes (a failed one keeps its part)
@@ -575,11 +577,10 @@ def resume_supervisor(run_id: str, *, tracking_uri: str = "", overrides: list[st
                       lost_at_step: int = 0) -> Supervisor:
     """The Supervisor that ``resume_job`` runs, not yet started: for a caller that reads its
     state while it runs (the job service's runner). The run's record is read by
-    ``launch.resumed_run``; raises ``CheckpointError`` when the run has no complete checkpoint.
+    ``launch.resumed_run``; its ``run`` raises ``CheckpointError`` when the run has no complete
+    checkpoint and no live workers of its lost driver to adopt.
     ``lost_at_step``: the step its lost driver was last seen to commit, by whoever watched it
     (the job service), counted with the run's own record (``RunSummary.resumed_at``)."""
     found = launch.resumed_run(run_id, tracking_uri, overrides, output_dir, objects)
-    sup = Supervisor(found.spec, resume_run_id=run_id, run_dir=found.run_dir, previous_run_key=found.previous_key,
-                     on_step=on_step, requests=requests, spares=spares, team=team, lost_at_step=lost_at_step)
-    launch.check_resumable(found.spec, sup.checkpoint_root, run_id)
-    return sup
+    return Supervisor(found.spec, resume_run_id=run_id, run_dir=found.run_dir, previous_run_key=found.previous_key,
+                      on_step=on_step, requests=requests, spares=spares, team=team, lost_at_step=lost_at_step)
