@@ -213,10 +213,11 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
         assert wait_until(lambda: os.path.exists(os.path.join(latest, "summary.json")), 180), \
             log_path.read_text()[-3000:]
         run_dir = os.path.realpath(latest)
-        assert wait_until(lambda: committed(run_dir) >= KILL_AFTER_STEP, 180, interval_s=0.01), \
-            log_path.read_text()[-3000:]
-        at_kill = read_summary(run_dir)
-        run_id, run_key = at_kill["mlflow_run_id"], os.path.basename(run_dir)
+        assert wait_until(lambda: read_summary(run_dir).get("mlflow_run_id"), 180), log_path.read_text()[-3000:]
+        run_id, run_key = read_summary(run_dir)["mlflow_run_id"], os.path.basename(run_dir)
+        # The driver's progress line of each committed step (summary.json is written seconds apart).
+        assert wait_until(lambda: f"step {KILL_AFTER_STEP}/{STEPS} " in log_path.read_text(), 180,
+                          interval_s=0.01), log_path.read_text()[-3000:]
         workers = run_workers(run_key)
         assert len(workers) == 2, workers
         driver.send_signal(signal.SIGKILL)
@@ -230,7 +231,7 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         # The same processes train on under the new driver.
-        assert wait_until(lambda: committed(run_dir) > at_kill["committed_steps"] + 6 or resume.poll() is not None,
+        assert wait_until(lambda: committed(run_dir) > KILL_AFTER_STEP + 6 or resume.poll() is not None,
                           300, interval_s=0.05)
         during = run_workers(run_key)
         out, err = resume.communicate(timeout=300)
@@ -247,8 +248,10 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
     adopted = [t for t in summary["transitions"] if "adopted the 2 live workers of the lost driver" in t["reason"]]
     assert len(adopted) == 1, summary["transitions"]
     adopted_at = int(re.search(r"at step (\d+)", adopted[0]["reason"]).group(1))
-    assert adopted_at >= at_kill["committed_steps"]
-    assert len(summary["resumed_from"]) == len(at_kill["resumed_from"])  # nothing restored
+    # The lease after step 12's (sent ahead) ran on with no driver: its steps were committed from
+    # the workers' record, and their losses equal the reference's (below).
+    assert adopted_at > KILL_AFTER_STEP
+    assert not summary["resumed_from"]  # nothing restored
     result = type(reference[1])(summary["status"], run_dir, summary["committed_steps"], summary["losses"],
                                 run_id, summary["newest_checkpoint"], os.path.join(run_dir, "summary.json"))
     assert_like_reference(result, [], reference, spec, tiny_dataset, STEPS, redone_ok=True)
@@ -259,7 +262,7 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
                                torch.tensor(summary["losses"], dtype=torch.float64), rtol=1e-6, atol=0)
     assert_no_leftovers(ray_nodes.address, run_key)
     first = next(t for t in summary["transitions"] if t["time"] > killed_at and t["state"] == "running")
-    print(json.dumps({"killed_after_step": at_kill["committed_steps"], "adopted_at_step": adopted_at,
+    print(json.dumps({"killed_after_step": KILL_AFTER_STEP, "adopted_at_step": adopted_at,
                       "kill_to_training_s": round(first["time"] - killed_at, 2)}))
 
 

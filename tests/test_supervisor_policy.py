@@ -575,19 +575,21 @@ def test_ending(step, stop, early, save_on_exit, expected):
 
 
 # ------------------------------------------------------------------ a rank's kept step results
-@pytest.mark.parametrize("kept, newest_from, first, expected", [
+@pytest.mark.parametrize("kept, newest_from, first, keep, expected", [
     # The lease of steps 10..14 ran here, and the next one begins at 15: under run-ahead the
     # Supervisor may yet learn that 10..14 failed elsewhere (its reporter lost), and ask.
-    ({10: "a", 11: "b", 14: "c"}, 10, 15, [10, 11, 14]),
-    # A lease older than the newest one before this is never asked for again.
-    ({5: "old", 10: "a"}, 10, 15, [10]),
+    ({10: "a", 11: "b", 14: "c"}, 10, 15, 0, [10, 11, 14]),
+    # A lease older than the newest one before this goes, beyond the steps kept for an adoption.
+    ({5: "old", 10: "a"}, 10, 15, 0, [10]),
+    ({2: "older", 5: "old", 10: "a"}, 10, 15, 10, [5, 10]),
     # A restore rewound the run to step 8: the results of steps 8 on are of the old timeline.
-    ({5: "a", 8: "b", 9: "c"}, 5, 8, [5]),
+    ({5: "a", 8: "b", 9: "c"}, 5, 8, 0, [5]),
+    ({5: "a", 8: "b", 9: "c"}, 5, 8, 100, [5]),
 ])
-def test_a_rank_keeps_the_results_of_the_lease_before_the_one_it_begins(kept, newest_from, first, expected):
+def test_a_rank_keeps_the_results_of_the_lease_before_the_one_it_begins(kept, newest_from, first, keep, expected):
     from raytrain_sys.control.worker import results_kept
 
-    assert sorted(results_kept(kept, newest_from, first)) == expected
+    assert sorted(results_kept(kept, newest_from, first, keep)) == expected
 
 
 def test_a_kept_result_after_the_agreement_carries_every_ranks_loss():

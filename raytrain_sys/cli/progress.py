@@ -11,6 +11,8 @@ if TYPE_CHECKING:
 
 
 def _fmt_eta(seconds: float) -> str:
+    if seconds != seconds or seconds == float("inf"):  # unknown (no step time yet)
+        return "?"
     m, s = divmod(int(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"

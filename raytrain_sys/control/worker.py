@@ -68,6 +68,10 @@ RENDEZVOUS_TIMEOUT_S = 30.0
 # policy.LIVENESS_EVERY_S without a report, so this stays well under that). A cut does not wait
 # for reports: rank 0 learns it on its control path.
 REPORT_EVERY_S = 0.5
+# A rank keeps the results of at least this many steps before the lease it runs (``results_kept``):
+# more than a lost driver's summary.json can lag behind its commits (a rewrite every few seconds,
+# ``policy.summary_due``), so that an adopting Supervisor has every step's loss. About 1 KB a step.
+KEPT_STEPS = 1024
 # A rank's parts of a step that every rank learns in the step's agreement (TrainWorker._agree):
 # the Supervisor's loss sum (data leaders' only), the rows, and where the time went.
 AGREED = ("loss_sum", "rows", "data_wait_s", "compute_s", "collective_s", "optimizer_s")
@@ -92,12 +96,14 @@ def agreed_result(result: dict[str, Any], agreed: dict[str, Any]) -> dict[str, A
     return {**result, "loss_all": float(ranks_loss(agreed["ranks"]))}
 
 
-def results_kept(results: dict[int, dict], newest_from: int, first: int) -> dict[int, dict]:
+def results_kept(results: dict[int, dict], newest_from: int, first: int, keep: int = KEPT_STEPS) -> dict[int, dict]:
     """A rank's kept step results as a lease from step ``first`` begins here, the newest one
     before it having begun at ``newest_from``: that lease's stay (the Supervisor may yet learn it
-    failed elsewhere and ask for them), older ones go, and so do steps from ``first`` on (kept in
-    a timeline that a restore rewound)."""
-    return {s: r for s, r in results.items() if newest_from <= s < first}
+    failed elsewhere and ask for them), and so do the ``keep`` steps before ``first`` (a
+    Supervisor that adopts this rank commits from them the steps its lost driver's record had
+    not reached yet: ``control.adoption``); older ones go, and so do steps from ``first`` on (kept
+    in a timeline that a restore rewound)."""
+    return {s: r for s, r in results.items() if min(newest_from, first - keep) <= s < first}
 
 
 def _rss_bytes() -> int:
@@ -213,11 +219,12 @@ class TrainWorker:
         self.stash: tuple[int, dict] | None = None
         self.collective_timeout_s = 0.0  # of the current process groups (see train_step)
         self.abort_releases = False  # aborting the process group releases a waiting collective (NCCL)
-        # The results of the steps of the two newest leases that ran here, by step: after a lease
-        # fails part-way the Supervisor commits its finished steps from them (lease_results). The
-        # one before the newest stays: under run-ahead this rank may have begun the next lease
-        # when the Supervisor learns that the one before it failed elsewhere (its reporter lost
-        # with its report unread). ``results_from``: the first step of the newest lease.
+        # The results of the steps of the newest leases that ran here, by step (``results_kept``):
+        # after a lease fails part-way the Supervisor commits its finished steps from them
+        # (lease_results). The one before the newest stays: under run-ahead this rank may have
+        # begun the next lease when the Supervisor learns that the one before it failed elsewhere
+        # (its reporter lost with its report unread); and KEPT_STEPS steps for an adopting
+        # Supervisor. ``results_from``: the first step of the newest lease.
         self.recent_results: dict[int, dict[str, float]] = {}
         self.results_from = 0
         # Peer copies: (step, result) of the newest step, kept once its copies are confirmed;

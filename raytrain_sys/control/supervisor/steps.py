@@ -521,7 +521,8 @@ class Steps:
         generation, in_group = self._group_steps
         self._group_steps = (generation, in_group + 1) if generation == self.group.generation else \
             (self.group.generation, 1)
-        self._step_times.append(dt)
+        if dt == dt:  # (NaN: the step's time is unknown, an adopted step no rank kept: not a sample)
+            self._step_times.append(dt)
         if steady_step(self._group_steps[1], after_pause=not sample):
             self._steady_times.append(dt)
         counted = units if loss_units is None else loss_units
@@ -551,7 +552,7 @@ class Steps:
         # document boundaries excluded; one image counts one for a classifier).
         tokens_per_step = units
         steady = list(self._step_times)[min(3, len(self._step_times) - 1):]
-        mean_dt = sum(steady) / len(steady)
+        mean_dt = sum(steady) / len(steady) if steady else float("nan")
         # The step's lr and grad norm (the same on every rank); unknown only when a failed lease's
         # step finished on ranks all lost since (commit_finished).
         first = results[0] if results else {"lr": float("nan"), "grad_norm": float("nan")}

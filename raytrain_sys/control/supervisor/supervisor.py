@@ -189,6 +189,7 @@ class Supervisor:
             self.summary.tracking_uri = self.tracking_uri
             if resume_info is not None:
                 check_compatible(spec, resume_info)
+            if resume_info is not None or adopted:
                 previous = RunSummary.read(self.run_dir)
                 if previous is not None:
                     if not adopted:  # the workers and their state are gone: back to the checkpoint
