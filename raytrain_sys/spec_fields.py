@@ -36,7 +36,7 @@ class _Accepts:
     turns what a user may write for the type into it before pydantic checks the type, and the
     JSON schema admits ``written`` as well. Pydantic is imported only when a validator is built."""
 
-    def __init__(self, convert: Callable[[Any], Any], written: dict[str, Any]):
+    def __init__(self, convert: Callable[[Any], Any], written: dict[str, Any] | None = None):
         self.convert, self.written = convert, written
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
@@ -45,7 +45,14 @@ class _Accepts:
         return core_schema.no_info_before_validator_function(self.convert, handler(source))
 
     def __get_pydantic_json_schema__(self, schema: Any, handler: Any) -> dict[str, Any]:
-        return {"anyOf": [handler(schema), self.written]}
+        return {"anyOf": [handler(schema), self.written]} if self.written else handler(schema)
+
+
+def _integer(value: Any) -> Any:
+    """An integral number (``185.0``) is its int: JSON Schema's ``integer`` is any number without a
+    fraction, and a JSON writer may send 185 so (JavaScript's numbers cannot tell them apart), as
+    the API's other integer fields take it. 185.5, "185" and true stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
 def _number(value: Any) -> Any:
@@ -86,7 +93,7 @@ class _Within:
         return {**handler(source), "ge": self.low, "lt": self.high}
 
 
-Integer = Annotated[int, _Within(-INT_LIMIT, INT_LIMIT)]
+Integer = Annotated[int, _Within(-INT_LIMIT, INT_LIMIT), _Accepts(_integer)]
 Number = Annotated[float, _Accepts(_number, {"type": "string", "pattern": rf"^\s*{NUMBER_TEXT}\s*$"})]
 Names = Annotated[list[str], _Accepts(_names, {"type": "string", "description": "names separated by commas"})]
 SectionClass = TypeVar("SectionClass")
@@ -137,7 +144,7 @@ def _wrong_type(value: Any, kind: Any) -> str:
         kind = next(arm for arm in typing.get_args(kind) if arm is not type(None))
     kind = typing.get_origin(kind) or kind  # list[str]: a list
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is int and number and isinstance(value, int):
+    if kind is int and number and (isinstance(value, int) or value.is_integer()):
         return f"got {quote(value)}; expected an integer of 64 bits (-2**63 .. 2**63-1)"
     if kind is int and isinstance(value, bool):
         return f"got {quote(value)}; expected an integer"

@@ -257,3 +257,33 @@ def test_the_json_schema_names_every_field_with_its_type_default_and_description
     for wrong in ({"train": {"max_stepz": 10}}, {"train": {"max_steps": "ten"}}, {"train": {"precision": "fp8"}}):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(wrong, schema)
+
+
+@pytest.mark.parametrize("raw, section, name, value", [
+    ({"train": {"max_steps": 185.0}}, "train", "max_steps", 185),
+    ({"parallel": {"dp": 2.0}}, "parallel", "dp", 2),
+    ({"resources": {"worker_niceness": -5.0}}, "resources", "worker_niceness", -5),
+], ids=["a count", "a degree that may be null", "a negative one"])
+def test_an_integral_number_is_its_int_in_every_integer_field(raw, section, name, value):
+    """JSON Schema's integer (the API's schema) is any number without a fraction: 185.0 is 185, as
+    the API's other integer fields take it, and the spec is the one 185 gives (the same hash)."""
+    spec = from_dict(raw)
+    got = getattr(getattr(spec, section), name)
+    assert got == value and type(got) is int
+    assert spec.spec_hash() == from_dict({section: {name: value}}).spec_hash()
+
+
+def test_a_fraction_or_an_integral_number_past_64_bits_is_still_refused_for_an_integer():
+    with pytest.raises(SpecError) as err:
+        from_dict({"train": {"max_steps": 1.5}})
+    assert str(err.value) == "spec field 'train.max_steps': got 1.5 (float); expected an integer"
+    with pytest.raises(SpecError) as err:
+        from_dict({"train": {"max_steps": 1e30}})
+    assert str(err.value) == ("spec field 'train.max_steps': got 1e+30; expected an integer of 64 bits "
+                              "(-2**63 .. 2**63-1)")
+
+
+def test_an_integral_number_in_a_yaml_file_is_its_int(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  max_steps: 185.0\n")
+    assert load_spec(path).train.max_steps == 185
