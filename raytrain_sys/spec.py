@@ -1,147 +1,157 @@
 """The job spec: one typed description of a training job.
 
-The YAML files in ``jobs/`` are the user-facing form of exactly these dataclasses. Loading
-validates every field before any Ray resource is taken, and every error names the dotted field,
-the value given and what is allowed.
+The YAML files in ``jobs/`` are the user-facing form of exactly these dataclasses. Each field
+carries its type, default and description; from them pydantic checks every field's type
+(``from_dict``), and the same model gives the JSON schema (``json_schema``) that the job
+service's API publishes and ``docs/spec_reference.md`` is written from. The allowed values,
+ranges and rules across fields are ``raytrain_sys.spec_rules``. Loading checks every field
+before any Ray resource is taken, and every error names the dotted field, the value given and
+what is allowed.
+
+The sections are plain dataclasses that pydantic validates (a ``TypeAdapter`` built at the first
+``from_dict``), not pydantic classes: making one from Python, copying it (``dataclasses.replace``)
+and sending it to a worker stay what they were, and importing this module imports no pydantic.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
+import functools
 import hashlib
 import json
-import math
 import os
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
 from raytrain_sys.errors import SpecError, quote
+from raytrain_sys.spec_fields import (Checked, Integer, Names, Number, Section, described, extension_point, refusal,
+                                      written_in_place)
+from raytrain_sys.spec_rules import (ACCELERATOR_TYPE_PATTERN, ALLOWED_CHOICES, MODELS_WITH_PARALLEL_PLANS,  # noqa: F401
+                                     NON_NEGATIVE_FIELDS, POSITIVE_FIELDS, PYTHON_OBJECT_PREFIX, REGISTERED_MODELS,
+                                     RESUME_CHANGEABLE, describe_object, import_path_of, plain_value, validate,
+                                     validate_parallel)
 
 
 @dataclass
-class ModelSpec:
+class ModelSpec(Checked):
     """Your model: ``factory: "mypkg.models:build"`` names a callable that receives this section (your own fields in ``args``) and returns a ``torch.nn.Module``; from Python, pass the callable itself (``rts.run(spec, model_factory=build)``). Without a factory, ``name`` picks a registered model (``gpt``, ``cnn``, or one added by ``raytrain_sys.models.register_model``). A factory that does not import, raises, or returns something else fails before training, naming this field. DDP and FSDP work for any module (``parallel.fsdp_wrap``); TP and PP plans exist for ``gpt`` only.
 
     The other fields configure the registered models.
     """
 
-    # A registered model (gpt, cnn; raytrain_sys.models.register_model adds more) or, with
-    # model.factory set, a free label for your own model
-    name: str = "gpt"
-    # "pkg.module:callable" (or, from Python, the callable itself): called with this section,
-    # returns an nn.Module. "" = the registered factory named by model.name
-    factory: Any = ""
-    args: dict = field(default_factory=dict)  # free-form, for your factory (model.args["width"])
-    vocab_size: int = 256  # byte-level tokens
-    block_size: int = 128  # context length in tokens
-    n_layer: int = 4  # transformer blocks (GPT) or conv layers (CNN)
-    n_head: int = 4  # attention heads; must divide n_embd (and be divisible by parallel.tp)
-    n_embd: int = 128  # model width (GPT) or conv channels (CNN)
-    dropout: float = 0.0  # 0 keeps runs bitwise reproducible without saving dropout masks
-    bias: bool = False  # biases in Linear/LayerNorm; off is a little faster and as good (nanoGPT)
+    name: str = described("gpt",
+        "A registered model (gpt, cnn; raytrain_sys.models.register_model adds more) or, with model.factory set, a "
+        "free label for your own model")
+    factory: Any = extension_point("",
+        '"pkg.module:callable" (or, from Python, the callable itself): called with this section, returns an '
+        'nn.Module. "" = the registered factory named by model.name')
+    args: dict = described({}, 'free-form, for your factory (model.args["width"])')
+    vocab_size: Integer = described(256, "byte-level tokens")
+    block_size: Integer = described(128, "context length in tokens")
+    n_layer: Integer = described(4, "transformer blocks (GPT) or conv layers (CNN)")
+    n_head: Integer = described(4, "attention heads; must divide n_embd (and be divisible by parallel.tp)")
+    n_embd: Integer = described(128, "model width (GPT) or conv channels (CNN)")
+    dropout: Number = described(0.0, "0 keeps runs bitwise reproducible without saving dropout masks")
+    bias: bool = described(False, "biases in Linear/LayerNorm; off is a little faster and as good (nanoGPT)")
 
 
 @dataclass
-class DataSpec:
+class DataSpec(Checked):
     """Your data: a dataset directory with ``manifest.json``, written by ``raytrain-sys prepare-data`` (token rows, documents, WebDataset) or, for Parquet files you already have (local or s3://), by ``prepare-data --index DIR`` (only the manifest is written). ``columns`` picks the columns read; ``transform: "mypkg.data:fn"`` runs ``fn(row) -> row`` on every row inside the read tasks, before the task sees it (keep it a pure function of the row: rows are read again after a failure). A file whose schema differs from the manifest's stops the run, naming the file."""
 
-    path: str = "data/stdlib"  # dataset dir (local or s3://) holding manifest.json + shards
-    seed: int = 0  # the global order is a pure function of (manifest, seed, epoch)
-    shuffle_window: int = 8192  # rows permuted together; larger mixes better, costs memory
-    shuffle_block_rows: int = 256  # rows read as one unit when blocks are permuted; ~ a row group
-    prefetch_steps: int = 4  # global batches read ahead of the trainers
-    log_sample_ids: bool = False  # write the ids each rank consumed per committed step
-    s3_endpoint_url: str = ""  # for s3:// data; "" uses AWS_ENDPOINT_URL or AWS's default
-    # fail: a missing/truncated/corrupt shard stops the run, naming shard and cursor. skip: its
-    # samples leave the stream from that point, recorded in <run_dir>/skipped_samples.jsonl.
-    on_bad_shard: str = "fail"
-    # A read (a chunk of rows read, decoded and transformed in a read task) that the trainers wait
-    # for and that has run this long is hung (a data.transform in a loop, a stuck filesystem): its
-    # stack is kept (summary.json's read_hangs, the log), its task ended and the read made again;
-    # a second hang of the same read stops the run, naming where it was stuck
-    read_timeout_s: float = 60.0
-    # How rows are made. rows: the dataset's own fixed-length rows. For a documents dataset
-    # (prepare-data --format documents): pack = documents concatenated and cut into rows of
-    # model.block_size + 1 tokens; pack_masked = pack, positions restarting and attention stopping
-    # at document boundaries; bucket = a row per document (cut when longer), rows of similar length
-    # batched together, each batch padded to its longest row. shuffle_window and shuffle_block_rows
-    # then count documents.
-    sequences: str = "rows"
-    # Read tasks running at once; each reads a chunk of windows into Ray's object store.
-    num_readers: int = 3
-    # Ray resources of each read task. {} reserves no CPU (a read is short and mostly I/O, and must
-    # not wait behind trainers holding every CPU); {"CPU": 1}, or a custom resource that only
-    # CPU-only nodes offer (e.g. {"data_reader": 1}), moves reading and decoding off the trainers.
-    read_resources: dict = field(default_factory=dict)
-    # Columns a read delivers (a table dataset: prepare-data --index); [] = every column
-    columns: list = field(default_factory=list)
-    # "pkg.module:fn" (or a callable): fn(row: dict of column -> value) -> dict, run on every row
-    # in the read tasks, before the task counts loss units; must be a pure function of the row
-    transform: Any = ""
-    # How a rank gets its rows. refs: the driver sends object references and row ranges, the rank
-    # fetches its rows from the object store, node to node. driver: the driver fetches the rows and
-    # sends them as task arguments (every byte through one process; kept to measure against).
-    delivery: str = "refs"
+    path: str = described("data/stdlib", "dataset dir (local or s3://) holding manifest.json + shards")
+    seed: Integer = described(0, "the global order is a pure function of (manifest, seed, epoch)")
+    shuffle_window: Integer = described(8192, "rows permuted together; larger mixes better, costs memory")
+    shuffle_block_rows: Integer = described(256, "rows read as one unit when blocks are permuted; ~ a row group")
+    prefetch_steps: Integer = described(4, "global batches read ahead of the trainers")
+    log_sample_ids: bool = described(False, "write the ids each rank consumed per committed step")
+    s3_endpoint_url: str = described("", "for s3:// data; \"\" uses AWS_ENDPOINT_URL or AWS's default")
+    on_bad_shard: str = described("fail",
+        "fail: a missing/truncated/corrupt shard stops the run, naming shard and cursor. skip: its samples leave the "
+        "stream from that point, recorded in <run_dir>/skipped_samples.jsonl.")
+    read_timeout_s: Number = described(60.0,
+        "A read (a chunk of rows read, decoded and transformed in a read task) that the trainers wait for and that "
+        "has run this long is hung (a data.transform in a loop, a stuck filesystem): its stack is kept "
+        "(summary.json's read_hangs, the log), its task ended and the read made again; a second hang of the same read"
+        " stops the run, naming where it was stuck")
+    sequences: str = described("rows",
+        "How rows are made. rows: the dataset's own fixed-length rows. For a documents dataset (prepare-data --format"
+        " documents): pack = documents concatenated and cut into rows of model.block_size + 1 tokens; pack_masked = "
+        "pack, positions restarting and attention stopping at document boundaries; bucket = a row per document (cut "
+        "when longer), rows of similar length batched together, each batch padded to its longest row. shuffle_window "
+        "and shuffle_block_rows then count documents.")
+    num_readers: Integer = described(3,
+        "Read tasks running at once; each reads a chunk of windows into Ray's object store.")
+    read_resources: dict = described({},
+        'Ray resources of each read task. {} reserves no CPU (a read is short and mostly I/O, and must not wait '
+        'behind trainers holding every CPU); {"CPU": 1}, or a custom resource that only CPU-only nodes offer (e.g. '
+        '{"data_reader": 1}), moves reading and decoding off the trainers.')
+    columns: Names = described([],
+        "Columns a read delivers (a table dataset: prepare-data --index); [] = every column")
+    transform: Any = extension_point("",
+        '"pkg.module:fn" (or a callable): fn(row: dict of column -> value) -> dict, run on every row in the read '
+        'tasks, before the task counts loss units; must be a pure function of the row')
+    delivery: str = described("refs",
+        "How a rank gets its rows. refs: the driver sends object references and row ranges, the rank fetches its rows"
+        " from the object store, node to node. driver: the driver fetches the rows and sends them as task arguments "
+        "(every byte through one process; kept to measure against).")
 
 
 @dataclass
-class EarlyStopSpec:
+class EarlyStopSpec(Checked):
     """Stop when eval.metric has not improved by more than min_delta for patience evaluations."""
 
-    patience: int = 0  # evaluations without improvement before the run stops; 0 = never stop early
-    min_delta: float = 0.0  # an improvement smaller than this does not count
+    patience: Integer = described(0, "evaluations without improvement before the run stops; 0 = never stop early")
+    min_delta: Number = described(0.0, "an improvement smaller than this does not count")
 
 
 @dataclass
-class TrainSpec:
+class TrainSpec(Checked):
     """Your task: ``task: "mypkg.tasks:MyTask"`` names a class (built with ``task_args``) with ``units(batch) -> int`` and ``loss_sum(model, batch) -> scalar tensor``, both sums over rows (``raytrain_sys.train.tasks.Task``): that is what keeps gradients exact at any world size; ``rts.check_task(task, model, batch)`` checks it on your rows. Gradient accumulation: ``micro_batch_size`` rows per forward pass, whatever the world size; the global batch stays ``global_batch_size``."""
 
-    max_steps: int = 300  # optimizer steps of the whole run (the LR schedule spans them)
-    global_batch_size: int = 32  # rows per optimizer step, constant whatever the world size
-    micro_batch_size: int = 0  # rows per forward pass on a rank; 0 = the rank's whole share
-    precision: str = "fp32"  # fp32 | bf16 (autocast) | fp64 (numerics checks: no rounding noise)
-    seed: int = 1234  # model init and dropout
-    log_every_steps: int = 10  # progress lines and summary.json throughput refresh
-    # a step's deadline until one is learned from the job's steps (warm-up, compilation), and the
-    # most a learned one can be (elastic.hang_floor_s)
-    step_timeout_s: float = 600.0
-    stop_at_step: int = 0  # pause: stop after this many committed steps, with a checkpoint; 0 = run on
-    run_ahead: bool = True  # send step k+1 while step k runs (boundaries with work excepted); same results
-    # Steps one call to each worker carries (a lease). 0 = auto: one step until step times are
-    # known, then as many as fit in 10 s (1000 at most, and no more than the data read ahead),
-    # so the driver's per-call cost (~0.5 ms per worker) is shared by many steps; a boundary with
-    # work (drain, pause, newcomers) cuts a lease short at the end of the step in flight.
-    steps_per_call: int = 0
-    # "pkg.module:Class" of a Task (raytrain_sys.train.tasks: units + loss_sum), built with
-    # train.task_args, or from Python a Task object. "" = the registered model's own task
-    task: Any = ""
-    task_args: dict = field(default_factory=dict)  # keyword arguments of train.task's class
-    # torch.compile the model (Module.compile: parameter names and checkpoints unchanged); the
-    # first step includes the compile time, reported as summary.json compile_s
-    compile: bool = False
-    early_stop: EarlyStopSpec = field(default_factory=EarlyStopSpec)  # patience, min_delta: see train.early_stop
+    max_steps: Integer = described(300, "optimizer steps of the whole run (the LR schedule spans them)")
+    global_batch_size: Integer = described(32, "rows per optimizer step, constant whatever the world size")
+    micro_batch_size: Integer = described(0, "rows per forward pass on a rank; 0 = the rank's whole share")
+    precision: str = described("fp32", "fp32 | bf16 (autocast) | fp64 (numerics checks: no rounding noise)")
+    seed: Integer = described(1234, "model init and dropout")
+    log_every_steps: Integer = described(10, "progress lines and summary.json throughput refresh")
+    step_timeout_s: Number = described(600.0,
+        "a step's deadline until one is learned from the job's steps (warm-up, compilation), and the most a learned "
+        "one can be (elastic.hang_floor_s)")
+    stop_at_step: Integer = described(0, "pause: stop after this many committed steps, with a checkpoint; 0 = run on")
+    run_ahead: bool = described(True, "send step k+1 while step k runs (boundaries with work excepted); same results")
+    steps_per_call: Integer = described(0,
+        "Steps one call to each worker carries (a lease). 0 = auto: one step until step times are known, then as many"
+        " as fit in 10 s (1000 at most, and no more than the data read ahead), so the driver's per-call cost (~0.5 ms"
+        " per worker) is shared by many steps; a boundary with work (drain, pause, newcomers) cuts a lease short at "
+        "the end of the step in flight.")
+    task: Any = extension_point("",
+        "\"pkg.module:Class\" of a Task (raytrain_sys.train.tasks: units + loss_sum), built with train.task_args, or "
+        "from Python a Task object. \"\" = the registered model's own task")
+    task_args: dict = described({}, "keyword arguments of train.task's class")
+    compile: bool = described(False,
+        "torch.compile the model (Module.compile: parameter names and checkpoints unchanged); the first step includes"
+        " the compile time, reported as summary.json compile_s")
+    early_stop: Section[EarlyStopSpec] = field(default_factory=EarlyStopSpec)  # patience, min_delta: see train.early_stop
 
 
 @dataclass
-class EvalSpec:
+class EvalSpec(Checked):
     """Evaluation during training: the task's metrics over the same rows at any world size."""
 
-    every_steps: int = 0  # evaluate after every this many committed steps (and at the end); 0 = never
-    dataset: str = ""  # dataset dir (local or s3://) with manifest.json; "" = <data.path>/val
-    max_rows: int = 0  # the first rows of the dataset (manifest order); 0 = all of them
-    batch_rows: int = 32  # rows per forward pass; a batch goes whole to one rank, so results never depend on the world
-    metric: str = "loss"  # what keep_best and early stop watch: loss, or accuracy (classification)
+    every_steps: Integer = described(0, "evaluate after every this many committed steps (and at the end); 0 = never")
+    dataset: str = described("", 'dataset dir (local or s3://) with manifest.json; "" = <data.path>/val')
+    max_rows: Integer = described(0, "the first rows of the dataset (manifest order); 0 = all of them")
+    batch_rows: Integer = described(32,
+        "rows per forward pass; a batch goes whole to one rank, so results never depend on the world")
+    metric: str = described("loss", "what keep_best and early stop watch: loss, or accuracy (classification)")
 
 
 @dataclass
-class ParallelSpec:
+class ParallelSpec(Checked):
     """How the world is cut: one DeviceMesh with axes ("pp", "dp", "fsdp", "tp").
 
     ``strategy`` says how the data-parallel ranks treat parameters: ddp replicates them, fsdp
@@ -150,24 +160,24 @@ class ParallelSpec:
     unset takes the rest of the world, so a job keeps working when the world is resized.
     """
 
-    strategy: str = "ddp"  # ddp | fsdp | hsdp: replicate, shard, or shard within groups
-    backend: str = "auto"  # auto = nccl when CUDA is present, gloo otherwise
-    dp: int | None = None  # replicas (DDP ranks, HSDP groups); None = the rest of the world
-    fsdp: int | None = None  # ranks a parameter is sharded over; None = rest (fsdp), 1 (ddp)
-    tp: int = 1  # tensor-parallel degree; must divide model.n_head
-    pp: int = 1  # pipeline stages' ranks; must not exceed model.n_layer
-    pp_schedule: str = "1f1b"  # 1f1b: GPipe's bubble with activations of only pp micro-batches
-    pp_stages_per_rank: int = 2  # interleaved_1f1b only: virtual stages per rank (bubble / v)
-    microbatches: int = 0  # pipeline micro-batches per step; 0 = pp x stages per rank (fills it)
-    reshard_after_forward: bool = True  # true = FSDP full shard; false = ZeRO-2-like (more memory)
-    activation_checkpointing: bool = False  # recompute blocks in backward: memory for ~1/3 compute
-    mixed_precision: str = "none"  # none | bf16: FSDP params in bf16, gradients reduced in fp32
-    comm_hook: str = "none"  # none | fp16 | powersgd: DDP gradient compression
-    powersgd_rank: int = 1  # PowerSGD matrix approximation rank (1 = most compression)
-    powersgd_start_iter: int = 10  # plain all-reduce for this many steps first (PowerSGD paper)
-    # Module class names FSDP wraps as units (and activation checkpointing recomputes), e.g.
-    # [Block]; [] = the registered model's blocks (GPT layers), or the whole model as one unit
-    fsdp_wrap: list = field(default_factory=list)
+    strategy: str = described("ddp", "ddp | fsdp | hsdp: replicate, shard, or shard within groups")
+    backend: str = described("auto", "auto = nccl when CUDA is present, gloo otherwise")
+    dp: Integer | None = described(None, "replicas (DDP ranks, HSDP groups); None = the rest of the world")
+    fsdp: Integer | None = described(None, "ranks a parameter is sharded over; None = rest (fsdp), 1 (ddp)")
+    tp: Integer = described(1, "tensor-parallel degree; must divide model.n_head")
+    pp: Integer = described(1, "pipeline stages' ranks; must not exceed model.n_layer")
+    pp_schedule: str = described("1f1b", "1f1b: GPipe's bubble with activations of only pp micro-batches")
+    pp_stages_per_rank: Integer = described(2, "interleaved_1f1b only: virtual stages per rank (bubble / v)")
+    microbatches: Integer = described(0, "pipeline micro-batches per step; 0 = pp x stages per rank (fills it)")
+    reshard_after_forward: bool = described(True, "true = FSDP full shard; false = ZeRO-2-like (more memory)")
+    activation_checkpointing: bool = described(False, "recompute blocks in backward: memory for ~1/3 compute")
+    mixed_precision: str = described("none", "none | bf16: FSDP params in bf16, gradients reduced in fp32")
+    comm_hook: str = described("none", "none | fp16 | powersgd: DDP gradient compression")
+    powersgd_rank: Integer = described(1, "PowerSGD matrix approximation rank (1 = most compression)")
+    powersgd_start_iter: Integer = described(10, "plain all-reduce for this many steps first (PowerSGD paper)")
+    fsdp_wrap: Names = described([],
+        "Module class names FSDP wraps as units (and activation checkpointing recomputes), e.g. [Block]; [] = the "
+        "registered model's blocks (GPT layers), or the whole model as one unit")
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp)
@@ -217,159 +227,168 @@ class ParallelSpec:
 
 
 @dataclass
-class OptimSpec:
-    name: str = "adamw"  # decoupled weight decay; the usual choice for transformers
-    lr: float = 3e-3  # peak learning rate, reached after warmup_steps
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 20  # linear warmup from 0, then cosine decay to lr * min_lr_ratio
-    weight_decay: float = 0.1  # on parameters of 2+ dims only (matrices, embeddings); never biases or norms
-    beta1: float = 0.9  # Adam first-moment decay
-    beta2: float = 0.95  # second-moment decay; 0.95 is steadier than 0.999 for LMs (GPT-3)
-    eps: float = 1e-8  # Adam denominator floor
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    momentum: float = 0.9  # LARS only: heavy-ball momentum
-    trust_coefficient: float = 0.001  # LARS only: eta, the layer-wise step = eta x ||w|| / ||g||
-    # none | linear | sqrt: lr is the peak LR at lr_base_batch_size rows and is scaled to
-    # train.global_batch_size (linear for SGD/LARS, sqrt for Adam-type); warmup still applies
-    lr_scaling: str = "none"
-    lr_base_batch_size: int = 0  # the global batch optim.lr was tuned for (lr_scaling needs it)
+class OptimSpec(Checked):
+    """The optimizer and its learning rate: a linear warmup, then a cosine decay."""
+
+    name: str = described("adamw", "decoupled weight decay; the usual choice for transformers")
+    lr: Number = described(3e-3, "peak learning rate, reached after warmup_steps")
+    min_lr_ratio: Number = described(0.1, "cosine decays to lr * min_lr_ratio")
+    warmup_steps: Integer = described(20, "linear warmup from 0, then cosine decay to lr * min_lr_ratio")
+    weight_decay: Number = described(0.1,
+        "on parameters of 2+ dims only (matrices, embeddings); never biases or norms")
+    beta1: Number = described(0.9, "Adam first-moment decay")
+    beta2: Number = described(0.95, "second-moment decay; 0.95 is steadier than 0.999 for LMs (GPT-3)")
+    eps: Number = described(1e-8, "Adam denominator floor")
+    grad_clip: Number = described(1.0, "max global grad norm; 0 disables clipping")
+    momentum: Number = described(0.9, "LARS only: heavy-ball momentum")
+    trust_coefficient: Number = described(0.001, "LARS only: eta, the layer-wise step = eta x ||w|| / ||g||")
+    lr_scaling: str = described("none",
+        "none | linear | sqrt: lr is the peak LR at lr_base_batch_size rows and is scaled to train.global_batch_size "
+        "(linear for SGD/LARS, sqrt for Adam-type); warmup still applies")
+    lr_base_batch_size: Integer = described(0, "the global batch optim.lr was tuned for (lr_scaling needs it)")
 
 
 @dataclass
-class CheckpointSpec:
-    uri: str = ""  # local dir or s3://bucket/prefix; "" = <run_dir>/checkpoints
-    every_steps: int = 100  # 0 = only on clean exit
-    keep_last: int = 3  # older complete checkpoints are deleted; the newest never is
-    s3_endpoint_url: str = ""  # "" uses AWS_ENDPOINT_URL or AWS's default
-    # "" = fresh start, "latest" = newest complete in uri, or a URI (another run's checkpoint: its
-    # state is saved in this run's own root before the first step, so this run never needs it again)
-    resume_from: str = ""
-    save_on_exit: bool = True  # a checkpoint of the last committed step when the run ends or pauses
-    # resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of
-    # another size than its manifest says) or its load (a file of another sha256): "fail" names
-    # the newest intact older one; "previous" resumes from it, recorded in MLflow
-    on_corrupt: str = "fail"
-    # also keep the checkpoint of the best eval.metric (saved when an evaluation improves on it)
-    keep_best: bool = False
-    # periodic checkpoints (every_steps) copy each rank's state to host memory at the step
-    # boundary, the only stall, and write it in the background while training goes on; the
-    # manifest is written once every rank's file is durable. A save due while the previous one
-    # is still being written waits for it (one snapshot per rank). Final, pause and drain saves
-    # stay synchronous: they must be durable before the workers go
-    async_save: bool = False
-    # "write locally, upload later": each rank writes its file to this local directory first and
-    # uploads it from there (the snapshot's memory is freed once the file is on disk; for slow
-    # object stores); "" = upload from memory
-    stage_dir: str = ""
-    # fields this run may hold other values of than the checkpoint it resumes from (a PBT exploit:
-    # the donor trial's checkpoint, continued with mutated values): optim.lr, optim.min_lr_ratio,
-    # optim.warmup_steps, optim.grad_clip only, which a resume reads from the spec at every step;
-    # [] = every training field as the checkpoint's
-    resume_changes: list = field(default_factory=list)
-    # each rank's blocks of the state copied to a peer's host memory (on another node when there
-    # is one) after every step, so that a lost rank's shard comes back from its copy with no step
-    # redone (raytrain_sys.control.peer_copies): 1 on, 0 off, -1 on for a layout whose shards have
-    # no replica (fsdp, tp or pp > 1 without a second data-parallel group) where every node has
-    # the room (4 copies a rank within half of the memory available: else off, said in the log
-    # and summary.json's peer_copies)
-    peer_copies: int = -1
+class CheckpointSpec(Checked):
+    """Where and how often checkpoints are written, and which one a run resumes from."""
+
+    uri: str = described("", 'local dir or s3://bucket/prefix; "" = <run_dir>/checkpoints')
+    every_steps: Integer = described(100, "0 = only on clean exit")
+    keep_last: Integer = described(3, "older complete checkpoints are deleted; the newest never is")
+    s3_endpoint_url: str = described("", "\"\" uses AWS_ENDPOINT_URL or AWS's default")
+    resume_from: str = described("",
+        "\"\" = fresh start, \"latest\" = newest complete in uri, or a URI (another run's checkpoint: its state is "
+        "saved in this run's own root before the first step, so this run never needs it again)")
+    save_on_exit: bool = described(True, "a checkpoint of the last committed step when the run ends or pauses")
+    on_corrupt: str = described("fail",
+        'resume_from=latest whose newest checkpoint fails the pre-flight check (a file missing or of another size '
+        'than its manifest says) or its load (a file of another sha256): "fail" names the newest intact older one; '
+        '"previous" resumes from it, recorded in MLflow')
+    keep_best: bool = described(False,
+        "also keep the checkpoint of the best eval.metric (saved when an evaluation improves on it)")
+    async_save: bool = described(False,
+        "periodic checkpoints (every_steps) copy each rank's state to host memory at the step boundary, the only "
+        "stall, and write it in the background while training goes on; the manifest is written once every rank's file"
+        " is durable. A save due while the previous one is still being written waits for it (one snapshot per rank). "
+        "Final, pause and drain saves stay synchronous: they must be durable before the workers go")
+    stage_dir: str = described("",
+        "\"write locally, upload later\": each rank writes its file to this local directory first and uploads it from"
+        " there (the snapshot's memory is freed once the file is on disk; for slow object stores); \"\" = upload from"
+        " memory")
+    resume_changes: Names = described([],
+        "fields this run may hold other values of than the checkpoint it resumes from (a PBT exploit: the donor "
+        "trial's checkpoint, continued with mutated values): optim.lr, optim.min_lr_ratio, optim.warmup_steps, "
+        "optim.grad_clip only, which a resume reads from the spec at every step; [] = every training field as the "
+        "checkpoint's")
+    peer_copies: Integer = described(-1,
+        "each rank's blocks of the state copied to a peer's host memory (on another node when there is one) after "
+        "every step, so that a lost rank's shard comes back from its copy with no step redone "
+        "(raytrain_sys.control.peer_copies): 1 on, 0 off, -1 on for a layout whose shards have no replica (fsdp, tp "
+        "or pp > 1 without a second data-parallel group) where every node has the room (4 copies a rank within half "
+        "of the memory available: else off, said in the log and summary.json's peer_copies)")
 
 
 @dataclass
-class ElasticSpec:
-    # Survivors keep training while replacements start: a dead worker costs no committed step.
-    min_workers: int = 1  # below this the run waits for workers, then stops with a checkpoint
-    max_workers: int = 0  # grow up to this when the cluster gains room; 0 = resources.num_workers
-    max_failures: int = 20  # membership failures tolerated per failure_window_s
-    failure_window_s: float = 3600.0  # the sliding window elastic.max_failures counts in
-    below_min_timeout_s: float = 300.0  # wait this long for workers when below min_workers
-    # A step that makes no progress for its deadline is hung: the median of the job's steady step
-    # times plus hang_factor spreads (a robust sigma, at least a tenth of the median), never under
-    # hang_floor_s; raise the floor for a job whose ranks may legitimately stall apart for long
-    # (5 s: 9x the longest silence of a 3,000-step run at load 8 on 2 cores, 0.54 s)
-    hang_floor_s: float = 5.0
-    hang_factor: float = 10.0  # see hang_floor_s
-    drain_poll_s: float = 1.0  # how often draining (preempted) nodes are looked up
-    # How long a run's node agents keep its ranks and slots once the process that drives it (a CLI
-    # driver, a notebook, a job's runner) is gone and no other took the run over; then they end it
-    orphan_timeout_s: float = 60.0
-    # What to do with a rank whose compute is slow for its rows (a slow node, not a data
-    # imbalance; docs/STRAGGLERS.md): none (flag it only), rebalance (deal it fewer rows of the same
-    # global batch, in proportion to measured speed) or replace (drain it, ask for a replacement)
-    straggler_policy: str = "none"
-    # A rank is a straggler when its mean compute time over the window exceeds the median of
-    # its peers' by this fraction (0.5: 1.5x); 0 turns detection off
-    straggler_margin: float = 0.5
-    straggler_window_steps: int = 10  # committed steps the straggler means are taken over
-    # Test only: the worker holding this rank in the run's first process group computes
-    # fault_slow_factor times slower (a sleep in proportion to its compute); -1 = off
-    fault_slow_rank: int = -1
-    fault_slow_factor: float = 2.0  # see fault_slow_rank
-    # Test only: a peer holds each peer copy it receives only after this many seconds (a copy
-    # still in flight that long, for a fault to land in); 0 = off
-    fault_copy_delay_s: float = 0.0
+class ElasticSpec(Checked):
+    """Survivors keep training while replacements start: a dead worker costs no committed step."""
+
+    min_workers: Integer = described(1, "below this the run waits for workers, then stops with a checkpoint")
+    max_workers: Integer = described(0, "grow up to this when the cluster gains room; 0 = resources.num_workers")
+    max_failures: Integer = described(20, "membership failures tolerated per failure_window_s")
+    failure_window_s: Number = described(3600.0, "the sliding window elastic.max_failures counts in")
+    below_min_timeout_s: Number = described(300.0, "wait this long for workers when below min_workers")
+    hang_floor_s: Number = described(5.0,
+        "A step that makes no progress for its deadline is hung: the median of the job's steady step times plus "
+        "hang_factor spreads (a robust sigma, at least a tenth of the median), never under hang_floor_s; raise the "
+        "floor for a job whose ranks may legitimately stall apart for long (5 s: 9x the longest silence of a "
+        "3,000-step run at load 8 on 2 cores, 0.54 s)")
+    hang_factor: Number = described(10.0, "see hang_floor_s")
+    drain_poll_s: Number = described(1.0, "how often draining (preempted) nodes are looked up")
+    orphan_timeout_s: Number = described(60.0,
+        "How long a run's node agents keep its ranks and slots once the process that drives it (a CLI driver, a "
+        "notebook, a job's runner) is gone and no other took the run over; then they end it")
+    straggler_policy: str = described("none",
+        "What to do with a rank whose compute is slow for its rows (a slow node, not a data imbalance; "
+        "docs/STRAGGLERS.md): none (flag it only), rebalance (deal it fewer rows of the same global batch, in "
+        "proportion to measured speed) or replace (drain it, ask for a replacement)")
+    straggler_margin: Number = described(0.5,
+        "A rank is a straggler when its mean compute time over the window exceeds the median of its peers' by this "
+        "fraction (0.5: 1.5x); 0 turns detection off")
+    straggler_window_steps: Integer = described(10, "committed steps the straggler means are taken over")
+    fault_slow_rank: Integer = described(-1,
+        "Test only: the worker holding this rank in the run's first process group computes fault_slow_factor times "
+        "slower (a sleep in proportion to its compute); -1 = off")
+    fault_slow_factor: Number = described(2.0, "see fault_slow_rank")
+    fault_copy_delay_s: Number = described(0.0,
+        "Test only: a peer holds each peer copy it receives only after this many seconds (a copy still in flight that"
+        " long, for a fault to land in); 0 = off")
 
 
 @dataclass
-class TrackingSpec:
-    enabled: bool = True  # false: no MLflow at all (summary.json is still written)
-    uri: str = ""  # "" = sqlite:///<output_dir>/mlflow.db; or http://host:port of mlflow server
-    experiment: str = "raytrain-sys"  # MLflow experiment, created if missing
-    run_name: str = ""  # "" = the job name plus a timestamp
-    # An MLflow run this run is a child of (the tag mlflow.parentRunId): a sweep's trials name their
-    # sweep's run; "" = none
-    parent_run_id: str = ""
-    # Prometheus metrics through Ray's metrics agent (raytrain_* series, labels job, team, rank,
-    # node; see monitoring/); false = none, e.g. to measure their cost
-    metrics: bool = True
+class TrackingSpec(Checked):
+    """The run's MLflow record and its Prometheus metrics."""
+
+    enabled: bool = described(True, "false: no MLflow at all (summary.json is still written)")
+    uri: str = described("", '"" = sqlite:///<output_dir>/mlflow.db; or http://host:port of mlflow server')
+    experiment: str = described("raytrain-sys", "MLflow experiment, created if missing")
+    run_name: str = described("", '"" = the job name plus a timestamp')
+    parent_run_id: str = described("",
+        "An MLflow run this run is a child of (the tag mlflow.parentRunId): a sweep's trials name their sweep's run; "
+        "\"\" = none")
+    metrics: bool = described(True,
+        "Prometheus metrics through Ray's metrics agent (raytrain_* series, labels job, team, rank, node; see "
+        "monitoring/); false = none, e.g. to measure their cost")
 
 
 @dataclass
-class ResourcesSpec:
-    num_workers: int = 2  # workers at the start: one Ray actor per GPU or CPU slot
-    cpus_per_worker: float = 1.0  # also the worker's torch thread count
-    gpus_per_worker: float = 0.0  # > 0 on a CUDA machine selects NCCL (parallel.backend auto)
-    # Memory reserved for each worker, in GB (Ray's logical memory resource, on its placement
-    # bundle); 0 = none reserved. The job service counts it in quotas of flavors that count memory_gb
-    memory_per_worker_gb: float = 0.0
-    # The GPU type the workers need: nodes whose Ray label ray.io/accelerator-type is this (Ray sets
-    # it from the GPU it finds: A10G, L4, H100...); needs gpus_per_worker > 0; "" = any GPU
-    accelerator_type: str = ""
-    # spot | on-demand | any: the nodes (Ray label ray.io/market-type) the workers may run on; the
-    # job service draws a job of any market from the first flavor in its table with room
-    market: str = "any"
-    # Peak dense TFLOP/s of one worker's device at the training precision, for the MFU metric
-    # (e.g. 989 for an H100 SXM in bf16); 0 = MFU not reported
-    peak_tflops_per_worker: float = 0.0
-    # Price of one worker slot for an hour, in dollars, for summary.json's cost (dollars, $ per
-    # million tokens and its goodput form); 0 = cost not reported
-    cost_per_worker_hour: float = 0.0
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
-    start_timeout_s: float = 60.0  # wait this long for the cluster to hold the whole group
-    ray_address: str = ""  # "" = RAY_ADDRESS or a running job's cluster, else start a local one
-    local_num_cpus: int = 0  # CPUs of a locally started cluster; 0 = this machine's count
-    # Scheduling priority (nice, -20..19) of the training workers. Ray starts its worker processes
-    # at nice 15, so that a worker busy on every core loses the CPU to each daemon or driver
-    # wake-up, and the ranks waiting for it at the next collective lose it too. 0 = normal
-    # priority; null = keep Ray's. Lowering it needs the right to (root or CAP_SYS_NICE);
-    # without it the worker keeps Ray's and says so once.
-    worker_niceness: int | None = 0
+class ResourcesSpec(Checked):
+    """The workers: how many, what each one reserves, and the Ray cluster and nodes they run on."""
+
+    num_workers: Integer = described(2, "workers at the start: one Ray actor per GPU or CPU slot")
+    cpus_per_worker: Number = described(1.0, "also the worker's torch thread count")
+    gpus_per_worker: Number = described(0.0, "> 0 on a CUDA machine selects NCCL (parallel.backend auto)")
+    memory_per_worker_gb: Number = described(0.0,
+        "Memory reserved for each worker, in GB (Ray's logical memory resource, on its placement bundle); 0 = none "
+        "reserved. The job service counts it in quotas of flavors that count memory_gb")
+    accelerator_type: str = described("",
+        'The GPU type the workers need: nodes whose Ray label ray.io/accelerator-type is this (Ray sets it from the '
+        'GPU it finds: A10G, L4, H100...); needs gpus_per_worker > 0; "" = any GPU')
+    market: str = described("any",
+        "spot | on-demand | any: the nodes (Ray label ray.io/market-type) the workers may run on; the job service "
+        "draws a job of any market from the first flavor in its table with room")
+    peak_tflops_per_worker: Number = described(0.0,
+        "Peak dense TFLOP/s of one worker's device at the training precision, for the MFU metric (e.g. 989 for an "
+        "H100 SXM in bf16); 0 = MFU not reported")
+    cost_per_worker_hour: Number = described(0.0,
+        "Price of one worker slot for an hour, in dollars, for summary.json's cost (dollars, $ per million tokens and"
+        " its goodput form); 0 = cost not reported")
+    placement_strategy: str = described("PACK", "PACK | SPREAD | STRICT_PACK | STRICT_SPREAD")
+    start_timeout_s: Number = described(60.0, "wait this long for the cluster to hold the whole group")
+    ray_address: str = described("", "\"\" = RAY_ADDRESS or a running job's cluster, else start a local one")
+    local_num_cpus: Integer = described(0, "CPUs of a locally started cluster; 0 = this machine's count")
+    worker_niceness: Integer | None = described(0,
+        "Scheduling priority (nice, -20..19) of the training workers. Ray starts its worker processes at nice 15, so "
+        "that a worker busy on every core loses the CPU to each daemon or driver wake-up, and the ranks waiting for "
+        "it at the next collective lose it too. 0 = normal priority; null = keep Ray's. Lowering it needs the right "
+        "to (root or CAP_SYS_NICE); without it the worker keeps Ray's and says so once.")
 
 
 @dataclass
-class JobSpec:
-    name: str = "job"
-    output_dir: str = "runs"  # run directories, the default MLflow store and checkpoints
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    train: TrainSpec = field(default_factory=TrainSpec)
-    eval: EvalSpec = field(default_factory=EvalSpec)
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    optim: OptimSpec = field(default_factory=OptimSpec)
-    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
-    elastic: ElasticSpec = field(default_factory=ElasticSpec)
-    tracking: TrackingSpec = field(default_factory=TrackingSpec)
-    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+class JobSpec(Checked):
+    """A training job: its name, where its runs go, and a section for each part of it."""
+
+    name: str = described("job", "the job's name: no spaces or slashes")
+    output_dir: str = described("runs", "run directories, the default MLflow store and checkpoints")
+    model: Section[ModelSpec] = field(default_factory=ModelSpec)
+    data: Section[DataSpec] = field(default_factory=DataSpec)
+    train: Section[TrainSpec] = field(default_factory=TrainSpec)
+    eval: Section[EvalSpec] = field(default_factory=EvalSpec)
+    parallel: Section[ParallelSpec] = field(default_factory=ParallelSpec)
+    optim: Section[OptimSpec] = field(default_factory=OptimSpec)
+    checkpoint: Section[CheckpointSpec] = field(default_factory=CheckpointSpec)
+    elastic: Section[ElasticSpec] = field(default_factory=ElasticSpec)
+    tracking: Section[TrackingSpec] = field(default_factory=TrackingSpec)
+    resources: Section[ResourcesSpec] = field(default_factory=ResourcesSpec)
 
     # ----- derived views -----
     def to_dict(self) -> dict[str, Any]:
@@ -380,7 +399,7 @@ class JobSpec:
     def plain_dict(self) -> dict[str, Any]:
         """``to_dict`` with such objects replaced by their description ("python:module.name"):
         the form YAML, JSON, hashes, checkpoints and MLflow hold."""
-        return _plain(self.to_dict())
+        return plain_value(self.to_dict())
 
     def flat(self) -> dict[str, Any]:
         """Dotted keys to leaf values, the form MLflow params take."""
@@ -429,430 +448,53 @@ class JobSpec:
 
 
 TRAINING_SECTIONS = ("model", "data", "train", "optim")
-# The training fields a resume reads from the spec at each step rather than from the checkpoint
-# (the learning-rate schedule's and the clipping's: ``lr_at``, the step's clip), so a run may
-# resume another's checkpoint with other values of them (``checkpoint.resume_changes``). The
-# optimizer's group hyperparameters (weight_decay, betas, eps) are not: a restore loads them
-# from the checkpoint.
-RESUME_CHANGEABLE = ("optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip")
-# Ray's accelerator types (ray.util.accelerators: A10G, H100, TPU-V4...), as node labels carry them.
-ACCELERATOR_TYPE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
-
-# model.name values with a registered factory (raytrain_sys.models.register_model adds to it;
-# kept here so that a spec is checked without importing torch), and those with TP/PP plans.
-REGISTERED_MODELS: set[str] = {"gpt", "cnn"}
-MODELS_WITH_PARALLEL_PLANS: set[str] = {"gpt"}
-PYTHON_OBJECT_PREFIX = "python:"  # how a Python object given for an extension point is recorded
-
-
-def describe_object(obj: Any) -> str:
-    """``python:module.qualname`` of a callable or object given from Python (never imported
-    back: a run that used one is resumed by giving it again)."""
-    target = obj if callable(obj) and hasattr(obj, "__qualname__") else type(obj)
-    return f"{PYTHON_OBJECT_PREFIX}{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}"
-
-
-def import_path_of(obj: Any) -> str | None:
-    """"module:qualname" when importing it gives back ``obj`` itself (a top-level function or
-    class of an importable module), else None (a notebook's function, a lambda, an instance)."""
-    import importlib
-
-    module, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not module or not qual or module == "__main__" or "<" in qual:
-        return None
-    try:
-        found: Any = importlib.import_module(module)
-        for part in qual.split("."):
-            found = getattr(found, part)
-    except Exception:
-        return None
-    return f"{module}:{qual}" if found is obj else None
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return describe_object(value)
-
-ALLOWED_CHOICES: dict[str, tuple[str, ...]] = {
-    "train.precision": ("fp32", "bf16", "fp64"),
-    "parallel.strategy": ("ddp", "fsdp", "hsdp"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
-    "parallel.mixed_precision": ("none", "bf16"),
-    "parallel.comm_hook": ("none", "fp16", "powersgd"),
-    "parallel.backend": ("auto", "gloo", "nccl"),
-    "optim.name": ("adamw", "lamb", "lars"),
-    "optim.lr_scaling": ("none", "linear", "sqrt"),
-    "resources.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-    "resources.market": ("any", "spot", "on-demand"),
-    "eval.metric": ("loss", "accuracy"),
-    "data.on_bad_shard": ("fail", "skip"),
-    "checkpoint.on_corrupt": ("fail", "previous"),
-    "data.sequences": ("rows", "pack", "pack_masked", "bucket"),
-    "data.delivery": ("refs", "driver"),
-    "elastic.straggler_policy": ("none", "rebalance", "replace"),
-}
-
-# (field, lower bound, inclusive?) checked after types.
-_POSITIVE = [
-    "model.vocab_size", "model.block_size", "model.n_layer", "model.n_head", "model.n_embd",
-    "data.shuffle_window", "data.shuffle_block_rows", "data.prefetch_steps", "data.num_readers",
-    "data.read_timeout_s",
-    "train.max_steps", "train.global_batch_size", "train.log_every_steps", "train.step_timeout_s",
-    "eval.batch_rows",
-    "optim.lr", "optim.eps",
-    "checkpoint.keep_last",
-    "resources.num_workers", "resources.cpus_per_worker", "resources.start_timeout_s",
-    "elastic.max_failures", "elastic.failure_window_s", "elastic.below_min_timeout_s",
-    "elastic.hang_floor_s", "elastic.hang_factor", "elastic.straggler_window_steps",
-    "elastic.fault_slow_factor", "elastic.orphan_timeout_s",
-]
-_NON_NEGATIVE = [
-    "model.dropout", "train.micro_batch_size", "train.stop_at_step", "train.steps_per_call", "optim.min_lr_ratio", "optim.warmup_steps",
-    "optim.weight_decay", "optim.grad_clip", "optim.momentum", "optim.trust_coefficient",
-    "optim.lr_base_batch_size", "checkpoint.every_steps", "resources.gpus_per_worker",
-    "resources.local_num_cpus", "resources.peak_tflops_per_worker", "resources.cost_per_worker_hour",
-    "resources.memory_per_worker_gb", "elastic.min_workers", "elastic.max_workers", "elastic.drain_poll_s",
-    "elastic.straggler_margin", "elastic.fault_copy_delay_s", "eval.every_steps", "eval.max_rows", "train.early_stop.patience", "train.early_stop.min_delta",
-]
 
 
 # ----------------------------------------------------------------------------- loading
 
-def _type_name(tp: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
+@functools.cache
+def _adapter() -> Any:
+    """Pydantic's validator of a whole spec, built once: the first spec a process checks pays
+    for it (pydantic's import and the schema's build), none after."""
+    from pydantic import TypeAdapter
 
-
-_FLOAT_LITERAL = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-INT_LIMIT = 2 ** 63  # every integer of the spec ends in a 64-bit one (a tensor's shape, a seed, a count)
-FIELD_NAME_CHARS = 64  # a key longer than any field's name is quoted, not echoed, in the field of an error
-
-
-def _coerce(path: str, value: Any, tp: Any) -> Any:
-    """Check ``value`` against the annotation ``tp``; allow int where float is expected."""
-    if dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, path)
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            if arm is type(None) and value is None:
-                return None
-        arms = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(path, value, arms[0])
-    if tp is int and isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
-        raise SpecError(path, f"got {quote(value)}; expected an integer of 64 bits (-2**63 .. 2**63-1)")
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return _finite(path, float(value) if abs(value) < INT_LIMIT else math.inf, value)
-    if tp is float and isinstance(value, str) and _FLOAT_LITERAL.fullmatch(value.strip()):
-        # PyYAML follows YAML 1.1, where `3e-3` (no dot) is a string; YAML 1.2 and every user
-        # read it as a number.
-        return _finite(path, float(value), value)
-    if tp is float and isinstance(value, float):
-        return _finite(path, value, value)
-    if tp is int and isinstance(value, bool):
-        raise SpecError(path, f"got {quote(value)}; expected {_type_name(tp)}")
-    if tp is dict and not isinstance(value, dict):
-        raise SpecError(path, f"got {quote(value)} ({type(value).__name__}); expected a mapping")
-    if tp is list:
-        if isinstance(value, str):  # --set data.columns=x,y
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-            raise SpecError(path, f"got {quote(value)}; expected a list of names, e.g. [a, b]")
-        return list(value)
-    if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise SpecError(path, f"got {quote(value)} ({type(value).__name__}); expected {_type_name(tp)}")
-    return value
-
-
-def _finite(path: str, number: float, given: Any) -> float:
-    if not math.isfinite(number):
-        raise SpecError(path, f"got {quote(given)}; expected a finite number")
-    return number
-
-
-def _key(key: Any) -> str:
-    """A mapping key as a field's name in an error: itself, or its quote if it could not be one."""
-    text = str(key)
-    return text if len(text) <= FIELD_NAME_CHARS and text.isprintable() else quote(key, FIELD_NAME_CHARS)
-
-
-def _from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
-    where = prefix or "the spec"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise SpecError(where, f"expected a mapping of fields, got {type(raw).__name__} {quote(raw)}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        path = f"{prefix}.{_key(key)}" if prefix else _key(key)
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise SpecError(path, f"unknown field{hint}; allowed: {', '.join(names)}")
-        kwargs[key] = _coerce(path, value, hints[key])
-    return cls(**kwargs)
-
-
-def _get(spec: JobSpec, dotted: str) -> Any:
-    obj: Any = spec
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def validate(spec: JobSpec) -> JobSpec:
-    """Range and cross-field checks; raises SpecError naming the field."""
-    for dotted, allowed in ALLOWED_CHOICES.items():
-        value = _get(spec, dotted)
-        if value not in allowed:
-            raise SpecError(dotted, f"got {quote(value)}; allowed: {', '.join(allowed)}")
-    for dotted in _POSITIVE:
-        value = _get(spec, dotted)
-        if not value > 0:
-            raise SpecError(dotted, f"got {quote(value)}; must be greater than 0")
-    for dotted in _NON_NEGATIVE:
-        value = _get(spec, dotted)
-        if value < 0:
-            raise SpecError(dotted, f"got {quote(value)}; must be 0 or more")
-    if not spec.name or any(c in spec.name for c in "/\\ ") or not spec.name.isprintable():
-        raise SpecError("name", f"got {quote(spec.name)}; use a non-empty name without spaces or slashes")
-    if spec.model.n_embd % spec.model.n_head:
-        raise SpecError(
-            "model.n_head",
-            f"got {quote(spec.model.n_head)}; must divide model.n_embd={spec.model.n_embd}",
-        )
-    if spec.model.dropout >= 1:
-        raise SpecError("model.dropout", f"got {quote(spec.model.dropout)}; must be below 1")
-    if spec.optim.lr_scaling != "none" and spec.optim.lr_base_batch_size < 1:
-        raise SpecError("optim.lr_base_batch_size",
-                        f"got {quote(spec.optim.lr_base_batch_size)}; optim.lr_scaling="
-                        f"{spec.optim.lr_scaling} scales optim.lr from the global batch it was tuned "
-                        f"for: give that batch size")
-    for changed in spec.checkpoint.resume_changes:
-        if changed not in RESUME_CHANGEABLE:
-            raise SpecError("checkpoint.resume_changes", f"got {quote(changed)}; a resume takes only "
-                                                         f"{', '.join(RESUME_CHANGEABLE)} from the spec "
-                                                         f"rather than from the checkpoint")
-    if spec.optim.min_lr_ratio > 1:
-        raise SpecError("optim.min_lr_ratio", f"got {quote(spec.optim.min_lr_ratio)}; must be at most 1")
-    if spec.optim.warmup_steps > spec.train.max_steps:
-        raise SpecError(
-            "optim.warmup_steps",
-            f"got {quote(spec.optim.warmup_steps)}; must not exceed train.max_steps={spec.train.max_steps}",
-        )
-    if spec.resources.num_workers > spec.train.global_batch_size:
-        raise SpecError(
-            "resources.num_workers",
-            f"got {quote(spec.resources.num_workers)}; every worker needs at least one row of "
-            f"train.global_batch_size={spec.train.global_batch_size}",
-        )
-    e, n = spec.elastic, spec.resources.num_workers
-    if e.max_workers and e.max_workers < n:
-        raise SpecError("elastic.max_workers",
-                        f"got {quote(e.max_workers)}; must be 0 or at least resources.num_workers={n}")
-    if e.min_workers > n:
-        raise SpecError("elastic.min_workers",
-                        f"got {quote(e.min_workers)}; must not exceed resources.num_workers={n}")
-    if max(e.max_workers, n) > spec.train.global_batch_size:
-        raise SpecError("elastic.max_workers",
-                        f"got {quote(e.max_workers)}; every worker needs at least one row of "
-                        f"train.global_batch_size={spec.train.global_batch_size}")
-    if e.fault_slow_factor < 1:
-        raise SpecError("elastic.fault_slow_factor", f"got {quote(e.fault_slow_factor)}; must be at least 1 (1: no slowdown)")
-    if e.fault_slow_rank < -1:
-        raise SpecError("elastic.fault_slow_rank", f"got {quote(e.fault_slow_rank)}; must be a rank, or -1 for off")
-    accelerator = spec.resources.accelerator_type
-    if accelerator and not re.fullmatch(ACCELERATOR_TYPE_PATTERN, accelerator):
-        raise SpecError("resources.accelerator_type", f"got {quote(accelerator)}; Ray's accelerator type, as its "
-                                                      f"node label ray.io/accelerator-type reads (e.g. A10G, H100)")
-    if accelerator and not spec.resources.gpus_per_worker:
-        raise SpecError("resources.accelerator_type", f"got {quote(accelerator)} with resources.gpus_per_worker=0; "
-                                                      f"a GPU type needs GPUs: set gpus_per_worker, or leave it empty")
-    nice = spec.resources.worker_niceness
-    if nice is not None and not -20 <= nice <= 19:
-        raise SpecError("resources.worker_niceness", f"got {quote(nice)}; must be in -20..19, or null for Ray's")
-    if not spec.data.path:
-        raise SpecError("data.path", "is empty; give a dataset directory (see `raytrain-sys prepare-data`)")
-    for name, amount in spec.data.read_resources.items():
-        if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
-                or amount < 0:
-            raise SpecError(f"data.read_resources.{name}",
-                            f"got {quote(amount)}; a Ray resource name mapped to a number of 0 or more, "
-                            f"e.g. {{CPU: 1}} or {{data_reader: 1}}")
-    if spec.checkpoint.peer_copies not in (-1, 0, 1):
-        raise SpecError("checkpoint.peer_copies", f"got {spec.checkpoint.peer_copies}; 1 (on), 0 (off) or -1 "
-                        "(on for a layout whose shards have no replica)")
-    if "://" in spec.checkpoint.stage_dir:
-        raise SpecError("checkpoint.stage_dir", f"got {quote(spec.checkpoint.stage_dir)}; a local directory on "
-                                                f"each worker's node, or \"\" to upload from memory")
-    if spec.data.sequences != "rows":
-        _validate_sequences(spec)
-    _validate_extensions(spec)
-    _validate_eval(spec)
-    validate_parallel(spec)
-    return spec
-
-
-def _extension_point(spec: JobSpec, dotted: str, example: str, objects_allowed: bool) -> None:
-    """An extension field holds "pkg.module:name" or, from Python, the object itself; an
-    importable object is recorded by its import path (so YAML, MLflow and resume can name it)."""
-    section, name = dotted.split(".")
-    value = getattr(getattr(spec, section), name)
-    if isinstance(value, (dict, list, tuple, int, float)):  # data (YAML, JSON): never an object given from Python
-        raise SpecError(dotted, f"got {quote(value)}; expected an import path \"package.module:name\", e.g. {example}")
-    if isinstance(value, str):
-        if value and not value.startswith(PYTHON_OBJECT_PREFIX) and \
-                not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
-            raise SpecError(dotted, f"got {quote(value)}; expected an import path \"package.module:name\", "
-                                    f"e.g. {example}")
-        return
-    if not objects_allowed:
-        raise SpecError(dotted, f"got {type(value).__name__}; expected an import path string")
-    path = import_path_of(value)
-    if path is not None:
-        setattr(getattr(spec, section), name, path)
-
-
-def _validate_extensions(spec: JobSpec) -> None:
-    _extension_point(spec, "model.factory", '"mypkg.models:build"', True)
-    _extension_point(spec, "train.task", '"mypkg.tasks:MyTask"', True)
-    _extension_point(spec, "data.transform", '"mypkg.data:fn"', True)
-    if not spec.model.factory and spec.model.name not in REGISTERED_MODELS:
-        raise SpecError("model.name", f"got {quote(spec.model.name)}; registered models: "
-                                      f"{', '.join(sorted(REGISTERED_MODELS))}, or set model.factory "
-                                      f"to build your own (\"mypkg.models:build\")")
-    if spec.model.factory and not spec.train.task:
-        raise SpecError("train.task", "a model built by model.factory needs a task (the loss it is "
-                                      "trained on): set train.task, e.g. raytrain_sys.train.tasks:Classify "
-                                      "with train.task_args {input_key: x, label_key: y}, or your own")
-    if spec.train.task_args and not isinstance(spec.train.task, str):
-        raise SpecError("train.task_args", "build the task object yourself when you pass one from Python")
-
-
-def _validate_eval(spec: JobSpec) -> None:
-    ev = spec.eval
-    if spec.checkpoint.keep_best and not ev.every_steps:
-        raise SpecError("checkpoint.keep_best", "keeps the checkpoint of the best evaluation: set "
-                                                "eval.every_steps too")
-    if spec.train.early_stop.patience and not ev.every_steps:
-        raise SpecError("train.early_stop.patience", "stops on evaluations: set eval.every_steps too")
-    if ev.every_steps and spec.parallel.pp > 1:
-        raise SpecError("eval.every_steps", f"evaluation runs plain forward passes; with parallel.pp="
-                                            f"{spec.parallel.pp} the model is split into a pipeline "
-                                            f"schedule: set eval.every_steps: 0")
-
-
-def _validate_sequences(spec: JobSpec) -> None:
-    """Rows made of documents: next-token rows whose padding and boundaries only the task sees."""
-    seq = spec.data.sequences
-    if spec.model.name != "gpt":
-        raise SpecError("data.sequences", f"got {quote(seq)}; documents make token rows for a next-token "
-                                          f"model (gpt), not {quote(spec.model.name)}")
-    if spec.data.on_bad_shard == "skip":
-        raise SpecError("data.on_bad_shard", f"got 'skip'; with data.sequences={seq} a skipped shard "
-                                             f"would re-pack rows already trained on: use 'fail'")
-    # The pipeline schedule carries token rows only, without the padding mask or document ids.
-    if spec.parallel.pp > 1:
-        raise SpecError("data.sequences", f"got {quote(seq)}; pipeline parallel (parallel.pp="
-                                          f"{spec.parallel.pp}) trains on stored rows only: use rows")
-    # Bucketed batches change width every step (sequence parallel splits it) and document masks
-    # have not been run through the tensor-parallel attention.
-    if spec.parallel.tp > 1 and seq != "pack":
-        raise SpecError("data.sequences", f"got {quote(seq)}; with parallel.tp={spec.parallel.tp} use "
-                                          f"pack or rows")
-
-
-def validate_parallel(spec: JobSpec) -> None:
-    """Checks of ``parallel`` against the model and the worker counts, before any resource."""
-    par, model = spec.parallel, spec.model
-    for name in ("dp", "fsdp"):
-        value = getattr(par, name)
-        if value is not None and value < 1:
-            raise SpecError(f"parallel.{name}", f"got {quote(value)}; must be 1 or more, or left unset "
-                                                f"to take the rest of the world")
-    for name in ("tp", "pp", "pp_stages_per_rank", "powersgd_rank"):
-        if getattr(par, name) < 1:
-            raise SpecError(f"parallel.{name}", f"got {quote(getattr(par, name))}; must be 1 or more")
-    for name in ("microbatches", "powersgd_start_iter"):
-        if getattr(par, name) < 0:
-            raise SpecError(f"parallel.{name}", f"got {quote(getattr(par, name))}; must be 0 or more")
-    if par.strategy == "ddp" and (par.fsdp or 1) > 1:
-        raise SpecError("parallel.fsdp", f"got {quote(par.fsdp)} with strategy ddp, which replicates "
-                                         f"parameters; use strategy fsdp or hsdp to shard them")
-    if par.strategy == "fsdp" and (par.dp or 1) > 1:
-        raise SpecError("parallel.dp", f"got {quote(par.dp)} with strategy fsdp; replicas of sharded "
-                                       f"groups are strategy hsdp")
-    if par.strategy == "hsdp" and not par.fsdp:
-        raise SpecError("parallel.fsdp", "strategy hsdp needs the shard group size "
-                                         "(e.g. the workers of one node)")
-    for name in ("tp", "pp"):
-        if getattr(par, name) > 1 and (model.factory or model.name not in MODELS_WITH_PARALLEL_PLANS):
-            which = (f"model.factory {quote(_plain(model.factory))}" if model.factory
-                     else f"model.name {quote(model.name)}")
-            raise SpecError(f"parallel.{name}", f"got {quote(getattr(par, name))}; {which} has no tensor or "
-                                                f"pipeline plan (models with one: "
-                                                f"{', '.join(sorted(MODELS_WITH_PARALLEL_PLANS))}); "
-                                                f"use strategy ddp, fsdp or hsdp with {name}: 1")
-    if model.n_head % par.tp:
-        raise SpecError("parallel.tp", f"got {quote(par.tp)}; must divide model.n_head={model.n_head} "
-                                       f"(each tensor-parallel rank holds whole heads)")
-    if par.pp > model.n_layer:
-        raise SpecError("parallel.pp", f"got {quote(par.pp)}; must not exceed model.n_layer="
-                                       f"{model.n_layer} (every stage holds at least one layer)")
-    stages_per_rank = par.pp_stages_per_rank if par.pp_schedule == "interleaved_1f1b" else 1
-    if par.pp > 1 and par.pp_schedule == "interleaved_1f1b" and model.n_layer % (par.pp * stages_per_rank):
-        raise SpecError("parallel.pp_stages_per_rank",
-                        f"interleaved_1f1b splits model.n_layer={model.n_layer} into pp x "
-                        f"pp_stages_per_rank = {par.pp} x {stages_per_rank} equal stages; "
-                        f"pick degrees whose product divides n_layer")
-    microbatches = par.microbatches or par.pp * stages_per_rank
-    if par.pp > 1 and par.pp_schedule != "gpipe" and microbatches < par.pp:
-        raise SpecError("parallel.microbatches", f"got {quote(par.microbatches)}; {par.pp_schedule} "
-                                                 f"needs at least pp={par.pp} micro-batches")
-    if par.mixed_precision != "none":
-        if par.strategy == "ddp":
-            raise SpecError("parallel.mixed_precision", "is FSDP's parameter/reduce policy and "
-                            "needs strategy fsdp or hsdp; for ddp use train.precision: bf16")
-        if spec.train.precision != "fp32":
-            raise SpecError("parallel.mixed_precision", f"bf16 needs train.precision: fp32 (the "
-                            f"master weights), got {spec.train.precision}")
-    if par.comm_hook != "none" and par.strategy != "ddp":
-        raise SpecError("parallel.comm_hook", f"{par.comm_hook} compresses DDP's all-reduce; "
-                                              f"strategy {par.strategy} reduce-scatters instead")
-    if par.comm_hook != "none" and (par.tp > 1 or par.pp > 1):
-        raise SpecError("parallel.comm_hook", f"{par.comm_hook} is a DDP module hook; with tp or "
-                                              f"pp > 1 the replicas all-reduce without that module")
-    if par.tp > 1 and model.block_size % par.tp:
-        raise SpecError("parallel.tp", f"got {quote(par.tp)}; must divide model.block_size="
-                                       f"{model.block_size} (sequence parallel splits the sequence)")
-    worlds = {"resources.num_workers": spec.resources.num_workers}
-    if spec.elastic.max_workers:
-        worlds["elastic.max_workers"] = spec.elastic.max_workers
-    for field_name, world in worlds.items():
-        shape = par.degrees(world, source=field_name)
-        data_size = shape["dp"] * shape["fsdp"]
-        rows = spec.train.global_batch_size // data_size
-        if rows < 1:
-            raise SpecError("train.global_batch_size",
-                            f"got {quote(spec.train.global_batch_size)}; each of the {data_size} "
-                            f"data-parallel ranks ({field_name}={world}) needs at least one row")
-        if par.pp > 1 and rows < microbatches:
-            raise SpecError("parallel.microbatches",
-                            f"{microbatches} pipeline micro-batches need at least as many rows "
-                            f"per data-parallel rank; train.global_batch_size="
-                            f"{spec.train.global_batch_size} gives {rows} with {field_name}={world}")
+    return TypeAdapter(Section[JobSpec])
 
 
 def from_dict(raw: Any) -> JobSpec:
-    return validate(_from_dict(JobSpec, raw))
+    """A checked JobSpec from its sections: plain data (YAML's, JSON's), and Python objects for
+    the extension points. Pydantic checks each field's type, then ``spec_rules.validate`` the
+    rest; the first refusal is a SpecError naming its field."""
+    from pydantic import ValidationError
+
+    try:
+        spec = _adapter().validate_python(raw)
+    except ValidationError as exc:
+        raise refusal(JobSpec, raw, exc.errors(include_url=False, include_context=False, include_input=False)) from None
+    return validate(spec)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of a job spec's sections as a client sends them: every field with its
+    type, default and description, and the allowed values and bounds ``spec_rules`` checks.
+    Each section is written in place (no ``$ref``), so that a larger document (the job
+    service's OpenAPI) can hold it whole."""
+    schema = written_in_place(_adapter().json_schema())["anyOf"][0]  # from_dict takes None too: every default
+
+    def at(dotted: str) -> dict[str, Any]:
+        node = schema
+        for part in dotted.split("."):
+            node = node["anyOf"][0] if "anyOf" in node and "properties" in node["anyOf"][0] else node
+            node = node["properties"][part]
+        return node
+
+    for dotted, allowed in ALLOWED_CHOICES.items():
+        at(dotted)["enum"] = list(allowed)
+    for dotted in POSITIVE_FIELDS:
+        at(dotted)["exclusiveMinimum"] = 0
+    for dotted in NON_NEGATIVE_FIELDS:
+        at(dotted)["minimum"] = 0
+    return schema
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -603,6 +603,31 @@ def test_openapi_describes_every_endpoint_with_typed_models(sqlite_service):
     assert "409" in doc["paths"]["/v1/jobs/{job_id}/pause"]["post"]["responses"]
 
 
+def test_openapi_describes_the_spec_by_its_sections_and_fields(sqlite_service):
+    """A submit's spec is described by the job spec's own model (raytrain_sys.spec.json_schema):
+    every section and field with its type, default and description, and the YAML text beside it."""
+    import dataclasses
+
+    import jsonschema
+
+    from raytrain_sys.spec import JobSpec
+
+    status, doc = raw(sqlite_service, "GET", "/openapi.json")
+    assert status == 200
+    mapping, text = doc["components"]["schemas"]["SubmitIn"]["properties"]["spec"]["anyOf"]
+    assert text["type"] == "string"
+    assert mapping["type"] == "object" and mapping["additionalProperties"] is False
+    assert set(mapping["properties"]) == {f.name for f in dataclasses.fields(JobSpec)}
+    resources = mapping["properties"]["resources"]["anyOf"][0]
+    assert set(resources["properties"]) == {f.name for f in dataclasses.fields(JobSpec().resources)}
+    workers = resources["properties"]["num_workers"]
+    assert workers["type"] == "integer" and workers["default"] == 2 and "Ray actor" in workers["description"]
+    assert resources["properties"]["market"]["enum"] == ["any", "spot", "on-demand"]
+    jsonschema.validate(SPEC, mapping)  # the spec these tests submit
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"resources": {"num_wrokers": 2}}, mapping)
+
+
 def test_an_unreachable_service_is_one_error_naming_the_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

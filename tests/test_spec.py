@@ -163,3 +163,127 @@ def test_yaml_that_python_cannot_read_is_a_spec_error_naming_the_file(tmp_path, 
     with pytest.raises(SpecError) as err:
         load_spec(path)
     assert err.value.field == "SPEC" and words in str(err.value), str(err.value)[:300]
+
+
+# ----------------------------------------------------------------------------- the model pydantic checks
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"train": {"max_steps": 1.5}}, "spec field 'train.max_steps': got 1.5 (float); expected an integer"),
+    ({"train": {"max_steps": "185"}}, "spec field 'train.max_steps': got '185' (str); expected an integer"),
+    ({"train": {"max_steps": True}}, "spec field 'train.max_steps': got True; expected an integer"),
+    ({"parallel": {"dp": 2.5}}, "spec field 'parallel.dp': got 2.5 (float); expected an integer"),
+    ({"optim": {"lr": True}}, "spec field 'optim.lr': got True (bool); expected a number"),
+    ({"optim": {"lr": "1e400"}}, "spec field 'optim.lr': got '1e400'; expected a finite number"),
+    ({"model": {"bias": "yes"}}, "spec field 'model.bias': got 'yes' (str); expected true or false"),
+    ({"model": {"name": 5}}, "spec field 'model.name': got 5 (int); expected a string"),
+    ({"model": {"args": [1]}}, "spec field 'model.args': got [1] (list); expected a mapping"),
+    ({"data": {"columns": [1, 2]}}, "spec field 'data.columns': got [1, 2]; expected a list of names, e.g. [a, b]"),
+    ({"train": [1]}, "spec field 'train': expected a mapping of fields, got list [1]"),
+    ({"train": {"early_stop": 3}}, "spec field 'train.early_stop': expected a mapping of fields, got int 3"),
+], ids=["a fraction for an integer", "an integer as text", "true for an integer", "a fraction for a degree",
+        "true for a number", "text past a float", "a word for true/false", "a number for a name",
+        "a list for a mapping", "numbers for names", "a list for a section", "a number for a nested section"])
+def test_a_value_of_the_wrong_type_is_refused_in_the_words_it_always_was(raw, message):
+    with pytest.raises(SpecError) as err:
+        from_dict(raw)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("raw, field, suggestion", [
+    ({"train": {"max_stepz": 10}}, "train.max_stepz", "(did you mean 'max_steps'?)"),
+    ({"trian": {}}, "trian", "(did you mean 'train'?)"),
+    ({"train": {"early_stop": {"patiense": 2}}}, "train.early_stop.patiense", "(did you mean 'patience'?)"),
+], ids=["a field", "a section", "a field of a nested section"])
+def test_an_unknown_key_is_refused_with_the_field_it_is_closest_to(raw, field, suggestion):
+    with pytest.raises(SpecError) as err:
+        from_dict(raw)
+    assert err.value.field == field and f"unknown field {suggestion}; allowed: " in str(err.value)
+
+
+def test_the_first_refusal_is_the_first_in_the_spec_as_written():
+    """Pydantic finds every wrong field at once; the one reported is the one a reader meets first."""
+    for raw, field in [({"train": {"max_steps": "x"}, "model": {"n_layer": "y"}}, "train.max_steps"),
+                       ({"model": {"n_layer": "y"}, "train": {"max_steps": "x"}}, "model.n_layer"),
+                       ({"train": {"early_stop": {"patience": "x"}, "max_steps": "y"}}, "train.early_stop.patience"),
+                       ({"train": {"max_stepz": 1, "seed": "y"}}, "train.max_stepz")]:
+        with pytest.raises(SpecError) as err:
+            from_dict(raw)
+        assert err.value.field == field, raw
+
+
+@pytest.mark.parametrize("raw, read", [
+    ({"optim": {"lr": 1}}, ("optim", "lr", 1.0)),
+    ({"optim": {"lr": " 2.5e-1 "}}, ("optim", "lr", 0.25)),
+    ({"data": {"columns": "x, y,"}}, ("data", "columns", ["x", "y"])),
+    ({"data": {"columns": ("x",)}}, ("data", "columns", ["x"])),
+    ({"parallel": {"dp": None}}, ("parallel", "dp", None)),
+    ({"train": None}, ("train", "max_steps", 300)),
+], ids=["an integer for a number", "a number as text", "names separated by commas", "a tuple of names",
+        "null for a degree that follows the world", "an empty section"])
+def test_what_a_user_writes_for_a_type_is_read_as_it_always_was(raw, read):
+    section, name, value = read
+    got = getattr(getattr(from_dict(raw), section), name)
+    assert got == value and type(got) is type(value)
+
+
+def test_a_spec_made_in_python_is_a_dataclass_like_any_other():
+    """Sections are plain dataclasses: made, copied and compared without pydantic, hashed as before."""
+    import dataclasses
+
+    from raytrain_sys.spec import JobSpec, ParallelSpec
+
+    spec = from_dict({"parallel": {"strategy": "fsdp"}})
+    assert dataclasses.replace(spec, parallel=ParallelSpec(strategy="fsdp")) == spec
+    assert JobSpec().spec_hash() == from_dict({}).spec_hash() == from_dict(None).spec_hash()
+    assert from_dict(spec.to_dict()) == spec
+
+
+def test_the_json_schema_names_every_field_with_its_type_default_and_description():
+    import dataclasses
+
+    import jsonschema
+
+    from raytrain_sys.spec import JobSpec, json_schema
+
+    schema = json_schema()
+    train = schema["properties"]["train"]["anyOf"][0]
+    assert set(train["properties"]) == {f.name for f in dataclasses.fields(JobSpec().train)}
+    steps = train["properties"]["max_steps"]
+    assert (steps["type"], steps["default"], steps["exclusiveMinimum"]) == ("integer", 300, 0)
+    assert steps["description"].startswith("optimizer steps of the whole run")
+    assert train["properties"]["precision"]["enum"] == ["fp32", "bf16", "fp64"]
+    jsonschema.validate({"train": {"max_steps": 10}, "optim": {"lr": "3e-4"}, "eval": None}, schema)
+    for wrong in ({"train": {"max_stepz": 10}}, {"train": {"max_steps": "ten"}}, {"train": {"precision": "fp8"}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+
+
+@pytest.mark.parametrize("raw, section, name, value", [
+    ({"train": {"max_steps": 185.0}}, "train", "max_steps", 185),
+    ({"parallel": {"dp": 2.0}}, "parallel", "dp", 2),
+    ({"resources": {"worker_niceness": -5.0}}, "resources", "worker_niceness", -5),
+], ids=["a count", "a degree that may be null", "a negative one"])
+def test_an_integral_number_is_its_int_in_every_integer_field(raw, section, name, value):
+    """JSON Schema's integer (the API's schema) is any number without a fraction: 185.0 is 185, as
+    the API's other integer fields take it, and the spec is the one 185 gives (the same hash)."""
+    spec = from_dict(raw)
+    got = getattr(getattr(spec, section), name)
+    assert got == value and type(got) is int
+    assert spec.spec_hash() == from_dict({section: {name: value}}).spec_hash()
+
+
+def test_a_fraction_or_an_integral_number_past_64_bits_is_still_refused_for_an_integer():
+    with pytest.raises(SpecError) as err:
+        from_dict({"train": {"max_steps": 1.5}})
+    assert str(err.value) == "spec field 'train.max_steps': got 1.5 (float); expected an integer"
+    with pytest.raises(SpecError) as err:
+        from_dict({"train": {"max_steps": 1e30}})
+    assert str(err.value) == ("spec field 'train.max_steps': got 1e+30; expected an integer of 64 bits "
+                              "(-2**63 .. 2**63-1)")
+
+
+def test_an_integral_number_in_a_yaml_file_is_its_int(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("train:\n  max_steps: 185.0\n")
+    assert load_spec(path).train.max_steps == 185

@@ -8,7 +8,9 @@ priorities, weights, job ids), lengths and patterns (a team's name: ``bounds.NAM
 body has exactly its fields, each of exactly its JSON type (``_Body``), and how the API's errors
 name them (``field_prefix``); an integral number taken as its int; the responses' forms of the
 store's records (``JobOut.of``, ``TeamOut.of``, ``FlavorOut.of``). A value the schema refuses is
-refused in the words the client, the CLI and the store use (``model.name_problem``, ...).
+refused in the words the client, the CLI and the store use (``model.name_problem``, ...). A job
+spec given as a mapping is described by the spec's own model (``raytrain_sys.spec.json_schema``:
+each section and field, its type, default and description) and checked by it behind the API.
 
 Never: a route, who may ask, a status code or a write (``api.py``, ``auth``, ``requests``). What
 the schema cannot say (a spec's own rules, a lending limit above the nominal quota, an unknown
@@ -38,6 +40,7 @@ from raytrain_sys.service.flavors import ACCELERATOR_PATTERN, DEFAULT_FLAVOR, MA
 from raytrain_sys.service.model import JobRecord, JobState, SweepState, WaitCause
 from raytrain_sys.service.teams import Team
 from raytrain_sys.service.sweeps import requests as sweep_requests
+from raytrain_sys.spec import json_schema as spec_json_schema
 
 LOG_CHUNK_BYTES = 1 << 20  # one logs answer at most (1 MiB); a follower asks again from next_offset
 MAX_LOG_OFFSET = 2 ** 63 - 1  # a file offset is a signed 64-bit number
@@ -102,7 +105,7 @@ Override = Annotated[str, _held_to(_override_problem), WithJsonSchema({
     "type": "string", "maxLength": OVERRIDE_MAX_CHARS, "pattern": OVERRIDE_PATTERN,
     "description": '"dotted.key=value" applied to the spec'})]
 SpecIn = Annotated[Any, _held_to(_spec_problem), WithJsonSchema({
-    "anyOf": [{"type": "object", "description": "the spec's sections (docs/spec_reference.md)"},
+    "anyOf": [{**spec_json_schema(), "description": "the spec's sections (docs/spec_reference.md)"},
               {"type": "string", "maxLength": door.JSON_BODY_MAX_BYTES, "description": "its YAML or JSON text"}],
     "description": "the job spec: a mapping, or its YAML text"})]
 FlavorName = Annotated[str, _held_to(lambda v: name_problem(v, "flavor name") or (
