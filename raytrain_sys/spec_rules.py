@@ -13,12 +13,12 @@ the other way round (a worker checks a spec without importing torch, Ray or the 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from raytrain_sys.errors import SpecError, quote
 
-if TYPE_CHECKING:
-    from raytrain_sys.spec import JobSpec
+# A raytrain_sys.spec.JobSpec: named, not imported (that module imports this one, for its rules).
+JobSpec = Any
 
 # The training fields a resume reads from the spec at each step rather than from the checkpoint
 # (the learning-rate schedule's and the clipping's: ``lr_at``, the step's clip), so a run may

@@ -1,0 +1,47 @@
+"""Whether a lost driver's workers can be adopted (``control.adoption.agreement``): pure cases on
+the workers' own answers (``TrainWorker.adoption_state``). The whole adoption, on a real cluster,
+is in test_driver_loss.py (a CLI driver) and test_service_runner.py (a job's runner)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_sys.control.adoption import agreement
+from raytrain_sys.control.worker import results_kept
+
+HASH = "h1"
+
+
+def rank(r: int, world: int = 2, step: int = 18, idle: bool = True, generation: int = 1,
+         training_hash: str = HASH) -> dict:
+    return {"rank": r, "world_size": world, "generation": generation, "step": step, "idle": idle,
+            "lease": 3, "replicated": True, "training_hash": training_hash}
+
+
+@pytest.mark.parametrize("states, expected", [
+    # Every rank of the group, between leases, at one step: adopted.
+    ({0: rank(0), 1: rank(1)}, ""),
+    ({7: rank(1), 3: rank(0)}, ""),  # slots are not ranks
+    # A rank still in the lease the lost driver sent: asked again until it ends.
+    ({0: rank(0), 1: rank(1, idle=False)}, "busy: rank(s) 1 still in a lease"),
+    # A rank lost with the driver (its node): the group cannot go on as it is.
+    ({0: rank(0, world=3), 1: rank(1, world=3)}, "2 of its 3 ranks are left (ranks [0, 1])"),
+    # Ranks of two process groups (a rebuild the driver died in the middle of).
+    ({0: rank(0, generation=2), 1: rank(1, generation=1)}, "its ranks are of different process groups"),
+    # A rank that failed a step the others finished (a lease that began on one only).
+    ({0: rank(0, step=18), 1: rank(1, step=17)}, "its ranks hold different steps (17, 18)"),
+    # A resume that changes a training setting: the ranks were started without it.
+    ({0: rank(0, training_hash="h0"), 1: rank(1, training_hash="h0")},
+     "the resume changes the training settings its ranks were started with"),
+])
+def test_whether_the_lost_drivers_workers_can_be_driven_on(states, expected):
+    verdict = agreement(states, HASH)
+    assert verdict.startswith(expected) and (expected or verdict == ""), verdict
+
+
+def test_a_rank_keeps_enough_results_for_an_adoption_after_a_lagging_record():
+    """A lease of 6 steps after 200 others: the steps since a record that lags them by 150 are
+    all still kept, so the adopting Supervisor has every step's loss."""
+    kept = {s: {"loss_all": float(s)} for s in range(0, 1200)}
+    kept = results_kept(kept, newest_from=1194, first=1200)
+    assert all(s in kept for s in range(1050, 1200))
