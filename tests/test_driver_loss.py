@@ -164,8 +164,8 @@ def test_driver_killed_mid_run_then_resumed(ray_nodes, tiny_dataset, tmp_path, m
     # Continued from the newest committed checkpoint the lost driver wrote (step 10 or later).
     resumed_step = int(os.path.basename(summary["resumed_from"][-1]).split("_")[-1])
     assert resumed_step >= 10 and resumed_step % 5 == 0
-    assert any("could not adopt the lost driver's workers: no launch of the run was left running" in t["reason"]
-               for t in summary["transitions"]), summary["transitions"]
+    # Nothing was left to adopt (the agents had ended the launch): no adoption tried, none said.
+    assert not any("adopt" in t["reason"] for t in summary["transitions"]), summary["transitions"]
     # The steps the lost driver committed past that checkpoint are trained again, and counted.
     redone = at_stop["committed_steps"] - resumed_step
     assert summary["steps_redone"] == redone, (summary["steps_redone"], at_stop["committed_steps"], resumed_step)

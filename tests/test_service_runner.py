@@ -450,6 +450,39 @@ def test_runner_killed_its_workers_adopted_by_the_next_runner(ray_cluster, tiny_
     assert_cluster_idle()
 
 
+def test_service_and_runner_killed_together_the_restarted_service_adopts_the_workers(
+        ray_cluster, tiny_dataset, tmp_path, gates, reference):
+    """The service and a job's runner SIGKILLed at once (a control node lost): the service started
+    again finds the runner gone and restarts the job with a runner that adopts its live workers:
+    the same processes, no step trained twice, equal to an uninterrupted run."""
+    spec = job_spec(tmp_path, tiny_dataset, "t1", resources={"num_workers": 2})
+    db = tmp_path / "svc.db"
+    with running_service(db, gates, max_restarts=1) as svc:
+        ray.get(svc.add_team.remote("a", 2))
+        gates.hold(1, 8)
+        gates.hold(1, 14)
+        job_id = ray.get(svc.submit.remote("a", spec))["id"]
+        assert wait_until(lambda: gates.reached(job_id, 8), WAIT_S), state_of(svc, job_id)
+        wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
+        pids = [ray.get(svc.info.remote())["pid"], ray.get(find_runner(job_id).ping.remote())]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: get_service() is None and not any(map(pid_alive, pids)), 30)
+        gates.go(job_id, 8)
+        svc = start_service(f"sqlite:///{db}", serve_api=False, step_hook=gates, poll_s=0.2, max_restarts=1,
+                            warm_workers_per_node=0, log_dir=str(tmp_path / "raytrain-sys-logs"))
+        assert wait_until(lambda: gates.reached(job_id, 14), WAIT_S), state_of(svc, job_id)
+        gates.go(job_id, 14)
+        job = wait_state(svc, job_id, "finished")
+    assert gates.pids(job_id, 14) == gates.pids(job_id, 8)
+    assert job["restarts"] == 1 and job["steps_redone"] == 0, job
+    summary = read_summary(run_dir_of(tmp_path / "t1"))
+    assert summary["steps_redone"] == 0 and summary["recoveries"] == [] and summary["committed_steps"] == STEPS
+    assert [t for t in summary["transitions"] if "adopted the 2 live workers" in t["reason"]], summary["transitions"]
+    assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
+    assert_cluster_idle()
+
+
 def test_a_runner_that_does_not_answer_holds_up_no_other_job(ray_cluster, tiny_dataset, tmp_path, gates):
     """A running job's runner stopped (SIGSTOP: alive, silent): the service's passes go on, each
     waiting for it at most ``status_wait_s``, so another job submitted meanwhile is admitted and

@@ -111,18 +111,18 @@ def agents_of(prefix: str) -> dict[tuple, object]:
     return out
 
 
-def find(run_key: str, wait_s: float, training_hash: str) -> Adoption:
+def find(run_key: str, wait_s: float, training_hash: str) -> Adoption | None:
     """Take over the newest launch of ``run_key`` whose Supervisor is gone, if its ranks agree
     (see the module's docstring); ``wait_s``: how long to wait for them to finish the lease in
     flight. On success this process owns the launch (its GCS record, every agent's owner). When
-    the ranks do not agree the launch is ended here and ``why`` says what was found; with no
-    orphaned launch at all, ``why`` says that (the agents ended it: the orphan timeout passed).
+    the ranks do not agree the launch is ended here and ``why`` says what was found. None when
+    no launch of the run is left whose owner is gone (a run paused or ended as asked, or one
+    whose agents ended it once the orphan timeout passed).
     ``training_hash``: the resumed spec's (``JobSpec.training_hash``); ranks configured with other
     training settings (a resume that changes them) are not adopted."""
     found = orphaned_launches(run_key)
     if not found:
-        return Adoption(why="no launch of the run was left running to adopt (its agents end it "
-                            "elastic.orphan_timeout_s after its driver is lost)")
+        return None
     prefix = found[0]
     me = this_process()
     agents = agents_of(prefix)
@@ -162,9 +162,13 @@ def _look(prefix: str, agents: dict[tuple, object], wait_s: float, training_hash
     deadline = time.monotonic() + wait_s
     while True:
         states, lost = _states(held)
+        # A worker no live agent holds, on a node with no live agent of the launch: its agent
+        # died (it ends within a second of that), not one still starting.
+        nodes = {key[0] for key in keyed}
+        lost += [slot for slot, st in states.items() if held[slot][2] is None and st["node_id"] not in nodes]
         if lost:
-            return Adoption(prefix, why=f"{len(lost)} of its {len(held)} workers did not answer (slots "
-                                        f"{', '.join(map(str, sorted(lost)))})")
+            return Adoption(prefix, why=f"{len(lost)} of its {len(held)} workers did not answer or lost their "
+                                        f"node's agent (slots {', '.join(map(str, sorted(lost)))})")
         verdict = agreement(states, training_hash)
         if verdict == "":
             ranks = sorted((Rank(slot, held[slot][0], held[slot][1], held[slot][2], st)

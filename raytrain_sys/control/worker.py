@@ -677,7 +677,7 @@ class TrainWorker:
         result = {"loss_sum": loss_sum if self.pm.is_data_leader else 0.0, "rows": float(rows),
                   "grad_norm": float(grad_norm), "lr": lr, "data_wait_s": data_wait_s,
                   "compute_s": compute_s, "collective_s": collective_s,
-                  "optimizer_s": time.perf_counter() - t1}
+                  "optimizer_s": time.perf_counter() - t1, "units": global_units}
         if lease is None:
             return result
         if not self.peer_copies.on:

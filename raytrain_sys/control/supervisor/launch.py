@@ -210,8 +210,8 @@ def clean_up_previous_launch(spec: JobSpec, previous_run_key: str) -> list:
 
 def adopt_previous_launch(spec: JobSpec, previous_run_key: str) -> Adoption | None:
     """A resumed run first tries to take over the live ranks its lost driver left (``adoption``):
-    None when it resumes no run on a running cluster (nothing can be left), else the
-    ``Adoption``, adopted or with the reason it is not."""
+    None when nothing of an earlier driver is left running (or the run is resumed on no running
+    cluster), else the ``Adoption``, adopted or with the reason it is not."""
     if not previous_run_key or not (ray.is_initialized() or spec.resources.ray_address
                                     or os.environ.get("RAY_ADDRESS")):
         return None

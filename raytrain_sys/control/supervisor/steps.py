@@ -282,26 +282,32 @@ class Steps:
                 break
         kept = {s: k for s, k in kept.items() if "loss_all" in k}
         gbs = self.spec.train.global_batch_size
+
+        def units(s: int) -> int:  # step s's loss units: the ranks were given them (else read again)
+            k = kept.get(s)
+            return int(k["units"]) if k is not None and "units" in k else \
+                self.data.global_batch_refs(data_cursor + (s - recorded) * gbs).units
+
         for s in range(first, recorded):  # recorded, not yet in MLflow: logged late
             k, dt = kept.get(s), self.summary.step_times[s]
             loss = self.summary.losses[s]
             world = self.summary.world_sizes[s] or len(members)
             metrics = self._step_metrics(loss if loss is not None else float("nan"),
                                          k or {"lr": float("nan"), "grad_norm": float("nan")},
-                                         self.data.global_batch_refs(data_cursor - (recorded - s) * gbs).units,
-                                         dt or float("nan"), 0.0, world)
+                                         units(s), dt or float("nan"), 0.0, world)
             if self.tracker is not None:
                 self.tracker.log_metrics(s + 1, metrics)
         shares = rank_data_slices(self.spec.parallel, len(members), gbs, None)
-        for j, s in enumerate(range(recorded, step)):
-            batch = self.data.global_batch_refs(data_cursor + j * gbs)
+        for s in range(recorded, step):
+            # The rows' ids only for the sample log (data.log_sample_ids): else nothing is read.
+            ids = self.data.global_batch_refs(data_cursor + (s - recorded) * gbs).ids \
+                if self._sample_log is not None else None
             k = kept.get(s)
             if k is not None:
                 dt = k["data_wait_s"] + k["compute_s"] + k["collective_s"] + k["optimizer_s"]
-                self.commit(s, [{**k, "loss_sum": k["loss_all"]}], batch.units, batch.ids, shares, dt, 0.0,
-                            sample=False)
+                self.commit(s, [{**k, "loss_sum": k["loss_all"]}], units(s), ids, shares, dt, 0.0, sample=False)
             else:
-                self.commit(s, [], batch.units, batch.ids, shares, float("nan"), 0.0, world_size=len(members),
+                self.commit(s, [], units(s), ids, shares, float("nan"), 0.0, world_size=len(members),
                             loss_units=0, sample=False)
         return sum(1 for s in range(recorded, step) if s not in kept)
 

@@ -209,9 +209,8 @@ class Supervisor:
                 task=found.task)
             self.data.on_read_hang = self._read_hung
             cursor = int(resume_info.manifest["data_cursor"]) if resume_info else 0
-            if adopted:  # the adopted workers' step, on from the lost driver's record
-                cursor = self.summary.data_cursor + (adoption.step - self.summary.committed_steps) * \
-                    spec.train.global_batch_size
+            if adopted:  # read on from the lost driver's record (the steps after it are committed first)
+                cursor = self._adopted_from(adoption)[1]
             warm = self._warm = launch.warm_data(spec, self.data, cursor)
             phase("data")
             if removed:
@@ -364,9 +363,7 @@ class Supervisor:
         """The ledger of an adopted launch: from the lost driver's record on to the step its
         workers hold (``Steps.adopt``: the steps between committed from what the workers kept,
         their metrics logged once: the MLflow run's newest step is where its driver stopped)."""
-        recorded = min(self.summary.committed_steps, adoption.step)
-        cursor = self.summary.data_cursor - (self.summary.committed_steps - recorded) * \
-            self.spec.train.global_batch_size
+        recorded, cursor = self._adopted_from(adoption)
         if self.tracker is not None:
             try:
                 self.steps.logged_through = self.tracker.newest_step()
@@ -377,6 +374,13 @@ class Supervisor:
             self._transition(State.STARTING, f"steps {recorded + 1}..{adoption.step} were trained while no driver "
                              f"was up: committed from the workers' record"
                              + (f" ({unknown} with their loss unknown)" if unknown else ""))
+
+    def _adopted_from(self, adoption) -> tuple[int, int]:
+        """The step the lost driver's record reached (at most the adopted workers') and its data
+        cursor: where an adoption's ledger goes on from."""
+        recorded = min(self.summary.committed_steps, adoption.step)
+        return recorded, self.summary.data_cursor - (self.summary.committed_steps - recorded) * \
+            self.spec.train.global_batch_size
 
     def _target_size(self) -> int:
         """The world the run grows back to: the spec's, under a ceiling asked for from outside."""
