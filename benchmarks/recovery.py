@@ -18,6 +18,14 @@ checkpoint every K steps:
                                at its default) decides
   hang          ray-train      the same hang in the same place of TorchTrainer's loop: its
                                TorchConfig(timeout_s=--ray-train-timeout-s) and health check decide
+  supervisor    raytrain-sys   the driver's process (the Supervisor, in a process of its own)
+  kill                         SIGKILLed once its rank 0 holds step N; a new Supervisor of the same
+                               run started at once in this process adopts the live workers
+                               (control/adoption.py)
+  supervisor    ray-train      the same: TorchTrainer.fit()'s driver process SIGKILLed (its
+  kill                         controller and workers end with it), then the same RunConfig(name,
+                               storage_path) fitted again at once, which resumes from the newest
+                               checkpoint reported (Ray Train v2's answer to a lost driver)
 
 Per scenario:
 
@@ -39,7 +47,7 @@ step, on the smaller world). Goals (issue 4, 2-core machine): worker kill <= 2 s
 node loss <= 5 s, 0 steps redone; issue 26: a drain notice to the node left (the boundary that
 lets its workers go) <= one step + 1 s, 0 steps redone, at every lease length; issue 59: a hang
 to the next committed step <= its deadline + 2 s + 2 step times, and <= 10 s at the default
-deadline, 0 steps redone.
+deadline, 0 steps redone; issue 57: a supervisor kill costs 0 steps redone.
 
 ``--sections`` picks scenarios by kind, each with its Ray Train counterpart where there is one
 (kill, node, drain, hang); ``--scenarios`` names them one by one. By default the first four run
@@ -97,10 +105,11 @@ QUICK_MODEL = {"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}  # tes
 QUICK_BATCH = 8
 WORKER_NODES = 3  # 2 workers + room for a replacement
 DRAIN_DEADLINE_S = 60.0
-SCENARIOS = ("worker-kill", "ray-train-worker-kill", "node-loss", "drain", "hang", "ray-train-hang")
+SCENARIOS = ("worker-kill", "ray-train-worker-kill", "node-loss", "drain", "hang", "ray-train-hang",
+             "supervisor-kill", "ray-train-supervisor-kill")
 DEFAULT_SCENARIOS = SCENARIOS[:4]  # the hang's pair only when asked (--sections hang): 3 more minutes
 SECTIONS = {"kill": ("worker-kill", "ray-train-worker-kill"), "node": ("node-loss",), "drain": ("drain",),
-            "hang": ("hang", "ray-train-hang")}
+            "hang": ("hang", "ray-train-hang"), "supervisor": ("supervisor-kill", "ray-train-supervisor-kill")}
 HANG_MARKER = "hang-began-{name}"  # in the work dir: when the hung loss began (unix s), written by the hung rank
 HUNG_RANK = 1
 
@@ -330,6 +339,98 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster, hang_mark
     }
 
 
+# A Supervisor (or a TorchTrainer.fit()) of its own in a child process, attached to the cluster, so
+# that its process can be SIGKILLed: argv = [spec yaml, run dir] or [ray-train config json].
+OUR_DRIVER = """
+import sys, ray, yaml
+from raytrain_sys.spec import from_dict
+from raytrain_sys.control.supervisor import Supervisor
+ray.init(address="auto")
+Supervisor(from_dict(yaml.safe_load(open(sys.argv[1]))), run_dir=sys.argv[2]).run()
+"""
+RAY_TRAIN_DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import ray
+ray.init(address="auto")
+import recovery
+recovery.ray_train_trainer(**json.load(open(sys.argv[1]))).fit()
+"""
+
+
+def _child(code: str, *argv: str, log_path: str):
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ.get("RAYTRAIN_SYS_CODE") or str(REPO),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    with open(log_path, "a") as out:
+        return subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def run_supervisor_kill(spec: JobSpec, at_step: int, work_dir: str) -> dict:
+    """The Supervisor's process SIGKILLed once its rank 0 holds step ``at_step`` (a moment into
+    the next), then a new Supervisor of the same run started at once here: it adopts the live
+    workers (``control.adoption``)."""
+    import copy
+
+    import ray
+
+    from raytrain_sys.control import adoption, launches
+    from raytrain_sys.control.run_record import RunSummary
+    from raytrain_sys.control.supervisor import Supervisor
+
+    run_dir = os.path.join(spec.output_dir, "run")
+    run_key = os.path.basename(run_dir)
+    spec_path = os.path.join(work_dir, "supervisor-kill.yaml")
+    Path(spec_path).write_text(yaml.safe_dump(spec.to_dict()))
+    t0 = time.perf_counter()
+    driver = _child(OUR_DRIVER, spec_path, run_dir, log_path=os.path.join(work_dir, "supervisor-kill.log"))
+    held = 0
+    try:
+        while held < at_step:
+            if driver.poll() is not None:
+                raise RuntimeError(f"the driver ended before step {at_step}: see {work_dir}/supervisor-kill.log")
+            mine = [p for p in launches.launches() if p.startswith(launches.run_name_prefix(run_key))]
+            ranks = adoption.named_ranks(mine[0]) if mine else {}
+            try:
+                held = min(ray.get([a.ping.remote() for a, _ in ranks.values()], timeout=5)) if len(ranks) == 2 else 0
+            except ray.exceptions.RayError:
+                held = 0
+            time.sleep(0.02)
+        t_fault = time.time()
+        driver.kill()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.wait(timeout=60)
+    commits: list[tuple[int, float]] = []
+    again = copy.deepcopy(spec)
+    again.checkpoint.resume_from = "latest"
+    result = Supervisor(again, run_dir=run_dir, previous_run_key=run_key,
+                        on_step=lambda r: commits.append((r.step, time.time()))).run()
+    wall = time.perf_counter() - t0
+    if result.status != "finished":
+        raise RuntimeError(f"raytrain-sys supervisor-kill run ended {result.status}: {result.reason}")
+    summary = RunSummary.read(run_dir)
+    adopted = next((t for t in summary.transitions if t["time"] > t_fault and "adopted the" in t["reason"]), None)
+    if adopted is None:
+        raise RuntimeError(f"the new Supervisor adopted nothing: {[t['reason'] for t in summary.transitions][-5:]}")
+    adopted_step = int(adopted["reason"].split(" at step ")[1].split(" ")[0])
+    after = [(s, t) for s, t in commits if s > adopted_step]  # trained by the new Supervisor
+    before = [t for t in summary.step_times[:at_step] if t is not None]
+    return {
+        "framework": "raytrain-sys", "fault": "supervisor-kill", "fault_after_step": at_step,
+        "recovery_s": after[0][1] - t_fault, "next_step": after[0][0], "steps_redone": summary.steps_redone,
+        "adopted_s": adopted["time"] - t_fault, "adopted_at_step": adopted_step,
+        "steps_trained_with_no_driver": adopted_step - at_step,
+        "regain_s": next(t for s, t in commits if s >= at_step + 1) - t_fault,
+        "first_step_s": after[0][1] - adopted["time"],
+        "step_time_median_s": statistics.median(before[2:] or before),
+        "start_phases": summary.start_phases, "wall_s": wall, "fault_unix_s": t_fault,
+        "transitions": summary.transitions,
+    }
+
+
 # ----------------------------------------------------------------------------- Ray Train
 
 def _ray_train_loop(config: dict) -> None:
@@ -404,17 +505,91 @@ def _ray_train_loop(config: dict) -> None:
                                         "t": time.time()}) + "\n")
 
 
+def ray_train_trainer(spec: dict, run_dir: str, events: str, pid_dir: str, hang_marker: str = "",
+                      hang_step: int = 0, timeout_s: float = 1800.0):
+    """The TorchTrainer every Ray Train scenario fits (the same RunConfig name and storage path
+    in a run dir: a second fit of them resumes the first's newest checkpoint)."""
+    import ray.cloudpickle
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    # Workers cannot import benchmarks/_torchrun_ddp.py (or this module) by name: shipped with the function.
+    ray.cloudpickle.register_pickle_by_value(baseline)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[_ray_train_loop.__module__])
+    config = {"spec": spec, "events": events, "pid_dir": pid_dir}
+    if hang_marker:
+        config.update(hang_marker=hang_marker, hang_step=hang_step)
+    return TorchTrainer(
+        _ray_train_loop,
+        train_loop_config=config,
+        torch_config=TorchConfig(backend="gloo", timeout_s=timeout_s),
+        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name="recovery", storage_path=os.path.join(run_dir, "storage"),
+                             failure_config=FailureConfig(max_failures=3),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+    )
+
+
+def run_ray_train_driver_kill(spec: JobSpec, at_step: int, work_dir: str) -> dict:
+    """TorchTrainer.fit()'s driver process SIGKILLed a moment after rank 0 reports step
+    ``at_step``; the same trainer (RunConfig name and storage path) fitted again at once."""
+    run_dir = os.path.join(work_dir, f"ray-train-{uuid.uuid4().hex[:6]}")
+    pid_dir = os.path.join(run_dir, "pids")
+    os.makedirs(pid_dir)
+    events = os.path.join(run_dir, "events.jsonl")
+    Path(events).touch()
+    args_path = os.path.join(run_dir, "trainer.json")
+    Path(args_path).write_text(json.dumps({"spec": spec.to_dict(), "run_dir": run_dir, "events": events,
+                                           "pid_dir": pid_dir}))
+
+    def read_events() -> list[dict]:
+        with open(events) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+
+    t0 = time.perf_counter()
+    log_path = os.path.join(run_dir, "driver.log")
+    driver = _child(RAY_TRAIN_DRIVER, args_path, str(HERE), log_path=log_path)
+    try:
+        while not any(e["event"] == "step" and e["step"] == at_step for e in read_events()):
+            if driver.poll() is not None:
+                raise RuntimeError(f"Ray Train's driver ended before step {at_step}: see {log_path}")
+            time.sleep(0.005)
+        time.sleep(0.02)
+        t_kill = time.time()
+        driver.kill()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.wait(timeout=60)
+    again = _child(RAY_TRAIN_DRIVER, args_path, str(HERE), log_path=log_path)
+    if again.wait(timeout=1800) != 0:
+        raise RuntimeError(f"Ray Train's second fit failed: see {log_path}")
+    wall = time.perf_counter() - t0
+    ev = read_events()
+    steps = [e for e in ev if e["event"] == "step"]
+    done_before = max(e["step"] for e in steps if e["t"] <= t_kill)
+    after = [e for e in steps if e["t"] > t_kill and e["attempt"] != steps[0]["attempt"]]
+    nxt = after[0]
+    restart = next(e for e in ev if e["event"] == "start" and e["t"] > t_kill)
+    step_ts = [e["t"] for e in steps if e["attempt"] == steps[0]["attempt"]][:at_step]
+    gaps = [b - a for a, b in zip(step_ts, step_ts[1:])]
+    reported = [e["step"] for e in ev if e["event"] == "reported" and e["t"] <= t_kill]
+    return {
+        "framework": "ray-train", "fault": "supervisor-kill", "fault_after_step": at_step,
+        "newest_checkpoint_reported_before_kill": max(reported, default=0),
+        "recovery_s": nxt["t"] - t_kill, "steps_redone": done_before - (nxt["step"] - 1),
+        "regain_s": next(e for e in after if e["step"] >= done_before + 1)["t"] - t_kill,
+        "next_step": nxt["step"], "resumed_from_step": nxt["step"] - 1, "restart_s": restart["t"] - t_kill,
+        "first_step_s": nxt["t"] - restart["t"], "step_time_median_s": statistics.median(gaps[2:] or gaps),
+        "wall_s": wall, "fault_unix_s": t_kill, "events": ev,
+    }
+
+
 def run_ray_train(spec: JobSpec, at_step: int, work_dir: str, hang_marker: str = "",
                   timeout_s: float = 1800.0) -> dict:
     """Ray Train under the same fault: a kill of rank 1 a moment after rank 0 reports step
     ``at_step``, or (``hang_marker``) rank 1's loss of step ``at_step + 1`` never returning, its
     TorchConfig(timeout_s=``timeout_s``) deciding."""
-    import ray.cloudpickle
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    # Workers cannot import benchmarks/_torchrun_ddp.py by name: ship it with the function.
-    ray.cloudpickle.register_pickle_by_value(baseline)
     run_dir = os.path.join(work_dir, f"ray-train-{uuid.uuid4().hex[:6]}")
     pid_dir = os.path.join(run_dir, "pids")
     os.makedirs(pid_dir)
@@ -438,18 +613,7 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str, hang_marker: str =
                 return
             time.sleep(0.005)
 
-    config = {"spec": spec.to_dict(), "events": events, "pid_dir": pid_dir}
-    if hang_marker:
-        config.update(hang_marker=hang_marker, hang_step=at_step + 1)
-    trainer = TorchTrainer(
-        _ray_train_loop,
-        train_loop_config=config,
-        torch_config=TorchConfig(backend="gloo", timeout_s=timeout_s),
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="recovery", storage_path=os.path.join(run_dir, "storage"),
-                             failure_config=FailureConfig(max_failures=3),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
-    )
+    trainer = ray_train_trainer(spec.to_dict(), run_dir, events, pid_dir, hang_marker, at_step + 1, timeout_s)
     watcher = threading.Thread(target=killer, daemon=True)
     watcher.start()
     t0 = time.perf_counter()
@@ -496,7 +660,8 @@ def run_ray_train(spec: JobSpec, at_step: int, work_dir: str, hang_marker: str =
 # ----------------------------------------------------------------------------- report
 
 LABELS = {"worker-kill": "worker kill (SIGKILL)", "node-loss": "node loss (remove_node)",
-          "drain": "drain (PREEMPTION)", "hang": "hang (stuck in the loss)"}
+          "drain": "drain (PREEMPTION)", "hang": "hang (stuck in the loss)",
+          "supervisor-kill": "supervisor kill (SIGKILL)"}
 
 
 def label(r: dict) -> str:
@@ -506,6 +671,12 @@ def label(r: dict) -> str:
 
 
 def detail(r: dict) -> str:
+    if r["fault"] == "supervisor-kill" and r["framework"] == "raytrain-sys":
+        return (f"adopted after {r['adopted_s']:.2f} at step {r['adopted_at_step']} ({r['steps_trained_with_no_driver']} "
+                f"steps trained with no driver) + first step {r['first_step_s']:.2f}")
+    if r["fault"] == "supervisor-kill":
+        return (f"second fit {r['restart_s']:.1f} + first step {r['first_step_s']:.1f}; resumed from step "
+                f"{r['resumed_from_step']} (newest checkpoint reported: step {r['newest_checkpoint_reported_before_kill']})")
     if r["framework"] == "ray-train":
         timeout = f"TorchConfig(timeout_s={r['timeout_s']:g}); " if r["fault"] == "hang" else ""
         return (f"{timeout}restart {r['restart_s']:.1f} + first step {r['first_step_s']:.1f}; resumed "
@@ -548,6 +719,8 @@ def goals(rows: list[dict]) -> dict:
             limit = min(limit, 10.0) if r["default_deadline"] else limit
         elif r["fault"] == "node-loss":
             limit = 5.0
+        elif r["fault"] == "supervisor-kill":  # issue 57: no time goal on a CLI resume, 0 redone
+            limit = None
         else:  # issue 26: the notice to the node left, at every lease length
             limit = r["step_time_median_s"] + 1.0
             out[label(r)] = {"node_left_s": r["node_left_s"], "limit_s": limit,
@@ -624,7 +797,11 @@ def main(argv: list[str] | None = None) -> int:
             spec = make_spec(args, data_dir, work_dir, name, lease, hang_marker=marker if scenario == "hang" else "")
             log.info("%s: %d steps, fault after step %d, leases of %s", scenario, args.steps,
                      args.fault_step, lease or "auto")
-            if scenario.startswith("ray-train-"):
+            if scenario == "supervisor-kill":
+                rows.append(run_supervisor_kill(spec, args.fault_step, work_dir))
+            elif scenario == "ray-train-supervisor-kill":
+                rows.append(run_ray_train_driver_kill(spec, args.fault_step, work_dir))
+            elif scenario.startswith("ray-train-"):
                 rows.append(run_ray_train(spec, args.fault_step, work_dir, marker, args.ray_train_timeout_s)
                             if marker else run_ray_train(spec, args.fault_step, work_dir))
             else:
@@ -647,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
     ours_hang = next((r for r in rows if r["framework"] == "raytrain-sys" and r["fault"] == "hang"), None)
     theirs_hang = next((r for r in rows if r["framework"] == "ray-train" and r["fault"] == "hang"), None)
     hang_ratio = theirs_hang["recovery_s"] / ours_hang["recovery_s"] if ours_hang and theirs_hang else None
+    ours_sk = next((r for r in rows if r["framework"] == "raytrain-sys" and r["fault"] == "supervisor-kill"), None)
+    theirs_sk = next((r for r in rows if r["framework"] == "ray-train" and r["fault"] == "supervisor-kill"), None)
+    sk_ratio = theirs_sk["regain_s"] / ours_sk["regain_s"] if ours_sk and theirs_sk else None
     met = goals(rows)
     import ray
     import torch
@@ -664,6 +844,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
         "ratio_recovery_ray_train_over_raytrain_sys": ratio,
         "ratio_hang_ray_train_over_raytrain_sys": hang_ratio,
+        "ratio_supervisor_kill_regain_ray_train_over_raytrain_sys": sk_ratio,
         "goals": met,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -674,6 +855,9 @@ def main(argv: list[str] | None = None) -> int:
     if hang_ratio:
         print(f"hang, seconds to the next committed step: ray-train / raytrain-sys = {hang_ratio:.1f}x "
               f"(Ray Train's TorchConfig(timeout_s={args.ray_train_timeout_s:g}))")
+    if sk_ratio:
+        print(f"supervisor kill, seconds until the step running at the kill is done again: ray-train / "
+              f"raytrain-sys = {sk_ratio:.1f}x")
     for fault, g in met.items():
         limit = f"<= {g['limit_s']:.2f} s" if g["limit_s"] is not None else "no time goal"
         what = (f"notice to node left {g['node_left_s']:.2f} s" if "node_left_s" in g
