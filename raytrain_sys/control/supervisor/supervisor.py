@@ -98,6 +98,7 @@ class Supervisor:
         self.checkpoint_root = launch.resolve_dir(spec.checkpoint.uri or os.path.join(self.run_dir, "checkpoints"))
         self.summary = RunSummary(job=spec.name, run_dir=self.run_dir)
         self._redone_on_resume: tuple[int, int] | None = None  # steps a lost driver committed, trained again
+        self._adoption = None  # a resume's look for its lost driver's live workers (control.adoption)
         self.tracker = None
         self.group: WorkerGroup | None = None
         self.data: DataPlane | None = None
