@@ -24,6 +24,10 @@ def rank(r: int, world: int = 2, step: int = 18, idle: bool = True, generation: 
     ({7: rank(1), 3: rank(0)}, ""),  # slots are not ranks
     # A rank still in the lease the lost driver sent: asked again until it ends.
     ({0: rank(0), 1: rank(1, idle=False)}, "busy: rank(s) 1 still in a lease"),
+    # The driver lost between two leases: rank 1 began lease 4, rank 0's call of it was dropped.
+    ({0: rank(0), 1: {**rank(1, idle=False), "lease": 4}}, "split: rank(s) 1 began a lease that the others never got"),
+    # ...whereas both in lease 3 (one still in its last step): the lease ends, they agree.
+    ({0: rank(0, step=18), 1: rank(1, step=17, idle=False)}, "busy: rank(s) 1 still in a lease"),
     # A rank lost with the driver (its node): the group cannot go on as it is.
     ({0: rank(0, world=3), 1: rank(1, world=3)}, "2 of its 3 ranks are left (ranks [0, 1])"),
     # Ranks of two process groups (a rebuild the driver died in the middle of).

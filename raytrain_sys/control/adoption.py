@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.1
 # How long one round of calls to the agents and ranks may take before one is taken for lost.
 CALL_TIMEOUT_S = 10.0
+# How long ranks may stay split (some began a lease the others never got) before it is taken
+# for final: longer than a rank takes from its lease's end to its next queued call.
+SPLIT_S = 1.0
 
 
 @dataclass
@@ -160,6 +163,7 @@ def _look(prefix: str, agents: dict[tuple, object], wait_s: float, training_hash
     if not held:
         return Adoption(prefix, why="none of its workers is left")
     deadline = time.monotonic() + wait_s
+    split_since = None
     while True:
         states, lost = _states(held)
         # A worker no live agent holds, on a node with no live agent of the launch: its agent
@@ -176,6 +180,13 @@ def _look(prefix: str, agents: dict[tuple, object], wait_s: float, training_hash
             first = ranks[0].state
             return Adoption(prefix, keyed, ranks, first["step"], first["generation"],
                             max(r.state["lease"] for r in ranks))
+        if verdict.startswith("split"):
+            split_since = split_since or time.monotonic()
+            if time.monotonic() - split_since < SPLIT_S:
+                time.sleep(POLL_S)
+                continue
+            return Adoption(prefix, why=verdict[len("split: "):])
+        split_since = None
         if not verdict.startswith("busy") or time.monotonic() >= deadline:
             return Adoption(prefix, why=verdict if not verdict.startswith("busy")
                             else f"{verdict} after {wait_s:g} s (elastic.orphan_timeout_s)")
@@ -229,6 +240,14 @@ def agreement(states: dict[int, dict], training_hash: str) -> str:
     if ranks != list(range(world)):
         return f"{len(states)} of its {world} ranks are left (ranks {ranks})"
     busy = sorted(s["rank"] for s in states.values() if not s["idle"])
+    idle = [s for s in states.values() if s["idle"]]
+    if busy and idle and len({s["step"] for s in states.values()}) == 1 and \
+            max(s["lease"] for s in states.values() if not s["idle"]) > max(s["lease"] for s in idle):
+        # The driver was lost between two leases: its next one began on some ranks, and the
+        # others' calls were dropped with it (Ray drops a dead caller's queued calls). The ranks
+        # that began it wait in its first step's collective for peers that never come.
+        return (f"split: rank(s) {', '.join(map(str, busy))} began a lease that the others never got "
+                f"(the driver was lost between two leases), and wait in it for them")
     if busy:
         return f"busy: rank(s) {', '.join(map(str, busy))} still in a lease"
     steps = sorted({s["step"] for s in states.values()})
