@@ -21,7 +21,7 @@ checkpoint every K steps:
   supervisor    raytrain-sys   the driver's process (the Supervisor, in a process of its own)
   kill                         SIGKILLed once its rank 0 holds step N; a new Supervisor of the same
                                run started at once in this process adopts the live workers
-                               (control/adoption.py)
+                               (control/adoption.py); train.run_ahead off (see run_supervisor_kill)
   supervisor    ray-train      the same: TorchTrainer.fit()'s driver process SIGKILLed (its
   kill                         controller and workers end with it), then the same RunConfig(name,
                                storage_path) fitted again at once, which resumes from the newest
@@ -379,6 +379,11 @@ def run_supervisor_kill(spec: JobSpec, at_step: int, work_dir: str) -> dict:
     from raytrain_sys.control.run_record import RunSummary
     from raytrain_sys.control.supervisor import Supervisor
 
+    # No lease sent ahead: a driver lost with one queued splits the workers (rank 0's queued call,
+    # a generator, is dropped with the driver; the others' start), and the new Supervisor then
+    # restores the checkpoint (control/adoption.py: "split"), which this form does not measure.
+    spec = copy.deepcopy(spec)
+    spec.train.run_ahead = False
     run_dir = os.path.join(spec.output_dir, "run")
     run_key = os.path.basename(run_dir)
     spec_path = os.path.join(work_dir, "supervisor-kill.yaml")
