@@ -342,17 +342,18 @@ def run_raytrain_sys(spec: JobSpec, fault: str, at_step: int, cluster, hang_mark
 # A Supervisor (or a TorchTrainer.fit()) of its own in a child process, attached to the cluster, so
 # that its process can be SIGKILLed: argv = [spec yaml, run dir] or [ray-train config json].
 OUR_DRIVER = """
-import sys, ray, yaml
+import logging, sys, ray, yaml
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 from raytrain_sys.spec import from_dict
 from raytrain_sys.control.supervisor import Supervisor
-ray.init(address="auto")
+ray.init()
 Supervisor(from_dict(yaml.safe_load(open(sys.argv[1]))), run_dir=sys.argv[2]).run()
 """
 RAY_TRAIN_DRIVER = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
 import ray
-ray.init(address="auto")
+ray.init()
 import recovery
 recovery.ray_train_trainer(**json.load(open(sys.argv[1]))).fit()
 """
@@ -361,8 +362,11 @@ recovery.ray_train_trainer(**json.load(open(sys.argv[1]))).fit()
 def _child(code: str, *argv: str, log_path: str):
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.environ.get("RAYTRAIN_SYS_CODE") or str(REPO),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    import ray
+
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "PYTHONPATH": os.pathsep.join([os.environ.get("RAYTRAIN_SYS_CODE") or str(REPO),
+                                          os.environ.get("PYTHONPATH", "")])}
     with open(log_path, "a") as out:
         return subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=out, stderr=subprocess.STDOUT)
 
