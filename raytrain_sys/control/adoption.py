@@ -24,7 +24,6 @@ No torch import: the job service's runner reads it before it knows whether it ad
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -78,22 +77,8 @@ class Adoption:
 
 def orphaned_launches(run_key: str) -> list[str]:
     """The recorded launches of ``run_key`` whose owner is gone, newest first."""
-    from ray.experimental import internal_kv
-
-    prefix = launches.run_name_prefix(run_key)
-    found = []
-    for key in internal_kv._internal_kv_list((launches.KV_PREFIX + prefix).encode(),
-                                             namespace=launches.KV_NAMESPACE) or []:
-        name = (key.decode() if isinstance(key, bytes) else str(key))[len(launches.KV_PREFIX):]
-        raw = internal_kv._internal_kv_get(key if isinstance(key, bytes) else key.encode(),
-                                           namespace=launches.KV_NAMESPACE)
-        try:
-            record = json.loads(raw)
-        except (TypeError, ValueError):
-            continue
-        if owner_gone(str(record.get("owner", ""))):
-            found.append((float(record.get("time", 0.0)), name))
-    return [name for _, name in sorted(found, reverse=True)]
+    found = launches.records(launches.run_name_prefix(run_key))
+    return sorted((p for p, r in found.items() if owner_gone(r["owner"])), key=lambda p: -found[p]["time"])
 
 
 def agents_of(prefix: str) -> dict[tuple, object]:

@@ -67,31 +67,41 @@ def forget(prefix: str) -> None:
         log.debug("could not forget launch %s: %s", prefix, exc)
 
 
-def owner_of(prefix: str) -> str | None:
-    """The owner id recorded for launch ``prefix``; None when there is no record (a launch of
-    code older than the records, or one already forgotten)."""
+def _record_of(prefix: str) -> dict | None:
+    """Launch ``prefix``'s record (``owner``, ``time``); None when there is none (a launch of
+    code older than the records, one already forgotten) or it cannot be read."""
     from ray.experimental import internal_kv
 
     raw = internal_kv._internal_kv_get(_key(prefix), namespace=KV_NAMESPACE)
-    if raw is None:
-        return None
     try:
-        return str(json.loads(raw)["owner"])
+        record = json.loads(raw) if raw is not None else None
+        return {"owner": str(record["owner"]), "time": float(record.get("time", 0.0))}
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def launches() -> dict[str, str]:
-    """Every recorded launch: prefix -> owner id."""
+def owner_of(prefix: str) -> str | None:
+    """The owner id recorded for launch ``prefix``; None when there is no record."""
+    record = _record_of(prefix)
+    return record["owner"] if record is not None else None
+
+
+def records(starting: str = "") -> dict[str, dict]:
+    """Every recorded launch whose prefix starts with ``starting``: prefix -> its record (owner, time)."""
     from ray.experimental import internal_kv
 
     out = {}
-    for key in internal_kv._internal_kv_list(KV_PREFIX.encode(), namespace=KV_NAMESPACE) or []:
+    for key in internal_kv._internal_kv_list((KV_PREFIX + starting).encode(), namespace=KV_NAMESPACE) or []:
         prefix = (key.decode() if isinstance(key, bytes) else str(key))[len(KV_PREFIX):]
-        owner = owner_of(prefix)
-        if owner is not None:
-            out[prefix] = owner
+        record = _record_of(prefix)
+        if record is not None:
+            out[prefix] = record
     return out
+
+
+def launches() -> dict[str, str]:
+    """Every recorded launch: prefix -> owner id."""
+    return {prefix: record["owner"] for prefix, record in records().items()}
 
 
 def launch_prefix(name: str) -> str:
