@@ -461,6 +461,12 @@ def _adapter() -> Any:
     return TypeAdapter(Section[JobSpec])
 
 
+def prepare_checks() -> None:
+    """Build the spec's checker now (``_adapter``), ahead of the first ``from_dict``: a process
+    that waits for a job (a warm spare, a spare runner) pays it while no one waits."""
+    _adapter()
+
+
 def from_dict(raw: Any) -> JobSpec:
     """A checked JobSpec from its sections: plain data (YAML's, JSON's), and Python objects for
     the extension points. Pydantic checks each field's type, then ``spec_rules.validate`` the

@@ -122,9 +122,13 @@ def warm_up() -> None:
     one (a spare runner, a warm spare worker): the preflight builds the model on the meta device, and torch's first
     meta-device ``normal_`` imports its meta kernels (about 800 modules: 0.7-1.3 s on an idle
     core, several seconds on a core a training job keeps busy); then a forward and backward of
-    a tiny model: the preflight's task check, or a worker's first step (autograd's first use)."""
+    a tiny model: the preflight's task check, or a worker's first step (autograd's first use);
+    and the spec's checker (``spec.prepare_checks``: pydantic's import and the model's build,
+    0.15 s on an idle core), which the job's spec meets first when it comes."""
     from raytrain_sys.extensions import build_model
-    from raytrain_sys.spec import ModelSpec
+    from raytrain_sys.spec import ModelSpec, prepare_checks
+
+    prepare_checks()
 
     tiny = ModelSpec(block_size=4, n_layer=1, n_head=1, n_embd=4, vocab_size=8)
     with torch.device("meta"):
