@@ -21,7 +21,8 @@ checkpoint every K steps:
   supervisor    raytrain-sys   the driver's process (the Supervisor, in a process of its own)
   kill                         SIGKILLed once its rank 0 holds step N; a new Supervisor of the same
                                run started at once in this process adopts the live workers
-                               (control/adoption.py); train.run_ahead off (see run_supervisor_kill)
+                               (control/adoption.py), and completes the lease the lost
+                               driver had sent ahead for the ranks it never reached
   supervisor    ray-train      the same: TorchTrainer.fit()'s driver process SIGKILLed (its
   kill                         controller and workers end with it), then the same RunConfig(name,
                                storage_path) fitted again at once, which resumes from the newest
@@ -383,11 +384,10 @@ def run_supervisor_kill(spec: JobSpec, at_step: int, work_dir: str) -> dict:
     from raytrain_sys.control.run_record import RunSummary
     from raytrain_sys.control.supervisor import Supervisor
 
-    # No lease sent ahead: a driver lost with one queued splits the workers (rank 0's queued call,
-    # a generator, is dropped with the driver; the others' start), and the new Supervisor then
-    # restores the checkpoint (control/adoption.py: "split"), which this form does not measure.
+    # With the default run-ahead: the lease sent ahead when the driver died starts on rank 1 (its
+    # agent's call) and not on rank 0 (the driver's own call, dropped with it); the new Supervisor
+    # completes it for rank 0 (control/adoption.py: Running).
     spec = copy.deepcopy(spec)
-    spec.train.run_ahead = False
     run_dir = os.path.join(spec.output_dir, "run")
     run_key = os.path.basename(run_dir)
     spec_path = os.path.join(work_dir, "supervisor-kill.yaml")
@@ -431,6 +431,8 @@ def run_supervisor_kill(spec: JobSpec, at_step: int, work_dir: str) -> dict:
         "framework": "raytrain-sys", "fault": "supervisor-kill", "fault_after_step": at_step,
         "recovery_s": after[0][1] - t_fault, "next_step": after[0][0], "steps_redone": summary.steps_redone,
         "adopted_s": adopted["time"] - t_fault, "adopted_at_step": adopted_step,
+        "lease_completed": next((t["reason"] for t in summary.transitions
+                                 if t["time"] > t_fault and "sent ahead by the lost driver" in t["reason"]), ""),
         "steps_trained_with_no_driver": adopted_step - at_step,
         "regain_s": next(t for s, t in commits if s >= at_step + 1) - t_fault,
         "first_step_s": after[0][1] - adopted["time"],

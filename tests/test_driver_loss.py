@@ -61,13 +61,13 @@ def reference(ray_nodes, tiny_dataset, tmp_path_factory, mlflow_server):
     return final_params(ref.newest_checkpoint), ref
 
 
-def start_driver(spec, tmp_path, address: str):
+def start_driver(spec, tmp_path, address: str, **env_vars: str):
     """``raytrain-sys run`` of ``spec`` in a subprocess attached to the session cluster: (process,
     its log's path, the environment for the resume)."""
     job_yaml = tmp_path / "job.yaml"
     job_yaml.write_text(yaml.safe_dump(spec.to_dict()))
     env = {**os.environ, "RAY_ADDRESS": address,
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **env_vars}
     log_path = tmp_path / "driver.log"
     with open(log_path, "w") as log_file:
         driver = subprocess.Popen([RAYTRAIN_SYS, "run", str(job_yaml)], cwd=tmp_path, env=env,
@@ -198,6 +198,18 @@ def held_step(run_key: str) -> int:
     return min(held) if len(held) == 2 else 0
 
 
+def lease_at_agents(run_key: str, lease: int) -> bool:
+    """Whether lease ``lease`` of the run's live launch reached its node agents (sent)."""
+    import ray
+
+    from raytrain_sys.control.adoption import agents_of
+    from raytrain_sys.control.launches import launches
+
+    agents = [a for launch in launches() if launch.startswith(run_name_prefix(run_key))
+              for a in agents_of(launch).values()]
+    return any(refs is not None for refs in ray.get([a.refs.remote(lease) for a in agents], timeout=10))
+
+
 def loss_history(mlflow_uri: str, run_id: str) -> list[tuple[int, float]]:
     import mlflow
 
@@ -213,17 +225,16 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
     the new driver adopts the same worker processes where their lease ended, restores nothing,
     commits the steps trained while no driver was up from the workers' record, and ends equal to
     the uninterrupted run, every sample once, with each step's loss logged once in MLflow."""
-    # No lease sent ahead: a driver lost with one queued splits the workers (rank 0's queued call,
-    # a generator, is dropped with the driver; the others' start), and the resume then restores
-    # its checkpoint instead (control/adoption.py, agreement: "split").
-    spec = driver_spec(tmp_path / "job", tiny_dataset, mlflow_server, orphan_s=120.0, steps_per_call=6,
-                       run_ahead=False)
+    # With the lease after it sent ahead (train.run_ahead, the default), rank 1's call of it sent
+    # by its node's agent (RAYTRAIN_NODE_AGENTS=on, as from 8 ranks on by default): see below for
+    # what becomes of it.
+    spec = driver_spec(tmp_path / "job", tiny_dataset, mlflow_server, orphan_s=120.0, steps_per_call=6)
     # Slower steps (timing only: not a training setting), and leases of 6 steps that no checkpoint
     # cuts short before step 20, so that the kill lands in a lease (13..18: the one after step 12's
     # commit, sent ahead).
-    spec.elastic.fault_slow_rank, spec.elastic.fault_slow_factor = 0, 8.0
+    spec.elastic.fault_slow_rank, spec.elastic.fault_slow_factor = 0, 20.0
     spec.checkpoint.every_steps = 20
-    driver, log_path, env = start_driver(spec, tmp_path, ray_nodes.address)
+    driver, log_path, env = start_driver(spec, tmp_path, ray_nodes.address, RAYTRAIN_NODE_AGENTS="on")
     try:
         latest = os.path.join(spec.output_dir, "latest")
         assert wait_until(lambda: os.path.exists(os.path.join(latest, "summary.json")), 180), \
@@ -232,11 +243,13 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
         assert wait_until(lambda: read_summary(run_dir).get("mlflow_run_id"), 180), log_path.read_text()[-3000:]
         run_id, run_key = read_summary(run_dir)["mlflow_run_id"], os.path.basename(run_dir)
         # A moment into the lease after step 12's: both workers hold step 13 (the driver commits
-        # the lease's steps at its end, 18).
-        assert wait_until(lambda: held_step(run_key) > KILL_AFTER_STEP, 180, interval_s=0.05), \
-            log_path.read_text()[-3000:]
+        # the lease's steps at its end, 18), and the lease after it (4: 19..20) was sent ahead
+        # (once its first batch was read: Boundary.sends_ahead).
+        assert wait_until(lambda: held_step(run_key) > KILL_AFTER_STEP and lease_at_agents(run_key, 4), 180,
+                          interval_s=0.05), log_path.read_text()[-3000:]
         workers = run_workers(run_key)
         assert len(workers) == 2, workers
+        held_at_kill = held_step(run_key)
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=60)
         killed_at = time.time()
@@ -265,6 +278,14 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
     adopted = [t for t in summary["transitions"] if "adopted the 2 live workers of the lost driver" in t["reason"]]
     assert len(adopted) == 1, summary["transitions"]
     adopted_at = int(re.search(r"at step (\d+)", adopted[0]["reason"]).group(1))
+    # The lease after 13..18 (19..20: a checkpoint at 20) was sent ahead before the kill; rank 0's
+    # call of it (the driver's own) was dropped with the driver. Rank 1's (its agent's) began
+    # when its rows had reached it before Ray learned that their owner, the driver, was dead:
+    # then the resume completes that lease for rank 0 (1 run of 3 here); else rank 1's call
+    # failed with its rows and neither began it (the others). Either way adopted at 18.
+    completed = [t["reason"] for t in summary["transitions"] if "sent ahead by the lost driver" in t["reason"]]
+    assert adopted_at == 18 and len(completed) <= 1, (held_at_kill, [t["reason"] for t in summary["transitions"]])
+    assert not completed or "lease 4 (steps 19..20)" in completed[0] and "begun by 1 of the workers" in completed[0]
     # The lease after step 12's (sent ahead) ran on with no driver: its steps were committed from
     # the workers' record, and their losses equal the reference's (below).
     assert adopted_at > KILL_AFTER_STEP
@@ -279,7 +300,7 @@ def test_driver_killed_mid_lease_then_its_workers_adopted(ray_nodes, tiny_datase
                                torch.tensor(summary["losses"], dtype=torch.float64), rtol=1e-6, atol=0)
     assert_no_leftovers(ray_nodes.address, run_key)
     first = next(t for t in summary["transitions"] if t["time"] > killed_at and t["state"] == "running")
-    print(json.dumps({"killed_after_step": KILL_AFTER_STEP, "adopted_at_step": adopted_at,
+    print(json.dumps({"killed_after_step": KILL_AFTER_STEP, "adopted_at_step": adopted_at, "completed": completed,
                       "kill_to_training_s": round(first["time"] - killed_at, 2)}))
 
 

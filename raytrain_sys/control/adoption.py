@@ -3,8 +3,12 @@
 Since the node agents (``node_agent``), a launch's ranks answer to their node's agent, not to the
 process that drives them: when that process dies (a CLI driver SIGKILLed, a job's runner lost
 with its node), the ranks finish the lease they are in and wait, idle, holding the state of the
-newest step they all agreed on. A lease the dead driver had sent ahead never starts (Ray drops a
-dead caller's queued calls, and their pieces were the driver's). The agents keep the ranks for
+newest step they all agreed on. A lease the dead driver had sent ahead (``train.run_ahead``)
+never starts on rank 0 (its call, a generator streaming to the driver, is dropped with it); on
+the others it starts when its rows reached them before Ray learned that their owner (the
+driver) died, else their call fails with the rows. Ranks that began it wait for rank 0 in its
+first collective: such a split is completed (``completable``): the adopting Supervisor sends
+the ranks that never got the lease their part of it (``Running``). The agents keep the ranks for
 ``elastic.orphan_timeout_s``; a Supervisor that resumes the run within that time adopts them
 (``find``): it finds the launch's agents by name, takes ownership of the launch (its record in the
 GCS and every agent's owner), and checks that the ranks agree:
@@ -12,7 +16,8 @@ GCS and every agent's owner), and checks that the ranks agree:
 * every rank of the process group answers (as many as its world size, ranks 0..W-1, one
   generation);
 * every one is between leases with its state in its layout, at one step (waited for, at most the
-  orphan timeout: a lease in flight ends first).
+  orphan timeout: a lease in flight ends first), or in the lease sent ahead that the others
+  never got (completed as above).
 
 It then drives the same processes and the same process group on from that step: no restore, no
 step trained again. When they do not agree (a rank lost with the driver, ranks at different
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import ray
 
@@ -57,6 +63,21 @@ class Rank:
 
 
 @dataclass
+class Running:
+    """A lease the lost driver sent that only some ranks began (the split, ``agreement``): rank 0's
+    call (a generator, its reports streamed to the driver) was dropped with it. The adopting
+    Supervisor sends those ranks (``missing``, slots) their part of it, the same lease (id
+    ``lease``, steps ``first`` .. ``first + count - 1``), and follows the others (``began``,
+    slots) to its end on their control path (``TrainWorker.lease_end``)."""
+
+    lease: int
+    first: int
+    count: int
+    missing: list[int]
+    began: list[int]
+
+
+@dataclass
 class Adoption:
     """A launch taken over (``ranks`` in rank order, all at ``step``), or why none was (``why``;
     ``ranks`` empty)."""
@@ -69,6 +90,7 @@ class Adoption:
     lease: int = -1  # the newest lease id any rank began or agreed to cut: new ones are numbered after it
     why: str = ""
     waited_s: float = 0.0
+    running: Running | None = None  # a lease some ranks began and the others never got: completed first
 
     @property
     def adopted(self) -> bool:
@@ -99,7 +121,8 @@ def agents_of(prefix: str) -> dict[tuple, object]:
     return out
 
 
-def find(run_key: str, wait_s: float, training_hash: str) -> Adoption | None:
+def find(run_key: str, wait_s: float, training_hash: str,
+         rows_of: Callable[[int], list[tuple[int, int]]] | None = None) -> Adoption | None:
     """Take over the newest launch of ``run_key`` whose Supervisor is gone, if its ranks agree
     (see the module's docstring); ``wait_s``: how long to wait for them to finish the lease in
     flight. On success this process owns the launch (its GCS record, every agent's owner). When
@@ -107,7 +130,10 @@ def find(run_key: str, wait_s: float, training_hash: str) -> Adoption | None:
     no launch of the run is left whose owner is gone (a run paused or ended as asked, or one
     whose agents ended it once the orphan timeout passed).
     ``training_hash``: the resumed spec's (``JobSpec.training_hash``); ranks configured with other
-    training settings (a resume that changes them) are not adopted."""
+    training settings (a resume that changes them) are not adopted. ``rows_of``: each rank's rows
+    of a global batch (lo, hi) in a group of the given size, as the resume would deal them: a
+    lease that only some ranks began is completed only when the others' rows are these (without
+    it, never)."""
     found = orphaned_launches(run_key)
     if not found:
         return None
@@ -118,7 +144,7 @@ def find(run_key: str, wait_s: float, training_hash: str) -> Adoption | None:
     for agent in agents.values():
         agent.set_owner.remote(me)
     t0 = time.monotonic()
-    adoption = _look(prefix, agents, wait_s, training_hash)
+    adoption = _look(prefix, agents, wait_s, training_hash, rows_of)
     adoption.waited_s = round(time.monotonic() - t0, 3)
     if not adoption.adopted:
         log.warning("could not adopt launch %s: %s; ending it", prefix, adoption.why)
@@ -129,7 +155,8 @@ def find(run_key: str, wait_s: float, training_hash: str) -> Adoption | None:
     return adoption
 
 
-def _look(prefix: str, agents: dict[tuple, object], wait_s: float, training_hash: str) -> Adoption:
+def _look(prefix: str, agents: dict[tuple, object], wait_s: float, training_hash: str,
+          rows_of: Callable[[int], list[tuple[int, int]]] | None) -> Adoption:
     keyed: dict[tuple, object] = {}  # (the agent's node id, its index) -> the agent
     held: dict[int, tuple] = {}  # slot -> (actor, placement group, its agent's key or None)
     for (_, index), agent in agents.items():
@@ -159,23 +186,50 @@ def _look(prefix: str, agents: dict[tuple, object], wait_s: float, training_hash
             return Adoption(prefix, why=f"{len(lost)} of its {len(held)} workers did not answer or lost their "
                                         f"node's agent (slots {', '.join(map(str, sorted(lost)))})")
         verdict = agreement(states, training_hash)
-        if verdict == "":
-            ranks = sorted((Rank(slot, held[slot][0], held[slot][1], held[slot][2], st)
-                            for slot, st in states.items()), key=lambda r: r.state["rank"])
-            first = ranks[0].state
-            return Adoption(prefix, keyed, ranks, first["step"], first["generation"],
-                            max(r.state["lease"] for r in ranks))
+        running = None
         if verdict.startswith("split"):
             split_since = split_since or time.monotonic()
             if time.monotonic() - split_since < SPLIT_S:
                 time.sleep(POLL_S)
                 continue
-            return Adoption(prefix, why=verdict[len("split: "):])
+            why = completable(states, rows_of(len(states)) if rows_of is not None else None)
+            if why:
+                return Adoption(prefix, why=f"{verdict[len('split: '):]}, and that lease cannot be completed: {why}")
+            busy = sorted(slot for slot, st in states.items() if not st["idle"])
+            lease, first, count = states[busy[0]]["running"][:3]
+            running = Running(lease, first, count, sorted(set(states) - set(busy)), busy)
+        if verdict == "" or running is not None:
+            ranks = sorted((Rank(slot, held[slot][0], held[slot][1], held[slot][2], st)
+                            for slot, st in states.items()), key=lambda r: r.state["rank"])
+            first = ranks[0].state
+            return Adoption(prefix, keyed, ranks, first["step"], first["generation"],
+                            max(r.state["lease"] for r in ranks), running=running)
         split_since = None
         if not verdict.startswith("busy") or time.monotonic() >= deadline:
             return Adoption(prefix, why=verdict if not verdict.startswith("busy")
                             else f"{verdict} after {wait_s:g} s (elastic.orphan_timeout_s)")
         time.sleep(POLL_S)
+
+
+def completable(states: dict[int, dict], rows: list[tuple[int, int]] | None) -> str:
+    """Whether the lease that split ranks ``states`` (``agreement``'s "split") can be completed by
+    sending the ranks that never got it their part: "" when it can, else why not. It can when
+    the ranks that began it are in the same one (id, first step, steps), at the step the others
+    hold; rank 0 is among the others (its reports went to the lost driver: only a new call to
+    it can stream the lease's); and their rows are the ones the resume would give them
+    (``rows``, by rank: a lease dealt unevenly, by a rebalance, cannot be dealt again)."""
+    busy = {slot: s for slot, s in states.items() if not s["idle"]}
+    leases = {tuple(s["running"][:3]) if s.get("running") else None for s in busy.values()}
+    if len(leases) != 1 or None in leases:
+        return "the ranks that began it are not all in one lease"
+    lease, first, _ = leases.pop()
+    if any(s["step"] != first for s in states.values()):
+        return "its ranks are not all at its first step"
+    if any(not s["idle"] for s in states.values() if s["rank"] == 0):
+        return "rank 0 began it (its reports went to the lost driver)"
+    if rows is None or any(tuple(s["running"][3:5]) != tuple(rows[s["rank"]]) for s in busy.values()):
+        return "its rows were dealt otherwise than the resume would deal them"
+    return ""
 
 
 def named_ranks(prefix: str) -> dict[int, tuple]:

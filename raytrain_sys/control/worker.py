@@ -43,7 +43,7 @@ import torch.distributed as dist
 from raytrain_sys.checkpoint.background import BackgroundWrite
 from raytrain_sys.control.owners import JOB_OWNER, owner_gone
 from raytrain_sys.control.peer_copies import PeerCopies
-from raytrain_sys.data.batches import RankShare, lease_plans
+from raytrain_sys.data.batches import RankPlan, RankShare, lease_plans
 from raytrain_sys.extensions import resolve_task
 from raytrain_sys.niceness import process_niceness, set_niceness
 from raytrain_sys.parallel import mesh as meshlib
@@ -72,6 +72,9 @@ REPORT_EVERY_S = 0.5
 # more than a lost driver's summary.json can lag behind its commits (a rewrite every few seconds,
 # ``policy.summary_due``), so that an adopting Supervisor has every step's loss. About 1 KB a step.
 KEPT_STEPS = 1024
+# How often ``lease_end`` looks whether the lease it waits for has ended (an adopting Supervisor's
+# follow of a lease its lost driver sent; on the control path, one of its threads meanwhile).
+LEASE_END_POLL_S = 0.02
 # A rank's parts of a step that every rank learns in the step's agreement (TrainWorker._agree):
 # the Supervisor's loss sum (data leaders' only), the rows, and where the time went.
 AGREED = ("loss_sum", "rows", "data_wait_s", "compute_s", "collective_s", "optimizer_s")
@@ -158,12 +161,14 @@ def views_of_state(memory: list[tuple[torch.Tensor, int]]) -> bool:
     return all(getattr(t, "_local_tensor", t).device.type == "cpu" for t, _ in memory)
 
 
+# "control": calls read beside the training thread (ping, phase, cut_lease, adoption_state, ...),
+# one of them possibly waiting out a lease for an adopting Supervisor (lease_end).
 # "checkpoint": the call that waits for a background checkpoint write (checkpoint_written) runs
 # beside the steps, so that the Supervisor can hold its reference while training goes on.
 # "peer": the copies this rank holds for others, received beside the steps (hold_copy), several
 # at once: a receive from a sender that vanished without a word (a host gone, no reset) waits
 # out the copy's timeout, and must not hold up the next group's copies behind it.
-@ray.remote(concurrency_groups={"control": 2, "checkpoint": 1, "peer": 4})
+@ray.remote(concurrency_groups={"control": 3, "checkpoint": 1, "peer": 4})
 class TrainWorker:
     def __init__(self, spec_dict: dict[str, Any] | None, owner_id: str = "", home_id: str = ""):
         """A worker of the job ``spec_dict``; with None, a warm spare (torch and this module
@@ -234,6 +239,10 @@ class TrainWorker:
         self.cut: tuple[int, int] | None = None  # (through lease, end step): the Supervisor's (rank 0)
         self.cut_through = -1  # leases up to this id are cut short (agreed by every rank: _agree)
         self.newest_lease = -1  # the id of the newest lease that began here (adoption_state)
+        # The lease this rank is in: (id, first step, steps, its rows lo, hi), None between leases
+        # (adoption_state: an adopting Supervisor sends the ranks that never got it their part).
+        self.running: tuple[int, int, int, int, int] | None = None
+        self.ended: tuple[int, int, str | None] | None = None  # the newest lease's (id, steps run, error)
         self.task = resolve_task(self.spec)
         # Where this rank is in its step, for the Supervisor's verdict on a step past its
         # deadline (``phase``, read on the control path): raytrain_sys.parallel.phases.
@@ -355,8 +364,9 @@ class TrainWorker:
         """What a Supervisor that adopts this rank needs (``control.adoption``): its place in the
         process group (rank, world size, generation), the step of the state it holds, whether it
         is between leases (``idle``) with that state in its layout, the newest lease id it began
-        and the newest cut it agreed (a new Supervisor numbers its leases after both), and its
-        node and process."""
+        and the newest cut it agreed (a new Supervisor numbers its leases after both), the lease
+        it is in (``running``: id, first step, steps, its rows' range; None between leases), and
+        its node and process."""
         marker = getattr(self, "marker", None) or phases.PhaseMarker()
         configured = self.spec is not None
         return {"rank": getattr(self, "rank", -1), "world_size": getattr(self, "world_size", 0),
@@ -364,6 +374,7 @@ class TrainWorker:
                 "idle": marker.read()["phase"] == phases.IDLE and self.stash is None and configured
                 and getattr(self, "pm", None) is not None,
                 "lease": max(getattr(self, "newest_lease", -1), getattr(self, "cut_through", -1)),
+                "running": getattr(self, "running", None),
                 "replicated": getattr(self, "replicated", True),
                 "training_hash": self.spec.training_hash() if configured else "", **self.node_info()}
 
@@ -547,6 +558,35 @@ class TrainWorker:
                 self._copy_to_peer()  # a new group's first lease: the state it starts from
                 self.peer_copies.wait(self._copy_timeout_s())
         reports, sent_at, plans = [], time.monotonic(), lease_plans(plans)
+        rows = (plans.lo, plans.hi) if isinstance(plans, RankPlan) else (-1, -1)
+        self.running, ran, error = (lease, first, len(plans), *rows), 0, None
+        try:
+            for part in self._lease_steps(lease, first, plans, collective_timeout_s, pieces, report_every_s,
+                                          reports, sent_at):
+                ran += len(part)
+                yield part
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self.running, self.ended = None, (lease, ran, error)
+
+    @ray.method(concurrency_group="control")
+    def lease_end(self, lease: int) -> int:
+        """Wait for lease ``lease``, running here, to end; the steps it ran, or its error raised.
+        An adopting Supervisor follows a lease its lost driver sent with this call (the lease's
+        own call was the lost driver's: ``Steps.complete``)."""
+        while (getattr(self, "running", None) or (None,))[0] == lease:
+            time.sleep(LEASE_END_POLL_S)
+        ended = getattr(self, "ended", None)
+        if ended is None or ended[0] != lease:
+            return 0  # it never ran here (cut short before it began)
+        if ended[2] is not None:
+            raise RuntimeError(f"lease {lease} failed on rank {self.rank}: {ended[2]}")
+        return ended[1]
+
+    def _lease_steps(self, lease: int, first: int, plans, collective_timeout_s: float, pieces: tuple,
+                     report_every_s: float, reports: list, sent_at: float):
         for i, (batch, global_units, which) in enumerate(plans):
             reports.append(self.train_step(first + i, batch, global_units, collective_timeout_s,
                                            *(pieces[k] for k in which), lease=lease))

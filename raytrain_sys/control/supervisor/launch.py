@@ -31,6 +31,7 @@ from raytrain_sys.control.worker_group import connect_ray
 from raytrain_sys.train.compat import check_spec_against_manifest
 from raytrain_sys.data.plane import DataPlane
 from raytrain_sys.data.shards import read_manifest
+from raytrain_sys.parallel.mesh import rank_data_slices
 from raytrain_sys.errors import CheckpointError, SpecError, UserError
 from raytrain_sys.spec import JobSpec, apply_overrides, from_dict
 from raytrain_sys.tracking import mlflow_store as ms
@@ -217,7 +218,11 @@ def adopt_previous_launch(spec: JobSpec, previous_run_key: str) -> Adoption | No
         return None
     connect_ray(spec)
     try:
-        return adoption.find(previous_run_key, spec.elastic.orphan_timeout_s, spec.training_hash())
+        def rows_of(world: int) -> list[tuple[int, int]]:  # as Steps deals a new group's rows
+            return [(sl.start, sl.stop) for sl in
+                    rank_data_slices(spec.parallel, world, spec.train.global_batch_size, None)]
+
+        return adoption.find(previous_run_key, spec.elastic.orphan_timeout_s, spec.training_hash(), rows_of)
     except Exception as exc:  # noqa: BLE001: the cluster's tables unreadable: the checkpoint remains
         log.warning("could not look for a launch of run %s to adopt: %s", previous_run_key, exc)
         return Adoption(why=f"could not look for its launch ({type(exc).__name__}: {exc})")

@@ -43,6 +43,7 @@ from typing import Callable
 import numpy as np
 import ray
 
+from raytrain_sys.control.adoption import Running
 from raytrain_sys.control.run_record import SAMPLE_LOG_FILE, RunSummary
 from raytrain_sys.control.supervisor.liveness import StepOutcome
 from raytrain_sys.control.supervisor.policy import (GROUP_WARMUP_STEPS, PING_TIMEOUT_S, collective_timeout_s,
@@ -70,6 +71,11 @@ class StepReport:
     step_time_s: float
     world_size: int
     eta_s: float
+
+
+# How much of the sample log's end is read for its newest step (``sampled_through``): more than a
+# line (a step's ids: a global batch of 4,096 rows is about 30 KB).
+SAMPLE_TAIL_BYTES = 1 << 20
 
 
 @dataclass
@@ -272,6 +278,7 @@ class Steps:
         many steps had no kept result."""
         self.rewind(recorded, data_cursor)
         self.leases = max(self.leases, newest_lease)
+        sampled = sampled_through(os.path.join(run_dir, SAMPLE_LOG_FILE))  # before the log is opened
         self.open(run_dir)
         first = min(recorded, self.logged_through)
         members = self.group.workers
@@ -299,9 +306,10 @@ class Steps:
                 self.tracker.log_metrics(s + 1, metrics)
         shares = rank_data_slices(self.spec.parallel, len(members), gbs, None)
         for s in range(recorded, step):
-            # The rows' ids only for the sample log (data.log_sample_ids): else nothing is read.
+            # The rows' ids only for the sample log (data.log_sample_ids), and only for the steps
+            # the lost driver had not written there yet: else nothing is read.
             ids = self.data.global_batch_refs(data_cursor + (s - recorded) * gbs).ids \
-                if self._sample_log is not None else None
+                if self._sample_log is not None and s + 1 > sampled else None
             k = kept.get(s)
             if k is not None:
                 dt = k["data_wait_s"] + k["compute_s"] + k["collective_s"] + k["optimizer_s"]
@@ -322,8 +330,50 @@ class Steps:
         ``after``: the lease still running before this one (run-ahead); the members queue this
         one behind it and start it as they finish that one, with no round trip to the driver.
         """
-        spec = self.spec
         wait0 = self.data.wait_s
+        members, batches, shares, sent = self._plan(step, count)
+        deadline_s = self._step_deadline_s(count)
+        timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
+        self.leases += 1
+        # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
+        reporter = members[0].actor.report_steps.remote(step, sent[0][0], timeout_s, *sent[0][1], lease=self.leases)
+        refs, agents = [reporter.completed()] + [None] * (len(members) - 1), []
+        if self.spec.data.delivery != "driver":
+            agents = self._through_agents(members, sent, step, timeout_s, after)
+        through = {i for _, _, idx in agents for i in idx}
+        for i in [i for i in range(1, len(members)) if i not in through]:  # the driver's own calls
+            plan, piece = sent[i]
+            refs[i] = members[i].actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
+        return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
+                         self.data.wait_s - wait0, after is not None, self.leases, reporter, agents)
+
+    def complete(self, running: Running) -> "_Dispatch":
+        """The lease an adopted launch's lost driver had sent that only some members began
+        (``control.adoption.Running``): the others (rank 0 among them) are sent their part of it
+        now, the same lease (its id, its steps, their rows of the same batches: a function of
+        the data cursor), and the ones that began it are followed to its end on their control
+        path (``TrainWorker.lease_end``: their call of it was the lost driver's, or its agent's).
+        Its steps are committed as any lease's. The lease after it waits for those ends on its
+        members (``_through_agents``' ``after``), a lease's run-ahead given up once."""
+        wait0 = self.data.wait_s
+        members, batches, shares, sent = self._plan(running.first, running.count)
+        timeout_s = collective_timeout_s(self._step_deadline_s())
+        self.leases = max(self.leases, running.lease)
+        missing = set(running.missing)
+        assert members[0].slot in missing, "rank 0 of a lease to complete began it"
+        reporter = members[0].actor.report_steps.remote(running.first, sent[0][0], timeout_s, *sent[0][1],
+                                                        lease=running.lease)
+        refs = [reporter.completed()]
+        for w, (plan, piece) in zip(members[1:], sent[1:]):
+            refs.append(w.actor.train_steps.remote(running.first, plan, timeout_s, *piece, lease=running.lease)
+                        if w.slot in missing else w.actor.lease_end.remote(running.lease))
+        return _Dispatch(running.first, members, refs, batches, shares, self._step_deadline_s(running.count),
+                         time.perf_counter(), self.data.wait_s - wait0, False, running.lease, reporter)
+
+    def _plan(self, step: int, count: int) -> tuple[list[Worker], list, list[slice], list]:
+        """The members, the global batches of steps ``step`` .. ``step + count - 1``, each
+        member's rows of them, and each member's call arguments (its plan, its pieces)."""
+        spec = self.spec
         gbs = spec.train.global_batch_size
         members = list(self.group.workers)
         slots = {w.slot for w in members}  # by slot: Worker's dataclass equality compares every field
@@ -354,20 +404,7 @@ class Steps:
             # references, each once (a piece holds the rows of several steps; Ray's cost is per
             # reference passed), as the call's own arguments: nothing per rank per step.
             sent = rank_plans(batches, shares)
-        deadline_s = self._step_deadline_s(count)
-        timeout_s = collective_timeout_s(self._step_deadline_s())  # a collective is one step's
-        self.leases += 1
-        # Rank 0 reports as it goes; its generator's end stands for its call among the others'.
-        reporter = members[0].actor.report_steps.remote(step, sent[0][0], timeout_s, *sent[0][1], lease=self.leases)
-        refs, agents = [reporter.completed()] + [None] * (len(members) - 1), []
-        if spec.data.delivery != "driver":
-            agents = self._through_agents(members, sent, step, timeout_s, after)
-        through = {i for _, _, idx in agents for i in idx}
-        for i in [i for i in range(1, len(members)) if i not in through]:  # the driver's own calls
-            plan, piece = sent[i]
-            refs[i] = members[i].actor.train_steps.remote(step, plan, timeout_s, *piece, lease=self.leases)
-        return _Dispatch(step, members, refs, batches, shares, deadline_s, time.perf_counter(),
-                         self.data.wait_s - wait0, after is not None, self.leases, reporter, agents)
+        return members, batches, shares, sent
 
     def _through_agents(self, members: list[Worker], sent: list, step: int, timeout_s: float,
                         after: "_Dispatch | None") -> list:
@@ -551,7 +588,7 @@ class Steps:
                     self.tracker.log_metrics(self.committed_step, {"compile_s": self.summary.compile_s})
         self.summary.samples_consumed = self.data_cursor
         self.summary.data_cursor = self.data_cursor
-        if self._sample_log is not None:
+        if self._sample_log is not None and ids is not None:  # (None: written by an adopted launch's lost driver)
             self._sample_log.write(_sample_line(self.committed_step, ids, shares))
             self._sample_log.flush()
         # Trained tokens: the targets the loss counted (padding of packed or bucketed rows and
@@ -614,6 +651,24 @@ class Steps:
                 "cost_usd": cost["usd"], "cost_usd_per_million_tokens": cost["usd_per_million_tokens"],
                 "goodput_cost_usd_per_million_tokens": cost["goodput_usd_per_million_tokens"]})
         self.metrics.cost(cost)
+
+
+def sampled_through(path: str) -> int:
+    """The newest step in the sample log at ``path`` (0: none, or no log). A last line cut short
+    (its writer killed in the middle of it) is removed: that step is written again, whole."""
+    try:
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - SAMPLE_TAIL_BYTES))
+            tail = f.read()
+            whole = tail.rfind(b"\n") + 1
+            if whole < len(tail):  # a line cut short
+                f.truncate(size - (len(tail) - whole))
+    except FileNotFoundError:
+        return 0
+    lines = tail[:whole].splitlines()
+    return int(json.loads(lines[-1])["step"]) if lines and lines[-1].strip() else 0
 
 
 def _sample_line(step: int, ids, shares: list[slice]) -> str:

@@ -99,6 +99,7 @@ class Supervisor:
         self.summary = RunSummary(job=spec.name, run_dir=self.run_dir)
         self._redone_on_resume: tuple[int, int] | None = None  # steps a lost driver committed, trained again
         self._adoption = None  # a resume's look for its lost driver's live workers (control.adoption)
+        self._completing = None  # the adopted launch's lease to complete first (adoption.Running)
         self.tracker = None
         self.group: WorkerGroup | None = None
         self.data: DataPlane | None = None
@@ -284,6 +285,12 @@ class Supervisor:
                 self.membership.adopt(all(r.state["replicated"] for r in adoption.ranks))
                 phase("group")
                 self._continue_adopted(adoption)
+                self._completing = running = adoption.running
+                if running is not None:
+                    self._transition(State.STARTING, f"lease {running.lease} (steps {running.first + 1}.."
+                                     f"{running.first + running.count}), sent ahead by the lost driver, was begun by "
+                                     f"{len(running.began)} of the workers and never reached the other "
+                                     f"{len(running.missing)}: they are sent their part of it now")
                 phase("adopt")
             else:
                 spares = f" ({self.group.spares_used} warm spares)" if self.group.spares_used else ""
@@ -402,7 +409,11 @@ class Supervisor:
         try:
             while True:
                 self._tracking_opened()
-                if ahead is None:
+                if ahead is None and self._completing is not None:
+                    # An adopted launch's lease that only some members began: completed first
+                    # (no boundary before it: its lost driver had sent it ahead, with none due).
+                    cur, self._completing = self.steps.complete(self._completing), None
+                elif ahead is None:
                     if self.boundary.run(last):
                         break  # the plan ends the step loop here (see ``_train``)
                     if not self.boundary.read_unless_due(self.committed_step, last):
