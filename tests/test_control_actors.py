@@ -51,6 +51,25 @@ def test_control_placement(nodes, safe, options):
         assert placement.where.startswith("any node: none offers raytrain_control")
 
 
+LOST = "l" * 56  # a node whose runner stopped answering: lost, not yet declared dead
+
+
+@pytest.mark.parametrize("nodes, safe, options", [
+    ([({"CPU": 1}, {"ray.io/node-id": LOST}), ({"CPU": 1}, {})], 0, {"label_selector": {"ray.io/node-id": "!" + LOST}}),
+    ([({"raytrain_control": 1000}, {"ray.io/node-id": LOST}), ({"CPU": 4}, {})], 0,
+     {"label_selector": {"ray.io/node-id": "!" + LOST}}),
+    ([HEAD, ({"raytrain_control": 1000}, {"ray.io/node-id": LOST}), ({"raytrain_control": 1000}, {})], 2,
+     {"resources": {"raytrain_control": 1},
+      "label_selector": {"ray.io/market-type": "!spot", "ray.io/node-id": f"!in({LOST}, {'h' * 56})"}}),
+], ids=["no safe node: anywhere but the lost node",
+        "the lost node was the only safe one: anywhere else",
+        "the head and two control nodes, one lost: the other control node (off the head and the lost one)"])
+def test_control_placement_avoids_a_node_lost_a_moment_ago(nodes, safe, options):
+    placement = roles.control_placement(nodes, avoid=[LOST])
+    assert placement.safe_nodes == safe and placement.options == options
+    assert "not on 1 node(s) lost a moment ago (llllllll)" in placement.where
+
+
 def _node_of_actor(name: str) -> str:
     from ray._private.state import state
 

@@ -405,6 +405,18 @@ def test_runner_killed_restarts_from_its_checkpoint_within_the_budget(
     assert_cluster_idle()
 
 
+def submit_held_at_8(svc, gates, spec: dict) -> int:
+    """Team a (2 workers) submits ``spec``, held at steps 8 and 14 (``gates``): returns its id once
+    it holds at 8 with a checkpoint recorded (a runner lost there has a run to resume)."""
+    ray.get(svc.add_team.remote("a", 2))
+    gates.hold(1, 8)
+    gates.hold(1, 14)
+    job_id = ray.get(svc.submit.remote("a", spec))["id"]
+    assert wait_until(lambda: gates.reached(job_id, 8), WAIT_S), state_of(svc, job_id)
+    wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
+    return job_id
+
+
 def test_runner_killed_its_workers_adopted_by_the_next_runner(ray_cluster, tiny_dataset, tmp_path, gates,
                                                               reference):
     """A running job's runner SIGKILLed: the next runner adopts the job's live workers (the same
@@ -412,12 +424,7 @@ def test_runner_killed_its_workers_adopted_by_the_next_runner(ray_cluster, tiny_
     uninterrupted run, every sample once, each step's loss once in its MLflow run."""
     spec = job_spec(tmp_path, tiny_dataset, "a1", resources={"num_workers": 2})
     with running_service(tmp_path / "svc.db", gates, max_restarts=1) as svc:
-        ray.get(svc.add_team.remote("a", 2))
-        gates.hold(1, 8)
-        gates.hold(1, 14)
-        job_id = ray.get(svc.submit.remote("a", spec))["id"]
-        assert wait_until(lambda: gates.reached(job_id, 8), WAIT_S), state_of(svc, job_id)
-        wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
+        job_id = submit_held_at_8(svc, gates, spec)
         runner = find_runner(job_id)
         pid = ray.get(runner.ping.remote())
         os.kill(pid, signal.SIGKILL)
@@ -450,6 +457,53 @@ def test_runner_killed_its_workers_adopted_by_the_next_runner(ray_cluster, tiny_
     assert_cluster_idle()
 
 
+def test_the_node_holding_a_jobs_runner_lost_its_workers_adopted(ray_nodes, tiny_dataset, tmp_path, gates,
+                                                                  reference):
+    """The node that holds a running job's runner removed without grace (its machine gone), the
+    service on another: the next runner adopts the job's live workers on their own nodes (the
+    same processes), trains no step twice, and the job finishes equal to an uninterrupted run."""
+    from ray._private.state import state
+
+    from raytrain_sys.control import control_actors
+
+    spec = job_spec(tmp_path, tiny_dataset, "n1", resources={"num_workers": 2})
+    # The service starts before the control node joins (no safe node: it lands on another); the
+    # job's runner, started after, lands on the control node (control_actors.control_options).
+    with running_service(tmp_path / "svc.db", gates, max_restarts=1) as svc:
+        control = ray_nodes.add_node(num_cpus=0, resources={"raytrain_control": 1000}, **ray_nodes.node_args)
+        try:
+            assert wait_until(lambda: control_actors.placement().safe_nodes == 1, 30)
+            job_id = submit_held_at_8(svc, gates, spec)
+            runner = find_runner(job_id)
+            assert state.actor_table(None)[runner._actor_id.hex()]["Address"]["NodeID"] == control.node_id
+            pid = ray.get(runner.ping.remote())
+            ray_nodes.remove_node(control, allow_graceful=False)
+            control, removed_at = None, time.monotonic()
+            assert wait_until(lambda: not pid_alive(pid), 30)  # its processes end with their raylet
+            gates.go(job_id, 8)
+            assert wait_until(lambda: gates.reached(job_id, 14), WAIT_S), state_of(svc, job_id)
+            to_step_14_s = time.monotonic() - removed_at
+            gates.go(job_id, 14)
+            job = wait_state(svc, job_id, "finished")
+        finally:
+            if control is not None:
+                ray_nodes.remove_node(control)
+            # Listed alive until Ray's health checks declare it dead: a control actor started
+            # before then (the next test's service) would be placed there.
+            assert wait_until(lambda: control_actors.placement().safe_nodes == 0, 90)
+    assert gates.pids(job_id, 14) == gates.pids(job_id, 8)  # the same worker processes
+    assert job["restarts"] == 1 and job["steps_redone"] == 0, job
+    summary = read_summary(run_dir_of(tmp_path / "n1"))
+    assert summary["steps_redone"] == 0 and summary["recoveries"] == [] and summary["committed_steps"] == STEPS
+    assert [t for t in summary["transitions"] if "adopted the 2 live workers" in t["reason"]], summary["transitions"]
+    assert_params_close(final_params(summary["newest_checkpoint"]), reference, rtol=1e-6, atol=1e-9)
+    with open(os.path.join(run_dir_of(tmp_path / "n1"), "sample_ids.jsonl")) as f:
+        ids = [i for line in map(json.loads, f) for rank in line["ranks"] for i in rank]
+    assert len(ids) == len(set(ids))
+    print(json.dumps({"node_removed_to_step_14_s": round(to_step_14_s, 2)}))
+    assert_cluster_idle()
+
+
 def test_service_and_runner_killed_together_the_restarted_service_adopts_the_workers(
         ray_cluster, tiny_dataset, tmp_path, gates, reference):
     """The service and a job's runner SIGKILLed at once (a control node lost): the service started
@@ -458,12 +512,7 @@ def test_service_and_runner_killed_together_the_restarted_service_adopts_the_wor
     spec = job_spec(tmp_path, tiny_dataset, "t1", resources={"num_workers": 2})
     db = tmp_path / "svc.db"
     with running_service(db, gates, max_restarts=1) as svc:
-        ray.get(svc.add_team.remote("a", 2))
-        gates.hold(1, 8)
-        gates.hold(1, 14)
-        job_id = ray.get(svc.submit.remote("a", spec))["id"]
-        assert wait_until(lambda: gates.reached(job_id, 8), WAIT_S), state_of(svc, job_id)
-        wait_for(svc, job_id, lambda j: j["last_checkpoint_step"] is not None, "a checkpoint recorded")
+        job_id = submit_held_at_8(svc, gates, spec)
         pids = [ray.get(svc.info.remote())["pid"], ray.get(find_runner(job_id).ping.remote())]
         for pid in pids:
             os.kill(pid, signal.SIGKILL)

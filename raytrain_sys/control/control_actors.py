@@ -16,19 +16,23 @@ anywhere, as before, and says so (``placement().where``, in ``service status``).
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import ray
 
 from raytrain_sys.control.node_roles import ControlPlacement, control_placement
 
 
-def placement() -> ControlPlacement:
-    """The decision for the cluster as it is now (``node_roles.control_placement``)."""
+def placement(avoid: Iterable[str] = ()) -> ControlPlacement:
+    """The decision for the cluster as it is now (``node_roles.control_placement``); ``avoid``:
+    node ids to place nothing on."""
     nodes = [(n.get("Resources") or {}, n.get("Labels") or {}) for n in ray.nodes() if n.get("Alive")]
-    return control_placement(nodes)
+    return control_placement(nodes, avoid)
 
 
-def control_options() -> dict:
+def control_options(avoid: Iterable[str] = ()) -> dict:
     """Options for ``.options(**)`` of a control actor: the safe nodes' resource when the
-    cluster has safe nodes, else none (a fresh dict each call: a caller may add to it)."""
-    options = placement().options
+    cluster has safe nodes, else none (a fresh dict each call: a caller may add to it); never on
+    a node of ``avoid`` (ids: nodes lost a moment ago that Ray has not yet declared dead)."""
+    options = placement(avoid).options
     return {key: dict(value) for key, value in options.items()}

@@ -114,7 +114,8 @@ class ControlPlacement:
     where: str
 
 
-def control_placement(nodes: Iterable[tuple[Mapping[str, float], Mapping[str, str]]]) -> ControlPlacement:
+def control_placement(nodes: Iterable[tuple[Mapping[str, float], Mapping[str, str]]],
+                      avoid: Iterable[str] = ()) -> ControlPlacement:
     """The one decision of where control actors run, from the alive nodes' (resources, labels):
     on safe nodes (``is_safe``) when the cluster has any, asking ``CONTROL_ASK`` of
     ``CONTROL_RESOURCE`` and selecting no spot node (so that a config that gives a spot node the
@@ -124,18 +125,37 @@ def control_placement(nodes: Iterable[tuple[Mapping[str, float], Mapping[str, st
     Off the head when another safe node is up: a restarted head pod (KubeRay; GCS fault
     tolerance keeps the cluster's tables, not the head's processes) takes every actor that ran
     on it, and a runner lost is a job restarted. A head that is the only safe node still takes
-    them."""
-    nodes = list(nodes)
+    them.
+
+    ``avoid``: ids of nodes to place nothing on (a node whose runner stopped answering: lost,
+    not yet declared dead by Ray, and still listed alive meanwhile, seconds)."""
+    avoid = sorted(set(avoid))
+    nodes = [(resources, labels) for resources, labels in nodes if labels.get(NODE_ID_LABEL) not in avoid]
     safe = [(resources, labels) for resources, labels in nodes if is_safe(resources, labels)]
     if not safe:
-        return ControlPlacement({}, 0, f"any node: none offers {CONTROL_RESOURCE} (a laptop or a test cluster; "
-                                       f"on a cluster with spot nodes, give the head or a control group "
-                                       f"{CONTROL_RESOURCE}, see cluster_configs/README.md)")
+        where = (f"any node: none offers {CONTROL_RESOURCE} (a laptop or a test cluster; on a cluster with spot "
+                 f"nodes, give the head or a control group {CONTROL_RESOURCE}, see cluster_configs/README.md)")
+        return ControlPlacement({"label_selector": {NODE_ID_LABEL: _none_of(avoid)}} if avoid else {}, 0,
+                                where + _avoiding(avoid))
     selector = {MARKET_LABEL: f"!{SPOT}"}
     n = len(safe)
     where = f"safe nodes only: {n} node{'' if n == 1 else 's'} offer{'s' if n == 1 else ''} {CONTROL_RESOURCE}"
     heads = [labels.get(NODE_ID_LABEL) for resources, labels in safe if resources.get(HEAD_RESOURCE)]
+    off = list(avoid)
     if heads and heads[0] and n > len(heads):
-        selector[NODE_ID_LABEL] = f"!{heads[0]}"
+        off.append(heads[0])
         where += ", off the head (a head restart would take them)"
-    return ControlPlacement({"resources": {CONTROL_RESOURCE: CONTROL_ASK}, "label_selector": selector}, n, where)
+    if off:
+        selector[NODE_ID_LABEL] = _none_of(off)
+    return ControlPlacement({"resources": {CONTROL_RESOURCE: CONTROL_ASK}, "label_selector": selector}, n,
+                            where + _avoiding(avoid))
+
+
+def _none_of(node_ids: list[str]) -> str:
+    """A label selector's value that matches none of ``node_ids``."""
+    return f"!{node_ids[0]}" if len(node_ids) == 1 else f"!in({', '.join(node_ids)})"
+
+
+def _avoiding(node_ids: list[str]) -> str:
+    return f", not on {len(node_ids)} node(s) lost a moment ago ({', '.join(i[:8] for i in node_ids)})" \
+        if node_ids else ""

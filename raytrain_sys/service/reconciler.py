@@ -67,6 +67,7 @@ Every write is a guarded transition from the state this pass read; a job that mo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -98,6 +99,9 @@ ACTOR = "reconciler"
 SCHEDULER = "scheduler"
 PRUNE_EVERY_S = 3600.0  # how often unused code packages are looked for
 SLOW_PASS_S = 1.0  # a pass at least this long logs the seconds of each of its parts
+# How long a node whose runner stopped answering gets no new runner: longer than Ray takes to
+# declare a lost node dead (its health checks: 5 x 3 s by default), after which it is gone anyway.
+LOST_NODE_AVOID_S = 60.0
 # MLflow stores the spare runners keep open: a few, as a service's jobs mostly share their team's
 # server or file; each costs a spare a SQLAlchemy engine or an HTTP session.
 TRACKING_URIS_KEPT = 4
@@ -224,6 +228,7 @@ class Reconciler:
         self.step_hook = step_hook
         self.clock = clock
         self._handles: dict[int, Any] = {}  # job id -> runner handle (created or re-attached)
+        self._lost_nodes: dict[str, float] = {}  # node id -> when a runner there stopped answering (_unreachable)
         self._created: set[int] = set()  # jobs whose runner this process created or found alive
         self._waits: dict[int, str] = {}  # the last Wait reason logged per job
         self._notes: dict[int, tuple[JobState, WaitCause, str]] = {}  # this pass's wait reasons
@@ -484,10 +489,36 @@ class Reconciler:
                 self._runner_ids[job_id] = seen[job_id].status.actor_id
             except ray.exceptions.RayActorError as exc:
                 seen[job_id] = _Seen(gone=True, error=str(exc).splitlines()[0])
-                self._handles.pop(job_id, None)
+                handle = self._handles.pop(job_id, None)
+                if isinstance(exc, ray.exceptions.ActorUnavailableError) and handle is not None:
+                    self._unreachable(job_id, handle)
             except ray.exceptions.RayError as exc:
                 seen[job_id] = _Seen(error=str(exc).splitlines()[0])
         return seen
+
+    def _unreachable(self, job_id: int, handle) -> None:
+        """A runner that cannot be reached: its node lost, which Ray declares dead only seconds
+        later (its health checks), and lists alive meanwhile, the runner with it, name and all.
+        The replacement, started under the same name, would be handed this one, and placed on
+        that node: so it is killed here (dead in the cluster's tables at once, its name free),
+        and its node is avoided by the control actors started for the next LOST_NODE_AVOID_S."""
+        from ray._private import state
+
+        node = ""
+        with contextlib.suppress(Exception):
+            node = (state.actors(actor_id=handle._actor_id.hex()) or {}).get("Address", {}).get("NodeID", "")
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+        if node:
+            log.warning("job %d: its runner's node %s does not answer: no control actor goes there for %g s",
+                        job_id, node[:8], LOST_NODE_AVOID_S)
+            self._lost_nodes[node] = time.monotonic()
+
+    def _avoid(self) -> list[str]:
+        """Nodes lost a moment ago (``_unreachable``) that no runner is placed on."""
+        now = time.monotonic()
+        self._lost_nodes = {n: t for n, t in self._lost_nodes.items() if now - t < LOST_NODE_AVOID_S}
+        return list(self._lost_nodes)
 
     # ------------------------------------------------------------------ record and carry out requests
     def _reconcile(self, job: JobRecord, seen: _Seen, now: float) -> None:
@@ -766,7 +797,8 @@ class Reconciler:
         spare = None if runtime_env else self._take_spare_runner()
         if tracked:  # the spares left open it for the next launches (not the one taken: it starts now)
             self._remember_tracking(launch.tracking_uri)
-        self._handles[job.id] = runners.launch_runner(launch, self.step_hook, spare=spare, runtime_env=runtime_env)
+        self._handles[job.id] = runners.launch_runner(launch, self.step_hook, spare=spare, runtime_env=runtime_env,
+                                                      avoid=self._avoid())
         self._created.add(job.id)
         log.info("job %d: runner %s launched (%s on %d workers)", job.id,
                  "(a spare)" if spare is not None else runners.runner_name(job.id),

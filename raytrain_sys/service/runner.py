@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import ray
 
@@ -400,12 +400,13 @@ RemoteJobRunner = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(JobR
 
 
 def launch_runner(launch: Launch, step_hook: Optional[Callable] = None, spare=None,
-                  runtime_env: Optional[dict] = None):
+                  runtime_env: Optional[dict] = None, avoid: Iterable[str] = ()):
     """Start the job on ``spare`` (a spare runner, see ``new_spare_runner``) when given and it
     takes it; else create the job's runner, or adopt the one that exists under its name (never
     two: the caller, the reconciler, gives a job a spare only when ``find_runner`` found none).
     ``runtime_env``: the new runner's (a job's code package, ``packages.runtime_env``; its
-    workers and read tasks inherit it); a job with one is given no spare."""
+    workers and read tasks inherit it); a job with one is given no spare. ``avoid``: node ids
+    the new runner is not placed on (``control_actors.control_options``)."""
     if spare is not None:
         try:
             ray.get(spare.start.remote(launch, step_hook), timeout=SPARE_START_TIMEOUT_S)
@@ -415,7 +416,7 @@ def launch_runner(launch: Launch, step_hook: Optional[Callable] = None, spare=No
                         str(exc).splitlines()[0])
             ray.kill(spare, no_restart=True)
     extra = {"runtime_env": runtime_env} if runtime_env else {}
-    extra.update(control_options())  # on a safe node when the cluster has one (control_actors.py)
+    extra.update(control_options(avoid))  # on a safe node when the cluster has one (control_actors.py)
     return RemoteJobRunner.options(name=runner_name(launch.job_id), namespace=NAMESPACE, lifetime="detached",
                                    get_if_exists=True, **extra).remote(launch, step_hook)
 
