@@ -77,6 +77,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from raytrain_sys.control.launches import end_launches_of
+from raytrain_sys.control.owners import owner_gone
 from raytrain_sys.control.spares import end_spares_of, find_pool
 from raytrain_sys.errors import JobStateConflict, ServiceInputError, UserError
 from raytrain_sys.monitor.metrics import ServiceMetrics
@@ -102,6 +103,8 @@ SLOW_PASS_S = 1.0  # a pass at least this long logs the seconds of each of its p
 # How long a node whose runner stopped answering gets no new runner: longer than Ray takes to
 # declare a lost node dead (its health checks: 5 x 3 s by default), after which it is gone anyway.
 LOST_NODE_AVOID_S = 60.0
+# How long a pass waits for the GCS to have an unreachable runner it killed dead (``_unreachable``).
+UNREACHABLE_KILL_WAIT_S = 10.0
 # MLflow stores the spare runners keep open: a few, as a service's jobs mostly share their team's
 # server or file; each costs a spare a SQLAlchemy engine or an HTTP session.
 TRACKING_URIS_KEPT = 4
@@ -504,15 +507,29 @@ class Reconciler:
         and its node is avoided by the control actors started for the next LOST_NODE_AVOID_S."""
         from ray._private import state
 
-        node = ""
+        actor_id, node = handle._actor_id.hex(), ""
         with contextlib.suppress(Exception):
-            node = (state.actors(actor_id=handle._actor_id.hex()) or {}).get("Address", {}).get("NodeID", "")
+            node = (state.actors(actor_id=actor_id) or {}).get("Address", {}).get("NodeID", "")
         with contextlib.suppress(Exception):
             ray.kill(handle, no_restart=True)
+        # The kill is sent, not done: until the GCS has let its name go, the name still finds it
+        # (on a clean clone's CI the replacement launched at once was handed it, and failed with it).
+        deadline = time.monotonic() + UNREACHABLE_KILL_WAIT_S
+        while time.monotonic() < deadline and not (owner_gone(actor_id) and self._name_free(job_id, actor_id)):
+            time.sleep(0.05)
         if node:
             log.warning("job %d: its runner's node %s does not answer: no control actor goes there for %g s",
                         job_id, node[:8], LOST_NODE_AVOID_S)
             self._lost_nodes[node] = time.monotonic()
+
+    @staticmethod
+    def _name_free(job_id: int, actor_id: str) -> bool:
+        """Whether the job's runner name no longer finds the runner ``actor_id``."""
+        try:
+            found = ray.get_actor(runners.runner_name(job_id), namespace=runners.NAMESPACE)
+        except ValueError:
+            return True
+        return found._actor_id.hex() != actor_id
 
     def _avoid(self) -> list[str]:
         """Nodes lost a moment ago (``_unreachable``) that no runner is placed on."""
