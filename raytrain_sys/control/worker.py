@@ -557,12 +557,11 @@ class TrainWorker:
                 self.marker.enter(phases.COPY, first)
                 self._copy_to_peer()  # a new group's first lease: the state it starts from
                 self.peer_copies.wait(self._copy_timeout_s())
-        reports, sent_at, plans = [], time.monotonic(), lease_plans(plans)
+        plans = lease_plans(plans)
         rows = (plans.lo, plans.hi) if isinstance(plans, RankPlan) else (-1, -1)
         self.running, ran, error = (lease, first, len(plans), *rows), 0, None
         try:
-            for part in self._lease_steps(lease, first, plans, collective_timeout_s, pieces, report_every_s,
-                                          reports, sent_at):
+            for part in self._lease_steps(lease, first, plans, collective_timeout_s, pieces, report_every_s):
                 ran += len(part)
                 yield part
         except BaseException as exc:
@@ -586,7 +585,8 @@ class TrainWorker:
         return ended[1]
 
     def _lease_steps(self, lease: int, first: int, plans, collective_timeout_s: float, pieces: tuple,
-                     report_every_s: float, reports: list, sent_at: float):
+                     report_every_s: float):
+        reports, sent_at = [], time.monotonic()
         for i, (batch, global_units, which) in enumerate(plans):
             reports.append(self.train_step(first + i, batch, global_units, collective_timeout_s,
                                            *(pieces[k] for k in which), lease=lease))

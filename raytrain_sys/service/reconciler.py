@@ -503,8 +503,8 @@ class Reconciler:
         """A runner that cannot be reached: its node lost, which Ray declares dead only seconds
         later (its health checks), and lists alive meanwhile, the runner with it, name and all.
         The replacement, started under the same name, would be handed this one, and placed on
-        that node: so it is killed here (dead in the cluster's tables at once, its name free),
-        and its node is avoided by the control actors started for the next LOST_NODE_AVOID_S."""
+        that node: so it is killed here (waited for, at most UNREACHABLE_KILL_WAIT_S, until the
+        cluster's tables have it dead and its name free), and its node is avoided by the control actors started for the next LOST_NODE_AVOID_S."""
         from ray._private import state
 
         actor_id, node = handle._actor_id.hex(), ""
